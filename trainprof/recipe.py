@@ -1,0 +1,503 @@
+"""Recipes: typed nested dataclasses loaded from YAML, key=value overrides, and every validation rule.
+
+A recipe is plain data. `load_recipe(path, overrides)` returns a validated `Recipe` or raises
+`RecipeError`, whose message is one line naming the key and what to do. Rules that depend on the
+machine (CUDA, installed packages) live in `check_environment`, called by the runner only, so that
+`trainprof plan` works for a GPU recipe on a laptop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+
+
+class RecipeError(ValueError):
+    """A mistake in a recipe or an override; the message is one line: key, problem, what to do."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = "llama2-tiny"  # a shape from trainprof.models.SHAPES, or "custom" with every dim below
+    hidden_size: int | None = None  # explicit dims override the named shape
+    intermediate_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None  # < num_heads means grouped-query attention (Llama2-70B: 8)
+    vocab_size: int | None = None
+    max_position_embeddings: int | None = None
+    dtype: Dtype = "bf16"  # parameter/compute dtype for training
+    checkpoint: str | None = None  # local HF checkpoint dir; None = random init (never a download)
+    attention: Literal["eager", "sdpa", "flash2"] = "sdpa"  # transformers attn_implementation
+    recompute: bool = False  # activation recomputation (gradient checkpointing per decoder layer)
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+
+
+@dataclass(kw_only=True)
+class QuantConfig:
+    quant_type: Literal["nf4", "fp4"] = "nf4"  # bitsandbytes 4-bit data type
+    double_quant: bool = True  # quantize the quantization constants too (QLoRA paper, sec. 3)
+    compute_dtype: Dtype = "bf16"  # dtype the 4-bit weights are dequantized to for matmuls
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    kind: Literal["pretrain", "lora", "qlora"] = "pretrain"  # qlora = lora on a 4-bit base
+    lora: LoraConfig = field(default_factory=LoraConfig)  # used by lora and qlora
+    quant: QuantConfig = field(default_factory=QuantConfig)  # used by qlora
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    source: Literal["synthetic", "file"] = "synthetic"
+    path: str | None = None  # local .txt or .jsonl (field "text") when source=file
+    tokenizer: str | None = None  # local tokenizer dir when source=file
+    seq_len: int = 350  # tokens per sample; 350 is the length the seed research measured with
+    synthetic_pattern_len: int = 64  # synthetic data repeats a random pattern this long (learnable)
+    num_workers: int = 0  # torch DataLoader workers
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    micro_batch_size: int = 1  # samples per rank per forward
+    grad_accum: int = 1  # micro batches per optimizer step
+    steps: int = 10  # measured optimizer steps
+    warmup_steps: int = 2  # optimizer steps run before measuring
+    seed: int = 1234
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    kind: Literal["deepspeed", "torch"] = "deepspeed"  # torch = single process or DDP
+    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
+    offload: Literal["none", "optimizer", "optimizer+params"] = "none"  # ZeRO-Offload to CPU
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    name: Literal["adamw"] = "adamw"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables
+
+
+@dataclass(kw_only=True)
+class ProfileConfig:
+    enabled: bool = True  # hook-based step profiler on every measured step
+    module_depth: int = 3  # deepest module level timed (0 = the model itself)
+    ops: bool = False  # operator level (torch.profiler) on the steps in ops_steps
+    ops_steps: int = 2  # measured steps traced at operator level when ops is on
+
+
+@dataclass(kw_only=True)
+class OutputConfig:
+    dir: str = "runs"  # run dirs go to <dir>/<name>-<UTC timestamp>/
+    name: str | None = None  # default: the recipe file's stem
+
+
+@dataclass(kw_only=True)
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    deepspeed: dict[str, Any] = field(default_factory=dict)  # passed verbatim to DeepSpeed
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# DeepSpeed config keys that trainprof derives from recipe keys: setting one in `deepspeed:` too is
+# ambiguous, so it is an error naming both.
+DEEPSPEED_KEYS_FROM_RECIPE: dict[str, str] = {
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "train_batch_size": "train.micro_batch_size",
+    "zero_optimization.stage": "engine.zero_stage",
+    "zero_optimization.offload_optimizer": "engine.offload",
+    "zero_optimization.offload_param": "engine.offload",
+    "bf16": "model.dtype",
+    "fp16": "model.dtype",
+    "optimizer": "optimizer",
+    "gradient_clipping": "optimizer.grad_clip",
+    "seed": "train.seed",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: dict -> dataclasses, with unknown-key and type checks
+# ---------------------------------------------------------------------------------------------
+
+
+def _did_you_mean(key: str, options: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(sorted(options))}"
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against type `tp` (as written in the dataclass); return it, ints widened to float."""
+    origin = typing.get_origin(tp)
+    bad = RecipeError(f"recipe key '{key}': expected {_type_name(tp)}, got {value!r}; fix the value")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except RecipeError:
+                pass
+        raise bad
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise RecipeError(
+                f"recipe key '{key}': {value!r} is not one of {_type_name(tp)}; pick one of those"
+            )
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    raise TypeError(f"unsupported recipe field type {tp!r} at {key}")  # a bug in this module
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        where = f"section '{prefix}'" if prefix else "the recipe"
+        raise RecipeError(f"{where} must be a mapping of keys to values, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            raise RecipeError(f"unknown recipe key '{full}'{_did_you_mean(str(key), names)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value if value is not None else {}, f"{full}.")
+        else:
+            kwargs[key] = _coerce(value, tp, full)
+    return cls(**kwargs)
+
+
+def leaf_keys(cls: type = Recipe, prefix: str = "") -> dict[str, Any]:
+    """Every dotted leaf key of a recipe dataclass, mapped to its type."""
+    out: dict[str, Any] = {}
+    for name, tp in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(tp):
+            out.update(leaf_keys(tp, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = tp
+    return out
+
+
+def _resolve_override_key(key: str) -> str:
+    """`train.micro_batch_size` stays; a bare leaf name (`zero_stage`) resolves if it is unique."""
+    if key.startswith("deepspeed."):
+        return key
+    leaves = leaf_keys()
+    if key in leaves:
+        return key
+    if "." not in key:
+        matches = [k for k in leaves if k.rsplit(".", 1)[-1] == key]
+        if len(matches) == 1:
+            return matches[0]
+        if len(matches) > 1:
+            raise RecipeError(f"override '{key}' is ambiguous: write one of {', '.join(matches)}")
+    raise RecipeError(f"unknown recipe key '{key}' in override{_did_you_mean(key, leaves)}")
+
+
+def apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str]) -> dict[str, Any]:
+    """Apply `dotted.key=value` strings to a raw recipe dict; values are parsed as YAML scalars."""
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override '{item}' must look like key=value (e.g. engine.zero_stage=2)")
+        raw_key, raw_value = item.split("=", 1)
+        key = _resolve_override_key(raw_key.strip())
+        try:
+            value = yaml.safe_load(raw_value) if raw_value.strip() else None
+        except yaml.YAMLError:
+            value = raw_value
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file '{path}' not found; pass the path of a YAML recipe (see recipes/)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise RecipeError(f"recipe file '{path}'{where} is not valid YAML; fix the syntax there") from None
+    return data or {}
+
+
+def recipe_from_dict(data: dict[str, Any]) -> Recipe:
+    recipe = _build(Recipe, data, "")
+    validate(recipe)
+    return recipe
+
+
+def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> Recipe:
+    """Read a YAML recipe, apply overrides, build the typed recipe and validate it."""
+    data = apply_overrides(read_yaml(path), overrides)
+    recipe = recipe_from_dict(data)
+    if recipe.output.name is None:
+        recipe.output.name = Path(path).stem
+    return recipe
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: static rules (the recipe alone)
+# ---------------------------------------------------------------------------------------------
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out[f"{prefix}{k}"] = v
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+    return out
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise RecipeError(message)
+
+
+def validate(recipe: Recipe) -> None:
+    """Every rule that needs only the recipe (and local paths). Raises RecipeError."""
+    from trainprof.models import SHAPES, resolve_shape  # shapes live with the models
+
+    m, t, d, tr, e, o = recipe.model, recipe.task, recipe.data, recipe.train, recipe.engine, recipe.optimizer
+    _require(
+        m.name in SHAPES or m.name == "custom",
+        f"recipe key 'model.name': unknown shape {m.name!r}{_did_you_mean(m.name, [*SHAPES, 'custom'])}",
+    )
+    if m.checkpoint is not None:
+        ckpt = Path(m.checkpoint)
+        _require(
+            (ckpt / "config.json").is_file(),
+            f"recipe key 'model.checkpoint': '{ckpt}' has no config.json; give a local Hugging Face "
+            "checkpoint dir or remove the key for random init",
+        )
+    shape = resolve_shape(m)  # raises RecipeError for missing/inconsistent dims
+    _require(d.seq_len >= 2, "recipe key 'data.seq_len' must be >= 2")
+    _require(
+        d.seq_len <= shape.max_position_embeddings,
+        f"recipe key 'data.seq_len': {d.seq_len} exceeds the model's max_position_embeddings "
+        f"{shape.max_position_embeddings}; lower data.seq_len or raise model.max_position_embeddings",
+    )
+    _require(d.synthetic_pattern_len >= 1, "recipe key 'data.synthetic_pattern_len' must be >= 1")
+    _require(d.num_workers >= 0, "recipe key 'data.num_workers' must be >= 0")
+    if d.source == "file":
+        _require(d.path is not None, "recipe key 'data.path' is required when data.source is 'file'")
+        _require(
+            Path(d.path).is_file(),
+            f"recipe key 'data.path': file '{d.path}' not found; give a local .txt or .jsonl file",
+        )
+        _require(
+            Path(d.path).suffix in (".txt", ".jsonl"),
+            f"recipe key 'data.path': '{d.path}' must end in .txt or .jsonl",
+        )
+        tok = d.tokenizer or m.checkpoint
+        _require(
+            tok is not None,
+            "recipe key 'data.tokenizer' is required for data.source 'file' (a local tokenizer dir)",
+        )
+        _require(
+            Path(tok).is_dir(),
+            f"recipe key 'data.tokenizer': '{tok}' is not a local directory; give a local tokenizer dir",
+        )
+    for key, value, low in (
+        ("train.micro_batch_size", tr.micro_batch_size, 1),
+        ("train.grad_accum", tr.grad_accum, 1),
+        ("train.steps", tr.steps, 1),
+        ("train.warmup_steps", tr.warmup_steps, 0),
+        ("profile.module_depth", recipe.profile.module_depth, 0),
+        ("profile.ops_steps", recipe.profile.ops_steps, 1),
+    ):
+        _require(value >= low, f"recipe key '{key}': {value} is out of range; it must be >= {low}")
+    _require(
+        0 <= e.zero_stage <= 3,
+        f"recipe key 'engine.zero_stage': {e.zero_stage} is out of range; use 0, 1, 2 or 3",
+    )
+    _require(o.lr > 0, f"recipe key 'optimizer.lr': {o.lr} must be > 0")
+    _require(o.grad_clip >= 0, f"recipe key 'optimizer.grad_clip': {o.grad_clip} must be >= 0 (0 disables)")
+    _require(
+        len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+        f"recipe key 'optimizer.betas': {o.betas} must be two numbers in [0, 1)",
+    )
+    _require(o.eps > 0, f"recipe key 'optimizer.eps': {o.eps} must be > 0")
+    if e.kind == "torch":
+        _require(
+            e.zero_stage == 0,
+            f"recipe key 'engine.zero_stage': ZeRO stage {e.zero_stage} needs engine.kind deepspeed; "
+            "set engine.kind=deepspeed or engine.zero_stage=0",
+        )
+        _require(
+            not recipe.deepspeed,
+            "recipe section 'deepspeed' is only used by engine.kind deepspeed; remove it or set engine.kind=deepspeed",
+        )
+    if e.offload != "none":
+        _require(
+            e.kind == "deepspeed" and e.zero_stage >= 1,
+            f"recipe key 'engine.offload': offload '{e.offload}' needs DeepSpeed ZeRO (stage 1-3); "
+            "set engine.zero_stage (and engine.kind=deepspeed) or engine.offload=none",
+        )
+    if e.offload == "optimizer+params":
+        _require(
+            e.zero_stage == 3,
+            "recipe key 'engine.offload': parameter offload needs ZeRO stage 3; "
+            "set engine.zero_stage=3 or engine.offload=optimizer",
+        )
+    if t.kind in ("lora", "qlora"):
+        lo = t.lora
+        _require(lo.r >= 1, f"recipe key 'task.lora.r': {lo.r} must be >= 1")
+        _require(lo.alpha >= 1, f"recipe key 'task.lora.alpha': {lo.alpha} must be >= 1")
+        _require(0 <= lo.dropout < 1, f"recipe key 'task.lora.dropout': {lo.dropout} must be in [0, 1)")
+        known = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        _require(len(lo.target_modules) > 0, "recipe key 'task.lora.target_modules' must name at least one module")
+        for name in lo.target_modules:
+            _require(
+                name in known,
+                f"recipe key 'task.lora.target_modules': {name!r} is not a Llama linear layer"
+                f"{_did_you_mean(name, known)}",
+            )
+    if t.kind == "qlora":
+        _require(
+            e.zero_stage in QLORA_ZERO_STAGES,
+            f"recipe key 'engine.zero_stage': qlora with ZeRO stage {e.zero_stage} is not supported by the "
+            f"installed bitsandbytes/DeepSpeed (4-bit weights cannot be partitioned); use engine.zero_stage "
+            f"in {sorted(QLORA_ZERO_STAGES)}",
+        )
+        _require(
+            e.offload == "none" or e.zero_stage in QLORA_ZERO_STAGES,
+            "recipe key 'engine.offload': offload with qlora needs a ZeRO stage qlora supports",
+        )
+    if recipe.deepspeed:
+        flat = _flatten(recipe.deepspeed)
+        for ds_key, recipe_key in DEEPSPEED_KEYS_FROM_RECIPE.items():
+            _require(
+                ds_key not in flat,
+                f"recipe key 'deepspeed.{ds_key}' conflicts with '{recipe_key}', which sets it; "
+                f"remove it from the deepspeed section and set {recipe_key}",
+            )
+    _require(
+        recipe.output.name is None or ("/" not in recipe.output.name and recipe.output.name.strip() != ""),
+        f"recipe key 'output.name': {recipe.output.name!r} must be a plain name without '/'",
+    )
+
+
+# ZeRO stages under which bitsandbytes 4-bit base weights train with LoRA: stage 3 would partition
+# the packed 4-bit tensors, which DeepSpeed cannot gather back into Params4bit on these versions.
+QLORA_ZERO_STAGES = frozenset({0, 1, 2})
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: rules that depend on this machine (the runner calls these, plan does not)
+# ---------------------------------------------------------------------------------------------
+
+
+def check_environment(recipe: Recipe, *, cuda_available: bool) -> None:
+    """Rules that need the machine: CUDA, installed packages. Raises RecipeError."""
+    m = recipe.model
+    if m.attention == "flash2":
+        _require(
+            cuda_available,
+            "recipe key 'model.attention': flash2 needs a CUDA GPU; use model.attention=sdpa "
+            "(PyTorch SDPA has a flash kernel on CPU and GPU)",
+        )
+        _require(
+            importlib.util.find_spec("flash_attn") is not None,
+            "recipe key 'model.attention': flash2 needs the flash-attn package; pip install flash-attn "
+            "or use model.attention=sdpa",
+        )
+    if m.dtype == "fp16" and not cuda_available:
+        raise RecipeError(
+            "recipe key 'model.dtype': fp16 training needs a CUDA GPU (no fp16 loss scaling on CPU); "
+            "use model.dtype=bf16 or fp32"
+        )
+    if recipe.task.kind == "qlora":
+        _require(
+            importlib.util.find_spec("bitsandbytes") is not None,
+            "recipe key 'task.kind': qlora needs bitsandbytes; pip install bitsandbytes",
+        )
+    if recipe.task.kind in ("lora", "qlora"):
+        _require(
+            importlib.util.find_spec("peft") is not None,
+            f"recipe key 'task.kind': {recipe.task.kind} needs peft; pip install peft",
+        )
+    if recipe.engine.kind == "deepspeed":
+        _require(
+            importlib.util.find_spec("deepspeed") is not None,
+            "recipe key 'engine.kind': deepspeed is not installed; pip install deepspeed or set engine.kind=torch",
+        )
