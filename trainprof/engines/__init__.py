@@ -1,0 +1,20 @@
+"""Training engines behind one small interface (`Engine`): DeepSpeed and plain PyTorch (DDP)."""
+
+from __future__ import annotations
+
+from trainprof.engines.base import DistContext, Engine
+from trainprof.recipe import Recipe
+
+
+def build_engine(recipe: Recipe, ctx: DistContext) -> Engine:
+    """Build the recipe's model and wrap it in its engine; the caller has seeded the RNGs."""
+    if recipe.engine.kind == "deepspeed":
+        from trainprof.engines.deepspeed_engine import DeepSpeedEngine
+
+        return DeepSpeedEngine(recipe, ctx)
+    from trainprof.engines.torch_engine import TorchEngine
+
+    return TorchEngine(recipe, ctx)
+
+
+__all__ = ["DistContext", "Engine", "build_engine"]

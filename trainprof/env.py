@@ -1,0 +1,63 @@
+"""The facts of the machine a run ran on: library versions, device, world size, memory meter."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import resource
+from typing import Any
+
+import torch
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def collect_env(device: torch.device, world_size: int) -> dict[str, Any]:
+    """The `env` block of profile.json."""
+    return {
+        "torch": torch.__version__,
+        "deepspeed": _version("deepspeed"),
+        "transformers": _version("transformers"),
+        "peft": _version("peft"),
+        "bitsandbytes": _version("bitsandbytes"),
+        "trainprof": _version("trainprof"),
+        "python": platform.python_version(),
+        "device": device_name(device),
+        "device_type": device.type,
+        "cpu_threads": torch.get_num_threads(),
+        "world_size": world_size,
+        "timer": "cuda_event" if device.type == "cuda" else "host",
+        "memory_meter": memory_meter(device),
+    }
+
+
+def memory_meter(device: torch.device) -> str:
+    """What `peak_memory_bytes` measures on this device."""
+    if device.type == "cuda":
+        return "cuda_allocator_peak: torch.cuda.max_memory_allocated, reset every step"
+    return (
+        "cpu_process_peak_rss: getrusage(RUSAGE_SELF).ru_maxrss of this rank's process, a lifetime "
+        "high-water mark including Python, libraries and the data loader (not reset per step)"
+    )
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
