@@ -166,7 +166,10 @@ def build_model(recipe: Recipe, *, device: str | torch.device = "cpu", meta: boo
     if m.recompute:
         # use_reentrant=False: the non-reentrant checkpoint works with frozen inputs (LoRA) and
         # re-runs the forward inside backward, which the profiler attributes to `recompute`.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if task.kind == "pretrain":
         model.train()
     return model

@@ -208,6 +208,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise bad
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
         return float(value)

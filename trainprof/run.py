@@ -46,9 +46,21 @@ def init_distributed(recipe: Recipe, ctx) -> None:
     if recipe.engine.kind == "deepspeed":
         import deepspeed
 
+        if "RANK" not in os.environ:  # a single process without torchrun: a group of one
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+
         deepspeed.init_distributed(dist_backend=backend)
     elif ctx.distributed:
         torch.distributed.init_process_group(backend=backend)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def make_run_dir(recipe: Recipe, ctx) -> Path:

@@ -1,0 +1,174 @@
+"""Recipe loading, overrides and every validation rule: one line naming the key, exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainprof.recipe import (
+    Recipe,
+    RecipeError,
+    apply_overrides,
+    check_environment,
+    load_recipe,
+    recipe_from_dict,
+)
+
+from conftest import QUICKSTART, REPO
+
+
+def test_quickstart_loads_typed():
+    r = load_recipe(QUICKSTART)
+    assert isinstance(r, Recipe)
+    assert r.engine.zero_stage == 3 and r.model.name == "llama2-tiny" and r.output.name == "quickstart_cpu"
+
+
+def test_defaults():
+    r = recipe_from_dict({})
+    assert r.data.seq_len == 350  # the seed research's sequence length
+    assert r.task.kind == "pretrain" and r.engine.kind == "deepspeed"
+
+
+def test_overrides_are_typed_and_short_keys_resolve():
+    r = load_recipe(QUICKSTART, ["zero_stage=2", "train.micro_batch_size=4", "lr=1e-3", "recompute=true",
+                                 "task.lora.target_modules=[q_proj, k_proj]", "deepspeed.zero_optimization.overlap_comm=true"])
+    assert r.engine.zero_stage == 2 and r.train.micro_batch_size == 4
+    assert r.optimizer.lr == 1e-3 and isinstance(r.optimizer.lr, float)
+    assert r.model.recompute is True
+    assert r.task.lora.target_modules == ["q_proj", "k_proj"]
+    assert r.deepspeed == {"zero_optimization": {"overlap_comm": True}}
+
+
+def test_deepspeed_passthrough_reaches_config():
+    from trainprof.engines.deepspeed_engine import deepspeed_config
+
+    r = load_recipe(QUICKSTART, ["deepspeed.zero_optimization.overlap_comm=true", "deepspeed.communication_data_type=fp32"])
+    cfg = deepspeed_config(r, world_size=2)
+    assert cfg["zero_optimization"] == {"overlap_comm": True, "stage": 3}
+    assert cfg["communication_data_type"] == "fp32"
+    assert cfg["train_batch_size"] == 4 * 1 * 2
+
+
+def test_every_named_shape_is_real():
+    from trainprof.models import SHAPES, resolve_shape
+
+    r = Recipe()
+    r.model.name = "llama2-70b"
+    s = resolve_shape(r.model)
+    assert (s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads, s.intermediate_size) == (8192, 80, 64, 8, 28672)
+    assert {"llama2-7b", "llama2-13b", "llama2-70b", "llama2-tiny", "llama2-small"} <= set(SHAPES)
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "r.yaml"
+    p.write_text(text)
+    return p
+
+
+# (overrides on the quickstart recipe, text the one-line error must contain)
+BAD_OVERRIDES = [
+    (["engine.zero_stag=2"], "did you mean 'engine.zero_stage'"),
+    (["zero_stage=5"], "'engine.zero_stage': 5 is out of range"),
+    (["zero_stage=two"], "'engine.zero_stage': expected int"),
+    (["lr=abc"], "'optimizer.lr': expected float"),
+    (["model.dtype=fp8"], "'model.dtype': 'fp8' is not one of"),
+    (["model.attention=flash3"], "'model.attention'"),
+    (["model.name=llama3-8b"], "'model.name': unknown shape"),
+    (["model.name=custom"], "'model.hidden_size' is required"),
+    (["model.num_heads=3"], "'model.num_heads': 3 does not divide"),
+    (["model.num_kv_heads=3"], "'model.num_kv_heads': 3 does not divide"),
+    (["model.checkpoint=/nonexistent/ckpt"], "'model.checkpoint'"),
+    (["data.seq_len=5000"], "'data.seq_len': 5000 exceeds"),
+    (["data.seq_len=1"], "'data.seq_len' must be >= 2"),
+    (["data.source=file"], "'data.path' is required"),
+    (["data.source=file", "data.path=/nonexistent.txt"], "'data.path': file '/nonexistent.txt' not found"),
+    (["train.micro_batch_size=0"], "'train.micro_batch_size': 0 is out of range"),
+    (["train.grad_accum=0"], "'train.grad_accum'"),
+    (["train.steps=0"], "'train.steps'"),
+    (["train.warmup_steps=-1"], "'train.warmup_steps'"),
+    (["optimizer.lr=0"], "'optimizer.lr'"),
+    (["optimizer.betas=[0.9]"], "'optimizer.betas'"),
+    (["optimizer.grad_clip=-1"], "'optimizer.grad_clip'"),
+    (["engine.kind=torch"], "ZeRO stage 3 needs engine.kind deepspeed"),
+    (["engine.kind=torch", "zero_stage=0", "deepspeed.zero_optimization.overlap_comm=true"], "recipe section 'deepspeed'"),
+    (["zero_stage=0", "engine.offload=optimizer"], "'engine.offload': offload 'optimizer' needs DeepSpeed ZeRO"),
+    (["zero_stage=2", "engine.offload=optimizer+params"], "parameter offload needs ZeRO stage 3"),
+    (["task.kind=lora", "task.lora.target_modules=[qproj]"], "did you mean 'q_proj'"),
+    (["task.kind=lora", "task.lora.r=0"], "'task.lora.r'"),
+    (["task.kind=lora", "task.lora.dropout=1.5"], "'task.lora.dropout'"),
+    (["task.kind=qlora", "zero_stage=3"], "qlora with ZeRO stage 3"),
+    (["deepspeed.zero_optimization.stage=2"], "'deepspeed.zero_optimization.stage' conflicts with 'engine.zero_stage'"),
+    (["deepspeed.train_micro_batch_size_per_gpu=8"], "conflicts with 'train.micro_batch_size'"),
+    (["output.name=a/b"], "'output.name'"),
+    (["kind=torch"], "ambiguous"),
+    (["notakey"], "must look like key=value"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", BAD_OVERRIDES, ids=[o[0][-1] for o in BAD_OVERRIDES])
+def test_bad_override_is_one_line_error(overrides, expected):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(QUICKSTART, overrides)
+    message = str(info.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(RecipeError, match="not found"):
+        load_recipe(tmp_path / "missing.yaml")
+    with pytest.raises(RecipeError, match=r"r.yaml. line \d+ is not valid YAML"):
+        load_recipe(_write(tmp_path, "model:\n  name: [unclosed\n"))
+    with pytest.raises(RecipeError, match="unknown recipe key 'modle'; did you mean 'model'"):
+        load_recipe(_write(tmp_path, "modle:\n  name: llama2-tiny\n"))
+    with pytest.raises(RecipeError, match="section 'train.' must be a mapping"):
+        load_recipe(_write(tmp_path, "train: 3\n"))
+
+
+def test_file_data_rules(tmp_path):
+    text = tmp_path / "corpus.csv"
+    text.write_text("a,b\n")
+    with pytest.raises(RecipeError, match="must end in .txt or .jsonl"):
+        load_recipe(QUICKSTART, ["data.source=file", f"data.path={text}"])
+    good = tmp_path / "corpus.txt"
+    good.write_text("hello")
+    with pytest.raises(RecipeError, match="'data.tokenizer' is required"):
+        load_recipe(QUICKSTART, ["data.source=file", f"data.path={good}"])
+    with pytest.raises(RecipeError, match="'data.tokenizer': '/no/tok' is not a local directory"):
+        load_recipe(QUICKSTART, ["data.source=file", f"data.path={good}", "data.tokenizer=/no/tok"])
+
+
+def test_environment_rules():
+    r = load_recipe(QUICKSTART, ["model.attention=flash2"])
+    with pytest.raises(RecipeError, match="flash2 needs a CUDA GPU; use model.attention=sdpa"):
+        check_environment(r, cuda_available=False)
+    r = load_recipe(QUICKSTART, ["model.dtype=fp16"])
+    with pytest.raises(RecipeError, match="fp16 training needs a CUDA GPU"):
+        check_environment(r, cuda_available=False)
+    check_environment(load_recipe(QUICKSTART), cuda_available=False)  # the quickstart itself is fine
+
+
+def test_flash2_without_package_suggests_sdpa():
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here")
+    r = load_recipe(QUICKSTART, ["model.attention=flash2"])
+    with pytest.raises(RecipeError, match="flash2 needs the flash-attn package.*sdpa"):
+        check_environment(r, cuda_available=True)
+
+
+@pytest.mark.parametrize("entry", [["-m", "trainprof.run"], ["-m", "trainprof", "run"], ["-m", "trainprof", "plan"]])
+def test_cli_bad_recipe_exit_2_one_line_no_traceback(entry):
+    proc = subprocess.run([sys.executable, *entry, str(QUICKSTART), "engine.zero_stage=9"],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines == ["trainprof: recipe key 'engine.zero_stage': 9 is out of range; use 0, 1, 2 or 3"]
+
+
+def test_apply_overrides_creates_sections():
+    assert apply_overrides({}, ["train.steps=3"]) == {"train": {"steps": 3}}
