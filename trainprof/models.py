@@ -170,8 +170,7 @@ def build_model(recipe: Recipe, *, device: str | torch.device = "cpu", meta: boo
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if task.kind == "pretrain":
-        model.train()
+    model.train()  # from_pretrained returns eval mode, which would switch LoRA dropout off
     return model
 
 

@@ -82,6 +82,35 @@ def make_run_dir(recipe: Recipe, ctx) -> Path:
     return Path(name[0])
 
 
+def train_step(engine, batches, grad_accum: int) -> float:
+    """One optimizer step: grad_accum micro batches of forward, backward, step(); the mean loss."""
+    import torch
+
+    losses = []
+    for _ in range(grad_accum):
+        loss = engine.forward(next(batches))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+    return float(torch.stack(losses).float().mean())
+
+
+def timed_step(engine, batches, grad_accum: int, device) -> dict[str, Any]:
+    """train_step timed on the host clock between device synchronizations, with its peak memory."""
+    import torch
+
+    from trainprof.env import peak_memory_bytes, reset_peak_memory
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    reset_peak_memory(device)
+    sync()
+    start = time.perf_counter()
+    loss = train_step(engine, batches, grad_accum)
+    sync()
+    wall_ms = (time.perf_counter() - start) * 1e3
+    return {"wall_ms": wall_ms, "loss": loss, "peak_memory_bytes": peak_memory_bytes(device)}
+
+
 def train(recipe: Recipe) -> Path:
     """Run warm-up and measured steps; write the run dir; return its path."""
     import torch
@@ -90,7 +119,7 @@ def train(recipe: Recipe) -> Path:
 
     from trainprof.data import build_loader
     from trainprof.engines import DistContext, build_engine
-    from trainprof.env import collect_env, memory_meter, peak_memory_bytes, reset_peak_memory
+    from trainprof.env import collect_env, memory_meter
     from trainprof.io import atomic_write_json, atomic_write_text
     from trainprof.models import count_params, resolve_shape
 
@@ -108,34 +137,14 @@ def train(recipe: Recipe) -> Path:
     t = recipe.train
     tokens_per_step = t.micro_batch_size * t.grad_accum * recipe.data.seq_len * ctx.world_size
     total = t.warmup_steps + t.steps
-    sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
     steps: list[dict[str, Any]] = []
     bar = tqdm(total=total, desc=f"{recipe.output.name}", unit="step", disable=ctx.rank != 0, file=sys.stderr)
     for step in range(total):
-        measured = step >= t.warmup_steps
-        reset_peak_memory(ctx.device)
-        sync()
-        start = time.perf_counter()
-        losses = []
-        for _ in range(t.grad_accum):
-            loss = engine.forward(next(batches))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach())
-        sync()
-        wall_ms = (time.perf_counter() - start) * 1e3
-        loss_value = float(torch.stack(losses).float().mean())
-        record = {
-            "step": step - t.warmup_steps if measured else step - t.warmup_steps,
-            "warmup": not measured,
-            "wall_ms": wall_ms,
-            "loss": loss_value,
-            "tokens": tokens_per_step,
-            "tokens_per_s": tokens_per_step / (wall_ms / 1e3),
-            "peak_memory_bytes": peak_memory_bytes(ctx.device),
-        }
+        record = timed_step(engine, batches, t.grad_accum, ctx.device)
+        record.update(step=step - t.warmup_steps, warmup=step < t.warmup_steps, tokens=tokens_per_step,
+                      tokens_per_s=tokens_per_step / (record["wall_ms"] / 1e3))
         steps.append(record)
-        bar.set_postfix(loss=f"{loss_value:.3f}", ms=f"{wall_ms:.0f}")
+        bar.set_postfix(loss=f"{record['loss']:.3f}", ms=f"{record['wall_ms']:.0f}")
         bar.update()
     bar.close()
 
