@@ -30,12 +30,12 @@ class RecipeError(ValueError):
 class ModelConfig:
     name: str = "llama2-tiny"  # a shape from trainprof.models.SHAPES, or "custom" with every dim below
     hidden_size: int | None = None  # explicit dims override the named shape
-    intermediate_size: int | None = None
-    num_layers: int | None = None
-    num_heads: int | None = None
+    intermediate_size: int | None = None  # MLP width
+    num_layers: int | None = None  # decoder layers
+    num_heads: int | None = None  # attention (query) heads
     num_kv_heads: int | None = None  # < num_heads means grouped-query attention (Llama2-70B: 8)
-    vocab_size: int | None = None
-    max_position_embeddings: int | None = None
+    vocab_size: int | None = None  # tokens in the embedding and LM head
+    max_position_embeddings: int | None = None  # longest sequence the RoPE tables cover
     dtype: Dtype = "bf16"  # parameter/compute dtype for training
     checkpoint: str | None = None  # local HF checkpoint dir; None = random init (never a download)
     attention: Literal["eager", "sdpa", "flash2"] = "sdpa"  # transformers attn_implementation
@@ -44,10 +44,10 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class LoraConfig:
-    r: int = 8
-    alpha: int = 16
-    dropout: float = 0.05
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    r: int = 8  # adapter rank
+    alpha: int = 16  # scaling numerator: adapters are scaled by alpha / r
+    dropout: float = 0.05  # dropout on the adapter input, in [0, 1)
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])  # Llama linear names
 
 
 @dataclass(kw_only=True)
@@ -66,7 +66,7 @@ class TaskConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    source: Literal["synthetic", "file"] = "synthetic"
+    source: Literal["synthetic", "file"] = "synthetic"  # synthetic tokens, or a local text file
     path: str | None = None  # local .txt or .jsonl (field "text") when source=file
     tokenizer: str | None = None  # local tokenizer dir when source=file
     seq_len: int = 350  # tokens per sample; 350 is the length the seed research measured with
@@ -80,7 +80,7 @@ class TrainConfig:
     grad_accum: int = 1  # micro batches per optimizer step
     steps: int = 10  # measured optimizer steps
     warmup_steps: int = 2  # optimizer steps run before measuring
-    seed: int = 1234
+    seed: int = 1234  # seeds Python, NumPy and torch on every rank (model init, data)
 
 
 @dataclass(kw_only=True)
@@ -92,11 +92,11 @@ class EngineConfig:
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    name: Literal["adamw"] = "adamw"
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    name: Literal["adamw"] = "adamw"  # AdamW (DeepSpeed's, or torch.optim's for engine torch)
+    lr: float = 1e-4  # constant learning rate
+    weight_decay: float = 0.0  # decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam (beta1, beta2)
+    eps: float = 1e-8  # Adam epsilon
     grad_clip: float = 1.0  # max global grad norm; 0 disables
 
 
