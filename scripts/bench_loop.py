@@ -23,7 +23,8 @@ from trainprof.data import build_loader
 from trainprof.engines import DistContext, build_engine
 from trainprof.models import resolve_shape
 from trainprof.recipe import load_recipe
-from trainprof.run import init_distributed, quiet_library_noise, seed_everything, timed_step
+from trainprof.env import quiet_library_noise
+from trainprof.run import init_distributed, seed_everything, timed_step
 
 DEFAULT_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "quickstart_cpu.yaml"
 

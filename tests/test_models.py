@@ -107,3 +107,22 @@ def test_meta_build_of_70b_is_instant_and_exact():
     model = build_model(recipe, meta=True)
     assert time.perf_counter() - start < 10
     assert count_params(model)["total"] == 68_976_648_192  # Llama-2-70b, grouped-query attention
+
+
+@pytest.mark.parametrize("kind", ["pretrain", "qlora"])
+def test_local_checkpoint_loads_without_download(tmp_path, kind):
+    """A local HF checkpoint (saved here from a random model) loads offline, in 4 bits for qlora."""
+    recipe = load_recipe(QUICKSTART, BASE)
+    torch.manual_seed(0)
+    build_model(recipe).save_pretrained(tmp_path / "ckpt")
+    loaded = build_model(load_recipe(QUICKSTART, [*BASE, f"model.checkpoint={tmp_path / 'ckpt'}", f"task.kind={kind}",
+                                                  "task.quant.compute_dtype=fp32"]))
+    assert loaded.training
+    ids = torch.randint(0, 1024, (1, 32))
+    assert torch.isfinite(loaded(input_ids=ids, labels=ids).loss)
+    if kind == "qlora":
+        import bitsandbytes as bnb
+
+        assert sum(isinstance(m, bnb.nn.Linear4bit) for m in loaded.modules()) == 14
+        assert {n for n, p in loaded.named_parameters() if p.requires_grad} and all(
+            "lora_" in n for n, p in loaded.named_parameters() if p.requires_grad)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import platform
+import warnings
 import resource
 from typing import Any
 
@@ -61,3 +63,14 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def quiet_library_noise() -> None:
+    """Hide library messages the user cannot act on and that bury trainprof's output: the
+    deprecation warnings DeepSpeed's own calls into torch.distributed raise on every collective,
+    transformers' renamed-method warnings, and bitsandbytes' notice that its optional hub-downloaded
+    CPU kernel is absent (it falls back to its built-in kernel)."""
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*(gradient|activation)_checkpointing.* is deprecated",
+                            category=FutureWarning)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)

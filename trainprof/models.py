@@ -148,19 +148,23 @@ def build_model(recipe: Recipe, *, device: str | torch.device = "cpu", meta: boo
 
     m, task = recipe.model, recipe.task
     dtype = torch_dtype(m.dtype)
-    if meta:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(llama_config(recipe)).to(dtype)
-    elif m.checkpoint is not None:
+    qlora = task.kind == "qlora"
+    if m.checkpoint is not None and not meta:
         model = LlamaForCausalLM.from_pretrained(
-            m.checkpoint, dtype=dtype, local_files_only=True, attn_implementation=_attn_impl(m.attention)
+            m.checkpoint, dtype=dtype, local_files_only=True, attn_implementation=_attn_impl(m.attention),
+            quantization_config=bnb_config(recipe) if qlora else None,
+            device_map={"": torch.device(device)} if qlora else None,
         )
         model.config.use_cache = False
+    elif meta or qlora:
+        with torch.device("meta"):
+            model = LlamaForCausalLM._from_config(llama_config(recipe), dtype=dtype)
+        if qlora:
+            quantize_4bit(model, recipe, device=device, meta=meta)
     else:
+        # created in the training dtype (not fp32, then cast): half the start-up memory at bf16
         with torch.device(device):
-            model = LlamaForCausalLM(llama_config(recipe)).to(dtype)
-    if task.kind == "qlora":
-        quantize_4bit(model, recipe, device=device, meta=meta)
+            model = LlamaForCausalLM._from_config(llama_config(recipe), dtype=dtype)
     if task.kind in ("lora", "qlora"):
         model = add_lora(model, recipe)
     if m.recompute:
@@ -174,42 +178,53 @@ def build_model(recipe: Recipe, *, device: str | torch.device = "cpu", meta: boo
     return model
 
 
+def bnb_config(recipe: Recipe):
+    """transformers' BitsAndBytesConfig for loading a checkpoint in 4 bits (lm_head stays 16-bit)."""
+    from transformers import BitsAndBytesConfig
+
+    q = recipe.task.quant
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.quant_type,
+        bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=torch_dtype(q.compute_dtype),
+    )
+
+
 def quantize_4bit(model: torch.nn.Module, recipe: Recipe, *, device: str | torch.device, meta: bool) -> None:
-    """Replace the decoder's linear layers with bitsandbytes Linear4bit holding the current weights
-    quantized (QLoRA: NF4/FP4, optional double quantization). lm_head stays in full precision, as in
-    the QLoRA recipe."""
+    """Random-init a meta-built model one module at a time, replacing each decoder linear layer by a
+    bitsandbytes Linear4bit (QLoRA: NF4/FP4, optional double quantization) as soon as it exists, so
+    no process ever holds the whole 16-bit model (Llama2-70B: 129 GiB). With meta=True the 4-bit
+    layers stay on the meta device (for planning). lm_head stays 16-bit, as in the QLoRA recipe."""
     import bitsandbytes as bnb
     import torch
 
     q = recipe.task.quant
-    compute_dtype = torch_dtype(q.compute_dtype)
-    targets = [
-        (name, mod)
-        for name, mod in model.named_modules()
-        if isinstance(mod, torch.nn.Linear) and ".layers." in f".{name}"
-    ]
-    for name, lin in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
+    for name, module in list(model.named_modules()):
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if not meta and any(t.is_meta for t in own):
+            module.to_empty(device=device, recurse=False)
+            model._init_weights(module)  # the model's own init (normal(0, initializer_range), ones, RoPE)
+        if not (isinstance(module, torch.nn.Linear) and ".layers." in f".{name}"):
+            continue
         qlin = bnb.nn.Linear4bit(
-            lin.in_features,
-            lin.out_features,
-            bias=lin.bias is not None,
-            compute_dtype=compute_dtype,
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            compute_dtype=torch_dtype(q.compute_dtype),
             compress_statistics=q.double_quant,
             quant_type=q.quant_type,
             device="meta" if meta else None,
         )
         if not meta:
+            # Params4bit quantizes when moved to a device (blockwise, blocksize 64)
             qlin.weight = bnb.nn.Params4bit(
-                lin.weight.data.to(compute_dtype).cpu(),
-                requires_grad=False,
-                compress_statistics=q.double_quant,
-                quant_type=q.quant_type,
+                module.weight.data, requires_grad=False, compress_statistics=q.double_quant, quant_type=q.quant_type
             ).to(device)
-            if lin.bias is not None:
-                qlin.bias = torch.nn.Parameter(lin.bias.data, requires_grad=False)
-        setattr(parent, child, qlin)
+            if module.bias is not None:
+                qlin.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, qlin)
     model.is_loaded_in_4bit = True  # read by peft's prepare_model_for_kbit_training
 
 

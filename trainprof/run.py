@@ -4,6 +4,7 @@ write its run dir."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import os
 import random
@@ -113,23 +114,53 @@ def timed_step(engine, batches, grad_accum: int, device) -> dict[str, Any]:
 
 def train(recipe: Recipe) -> Path:
     """Run warm-up and measured steps; write the run dir; return its path."""
-    import torch
     import yaml
-    from tqdm import tqdm
 
-    from trainprof.data import build_loader
-    from trainprof.engines import DistContext, build_engine
-    from trainprof.env import collect_env, memory_meter
-    from trainprof.io import atomic_write_json, atomic_write_text
-    from trainprof.models import count_params, resolve_shape
+    from trainprof.engines import DistContext
+    from trainprof.io import atomic_write_text
 
     ctx = DistContext.from_env()
     init_distributed(recipe, ctx)
-    seed_everything(recipe.train.seed)
-    engine = build_engine(recipe, ctx)
     run_dir = make_run_dir(recipe, ctx)
     if ctx.rank == 0:
         atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    with record_failure(run_dir, ctx):
+        return _train(recipe, ctx, run_dir)
+
+
+@contextlib.contextmanager
+def record_failure(run_dir: Path, ctx):
+    """On an exception, write failure-rank<N>.json (kind oom|error, message, memory) and re-raise, so
+    a sweep can say which rank failed how even when the process dies right after."""
+    from trainprof.env import peak_memory_bytes
+    from trainprof.io import atomic_write_json
+
+    try:
+        yield
+    except BaseException as err:
+        oom = isinstance(err, MemoryError) or "out of memory" in str(err).lower()
+        atomic_write_json(run_dir / f"failure-rank{ctx.rank}.json", {
+            "rank": ctx.rank,
+            "kind": "oom" if oom else ("interrupted" if isinstance(err, KeyboardInterrupt) else "error"),
+            "type": type(err).__name__,
+            "message": str(err).strip().splitlines()[0][:500] if str(err).strip() else type(err).__name__,
+            "peak_memory_bytes": peak_memory_bytes(ctx.device),
+        })
+        raise
+
+
+def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
+    import torch
+    from tqdm import tqdm
+
+    from trainprof.data import build_loader
+    from trainprof.engines import build_engine
+    from trainprof.env import collect_env, memory_meter
+    from trainprof.io import atomic_write_json
+    from trainprof.models import count_params, resolve_shape
+
+    seed_everything(recipe.train.seed)
+    engine = build_engine(recipe, ctx)
 
     loader = build_loader(recipe, vocab_size=resolve_shape(recipe.model).vocab_size, rank=ctx.rank,
                           world_size=ctx.world_size)
@@ -228,17 +259,10 @@ def render_summary(profile: dict[str, Any], run_dir: Path) -> str:
     return "\n".join(["", "trainprof run summary", *(f"  {k:<{width}}  {v}" for k, v in rows)])
 
 
-def quiet_library_noise() -> None:
-    """Hide deprecation warnings that DeepSpeed's own calls into torch.distributed raise on every
-    collective; the user cannot act on them and they bury the progress bar."""
-    import warnings
-
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=r".*gradient_checkpointing.* is deprecated", category=FutureWarning)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from trainprof.env import quiet_library_noise
+
     quiet_library_noise()
     try:
         recipe = load_recipe(args.recipe, args.overrides)

@@ -1,0 +1,324 @@
+"""Tests for `trainprof plan`: every recipe plans, and the figures that can be checked are checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trainprof.models import build_model, resolve_shape
+from trainprof.plan import estimate_plan, quantized_4bit_bytes, render_plan
+from trainprof.recipe import Recipe, load_recipe, recipe_from_dict
+
+REPO = Path(__file__).resolve().parents[1]
+ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make(name: str = "llama2-7b", kind: str = "pretrain", stage: int = 0, offload: str = "none",
+         seq_len: int = 350, engine: str = "deepspeed", **model: Any) -> Recipe:
+    """A validated recipe from the few keys these tests vary."""
+    return recipe_from_dict({
+        "model": {"name": name, **model},
+        "task": {"kind": kind},
+        "engine": {"kind": engine, "zero_stage": stage, "offload": offload},
+        "data": {"seq_len": seq_len},
+    })
+
+
+def states(plan: dict[str, Any], row: str) -> tuple[int, int]:
+    r = plan["model_states"]["per_rank"][row]
+    return r["gpu_bytes"], r["cpu_bytes"]
+
+
+def figures(node: Any) -> list[dict[str, Any]]:
+    """Every figure dict in a plan: those with a value or GPU/CPU bytes."""
+    found = []
+    if isinstance(node, dict):
+        if "value" in node or "gpu_bytes" in node or "gpu_bytes_per_gpu" in node:
+            found.append(node)
+        for child in node.values():
+            found += figures(child)
+    elif isinstance(node, list):
+        for child in node:
+            found += figures(child)
+    return found
+
+
+def check_plan(plan: dict[str, Any]) -> None:
+    json.loads(json.dumps(plan))  # JSON-serialisable, round-trips
+    assert plan["estimate"] is True
+    assert plan["params"]["analytic_matches"], plan["params"]
+    for fig in figures(plan):
+        assert isinstance(fig.get("source"), str) and fig["source"], fig
+    text = render_plan(plan)
+    assert "estimates" in text and plan["recipe"]["model"] in text
+
+
+# -- every recipe plans ----------------------------------------------------------------------------
+
+RECIPE_FILES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPE_FILES, ids=[p.name for p in RECIPE_FILES])
+def test_every_recipe_file_plans(path: Path) -> None:
+    check_plan(estimate_plan(load_recipe(path), world_size=8))
+
+
+CONSTRUCTED = [
+    dict(name="llama2-tiny"),
+    dict(name="llama2-7b", engine="torch"),
+    dict(name="llama2-7b", stage=1),
+    dict(name="llama2-7b", stage=2, seq_len=4096),
+    dict(name="llama2-7b", stage=2, offload="optimizer"),
+    dict(name="llama2-7b", stage=3, seq_len=4096, recompute=True),
+    dict(name="llama2-7b", stage=3, offload="optimizer+params", attention="eager"),
+    dict(name="llama2-7b", stage=2, dtype="fp32"),
+    dict(name="llama2-7b", stage=2, attention="flash2"),  # plans without flash-attn installed
+    dict(name="llama2-13b", stage=3),
+    dict(name="llama2-13b", kind="lora", stage=2, recompute=True),
+    dict(name="llama2-70b", stage=3, offload="optimizer", seq_len=4096),
+    dict(name="llama2-7b", kind="lora"),
+    dict(name="llama2-7b", kind="lora", stage=3, offload="optimizer+params"),
+    dict(name="llama2-7b", kind="qlora", stage=2, offload="optimizer"),
+    dict(name="llama2-70b", kind="qlora", recompute=True, seq_len=4096),
+]
+
+
+@pytest.mark.parametrize("keys", CONSTRUCTED, ids=[json.dumps(k) for k in CONSTRUCTED])
+@pytest.mark.parametrize("world_size", [1, 8])
+def test_constructed_recipes_plan(keys: dict[str, Any], world_size: int) -> None:
+    check_plan(estimate_plan(make(**keys), world_size))
+
+
+def test_world_size_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        estimate_plan(make(name="llama2-tiny"), 0)
+
+
+# -- parameters ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, total", [
+    ("llama2-7b", 6_738_415_616), ("llama2-13b", 13_015_864_320), ("llama2-70b", 68_976_648_192),
+])
+def test_llama2_parameter_counts(name: str, total: int) -> None:
+    params = estimate_plan(make(name=name), 1)["params"]
+    assert params["total"]["value"] == params["analytic_total"]["value"] == total
+    assert params["trainable"]["value"] == total
+
+
+@pytest.mark.parametrize("kind", ["lora", "qlora"])
+def test_lora_trainable_params_match_peft_on_a_real_tiny_model(kind: str) -> None:
+    recipe = recipe_from_dict({"model": {"name": "llama2-tiny", "dtype": "fp32"},
+                               "task": {"kind": kind, "lora": {"r": 4, "target_modules": ALL_LINEARS}}})
+    peft_trainable, _ = build_model(recipe).get_nb_trainable_parameters()
+    params = estimate_plan(recipe, 1)["params"]
+    assert params["trainable"]["value"] == params["analytic_trainable"]["value"] == peft_trainable
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_qlora_4bit_bytes_match_bitsandbytes_tensors(double_quant: bool) -> None:
+    import bitsandbytes as bnb
+
+    recipe = recipe_from_dict({"model": {"name": "llama2-tiny", "dtype": "fp32"},
+                               "task": {"kind": "qlora", "quant": {"double_quant": double_quant}}})
+    measured = expected = 0
+    for module in build_model(recipe).modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            w, qs = module.weight, module.weight.quant_state
+            measured += w.untyped_storage().nbytes() + qs.absmax.nbytes
+            if qs.nested:
+                measured += qs.state2.absmax.nbytes
+            expected += quantized_4bit_bytes(int(qs.shape.numel()), double_quant=double_quant)
+    assert measured == expected > 0
+
+
+# -- model states ----------------------------------------------------------------------------------
+
+
+def test_zero3_model_states_shrink_as_one_over_world_size() -> None:
+    small, large = (estimate_plan(make(stage=3), n) for n in (8, 64))
+    for row in ("params", "grads", "optimizer", "total"):
+        ratio = states(small, row)[0] / states(large, row)[0]
+        assert ratio == pytest.approx(8, rel=1e-6), row
+
+
+def test_zero2_keeps_params_whole_and_partitions_grads_and_optimizer() -> None:
+    one, many = estimate_plan(make(stage=2), 1), estimate_plan(make(stage=2), 16)
+    total = one["params"]["total"]["value"]
+    assert states(one, "params") == states(many, "params") == (2 * total, 0)
+    assert states(one, "grads")[0] == pytest.approx(16 * states(many, "grads")[0], rel=1e-6)
+    assert states(one, "optimizer")[0] == 12 * total
+    assert states(one, "optimizer")[0] == pytest.approx(16 * states(many, "optimizer")[0], rel=1e-6)
+
+
+def test_zero1_partitions_only_optimizer_and_zero0_nothing() -> None:
+    z0, z1 = estimate_plan(make(stage=0), 8), estimate_plan(make(stage=1), 8)
+    total = z0["params"]["total"]["value"]
+    assert states(z0, "total")[0] == 16 * total  # ZeRO paper: 2 + 2 + 12 bytes per param
+    assert states(z1, "grads") == states(z0, "grads")
+    assert states(z1, "optimizer")[0] == pytest.approx(12 * total / 8, abs=1)
+
+
+def test_optimizer_offload_moves_optimizer_states_to_cpu() -> None:
+    on_gpu = estimate_plan(make(stage=2), 8)
+    offloaded = estimate_plan(make(stage=2, offload="optimizer"), 8)
+    assert states(offloaded, "optimizer") == (0, states(on_gpu, "optimizer")[0])
+    assert states(offloaded, "params") == states(on_gpu, "params")
+    assert states(offloaded, "total")[0] < states(on_gpu, "total")[0]
+
+
+def test_param_offload_moves_params_to_cpu_too() -> None:
+    on_gpu = estimate_plan(make(stage=3), 8)
+    offloaded = estimate_plan(make(stage=3, offload="optimizer+params"), 8)
+    assert states(offloaded, "params") == (0, states(on_gpu, "params")[0])
+    assert states(offloaded, "optimizer") == (0, states(on_gpu, "optimizer")[0])
+    assert states(offloaded, "total")[0] == states(on_gpu, "grads")[0]
+
+
+def test_fp32_uses_4_4_8_bytes() -> None:
+    plan = estimate_plan(make(stage=0, dtype="fp32"), 1)
+    assert states(plan, "total")[0] == 16 * plan["params"]["total"]["value"]
+    assert states(plan, "optimizer")[0] == 8 * plan["params"]["total"]["value"]
+
+
+def test_lora_frozen_base_holds_params_only() -> None:
+    plan = estimate_plan(make(kind="lora", stage=2), 1)
+    total, trainable = plan["params"]["total"]["value"], plan["params"]["trainable"]["value"]
+    assert states(plan, "params")[0] == 2 * total  # base and adapters in 16-bit
+    assert states(plan, "grads")[0] == 2 * trainable
+    assert states(plan, "optimizer")[0] == 12 * trainable
+
+
+def test_qlora_base_is_about_half_a_byte_per_param() -> None:
+    lora = estimate_plan(make(name="llama2-70b", kind="lora"), 1)
+    qlora = estimate_plan(make(name="llama2-70b", kind="qlora"), 1)
+    total = qlora["params"]["total"]["value"]
+    qparams = states(qlora, "params")[0]
+    assert 0.5 * total < qparams < 0.56 * total  # 4-bit + 0.127 bit constants + 16-bit embeddings
+    assert qparams < states(lora, "params")[0] / 3.5
+
+
+def test_deepspeed_estimator_is_beside_ours_for_pretrain_zero2_and_zero3() -> None:
+    z2 = estimate_plan(make(stage=2), 8)
+    total = z2["params"]["total"]["value"]
+    ds = z2["model_states"]["deepspeed_estimator"]
+    assert ds["applicable"] and ds["gpu_bytes_per_gpu"] == 2 * total + int(18 * total / 8)
+    # DeepSpeed counts an extra 4 B/param fp32 gradient partition that the ZeRO paper's K=12 omits.
+    assert ds["gpu_bytes_per_gpu"] - states(z2, "total")[0] == pytest.approx(4 * total / 8, abs=4)
+    z3 = estimate_plan(make(stage=3), 8)["model_states"]["deepspeed_estimator"]
+    assert z3["applicable"] and z3["gpu_bytes_per_gpu"] > states(estimate_plan(make(stage=3), 8), "total")[0]
+    lora = estimate_plan(make(kind="lora", stage=2), 8)["model_states"]["deepspeed_estimator"]
+    assert lora["applicable"] is False and lora["reason"]
+
+
+# -- activations -----------------------------------------------------------------------------------
+
+
+def activation(plan: dict[str, Any], family: str, mode: str) -> int:
+    return plan["activations"][family][mode]["value"]
+
+
+@pytest.mark.parametrize("family", ["korthikanti", "hf_llama"])
+def test_recompute_lowers_activation_estimate(family: str) -> None:
+    plain = estimate_plan(make(seq_len=4096), 1)
+    recompute = estimate_plan(make(seq_len=4096, recompute=True), 1)
+    assert activation(plain, family, "full_recompute") < activation(plain, family, "no_recompute") / 5
+    assert plain["activations"]["used"] == "no_recompute"
+    assert recompute["activations"]["used"] == "full_recompute"
+    assert recompute["gpu_total_per_rank"]["value"] < plain["gpu_total_per_rank"]["value"]
+
+
+@pytest.mark.parametrize("family", ["korthikanti", "hf_llama"])
+def test_sdpa_is_lower_than_eager(family: str) -> None:
+    sdpa = estimate_plan(make(seq_len=4096, attention="sdpa"), 1)
+    eager = estimate_plan(make(seq_len=4096, attention="eager"), 1)
+    flash2 = estimate_plan(make(seq_len=4096, attention="flash2"), 1)
+    assert activation(sdpa, family, "no_recompute") < activation(eager, family, "no_recompute")
+    assert activation(sdpa, family, "no_recompute") == activation(flash2, family, "no_recompute")
+
+
+def test_korthikanti_eq1_figure() -> None:
+    plan = estimate_plan(make(seq_len=4096, attention="eager"), 1)
+    s, b, h, a, layers = 4096, 1, 4096, 32, 32
+    assert activation(plan, "korthikanti", "no_recompute") == layers * s * b * h * (34 + 5 * a * s // h)
+
+
+def saved_activation_bytes(recipe: Recipe) -> int:
+    """Bytes autograd saves for backward in one forward of a real model (parameters excluded)."""
+    model = build_model(recipe)
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ids = torch.randint(0, resolve_shape(recipe.model).vocab_size, (recipe.train.micro_batch_size, recipe.data.seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_hf_llama_activation_count_matches_autograd(dtype: str, attention: str, kv_heads: int) -> None:
+    recipe = recipe_from_dict({"model": {"name": "llama2-tiny", "dtype": dtype, "attention": attention,
+                                         "num_kv_heads": kv_heads},
+                               "data": {"seq_len": 256}, "train": {"micro_batch_size": 2}})
+    plan = estimate_plan(recipe, 1)
+    shape = resolve_shape(recipe.model)
+    # autograd keeps only the fp32 log-softmax of the loss; the plan's logits row also counts the
+    # model-dtype logits held in the output and the transient fp32 upcast.
+    log_softmax = 2 * 256 * shape.vocab_size * 4
+    expected = activation(plan, "hf_llama", "no_recompute") + log_softmax
+    assert saved_activation_bytes(recipe) == pytest.approx(expected, rel=0.03)
+
+
+# -- FLOPs, tokens, speed --------------------------------------------------------------------------
+
+
+def test_palm_flops_and_tokens_per_step() -> None:
+    recipe = recipe_from_dict({"model": {"name": "llama2-7b"}, "data": {"seq_len": 4096},
+                               "train": {"micro_batch_size": 2, "grad_accum": 4}})
+    plan = estimate_plan(recipe, 8)
+    n = 6_738_415_616 - 32000 * 4096  # minus the input embedding
+    per_token = 6 * n + 12 * 32 * 32 * 128 * 4096  # PaLM appendix B
+    assert plan["flops"]["per_token_6n"]["value"] == per_token
+    assert plan["tokens_per_step"]["value"] == 2 * 4 * 4096 * 8
+    assert plan["flops"]["per_step_6n"]["value"] == per_token * 2 * 4 * 4096 * 8
+    assert "per_token_frozen_base" not in plan["flops"]
+
+
+def test_lora_frozen_base_flops_below_6n() -> None:
+    flops = estimate_plan(make(kind="lora", seq_len=4096, recompute=True), 1)["flops"]
+    assert flops["per_token_frozen_base"]["value"] < flops["per_token_6n"]["value"]
+    assert flops["per_token_frozen_base"]["value"] > 0.6 * flops["per_token_6n"]["value"]
+    assert flops["recompute_extra_per_token"]["value"] > 0
+
+
+def test_70b_plan_takes_seconds() -> None:
+    estimate_plan(make(name="llama2-tiny"), 1)  # imports torch/transformers/deepspeed first
+    start = time.perf_counter()
+    for kind, stage in (("pretrain", 3), ("lora", 3), ("qlora", 2)):
+        check_plan(estimate_plan(make(name="llama2-70b", kind=kind, stage=stage, seq_len=4096), 64))
+    assert time.perf_counter() - start < 10
+
+
+def test_json_on_stdout_stays_clean_in_a_fresh_process() -> None:
+    # `trainprof plan --json` prints the plan to stdout; importing DeepSpeed on a CPU machine would
+    # log a warning there unless plan.py silences it.
+    code = ("import json; from trainprof.recipe import recipe_from_dict; from trainprof.plan import estimate_plan; "
+            "print(json.dumps(estimate_plan(recipe_from_dict({'model': {'name': 'llama2-7b'}, "
+            "'engine': {'zero_stage': 3}}), 8)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert json.loads(out.stdout)["model_states"]["deepspeed_estimator"]["applicable"] is True

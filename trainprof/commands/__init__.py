@@ -1,0 +1,1 @@
+"""One module per `trainprof` subcommand (see trainprof.cli.COMMANDS)."""

@@ -1,0 +1,30 @@
+"""`trainprof plan RECIPE`: params, per-rank memory and FLOPs, estimated without training."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from trainprof.commands.run import positive_int
+from trainprof.recipe import load_recipe
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from trainprof.plan import estimate_plan, render_plan
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    plan = estimate_plan(recipe, world_size=args.nproc)
+    print(json.dumps(plan, indent=2) if args.json else render_plan(plan))
+    return 0
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("plan", help="what a recipe would take (params, memory, FLOPs), without training",
+                       description="Build the model on the meta device and estimate per-rank memory and FLOPs. "
+                       "Every figure is an estimate and names its formula.")
+    p.add_argument("recipe", help="recipe YAML file")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    p.add_argument("--nproc", type=positive_int, default=8, help="data-parallel ranks to plan for (default 8)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=_plan)
+    return p

@@ -1,0 +1,42 @@
+"""`trainprof run RECIPE [key=value ...] --nproc N`: validate here, then launch torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+from trainprof.recipe import check_environment, load_recipe
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def torchrun_command(recipe_path: str, overrides: list[str], nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "trainprof.run", recipe_path, *overrides]
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Validate in this process (one-line errors, no torchrun noise), then launch torchrun."""
+    import torch
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    check_environment(recipe, cuda_available=torch.cuda.is_available())
+    cmd = torchrun_command(args.recipe, args.overrides, args.nproc)
+    print("+ " + " ".join(cmd), file=sys.stderr)
+    return subprocess.call(cmd)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("run", help="train and profile a recipe under torchrun",
+                       description="Validate a recipe, then run it under torchrun with --nproc ranks.")
+    p.add_argument("recipe", help="recipe YAML file")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. engine.zero_stage=2")
+    p.add_argument("--nproc", type=positive_int, default=1, help="ranks on this node (default 1)")
+    p.set_defaults(func=_run)
+    return p

@@ -1,0 +1,486 @@
+"""Plan a recipe without training: parameters, per-rank memory, activations, FLOPs and tokens per step.
+
+`estimate_plan(recipe, world_size)` builds the model on the meta device (nothing is allocated, so
+llama2-70b plans in well under a second once torch and transformers are imported) and returns a
+JSON-serialisable dict in which every figure is an estimate with a `source` string naming the
+formula or call it came from. `render_plan(plan)` turns that dict into a plain-text table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+from trainprof.models import LlamaShape, build_model, count_params, resolve_shape
+from trainprof.recipe import Recipe
+
+PLAN_SCHEMA_VERSION = 1
+GIB = 2**30
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# DeepSpeed's estimators want a node layout; plans assume HGX/DGX-style nodes of up to 8 GPUs.
+GPUS_PER_NODE = 8
+# DeepSpeed's estimators' default safety margin on their figures.
+DEEPSPEED_BUFFER_FACTOR = 1.5
+# bitsandbytes / QLoRA (Dettmers et al. 2023, sec. 3): 64 weights per first-level block, and with
+# double quantization 256 first-level (8-bit) constants per second-level fp32 constant.
+QLORA_BLOCKSIZE = 64
+QLORA_BLOCKSIZE2 = 256
+
+
+def _figure(value: int | float | None, source: str, unit: str) -> dict[str, Any]:
+    return {"value": value, "unit": unit, "source": source}
+
+
+def _memory(gpu_bytes: int, cpu_bytes: int, source: str) -> dict[str, Any]:
+    return {"gpu_bytes": int(gpu_bytes), "cpu_bytes": int(cpu_bytes), "source": source}
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters: counted on the meta model, and analytically from the shape as a cross-check
+# ---------------------------------------------------------------------------------------------
+
+def _linear_dims(shape: LlamaShape) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each decoder linear layer, for LoRA's r*(in + out) per adapter."""
+    h, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
+    i = shape.intermediate_size
+    return {
+        "q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+    }
+
+
+def analytic_params(shape: LlamaShape, recipe: Recipe) -> dict[str, int]:
+    """Parameter counts from the shape alone (untied lm_head, no biases, as in Llama2).
+
+    Args:
+        shape: the resolved model shape.
+        recipe: used for the task kind and LoRA rank/targets.
+    Returns:
+        {"total", "trainable"}: LoRA adapters included in total, as peft adds them.
+    """
+    dims = _linear_dims(shape)
+    per_layer = sum(i * o for i, o in dims.values()) + 2 * shape.hidden_size  # 7 linears + 2 RMSNorms
+    base = 2 * shape.vocab_size * shape.hidden_size + shape.num_layers * per_layer + shape.hidden_size
+    if recipe.task.kind == "pretrain":
+        return {"total": base, "trainable": base}
+    lo = recipe.task.lora
+    # LoRA (Hu et al. 2021): A is r x in, B is out x r, per targeted linear per layer.
+    adapters = shape.num_layers * sum(lo.r * sum(dims[name]) for name in lo.target_modules)
+    return {"total": base + adapters, "trainable": adapters}
+
+
+ANALYTIC_PARAMS_SOURCE = (
+    "2*V*h (embed + untied lm_head) + L*(2*h^2 + 2*h*kv*d + 3*h*I + 2*h) + h; LoRA: L*sum r*(in+out)"
+)
+
+
+def _census(model: Any, recipe: Recipe) -> dict[str, Any]:
+    """What the memory and FLOP formulas need from the meta model, in logical elements."""
+    counts = count_params(model)
+    embedding = model.get_input_embeddings().weight.numel()
+    layer_params = 0
+    trainable_bytes_as_built = 0
+    for name, p in model.named_parameters():
+        if ".layers." in f".{name}":
+            layer_params += p.numel()
+        if p.requires_grad:
+            trainable_bytes_as_built += p.numel() * p.element_size()
+    quantized: list[int] = []
+    if recipe.task.kind == "qlora":
+        import bitsandbytes as bnb
+
+        quantized = [m.weight.numel() for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    # DeepSpeed's model_to_params convention: the largest parameter count held directly by one module
+    # (its data_ptr de-duplication cannot work on meta tensors; Llama2 shares no parameters).
+    largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return {
+        "total": counts["total"],
+        "trainable": counts["trainable"],
+        "embedding": embedding,
+        "layer_params": layer_params,
+        "trainable_bytes_as_built": trainable_bytes_as_built,
+        "quantized_numels": quantized,
+        "largest_layer": largest_layer,
+    }
+
+
+def quantized_4bit_bytes(numel: int, *, double_quant: bool) -> int:
+    """Bytes of one 4-bit quantized weight tensor with its quantization constants.
+
+    Args:
+        numel: logical elements of the weight.
+        double_quant: 8-bit first-level constants plus fp32 second-level ones (else fp32 absmax).
+    Returns:
+        Bytes, per-tensor lookup tables (the 16-value NF4 code, under 1.2 KB) not included.
+    """
+    # QLoRA (Dettmers et al. 2023, sec. 3): 4-bit data is numel/2 bytes; one absmax per block of 64
+    # weights, fp32 (32/64 = 0.5 bit/param) or, with double quantization, 8-bit per block plus one fp32
+    # per 256 blocks (8/64 + 32/(64*256) = 0.127 bit/param).
+    blocks = math.ceil(numel / QLORA_BLOCKSIZE)
+    constants = blocks + 4 * math.ceil(blocks / QLORA_BLOCKSIZE2) if double_quant else 4 * blocks
+    return math.ceil(numel / 2) + constants
+
+
+# ---------------------------------------------------------------------------------------------
+# Model states per rank: ZeRO accounting
+# ---------------------------------------------------------------------------------------------
+
+
+def _state_bytes(recipe: Recipe, census: dict[str, Any]) -> tuple[float, float, float, str]:
+    """Bytes per trainable parameter for (params, grads, optimizer states) and the convention used."""
+    if recipe.model.dtype == "fp32":
+        return 4, 4, 8, "fp32 Adam: 4 B params + 4 B grads + 8 B momentum/variance (no master copy; K=8)"
+    if recipe.engine.kind == "deepspeed":
+        return 2, 2, 12, (
+            "mixed-precision Adam (ZeRO paper sec. 3.1): 2 B 16-bit params + 2 B grads + K=12 B fp32 "
+            "master/momentum/variance; DeepSpeed casts every float param, LoRA adapters too, to 16-bit"
+        )
+    per_param = census["trainable_bytes_as_built"] / max(census["trainable"], 1)
+    return per_param, per_param, 2 * per_param, (
+        "torch.optim.AdamW on the model as built: params, grads and both moments in the param's dtype "
+        f"({per_param:g} B; no fp32 master copy; peft keeps LoRA adapters in fp32)"
+    )
+
+
+def _model_states(recipe: Recipe, census: dict[str, Any], world_size: int) -> dict[str, Any]:
+    stage, offload, n = recipe.engine.zero_stage, recipe.engine.offload, world_size
+    param_b, grad_b, opt_b, convention = _state_bytes(recipe, census)
+    trainable = census["trainable"]
+    quantized = sum(census["quantized_numels"])
+    frozen_dense = census["total"] - trainable - quantized  # frozen base kept in the model dtype
+    quant = recipe.task.quant
+    quantized_bytes = sum(
+        quantized_4bit_bytes(q, double_quant=quant.double_quant) for q in census["quantized_numels"])
+    param_bytes = trainable * param_b + frozen_dense * DTYPE_BYTES[recipe.model.dtype] + quantized_bytes
+
+    # ZeRO (Rajbhandari et al. 2020), sec. 3.1 and 5: per rank, mixed-precision Adam holds
+    # 2*Psi (params) + 2*Psi (grads) + K*Psi (optimizer, K=12) bytes; stage 1 (P_os) divides the
+    # optimizer term by N_d, stage 2 (P_os+g) also the grads, stage 3 (P_os+g+p) also the params.
+    # Frozen (LoRA base) params hold only the params term; only trainable params have grads/states.
+    params_rank = math.ceil(param_bytes / (n if stage >= 3 else 1))
+    grads_rank = math.ceil(trainable * grad_b / (n if stage >= 2 else 1))
+    opt_rank = math.ceil(trainable * opt_b / (n if stage >= 1 else 1))
+
+    split = {0: "replicated", 1: "replicated", 2: "replicated", 3: f"/{n} (ZeRO-3)"}
+    per = "param" if trainable == census["total"] else "trainable param"
+    param_src = f"{param_b:g} B/{per}"
+    if trainable != census["total"]:
+        param_src += f" + frozen base {DTYPE_BYTES[recipe.model.dtype]} B/param"
+    if quantized:
+        dq = "double-quant constants" if quant.double_quant else "fp32 absmax per 64"
+        param_src += f", 4-bit linears 0.5 B/param + {dq} (QLoRA sec. 3)"
+    params_on_cpu = offload == "optimizer+params"
+    rows = {
+        "params": _memory(
+            0 if params_on_cpu else params_rank, params_rank if params_on_cpu else 0,
+            f"{param_src}; {split[stage]}" + ("; offloaded to CPU" if params_on_cpu else ""),
+        ),
+        "grads": _memory(
+            grads_rank, 0,
+            f"{grad_b:g} B/{per}; " + (f"/{n} (ZeRO-{stage})" if stage >= 2 else "replicated"),
+        ),
+        "optimizer": _memory(
+            0 if offload != "none" else opt_rank, opt_rank if offload != "none" else 0,
+            f"{opt_b:g} B/{per}; " + (f"/{n} (ZeRO-{stage})" if stage >= 1 else "replicated")
+            + ("; offloaded to CPU" if offload != "none" else ""),
+        ),
+    }
+    rows["total"] = _memory(
+        sum(r["gpu_bytes"] for r in rows.values()), sum(r["cpu_bytes"] for r in rows.values()),
+        "sum of params, grads and optimizer states (ZeRO paper accounting)",
+    )
+    return {"convention": convention, "per_rank": rows}
+
+
+def _node_layout(world_size: int) -> tuple[int, int]:
+    """(gpus_per_node, nodes) for DeepSpeed's estimator: one node up to 8 ranks, else nodes of 8."""
+    if world_size <= GPUS_PER_NODE or world_size % GPUS_PER_NODE:
+        return world_size, 1
+    return GPUS_PER_NODE, world_size // GPUS_PER_NODE
+
+
+def _deepspeed_estimate(recipe: Recipe, census: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """DeepSpeed's own model-state estimate, for pretraining under ZeRO-2/3 (its estimators' scope)."""
+    stage, offload = recipe.engine.zero_stage, recipe.engine.offload
+    if recipe.engine.kind != "deepspeed" or recipe.task.kind != "pretrain" or stage not in (2, 3):
+        return {"applicable": False,
+                "reason": "DeepSpeed ships estimators for full-model ZeRO-2/3 training only"}
+    gpus_per_node, nodes = _node_layout(world_size)
+    # Importing DeepSpeed on a machine without a GPU logs "Setting accelerator to CPU" to stdout, which
+    # would corrupt `trainprof plan --json`; the estimators below are plain arithmetic.
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    finally:
+        logging.disable(previous)
+    common = dict(total_params=census["total"], num_gpus_per_node=gpus_per_node, num_nodes=nodes,
+                  cpu_offload=offload != "none", additional_buffer_factor=DEEPSPEED_BUFFER_FACTOR)
+    if stage == 2:
+        cpu, gpu = estimate_zero2_model_states_mem_needs(**common)
+        call = "stage_1_and_2.estimate_zero2_model_states_mem_needs"
+    else:
+        # zero_init=True: trainprof's DeepSpeed engine builds ZeRO-3 models inside deepspeed.zero.Init.
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            largest_layer_params=census["largest_layer"], cpu_offload_params=offload == "optimizer+params",
+            zero_init=True, **common,
+        )
+        call = "stage3.estimate_zero3_model_states_mem_needs (zero_init=True, + 4 B * largest layer)"
+    return {
+        "applicable": True,
+        "gpu_bytes_per_gpu": int(gpu),
+        "cpu_bytes_per_node": int(cpu),
+        "layout": {"gpus_per_node": gpus_per_node, "nodes": nodes},
+        "source": f"deepspeed.runtime.zero.{call}: its 18 B/param (adds a 4 B fp32 grad copy) per GPU; "
+                  f"CPU figure is per node and includes additional_buffer_factor {DEEPSPEED_BUFFER_FACTOR}",
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations, FLOPs, tokens
+# ---------------------------------------------------------------------------------------------
+
+
+def _activations(recipe: Recipe, shape: LlamaShape) -> dict[str, Any]:
+    s, b = recipe.data.seq_len, recipe.train.micro_batch_size
+    h, a, layers, vocab = shape.hidden_size, shape.num_heads, shape.num_layers, shape.vocab_size
+    kv, inter = shape.num_kv_heads, shape.intermediate_size
+    act_b = DTYPE_BYTES[recipe.model.dtype]
+    eager = recipe.model.attention == "eager"
+    attn_src = "" if eager else "; no s x s term: sdpa/flash2 kernels never store the scores"
+
+    # Korthikanti et al. 2022, eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer for 16-bit activations
+    # (GPT layer: 4h GeLU MLP, dropout); 5*a*s^2*b is the stored s x s scores/softmax/dropout, which
+    # memory-efficient kernels (sdpa, flash2) never materialise: they recompute it blockwise in backward.
+    scale = act_b / 2
+    paper_layer = scale * (34 * s * b * h + (5 * a * s * s * b if eager else 0))
+    paper_src = "s*b*h*(34 + 5*a*s/h)" if eager else "s*b*h*34"
+    paper_src += ", x2 for fp32" if act_b == 4 else ""
+
+    # What transformers' LlamaDecoderLayer saves for backward, counted with torch saved_tensors_hooks
+    # (tests/test_plan.py checks it on CPU): per RMSNorm an fp32 input copy + the normed tensor
+    # (4 + B), then in B bytes the q/k/v input, q, k, v (k, v: kv/a of h), the attention output, the
+    # MLP input and four I-wide SwiGLU tensors. Eager also keeps the fp32 softmax and its B-byte copy,
+    # and its repeat_kv copies k and v out to all a heads (sdpa and flash2 take grouped k, v as they are).
+    soft_b = 4 + (act_b if act_b != 4 else 0)
+    kv_frac = 1 if eager else kv / a
+    hf_layer = s * b * h * (2 * (4 + act_b) + act_b * (4 + 2 * kv_frac + 4 * inter / h))
+    hf_layer += soft_b * a * s * s * b if eager else 0
+    hf_head = s * b * h * (4 + 2 * act_b)  # final RMSNorm + lm_head input
+    hf_src = f"L*s*b*h*(2*(4+B) + B*(4 + 2*{'1' if eager else 'kv/a'} + 4*I/h))"
+    hf_src += f" + L*{soft_b}*a*s^2*b" if eager else ""
+    hf_src += f" + s*b*h*(4+2B), B={act_b}"
+
+    # Korthikanti et al. 2022, sec. 5: full recomputation keeps only each layer's input, 2*s*b*h
+    # (16-bit), plus one layer's full activations while that layer is recomputed in backward.
+    keep = act_b * s * b * h * layers
+    # HF ForCausalLMLoss: logits in the model dtype (kept in the output), an fp32 upcast, and
+    # cross_entropy's fp32 log-softmax saved for backward.
+    logit_b = act_b + (4 if act_b != 4 else 0) + 4
+    return {
+        "used": "full_recompute" if recipe.model.recompute else "no_recompute",
+        "korthikanti": {
+            "no_recompute": _figure(
+                int(layers * paper_layer), f"L*{paper_src} (Korthikanti 2022 eq. 1{attn_src})", "bytes"),
+            "full_recompute": _figure(
+                int(keep + paper_layer), f"L*2*s*b*h + one layer's {paper_src} (Korthikanti 2022 sec. 5)", "bytes"),
+        },
+        "hf_llama": {
+            "no_recompute": _figure(
+                int(layers * hf_layer + hf_head), f"{hf_src}: tensors HF Llama saves for backward{attn_src}", "bytes"),
+            "full_recompute": _figure(
+                int(keep + hf_layer + hf_head), "L*B*s*b*h layer inputs + one layer + final norm (HF count)", "bytes"),
+        },
+        "logits_loss": _figure(
+            s * b * vocab * logit_b, f"s*b*V*{logit_b}: logits + fp32 upcast + fp32 log-softmax (HF loss)", "bytes"),
+        "micro_batch_size": b,
+        "seq_len": s,
+    }
+
+
+def _flops(recipe: Recipe, shape: LlamaShape, census: dict[str, Any], tokens_per_step: int) -> dict[str, Any]:
+    layers, heads, head_dim, seq = shape.num_layers, shape.num_heads, shape.head_dim, recipe.data.seq_len
+    n = census["total"] - census["embedding"]  # the input embedding is a lookup; lm_head is a matmul
+    attention = 12 * layers * heads * head_dim * seq
+    # PaLM (Chowdhery et al. 2022), appendix B: 6N + 12*L*H*Q*T FLOPs per token (fwd + bwd, no recompute)
+    palm = 6 * n + attention
+    out: dict[str, Any] = {
+        "non_embedding_params": _figure(
+            n, "total params minus the input embedding (lm_head kept: untied matmul)", "params"),
+        "per_token_6n": _figure(palm, "PaLM app. B: 6N + 12*L*H*Q*T, N = non-embedding params", "flop"),
+        "per_step_6n": _figure(palm * tokens_per_step, "per_token_6n * tokens_per_step (all ranks)", "flop"),
+        "convention": "per_token_6n is the PaLM model-FLOP convention used for MFU",
+    }
+    if recipe.task.kind != "pretrain":
+        trainable = census["trainable"]
+        # Frozen base: forward 2N + input-gradient backward 2N (no weight gradients); adapters 6 per
+        # param; the attention matmuls keep their full 12*L*H*Q*T.
+        frozen = 4 * (n - trainable) + 6 * trainable + attention
+        out["per_token_frozen_base"] = _figure(
+            frozen, "4*N_frozen + 6*N_trainable + 12*L*H*Q*T (no weight grads for the frozen base)", "flop")
+        out["per_step_frozen_base"] = _figure(
+            frozen * tokens_per_step, "per_token_frozen_base * tokens_per_step", "flop")
+        out["convention"] = ("per_token_6n: PaLM convention as if every param trained (comparable MFU); "
+                             "per_token_frozen_base: the work a LoRA step actually does")
+    if recipe.model.recompute:
+        # Full recomputation re-runs every decoder layer's forward once more: 2*N_layers + 4*L*H*Q*T.
+        extra = 2 * census["layer_params"] + attention // 3
+        out["recompute_extra_per_token"] = _figure(
+            extra, "2*N_layers + 4*L*H*Q*T: one more decoder forward (hardware FLOPs, not in MFU)", "flop")
+    return out
+
+
+def _startup_note(recipe: Recipe, total_params: int) -> str:
+    """What building the model costs each process before the engine partitions it."""
+    e = recipe.engine
+    if e.kind == "deepspeed" and e.zero_stage == 3 and recipe.model.checkpoint is None:
+        return ("Start-up: ZeRO-3 builds the model inside deepspeed.zero.Init, so each process only ever "
+                "holds its partition of the parameters.")
+    if recipe.task.kind == "qlora":
+        return ("Start-up: QLoRA builds the model on the meta device and materialises and quantizes it one "
+                "module at a time (a checkpoint is loaded 4-bit by transformers), so no process holds the "
+                "whole 16-bit model.")
+    full = DTYPE_BYTES[recipe.model.dtype] * total_params
+    return (f"Start-up: every process builds the whole model in {recipe.model.dtype} before the engine sees "
+            f"it: about {full / GIB:,.1f} GiB per process.")
+
+
+def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
+    """What a recipe would take per rank and per step, without training.
+
+    Args:
+        recipe: a validated recipe.
+        world_size: data-parallel ranks (GPUs) the recipe would run on.
+    Returns:
+        A JSON-serialisable dict; every figure is an estimate with a `source` string beside it.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size {world_size} must be >= 1; pass the number of data-parallel ranks")
+    shape = resolve_shape(recipe.model)
+    # Parameter shapes depend on neither the attention kernel nor recomputation; building with sdpa
+    # works without flash-attn installed (flash2 recipes plan on a laptop).
+    meta_model = dataclasses.replace(recipe.model, attention="sdpa", recompute=False)
+    census = _census(build_model(dataclasses.replace(recipe, model=meta_model), meta=True), recipe)
+    analytic = analytic_params(shape, recipe)
+    train, engine = recipe.train, recipe.engine
+    tokens_per_step = train.micro_batch_size * train.grad_accum * recipe.data.seq_len * world_size
+    states = _model_states(recipe, census, world_size)
+    activations = _activations(recipe, shape)
+    used = activations["used"]
+    gpu_total = (states["per_rank"]["total"]["gpu_bytes"] + activations["hf_llama"][used]["value"]
+                 + activations["logits_loss"]["value"])
+    notes = [
+        "All figures are analytic estimates, not measurements; run the recipe to measure.",
+        "GPU total excludes communication buckets, ZeRO-3 gathered layers, allocator fragmentation and "
+        "the CUDA context.",
+        "Korthikanti et al.'s eq. 1 is for a GPT layer (4h GeLU MLP, dropout); the HF Llama count adds "
+        "SwiGLU's I-wide tensors and fp32 RMSNorm copies, matches autograd's saved tensors on CPU within 3% "
+        "(tests/test_plan.py) and is the one summed into the GPU total.",
+        _startup_note(recipe, census["total"]),
+    ]
+    if recipe.task.kind != "pretrain":
+        notes.append("LoRA/QLoRA activations are an upper bound: frozen linears need not save their inputs.")
+    if engine.kind == "deepspeed" and engine.zero_stage == 0 and recipe.model.dtype == "bf16":
+        notes.append("DeepSpeed bf16 at stage 0 uses BF16_Optimizer, which partitions fp32 master/optimizer "
+                     "states like stage 1 and adds a 4 B/param fp32 gradient buffer; the figure shown is the "
+                     "unpartitioned ZeRO-paper baseline.")
+    if engine.offload != "none":
+        notes.append("ZeRO-Offload also streams gradients to host memory; the GPU gradient row is an upper bound.")
+    model = recipe.model
+    return {
+        "schema_version": PLAN_SCHEMA_VERSION,
+        "estimate": True,
+        "recipe": {
+            "model": model.name, "task": recipe.task.kind, "dtype": model.dtype, "attention": model.attention,
+            "recompute": model.recompute, "engine": engine.kind, "zero_stage": engine.zero_stage,
+            "offload": engine.offload, "seq_len": recipe.data.seq_len,
+            "micro_batch_size": train.micro_batch_size, "grad_accum": train.grad_accum,
+        },
+        "world_size": world_size,
+        "shape": {**dataclasses.asdict(shape), "head_dim": shape.head_dim},
+        "params": {
+            "total": _figure(census["total"], "count_params(build_model(recipe, meta=True))", "params"),
+            "trainable": _figure(census["trainable"], "count_params(build_model(recipe, meta=True))", "params"),
+            "analytic_total": _figure(analytic["total"], ANALYTIC_PARAMS_SOURCE, "params"),
+            "analytic_trainable": _figure(analytic["trainable"], ANALYTIC_PARAMS_SOURCE, "params"),
+            "analytic_matches": analytic == {"total": census["total"], "trainable": census["trainable"]},
+        },
+        "model_states": {**states, "deepspeed_estimator": _deepspeed_estimate(recipe, census, world_size)},
+        "activations": activations,
+        "gpu_total_per_rank": _figure(
+            int(gpu_total), f"model states on GPU + HF Llama activations ({used}) + logits/loss", "bytes"),
+        "tokens_per_step": _figure(tokens_per_step, "micro_batch_size * grad_accum * seq_len * world_size", "tokens"),
+        "flops": _flops(recipe, shape, census, tokens_per_step),
+        "notes": notes,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------------------
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:,.2f}"
+
+
+def render_plan(plan: dict[str, Any]) -> str:
+    """A plain-text table of a plan for the terminal.
+
+    Args:
+        plan: the dict from `estimate_plan`.
+    Returns:
+        Lines joined with newlines; sizes in GiB (2^30 bytes).
+    """
+    r, p, ms, act = plan["recipe"], plan["params"], plan["model_states"], plan["activations"]
+    lines = [
+        f"Plan (estimates, no training): {r['model']} {r['task']}, {r['dtype']}, attention {r['attention']}, "
+        f"recompute {'on' if r['recompute'] else 'off'}",
+        f"  {r['engine']} ZeRO-{r['zero_stage']}, offload {r['offload']}, {plan['world_size']} data-parallel "
+        f"ranks, seq_len {r['seq_len']}, micro batch {r['micro_batch_size']}, grad accum {r['grad_accum']}",
+        "",
+        f"{'Parameters':<30}{'count':>16}  source",
+    ]
+    for key, label in (("total", "total"), ("trainable", "trainable"), ("analytic_total", "analytic total"),
+                       ("analytic_trainable", "analytic trainable")):
+        lines.append(f"  {label:<28}{p[key]['value']:>16,}  {p[key]['source']}")
+    lines.append(f"  {'analytic matches model':<28}{'yes' if p['analytic_matches'] else 'NO':>16}")
+
+    lines += ["", f"{'Model states per rank':<30}{'GPU GiB':>10}{'CPU GiB':>10}  source"]
+    for key in ("params", "grads", "optimizer", "total"):
+        row = ms["per_rank"][key]
+        lines.append(f"  {key:<28}{_gib(row['gpu_bytes']):>10}{_gib(row['cpu_bytes']):>10}  {row['source']}")
+    lines.append(f"  convention: {ms['convention']}")
+    ds = ms["deepspeed_estimator"]
+    if ds["applicable"]:
+        lines.append(f"  {'DeepSpeed estimator':<28}{_gib(ds['gpu_bytes_per_gpu']):>10}"
+                     f"{_gib(ds['cpu_bytes_per_node']):>10}  {ds['source']}")
+    else:
+        lines.append(f"  DeepSpeed estimator: n/a ({ds['reason']})")
+
+    lines += ["", f"{'Activations per rank':<30}{'GPU GiB':>10}  source"]
+    for key, label in (("no_recompute", "no recompute"), ("full_recompute", "full recompute")):
+        for family, who in (("korthikanti", "paper"), ("hf_llama", "HF count")):
+            mark = " *" if act["used"] == key and family == "hf_llama" else ""
+            fig = act[family][key]
+            lines.append(f"  {f'{label}, {who}{mark}':<28}{_gib(fig['value']):>10}  {fig['source']}")
+    lines.append(f"  {'logits + loss *':<28}{_gib(act['logits_loss']['value']):>10}  {act['logits_loss']['source']}")
+    total = plan["gpu_total_per_rank"]
+    lines.append(f"{'GPU total per rank':<30}{_gib(total['value']):>10}  {total['source']} (rows marked *)")
+
+    fl = plan["flops"]
+    lines += ["", f"{'Compute':<30}{'value':>16}  source"]
+    tps = plan["tokens_per_step"]
+    lines.append(f"  {'tokens per optimizer step':<28}{tps['value']:>16,}  {tps['source']}")
+    for key, label in (("per_token_6n", "FLOPs/token (6N)"), ("per_step_6n", "FLOPs/step (6N)"),
+                       ("per_token_frozen_base", "FLOPs/token (frozen base)"),
+                       ("per_step_frozen_base", "FLOPs/step (frozen base)"),
+                       ("recompute_extra_per_token", "recompute extra FLOPs/token")):
+        if key in fl:
+            lines.append(f"  {label:<28}{fl[key]['value']:>16.3e}  {fl[key]['source']}")
+    lines.append(f"  convention: {fl['convention']}")
+    lines += ["", "Notes"] + [f"  - {n}" for n in plan["notes"]]
+    return "\n".join(lines)
