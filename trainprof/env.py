@@ -74,3 +74,24 @@ def quiet_library_noise() -> None:
     warnings.filterwarnings("ignore", message=r".*(gradient|activation)_checkpointing.* is deprecated",
                             category=FutureWarning)
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+def apply_memory_cap(device: torch.device, cap_gb: float | None) -> None:
+    """On GPU, cap the caching allocator so going past `cap_gb` raises a real CUDA OOM."""
+    if cap_gb is None or device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gb * 2**30 / total), device)
+
+
+def check_memory_cap(device: torch.device, cap_gb: float | None) -> None:
+    """On CPU, raise MemoryError once this process's peak RSS passes `cap_gb` (checked between steps,
+    so a step can overshoot before it is caught)."""
+    if cap_gb is None or device.type == "cuda":
+        return
+    peak = peak_memory_bytes(device)
+    if peak > cap_gb * 2**30:
+        raise MemoryError(
+            f"out of memory: peak RSS {peak / 2**30:.2f} GiB exceeds train.memory_cap_gb={cap_gb} "
+            "(CPU cap, checked after each step)"
+        )

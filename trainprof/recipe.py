@@ -81,6 +81,7 @@ class TrainConfig:
     steps: int = 10  # measured optimizer steps
     warmup_steps: int = 2  # optimizer steps run before measuring
     seed: int = 1234  # seeds Python, NumPy and torch on every rank (model init, data)
+    memory_cap_gb: float | None = None  # per-rank memory cap: GPU allocator cap; CPU peak RSS checked per step
 
 
 @dataclass(kw_only=True)
@@ -394,6 +395,10 @@ def validate(recipe: Recipe) -> None:
     _require(
         0 <= e.zero_stage <= 3,
         f"recipe key 'engine.zero_stage': {e.zero_stage} is out of range; use 0, 1, 2 or 3",
+    )
+    _require(
+        tr.memory_cap_gb is None or tr.memory_cap_gb > 0,
+        f"recipe key 'train.memory_cap_gb': {tr.memory_cap_gb} must be > 0 (or null for no cap)",
     )
     _require(o.lr > 0, f"recipe key 'optimizer.lr': {o.lr} must be > 0")
     _require(o.grad_clip >= 0, f"recipe key 'optimizer.grad_clip': {o.grad_clip} must be >= 0 (0 disables)")

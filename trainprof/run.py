@@ -155,12 +155,14 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
 
     from trainprof.data import build_loader
     from trainprof.engines import build_engine
-    from trainprof.env import collect_env, memory_meter
+    from trainprof.env import apply_memory_cap, check_memory_cap, collect_env, memory_meter
     from trainprof.io import atomic_write_json
     from trainprof.models import count_params, resolve_shape
 
     seed_everything(recipe.train.seed)
+    apply_memory_cap(ctx.device, recipe.train.memory_cap_gb)
     engine = build_engine(recipe, ctx)
+    check_memory_cap(ctx.device, recipe.train.memory_cap_gb)
 
     loader = build_loader(recipe, vocab_size=resolve_shape(recipe.model).vocab_size, rank=ctx.rank,
                           world_size=ctx.world_size)
@@ -175,6 +177,7 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
         record.update(step=step - t.warmup_steps, warmup=step < t.warmup_steps, tokens=tokens_per_step,
                       tokens_per_s=tokens_per_step / (record["wall_ms"] / 1e3))
         steps.append(record)
+        check_memory_cap(ctx.device, t.memory_cap_gb)
         bar.set_postfix(loss=f"{record['loss']:.3f}", ms=f"{record['wall_ms']:.0f}")
         bar.update()
     bar.close()
