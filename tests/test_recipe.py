@@ -172,3 +172,13 @@ def test_cli_bad_recipe_exit_2_one_line_no_traceback(entry):
 
 def test_apply_overrides_creates_sections():
     assert apply_overrides({}, ["train.steps=3"]) == {"train": {"steps": 3}}
+
+
+def test_cli_takes_overrides_after_options(tmp_path):
+    """`trainprof plan R.yaml --nproc 2 key=value`: overrides may follow options."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-m", "trainprof", "plan", str(QUICKSTART), "--nproc", "2", "--json",
+                           "train.micro_batch_size=3"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["tokens_per_step"]["value"] == 3 * 256 * 2

@@ -30,7 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse cannot take positionals after an option (`run R.yaml --nproc 2 k=v`): collect them here
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from trainprof.env import quiet_library_noise
 
     quiet_library_noise()
