@@ -8,7 +8,6 @@ import contextlib
 import datetime as dt
 import os
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -83,20 +82,29 @@ def make_run_dir(recipe: Recipe, ctx) -> Path:
     return Path(name[0])
 
 
-def train_step(engine, batches, grad_accum: int) -> float:
-    """One optimizer step: grad_accum micro batches of forward, backward, step(); the mean loss."""
+def train_step(engine, batches, grad_accum: int, prof=None) -> float:
+    """One optimizer step: grad_accum micro batches of forward, backward, step(); the mean loss.
+    With a Profiler, backward and the engine's step are marked as phases (so ZeRO's post-backward
+    reduction counts as backward and DeepSpeed's optimizer as optimizer) and each micro batch's loss
+    and tokens are recorded."""
     import torch
 
+    phase = prof.phase if prof is not None else (lambda label: contextlib.nullcontext())
     losses = []
     for _ in range(grad_accum):
-        loss = engine.forward(next(batches))
-        engine.backward(loss)
-        engine.step()
+        batch = next(batches)
+        loss = engine.forward(batch)
+        with phase("backward"):
+            engine.backward(loss)
+        with phase("optimizer"):  # runs the optimizer only at the accumulation boundary
+            engine.step()
         losses.append(loss.detach())
+        if prof is not None:
+            prof.record(loss=loss, tokens=batch["input_ids"].numel())
     return float(torch.stack(losses).float().mean())
 
 
-def timed_step(engine, batches, grad_accum: int, device) -> dict[str, Any]:
+def timed_step(engine, batches, grad_accum: int, device, prof=None) -> dict[str, Any]:
     """train_step timed on the host clock between device synchronizations, with its peak memory."""
     import torch
 
@@ -106,7 +114,7 @@ def timed_step(engine, batches, grad_accum: int, device) -> dict[str, Any]:
     reset_peak_memory(device)
     sync()
     start = time.perf_counter()
-    loss = train_step(engine, batches, grad_accum)
+    loss = train_step(engine, batches, grad_accum, prof)
     sync()
     wall_ms = (time.perf_counter() - start) * 1e3
     return {"wall_ms": wall_ms, "loss": loss, "peak_memory_bytes": peak_memory_bytes(device)}
@@ -158,6 +166,7 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
     from trainprof.env import apply_memory_cap, check_memory_cap, collect_env, memory_meter
     from trainprof.io import atomic_write_json
     from trainprof.models import count_params, resolve_shape
+    from trainprof.profiler import Profiler
 
     seed_everything(recipe.train.seed)
     apply_memory_cap(ctx.device, recipe.train.memory_cap_gb)
@@ -166,34 +175,55 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
 
     loader = build_loader(recipe, vocab_size=resolve_shape(recipe.model).vocab_size, rank=ctx.rank,
                           world_size=ctx.world_size)
-    batches = iter(loader)
+    prof = Profiler.for_recipe(engine.loop_module, engine.optimizer, recipe, run_dir=run_dir, device=ctx.device)
+    if isinstance(engine.loop_module, torch.nn.parallel.DistributedDataParallel) and recipe.profile.enabled:
+        prof.watch_ddp(engine.loop_module)
     t = recipe.train
-    tokens_per_step = t.micro_batch_size * t.grad_accum * recipe.data.seq_len * ctx.world_size
-    total = t.warmup_steps + t.steps
     steps: list[dict[str, Any]] = []
-    bar = tqdm(total=total, desc=f"{recipe.output.name}", unit="step", disable=ctx.rank != 0, file=sys.stderr)
-    for step in range(total):
-        record = timed_step(engine, batches, t.grad_accum, ctx.device)
-        record.update(step=step - t.warmup_steps, warmup=step < t.warmup_steps, tokens=tokens_per_step,
-                      tokens_per_s=tokens_per_step / (record["wall_ms"] / 1e3))
-        steps.append(record)
-        check_memory_cap(ctx.device, t.memory_cap_gb)
-        bar.set_postfix(loss=f"{record['loss']:.3f}", ms=f"{record['wall_ms']:.0f}")
-        bar.update()
-    bar.close()
-
-    rank_file = {"rank": ctx.rank, "steps": steps}
-    atomic_write_json(run_dir / f"rank{ctx.rank}.json", rank_file)
-    all_ranks = gather_to_rank0(rank_file, ctx)
+    bar = tqdm(total=t.warmup_steps + t.steps, desc=f"{recipe.output.name}", unit="step",
+               disable=ctx.rank != 0, file=sys.stderr)
+    with prof:
+        batches = prof.wrap_loader(loader)
+        for step in range(t.warmup_steps + t.steps):
+            with prof.step():
+                record = timed_step(engine, batches, t.grad_accum, ctx.device, prof)
+            record.update(step=step - t.warmup_steps, warmup=step < t.warmup_steps)
+            steps.append(record)
+            check_memory_cap(ctx.device, t.memory_cap_gb)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", ms=f"{record['wall_ms']:.0f}")
+            bar.update()
+        bar.close()
+    # the runner's own per-step log (warm-up included), written before the collective merge so a
+    # rank that dies there still leaves it
+    atomic_write_json(run_dir / f"rank{ctx.rank}.json", {"rank": ctx.rank, "steps": steps})
+    measured = [s for s in steps if not s["warmup"]]
+    extra = {
+        "peak_memory_bytes_max": max(s["peak_memory_bytes"] for s in measured),
+        "memory_meter": memory_meter(ctx.device),
+    }
+    rank_extras = gather_to_rank0(extra, ctx)
+    env = collect_env(ctx.device, ctx.world_size)
+    profile = prof.result(recipe=recipe.to_dict(), env=env)  # a collective: every rank merges
+    profile.update(partial=False, engine={"kind": engine.name, "config": engine.config},
+                   params=count_params(engine.module))
     if ctx.rank == 0:
-        profile = build_profile(recipe, collect_env(ctx.device, ctx.world_size), all_ranks,
-                                params=count_params(engine.module), engine_name=engine.name,
-                                engine_config=engine.config, memory_kind=memory_meter(ctx.device))
-        atomic_write_json(run_dir / "profile.json", profile)
+        profile["summary"]["peak_memory_bytes_max"] = max(e["peak_memory_bytes_max"] for e in rank_extras)
+        profile["summary"]["memory_meter"] = extra["memory_meter"]
+        write_run_files(profile, run_dir)
         print(render_summary(profile, run_dir), file=sys.stderr)
+    atomic_write_json(run_dir / f"profile.rank{ctx.rank}.json", prof.rank_result())
     if ctx.distributed:
         torch.distributed.barrier()
     return run_dir
+
+
+def write_run_files(profile: dict[str, Any], run_dir: Path) -> None:
+    """profile.json and what is derived from it (csv tables, summary.md)."""
+    from trainprof.io import atomic_write_json
+    from trainprof.report.summary import write_report
+
+    atomic_write_json(run_dir / "profile.json", profile)
+    write_report(profile, run_dir)
 
 
 def gather_to_rank0(obj: Any, ctx) -> list[Any]:
@@ -206,55 +236,27 @@ def gather_to_rank0(obj: Any, ctx) -> list[Any]:
     return out or []
 
 
-def build_profile(recipe: Recipe, env: dict[str, Any], ranks: list[dict[str, Any]], *, params: dict[str, int],
-                  engine_name: str, engine_config: dict[str, Any], memory_kind: str) -> dict[str, Any]:
-    """Merge per-rank step records into the profile.json document (rank 0)."""
-    measured = [[s for s in r["steps"] if not s["warmup"]] for r in sorted(ranks, key=lambda r: r["rank"])]
-    steps = []
-    for i, rank0_step in enumerate(measured[0]):
-        per_rank = [r[i] for r in measured]
-        steps.append({
-            "step": rank0_step["step"],
-            # a step ends when its slowest rank ends: the collectives make every rank wait for it
-            "wall_ms": max(s["wall_ms"] for s in per_rank),
-            "loss": statistics.fmean(s["loss"] for s in per_rank),
-            "tokens": rank0_step["tokens"],
-            "peak_memory_bytes": max(s["peak_memory_bytes"] for s in per_rank),
-        })
-    walls = [s["wall_ms"] for s in steps]
-    median_ms = statistics.median(walls)
-    return {
-        "schema_version": 1,
-        "partial": False,
-        "recipe": recipe.to_dict(),
-        "env": env,
-        "engine": {"kind": engine_name, "config": engine_config},
-        "params": params,
-        "steps": steps,
-        "summary": {
-            "step_ms": {"min": min(walls), "median": median_ms, "max": max(walls)},
-            "tokens_per_s": steps[0]["tokens"] / (median_ms / 1e3),
-            "tokens_per_s_method": "global tokens per optimizer step / median measured step wall time",
-            "peak_memory_bytes_max": max(s["peak_memory_bytes"] for s in steps),
-            "memory_meter": memory_kind,
-            "loss_first": steps[0]["loss"],
-            "loss_last": steps[-1]["loss"],
-        },
-        "ranks": [
-            {"rank": r["rank"], "step_ms_median": statistics.median(s["wall_ms"] for s in m)}
-            for r, m in zip(sorted(ranks, key=lambda r: r["rank"]), measured)
-        ],
-    }
-
-
 def render_summary(profile: dict[str, Any], run_dir: Path) -> str:
+    """The short table rank 0 prints at the end of a run."""
     s, env = profile["summary"], profile["env"]
+    steps = [st for st in profile["steps"] if not st.get("warmup")]
+    phases = s.get("phases_ms") or {}
+    phase_text = ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if v) or "profiler off"
+    tflops = s.get("achieved_tflops")
+    mfu = s.get("mfu")
     rows = [
         ("run dir", str(run_dir)),
         ("device", f"{env['device']} x {env['world_size']} ({env['timer']} timer)"),
-        ("step ms (min/median/max)", f"{s['step_ms']['min']:.1f} / {s['step_ms']['median']:.1f} / {s['step_ms']['max']:.1f}"),
-        ("tokens/s (global)", f"{s['tokens_per_s']:,.0f}"),
-        ("loss first -> last", f"{s['loss_first']:.4f} -> {s['loss_last']:.4f}"),
+        ("step ms (min/median/max)",
+         f"{s['step_ms']['min']:.1f} / {s['step_ms']['median']:.1f} / {s['step_ms']['max']:.1f}"),
+        ("phases, median ms", phase_text),
+        ("unattributed", f"{100 * s['unattributed_frac']:.2f}% of the step"
+         if s.get("unattributed_frac") is not None else "n/a"),
+        ("tokens/s (all ranks)", f"{s['tokens_per_s']:,.0f}" if s.get("tokens_per_s") else "n/a"),
+        ("achieved TFLOP/s", f"{tflops:.4f}" if tflops is not None else "n/a"),
+        ("MFU", f"{100 * mfu:.1f}%" if mfu is not None else f"n/a ({s.get('mfu_reason', 'no known peak')})"),
+        ("loss first -> last", f"{steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}"
+         if steps and steps[0].get("loss") is not None else "n/a"),
         ("peak memory", f"{s['peak_memory_bytes_max'] / 2**20:,.0f} MiB ({s['memory_meter'].split(':')[0]})"),
         ("params total / trainable", f"{profile['params']['total']:,} / {profile['params']['trainable']:,}"),
     ]

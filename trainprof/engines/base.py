@@ -36,7 +36,8 @@ class Engine(Protocol):
     batches: `loss = forward(batch)`, `backward(loss)`, `step()`; `step()` runs the optimizer only at
     the accumulation boundary (the last micro batch), as DeepSpeed's engine does."""
 
-    module: torch.nn.Module  # the model itself (peft-wrapped if LoRA): what profiler hooks attach to
+    module: torch.nn.Module  # the model itself (peft-wrapped if LoRA)
+    loop_module: torch.nn.Module  # what forward() calls: the model, or its DDP wrapper (profiler target)
     optimizer: Any  # the optimizer object that runs at the boundary (torch or DeepSpeed ZeRO)
     name: str  # "deepspeed" | "torch"
     config: dict[str, Any]  # what the engine was configured with (the DeepSpeed config dict, ...)

@@ -62,6 +62,7 @@ class DeepSpeedEngine:
             model=model, model_parameters=trainable, config=self.config
         )
         self.module = self.engine.module
+        self.loop_module = self.module  # the DeepSpeed engine's own forward is bookkeeping around it
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         batch = {k: v.to(self.engine.device, non_blocking=True) for k, v in batch.items()}

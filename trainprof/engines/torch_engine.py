@@ -33,6 +33,7 @@ class TorchEngine:
             self.model = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None
             )
+        self.loop_module = self.model
         o = recipe.optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
