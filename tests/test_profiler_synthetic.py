@@ -1,0 +1,172 @@
+"""The profiler against ground truth: a synthetic model whose modules wait known (and recorded)
+durations in forward and backward, nested, with a module called twice and a checkpointed block.
+
+Tolerances from issue 3: every module's forward / backward / recompute within 5%, the step closes
+within 2% (unattributed_ms / wall_ms). Each step is compared with what its own waits really took, and
+the median over steps of the relative error must be within 5%: a loaded CI machine can preempt the
+process in one step, which is noise in the machine, not in the attribution.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from helpers.checks import check_closure, module_rows_per_step, retry_on_noise
+from helpers.checks import check_modules as _check_modules
+from helpers.synthetic import Synthetic, phase_truth_ms, train, truth_ms
+
+REL = 0.05  # phase times within 5%
+ABS_MS = 0.15
+
+
+@pytest.fixture(autouse=True)
+def _quiet_process():
+    """One intra-op thread and, where permitted, a higher scheduling priority: timing tests."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        os.nice(-5)
+        raised = True
+    except OSError:
+        raised = False
+    yield
+    torch.set_num_threads(threads)
+    if raised:
+        os.nice(5)
+
+
+def _modules(result: dict) -> dict[str, dict]:
+    return {m["name"]: m for m in result["modules"]}
+
+
+def assert_close(measured: float, truth: float, what: str, rel: float = REL) -> None:
+    if truth == 0:
+        assert abs(measured) < ABS_MS, f"{what}: measured {measured:.3f} ms where nothing ran"
+    else:
+        assert abs(measured - truth) <= rel * truth, f"{what}: measured {measured:.3f} ms, truth {truth:.3f} ms"
+
+
+def check_modules(prof, ledger: list, names: list[str]) -> None:
+    rows, index = module_rows_per_step(prof)
+    _check_modules(rows, index, ledger, names)
+
+
+LEAVES = ["embed", "block.own", "block.inner1", "block.inner2", "shared", "ckpt.body", "head"]
+PARENTS = ["", "block", "ckpt"]
+
+
+def test_module_phase_times_recovered_with_recompute_and_called_twice():
+    def run() -> None:
+        model = Synthetic()
+        prof, ledger = train(model, {"module_depth": 2}, steps=5)
+        result = prof.result()
+        check_modules(prof, ledger, LEAVES + PARENTS)
+        mods = _modules(result)
+        assert mods["shared"]["calls"] == 2 and mods["embed"]["calls"] == 1
+        # self time of a parent is its own work only: block's own child is measured, so block's self ~ 0
+        assert abs(mods["block"]["self_forward_ms"]) < 0.3 and abs(mods["block"]["self_backward_ms"]) < 0.3
+        # the checkpointed body re-ran once inside backward: recompute, not forward
+        assert mods["ckpt.body"]["recompute_calls"] == 1 and mods["ckpt.body"]["calls"] == 1
+        s = result["summary"]["phases_ms"]
+        for phase in ("data_wait", "optimizer", "recompute", "forward", "backward"):
+            assert_close(s[phase], phase_truth_ms(ledger, phase), f"phase {phase}")
+        check_closure(result)
+        assert result["env"]["timer"] == "host"
+
+    retry_on_noise(run)
+
+
+def test_reentrant_checkpoint_is_recompute():
+    def run() -> None:
+        model = Synthetic(reentrant=True)
+        prof, ledger = train(model, {"module_depth": 2, "flops": False}, warmup=0, steps=3)
+        result = prof.result()
+        check_modules(prof, ledger, ["ckpt.body", "head", ""])
+        mods = _modules(result)
+        # reentrant checkpointing re-runs the body in its own backward and backpropagates through it in a
+        # nested graph task: recompute and backward still land on the body, and the wrapper's backward
+        # holds the body's plus the checkpoint machinery's own (sub-ms) work
+        assert_close(mods["ckpt"]["recompute_ms"], truth_ms(ledger, "ckpt", "recompute"), "ckpt recompute")
+        assert 0 <= mods["ckpt"]["self_backward_ms"] < 1.5
+        check_closure(result)
+
+    retry_on_noise(run)
+
+
+def test_gradient_accumulation_is_one_step():
+    def run() -> None:
+        model = Synthetic()
+        prof, ledger = train(model, {"module_depth": 2, "flops": False}, warmup=0, steps=3, grad_accum=2)
+        result = prof.result()
+        assert len(result["steps"]) == 3
+        mods = _modules(result)
+        assert mods["shared"]["calls"] == 4 and mods["embed"]["calls"] == 2 and mods[""]["calls"] == 2
+        check_modules(prof, ledger, LEAVES + PARENTS)
+        assert_close(result["summary"]["phases_ms"]["optimizer"], phase_truth_ms(ledger, "optimizer"), "optimizer")
+        assert result["steps"][0]["tokens"] == 4  # two micro batches of 2, recorded by the loop
+        check_closure(result)
+
+    retry_on_noise(run)
+
+
+def test_lora_on_frozen_base_times_backward_per_module():
+    def run() -> None:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        model = Synthetic()
+        model = inject_adapter_in_model(LoraConfig(r=2, lora_alpha=4, target_modules=["proj"], lora_dropout=0.0), model)
+        for name, p in model.named_parameters():
+            p.requires_grad = "lora_" in name
+        # the first module's input is data (no grad) and its base weights are frozen: only the adapter trains
+        prof, ledger = train(model, {"module_depth": 3, "flops": False}, warmup=0, steps=3)
+        result = prof.result()
+        check_modules(prof, ledger, LEAVES + PARENTS)
+        mods = _modules(result)
+        assert mods["embed.proj"]["params_trainable"] < mods["embed.proj"]["params"]
+        check_closure(result)
+
+    retry_on_noise(run)
+
+
+def _hook_state(model: torch.nn.Module) -> dict:
+    state = {}
+    for name, mod in model.named_modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                     "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
+                     "_state_dict_hooks", "_load_state_dict_pre_hooks"):
+            state[(name, attr)] = list(getattr(mod, attr, {}).keys())
+    for name, p in model.named_parameters():
+        state[(name, "_post_accumulate_grad_hooks")] = list((p._post_accumulate_grad_hooks or {}).keys())
+        state[(name, "_backward_hooks")] = list((p._backward_hooks or {}).keys())
+    return state
+
+
+def test_close_removes_every_hook():
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from trainprof.profiler import Profiler
+
+    model = Synthetic()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.register_forward_hook(lambda *a: None)  # a user's own hook must survive
+    before = _hook_state(model)
+    opt_before = (list(opt._optimizer_step_pre_hooks), list(opt._optimizer_step_post_hooks), dict(opt.__dict__))
+    dist_before = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast")}
+    c10d_before = c10d.all_gather_into_tensor
+    backward_before = torch.autograd.backward
+    with Profiler(model, optimizer=opt, module_depth=5) as prof:
+        assert _hook_state(model) != before
+        assert dist.all_reduce is not dist_before["all_reduce"]
+        assert "step" in opt.__dict__ and torch.autograd.backward is not backward_before
+        with prof.step():
+            model(torch.randn(2, 8)).backward()
+            opt.step()
+    assert _hook_state(model) == before
+    assert (list(opt._optimizer_step_pre_hooks), list(opt._optimizer_step_post_hooks), dict(opt.__dict__)) == opt_before
+    assert {name: getattr(dist, name) for name in dist_before} == dist_before
+    assert c10d.all_gather_into_tensor is c10d_before
+    assert torch.autograd.backward is backward_before

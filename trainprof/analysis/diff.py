@@ -1,0 +1,233 @@
+"""Run-to-run diff: per-phase, per-module (and per model part) time of run B against run A, with a
+verdict against a noise band. Modules are matched by name; what exists on one side only is listed.
+
+Statistic: `median` compares the profiles' own figures (medians over the measured, uninstrumented
+steps; for modules the median over ranks of those). `min` compares the fastest measured step of each
+row (per-step series: steps[].phases_ms, and steps[].modules_ms where the profile has it, rank 0):
+on a shared machine, time stolen by other processes only ever adds, so the minimum over steps is the
+most repeatable estimate of a row's own cost (as timeit does).
+
+Verdict: change = B / A - 1. |change| <= band is "within noise"; rows below `min_ms` in both runs are
+"too small" (a preemption of a millisecond is most of them). The default band and floor are measured
+(docs/reports.md: identical runs diffed against each other).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other")
+MODULE_PHASES = ("forward", "backward", "recompute")
+STATS = ("median", "min")
+DEFAULT_BAND = {"median": 0.25, "min": 0.15}  # measured, see docs/reports.md
+DEFAULT_MIN_MS = 0.5
+
+
+@dataclass
+class DiffRow:
+    """One compared figure. change = b/a - 1 (negative: B is faster); speedup = a/b."""
+
+    kind: str  # "step" | "phase" | "part" | "module"
+    name: str
+    phase: str
+    a_ms: float | None
+    b_ms: float | None
+    verdict: str = ""
+    spread_a: float | None = None  # step-to-step relative IQR, where per-step values exist
+    spread_b: float | None = None
+
+    @property
+    def change(self) -> float | None:
+        return self.b_ms / self.a_ms - 1 if self.a_ms and self.b_ms is not None else None
+
+    @property
+    def speedup(self) -> float | None:
+        return self.a_ms / self.b_ms if self.a_ms is not None and self.b_ms else None
+
+    @property
+    def faster_by(self) -> float | None:
+        """(A - B) / A: "B is X% faster" in the seed research's sense (time saved)."""
+        c = self.change
+        return None if c is None else -c
+
+
+@dataclass
+class ProfileDiff:
+    """The result of `diff_profiles`; rows in display order."""
+
+    stat: str
+    band: float
+    min_ms: float
+    steps: list[DiffRow] = field(default_factory=list)
+    phases: list[DiffRow] = field(default_factory=list)
+    parts: list[DiffRow] = field(default_factory=list)
+    modules: list[DiffRow] = field(default_factory=list)
+    only_a: list[str] = field(default_factory=list)
+    only_b: list[str] = field(default_factory=list)
+    recipe_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def rows(self) -> list[DiffRow]:
+        return [*self.steps, *self.phases, *self.parts, *self.modules]
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def recipe_changes(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[tuple[str, Any, Any]]:
+    """Dotted recipe keys whose values differ (output.* left out: names and dirs always differ)."""
+    fa, fb = _flatten(a or {}), _flatten(b or {})
+    keys = sorted(set(fa) | set(fb))
+    return [(k, fa.get(k), fb.get(k)) for k in keys if fa.get(k) != fb.get(k) and not k.startswith("output.")]
+
+
+def used_steps(profile: dict[str, Any]) -> list[dict[str, Any]]:
+    """The steps the profile's medians use: measured, not instrumented (all measured if every one was)."""
+    measured = [s for s in profile.get("steps") or [] if not s.get("warmup") and s.get("step", 0) >= 0]
+    clean = [s for s in measured if not s.get("instrumented")]
+    return clean or measured
+
+
+def _spread(values: list[float]) -> float | None:
+    """Relative interquartile range of per-step values (None with fewer than 4)."""
+    if len(values) < 4:
+        return None
+    q = statistics.quantiles(values, n=4)
+    med = statistics.median(values)
+    return (q[2] - q[0]) / med if med else None
+
+
+def _stat(values: list[float], stat: str) -> float | None:
+    if not values:
+        return None
+    return min(values) if stat == "min" else float(statistics.median(values))
+
+
+def _module_series(profile: dict[str, Any]) -> dict[tuple[str, str], list[float]] | None:
+    """(module, phase) -> per-step ms from steps[].modules_ms (None when the profile has none)."""
+    steps = used_steps(profile)
+    if not steps or not all("modules_ms" in s for s in steps):
+        return None
+    out: dict[tuple[str, str], list[float]] = {}
+    for s in steps:
+        for name, values in s["modules_ms"].items():
+            for i, phase in enumerate(MODULE_PHASES):
+                v = values[i] if isinstance(values, (list, tuple)) else values.get(phase, 0.0)
+                out.setdefault((name, phase), []).append(v)
+    # a module that did not run in a step counts as 0 there, as in the profile's medians
+    for series in out.values():
+        series.extend([0.0] * (len(steps) - len(series)))
+    return out
+
+
+def _verdict(row: DiffRow, band: float, min_ms: float) -> str:
+    if row.a_ms is None or row.b_ms is None:
+        return "only in A" if row.b_ms is None else "only in B"
+    if max(row.a_ms, row.b_ms) < min_ms:
+        return "too small"
+    c = row.change
+    if c is None:
+        return "new in B"
+    if c < -band:
+        return "faster"
+    if c > band:
+        return "slower"
+    return "within noise"
+
+
+def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median", band: float | None = None,
+                  min_ms: float = DEFAULT_MIN_MS,
+                  parts: list[tuple[str, Callable[[dict[str, Any]], bool]]] | None = None) -> ProfileDiff:
+    """Compare run B against run A.
+
+    Args:
+        a, b: profile.json documents (older ones without phases/modules give fewer rows, with a note).
+        stat: "median" (the profiles' figures) or "min" (fastest measured step per row).
+        band: relative change counted as noise (default DEFAULT_BAND[stat]).
+        min_ms: rows where both runs are below this many ms per step are "too small".
+        parts: (label, module predicate) groups summed per phase (outermost matching modules only),
+            e.g. trainprof.report.summary.CATEGORIES.
+    Returns:
+        The diff; `rows()` lists every compared figure.
+    """
+    if stat not in STATS:
+        raise ValueError(f"stat '{stat}' is not one of {', '.join(STATS)}")
+    band = DEFAULT_BAND[stat] if band is None else band
+    out = ProfileDiff(stat=stat, band=band, min_ms=min_ms, recipe_changes=recipe_changes(a.get("recipe"),
+                                                                                          b.get("recipe")))
+    steps_a, steps_b = used_steps(a), used_steps(b)
+
+    def series_row(kind: str, name: str, phase: str, get: Callable[[dict[str, Any]], float | None],
+                   summary_a: float | None, summary_b: float | None) -> DiffRow:
+        va = [v for v in (get(s) for s in steps_a) if v is not None]
+        vb = [v for v in (get(s) for s in steps_b) if v is not None]
+        if stat == "median" and summary_a is not None and summary_b is not None:
+            ra, rb = summary_a, summary_b
+        else:
+            ra, rb = _stat(va, stat), _stat(vb, stat)
+        return DiffRow(kind, name, phase, ra, rb, spread_a=_spread(va), spread_b=_spread(vb))
+
+    sa, sb = a.get("summary") or {}, b.get("summary") or {}
+    out.steps.append(series_row("step", "step", "wall", lambda s: s.get("wall_ms"),
+                                (sa.get("step_ms") or {}).get("median"), (sb.get("step_ms") or {}).get("median")))
+    has_phases = all(s and "phases_ms" in s[0] for s in (steps_a, steps_b))
+    if has_phases:
+        for phase in PHASES:
+            out.phases.append(series_row("phase", phase, phase, lambda s, p=phase: s["phases_ms"].get(p),
+                                         (sa.get("phases_ms") or {}).get(phase), (sb.get("phases_ms") or {}).get(phase)))
+    else:
+        out.notes.append("phases: at least one run has no per-step phase breakdown (an older run dir)")
+
+    mods_a = {m["name"]: m for m in a.get("modules") or []}
+    mods_b = {m["name"]: m for m in b.get("modules") or []}
+    if not mods_a or not mods_b:
+        out.notes.append("modules: at least one run has no module times (an older run dir, or the profiler off)")
+    series_a, series_b = _module_series(a), _module_series(b)
+    if stat == "min" and (series_a is None or series_b is None) and mods_a and mods_b:
+        out.notes.append("modules: per-step module times are missing in at least one run, so module rows use "
+                         "the profiles' medians, not the minimum")
+
+    def module_value(mods: dict[str, dict[str, Any]], series: dict | None, name: str, phase: str) -> float | None:
+        if name not in mods:
+            return None
+        if stat == "min" and series is not None and (name, phase) in series:
+            return min(series[(name, phase)])
+        return mods[name].get(f"{phase}_ms")
+
+    for label, match in parts or []:
+        for phase in MODULE_PHASES:
+            values = []
+            for mods, series in ((mods_a, series_a), (mods_b, series_b)):
+                members = [m for m in mods.values() if match(m)]
+                names = {m["name"] for m in members}
+                members = [m for m in members if not any(m["name"].startswith(n + ".") for n in names if n)]
+                values.append(sum(module_value(mods, series, m["name"], phase) or 0.0 for m in members)
+                              if members else None)
+            if any(values) and None not in values:
+                out.parts.append(DiffRow("part", label, phase, values[0], values[1]))
+
+    for name in [*mods_a, *(n for n in mods_b if n not in mods_a)]:
+        if name not in mods_a or name not in mods_b:
+            continue
+        for phase in MODULE_PHASES:
+            va, vb = module_value(mods_a, series_a, name, phase), module_value(mods_b, series_b, name, phase)
+            if not va and not vb:
+                continue
+            row = DiffRow("module", name, phase, va, vb)
+            if series_a is not None and series_b is not None:
+                row.spread_a = _spread(series_a.get((name, phase), []))
+                row.spread_b = _spread(series_b.get((name, phase), []))
+            out.modules.append(row)
+    out.only_a = [n for n in mods_a if n not in mods_b]
+    out.only_b = [n for n in mods_b if n not in mods_a]
+    for row in out.rows():
+        row.verdict = _verdict(row, band, min_ms)
+    return out

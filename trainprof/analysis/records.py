@@ -1,0 +1,28 @@
+"""The record format shared by the profiler (which writes it) and the analysis (which reads it): module
+descriptions and the event codes of a step's timeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Module events: (code, module index, stamp)
+F_OPEN, F_CLOSE = 0, 1  # forward call of a module (pre / post forward hook)
+R_OPEN, R_CLOSE = 2, 3  # forward call re-run inside backward: activation recomputation
+B_OPEN, B_CLOSE = 4, 5  # backward of one module call (see profiler/hooks.py for how begin and end are found)
+# Phase regions: (code, label, stamp); labels are profile.json phase names
+REGION_OPEN, REGION_CLOSE = 6, 7
+
+MODULE_OPEN = {F_OPEN: "forward", R_OPEN: "recompute", B_OPEN: "backward"}
+MODULE_CLOSE = {F_CLOSE: "forward", R_CLOSE: "recompute", B_CLOSE: "backward"}
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleInfo:
+    index: int
+    name: str  # as in named_modules(); "" is the model itself
+    type: str
+    depth: int  # 0 = the model passed to the Profiler
+    parent: int  # index of the parent module, -1 for the model
+    params: int  # logical elements, children included (ZeRO-3: full ds_numel; 4-bit: unpacked count)
+    params_trainable: int
+    params_local: int  # elements this rank stores (a ZeRO-3 shard; packed 4-bit storage)

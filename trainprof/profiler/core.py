@@ -1,0 +1,467 @@
+"""`Profiler`: the front class users and the runner call in a training loop. It owns the hooks, the
+timer, the collective wrappers, memory and FLOP counting, and delegates analysis to trainprof.analysis.
+
+    with Profiler(model, optimizer=opt) as prof:
+        for batch in prof.wrap_loader(loader):
+            with prof.step():                     # one optimizer step (all its micro batches)
+                loss = model(**batch).loss
+                loss.backward()
+                opt.step(); opt.zero_grad()
+    prof.result()                                 # the profile.json dict
+    prof.save("runs/my-run")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from trainprof.analysis.aggregate import StepRecord
+from trainprof.analysis.breakdown import CommEvent, analyze_step
+from trainprof.profiler.comm import CommTracer, comm_total_ms
+from trainprof.profiler.flops import FlopCounter, analytic_flops
+from trainprof.profiler.hooks import ModuleHooks
+from trainprof.profiler.log import REGION_CLOSE, REGION_OPEN, StepLog
+from trainprof.profiler.memory import PhaseMemory, model_state_bytes
+from trainprof.profiler.ops import OpTracer, range_names, region_range_name
+from trainprof.profiler.patches import wrap_autograd_backward, wrap_optimizer_method
+from trainprof.profiler.result import profile_env, rank_profile
+from trainprof.profiler.timers import make_timer
+
+REGION_LABELS = ("data_wait", "forward", "backward", "recompute", "optimizer", "other")
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class Profiler:
+    """Hook-based step profiler: module x phase, operators, optimizer, communication, data wait,
+    memory and FLOPs per optimizer step, with phases that add up to the step's wall time.
+
+    Args:
+        model: the module the loop calls (engine.module for DeepSpeed; the DDP wrapper for DDP; the peft
+            wrapper for LoRA).
+            Create the Profiler after deepspeed.initialize so its hooks wrap ZeRO-3's.
+        optimizer: a torch optimizer (its step() and zero_grad() are timed as the optimizer phase) or
+            any other object (e.g. a DeepSpeed ZeRO optimizer: wrap engine.step() in
+            `prof.phase("optimizer")`); used for model-state bytes.
+        module_depth: deepest module level timed (0 = the model itself).
+        enabled: False installs nothing and records only step wall times.
+        warmup_steps: leading `step()`s that are not measured (the last one counts FLOPs).
+        active_steps: measured steps after warm-up (None: every step).
+        flops: count FLOPs on one step (the last warm-up step, else the first step, then flagged).
+        ops: trace aten operators with torch.profiler on `ops_steps` measured steps.
+        ops_steps: how many measured steps to trace at operator level.
+        trace_dir: where operator-level steps write Chrome/TensorBoard traces (None: not written).
+        memory: measure peak memory per phase.
+        comm: wrap torch.distributed collectives.
+        device: the compute device (default: the model's first parameter's device).
+        rank, world_size: default from torch.distributed (or RANK/WORLD_SIZE).
+        recipe, env: put into the result as `recipe` and merged into `env`.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any = None, *, module_depth: int = 3,
+                 enabled: bool = True, warmup_steps: int = 0, active_steps: int | None = None,
+                 flops: bool = True, ops: bool = False, ops_steps: int = 1,
+                 trace_dir: str | Path | None = None, memory: bool = True, comm: bool = True,
+                 device: torch.device | str | None = None, rank: int | None = None,
+                 world_size: int | None = None, recipe: dict[str, Any] | None = None,
+                 env: dict[str, Any] | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.module_depth = module_depth
+        self.enabled = enabled
+        self.warmup_steps = warmup_steps
+        self.active_steps = active_steps
+        self.count_flops = flops and enabled
+        self.ops = ops and enabled
+        self.ops_steps = ops_steps
+        self.device = torch.device(device) if device is not None else _model_device(model)
+        dist_rank, dist_world = _dist_rank_world()
+        self.rank = dist_rank if rank is None else rank
+        self.world_size = dist_world if world_size is None else world_size
+        self.recipe = recipe
+        self.extra_env = dict(env or {})
+        self.timer = make_timer(self.device)
+        self.log = StepLog()
+        self.steps: list[StepRecord] = []
+        self._step_index = 0
+        self._pending_fetch: tuple[Any, Any] | None = None
+        self._regions: list[tuple[str, Any]] = []  # open phase regions: (label, record_function handle)
+        self._step_loss: list[Any] = []
+        self._step_tokens: int | None = None
+        self.flops: dict[str, Any] | None = None
+        self.ops_rows: list[list[dict[str, Any]]] = []
+        self._ops_done = 0
+        self.grads_bytes: int | None = None
+        self.flops_running = False
+        self._seq_len: int | None = None
+        self._undo: list[Any] = []  # callables that remove the call wrappers
+        self._closed = False
+        self.memory = PhaseMemory(self.device) if (memory and enabled) else None
+        self.hooks: ModuleHooks | None = None
+        self.comm: CommTracer | None = None
+        self._op_tracer = OpTracer(cuda=self.device.type == "cuda", trace_dir=trace_dir, rank=self.rank)
+        if not enabled:
+            return
+        self.hooks = ModuleHooks(model, module_depth, self.log, self.timer.now,
+                                 on_root=self._on_root if self.memory else None)
+        self._range_names = range_names(self.hooks.modules)
+        if comm:
+            self.comm = CommTracer(self.log, self.timer.now, self.hooks.current, host_timer=self.timer.kind == "host")
+        active = self._recording
+        self._undo.append(wrap_autograd_backward(self._phase, active))
+        if isinstance(optimizer, torch.optim.Optimizer):
+            for method in ("step", "zero_grad"):
+                self._undo.append(wrap_optimizer_method(optimizer, method, self._phase, active))
+
+    @classmethod
+    def for_recipe(cls, model: torch.nn.Module, optimizer: Any, recipe: Any, *,
+                   run_dir: str | Path | None = None, **overrides: Any) -> Profiler:
+        """The Profiler a recipe asks for: its `profile:` section and its warm-up / measured steps.
+
+        `profile.module_depth` counts from the transformer (LlamaForCausalLM = 0): wrapper levels are
+        added (DDP: 1, peft's PeftModel -> LoraModel: 2), so one depth means the same modules for every
+        engine and task. Pass DDP itself (not .module), so DDP's own forward work (buffer broadcast,
+        reducer bookkeeping) lands in the forward phase, and call `watch_ddp`. Operator traces go to
+        <run_dir>/tb when `profile.ops` is on.
+
+        Args:
+            model: the module the loop calls (engine.module).
+            optimizer: the engine's optimizer.
+            recipe: a trainprof.recipe.Recipe.
+            run_dir: the run directory (for traces).
+            overrides: any constructor keyword, applied last.
+        """
+        p, t = recipe.profile, recipe.train
+        inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        wrapper_levels = (1 if inner is not model else 0)  # DDP -> module
+        wrapper_levels += 2 if hasattr(inner, "get_base_model") else 0  # peft: PeftModel -> LoraModel -> model
+        kwargs: dict[str, Any] = dict(
+            module_depth=p.module_depth + wrapper_levels, enabled=p.enabled, ops=p.ops, ops_steps=p.ops_steps,
+            warmup_steps=t.warmup_steps, active_steps=t.steps, recipe=recipe.to_dict(),
+            trace_dir=(Path(run_dir) / "tb") if (run_dir is not None and p.ops) else None,
+        )
+        kwargs.update(overrides)
+        return cls(model, optimizer, **kwargs)
+
+    def _recording(self) -> bool:
+        return self.log.active and not self._closed
+
+    def _may_record(self) -> bool:
+        """Whether the current or a later step can still be recorded."""
+        if self.log.active:
+            return True
+        if self._closed:
+            return False
+        return self.active_steps is None or self._step_index < self.warmup_steps + self.active_steps
+
+    # -- context manager / lifetime ----------------------------------------------------------------
+
+    def __enter__(self) -> Profiler:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove every hook and wrapper this Profiler added; results stay readable."""
+        if self._closed:
+            return
+        self._closed = True
+        self.log.active = False
+        if self.hooks is not None:
+            self.hooks.close()
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        if self.comm is not None:
+            self.comm.close()
+        if self.memory is not None:
+            self.memory.close()
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def wrap_loader(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """Yield the loader's batches, timing each `next()` as data_wait (of the step it feeds)."""
+        it = iter(loader)
+        now = self.timer.now
+        while True:
+            if not self._may_record():  # past the measured steps: no stamps (CUDA events would pile up)
+                try:
+                    yield next(it)
+                except StopIteration:
+                    return
+                continue
+            t0 = now()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            t1 = now()
+            if self.log.active:
+                self.log.events.append((REGION_OPEN, "data_wait", t0))
+                self.log.events.append((REGION_CLOSE, "data_wait", t1))
+            else:
+                self._pending_fetch = (t0, t1)
+            yield batch
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[Profiler]:
+        """One optimizer step, all its micro batches included. A batch fetched through `wrap_loader`
+        since the previous step counts as this step's data_wait and its start as the step's start."""
+        index = self._step_index
+        self._step_index += 1
+        pending, self._pending_fetch = self._pending_fetch, None
+        warm = index < self.warmup_steps
+        measured = not warm and (self.active_steps is None or index - self.warmup_steps < self.active_steps)
+        flops_step = (self.count_flops and self.flops is None and not self._closed
+                      and index == max(self.warmup_steps - 1, 0))
+        if self._closed or not (measured or flops_step):
+            yield self
+            return
+        ops_step = self.ops and measured and not flops_step and self._ops_done < self.ops_steps
+        log = self.log
+        log.clear()
+        self._step_loss, self._step_tokens = [], None
+        if self.hooks is not None:
+            self.hooks.reset_step()
+        if self.memory is not None:
+            self.memory.start_step()
+        if ops_step:
+            self.hooks.range_names = self._range_names
+            self._op_tracer.start()
+        counter = None
+        if flops_step:
+            counter = FlopCounter(self._where)
+            counter.__enter__()
+            self.flops_running = True
+        origin = pending[0] if pending is not None else self.timer.now()
+        if pending is not None:
+            log.events.append((REGION_OPEN, "data_wait", pending[0]))
+            log.events.append((REGION_CLOSE, "data_wait", pending[1]))
+        log.active = True
+        try:
+            yield self
+        finally:
+            end = self.timer.now()
+            log.active = False
+            if counter is not None:
+                counter.__exit__(None, None, None)
+                self.flops_running = False
+            self._regions.clear()
+            instrumented = []
+            if flops_step:
+                instrumented.append("flops")
+            ops_rows = None
+            if ops_step:
+                self.hooks.range_names = None
+                ops_rows = self._op_tracer.stop(index - self.warmup_steps, self._range_names,
+                                                [m.name for m in self.hooks.modules])
+                self.ops_rows.append(ops_rows)
+                self._ops_done += 1
+                instrumented.append("ops")
+            self._finish_step(index, origin, end, warm=not measured, instrumented=instrumented)
+            if counter is not None:
+                self._store_flops(counter)
+
+    def watch_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Make DDP's gradient all-reduces visible: register DDP's own default Python hook
+        (`allreduce_hook`: the same average, through `torch.distributed.all_reduce`, which the Profiler
+        records). Call before the first backward; DDP cannot unregister a hook, so it stays after
+        close() (same math, a little Python per bucket). DDP waits for these in C++ at the end of
+        backward, so that wait shows as backward, not comm_exposed."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp_model.register_comm_hook(None, default_hooks.allreduce_hook)
+
+    def phase(self, label: str) -> contextlib.AbstractContextManager[None]:
+        """Mark a region of the step as a phase: "optimizer" (e.g. around DeepSpeed's engine.step()),
+        "backward" (around engine.backward(loss), so ZeRO's post-backward reduction counts as
+        backward), "forward", "data_wait" or "other"."""
+        if label not in REGION_LABELS:
+            raise ValueError(f"phase '{label}' is not one of {', '.join(REGION_LABELS)}")
+        return self._phase(label)
+
+    @contextlib.contextmanager
+    def _phase(self, label: str) -> Iterator[None]:
+        self._region_open(label)
+        try:
+            yield
+        finally:
+            self._region_close(label)
+
+    def record(self, *, loss: Any = None, tokens: int | None = None) -> None:
+        """Report a micro batch's loss (tensor or float; averaged over the step) and tokens (summed).
+        Without tokens, the profiler counts the `input_ids` elements the model saw."""
+        if loss is not None:
+            self._step_loss.append(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
+        if tokens is not None:
+            self._step_tokens = (self._step_tokens or 0) + int(tokens)
+
+    # -- hook callbacks ----------------------------------------------------------------------------
+
+    def _region_open(self, label: str) -> None:
+        if not self.log.active:
+            return
+        self.log.events.append((REGION_OPEN, label, self.timer.now()))
+        if self.memory is not None:
+            self.memory.begin(label)
+        if label == "optimizer" and self.flops_running:
+            self.grads_bytes = max(self.grads_bytes or 0, model_state_bytes(self.model, self.optimizer)["grads"])
+        tracing = self.hooks is not None and self.hooks.range_names is not None
+        handle = torch.ops.profiler._record_function_enter_new(region_range_name(label), None) if tracing else None
+        self._regions.append((label, handle))
+
+    def _region_close(self, label: str) -> None:
+        if not self.log.active:
+            return
+        for i in range(len(self._regions) - 1, -1, -1):
+            if self._regions[i][0] == label:
+                _, handle = self._regions.pop(i)
+                if handle is not None:
+                    torch.ops.profiler._record_function_exit._RecordFunction(handle)
+                break
+        self.log.events.append((REGION_CLOSE, label, self.timer.now()))
+        if self.memory is not None:
+            self.memory.end(label)
+
+    def _on_root(self, phase: str, begin: bool) -> None:
+        if begin:
+            self.memory.begin(phase)
+        else:
+            self.memory.end(phase)
+
+    def _where(self) -> tuple[int, str]:
+        mi, phase = self.hooks.current()
+        if phase is None:
+            if torch._C._current_graph_task_id() != -1:
+                phase = "backward"
+            elif self._regions:
+                phase = self._regions[-1][0]
+            else:
+                phase = "other"
+        return mi, phase
+
+    # -- per-step analysis -------------------------------------------------------------------------
+
+    def _finish_step(self, index: int, origin: Any, end: Any, *, warm: bool, instrumented: list[str]) -> None:
+        log = self.log
+        stamps: list[Any] = [e[2] for e in log.events]
+        for c in log.comms:
+            stamps.append(c.issue)
+            stamps.append(c.ret)
+            for a, b in c.waits:
+                stamps.extend((a, b))
+            if c.done is not None:
+                stamps.append(c.done)
+        stamps.append(end)
+        ms = iter(self.timer.resolve(origin, stamps))
+        events = [(code, payload, next(ms)) for code, payload, _ in log.events]
+        comms = []
+        for c in log.comms:
+            issue, ret = next(ms), next(ms)
+            waits = [(next(ms), next(ms)) for _ in c.waits]
+            done = next(ms) if c.done is not None else None
+            comms.append(CommEvent(op=c.op, nbytes=c.nbytes, group_size=c.group_size, module=c.module,
+                                   is_async=c.is_async, issue=issue, ret=ret, waits=waits,
+                                   total_ms=comm_total_ms(c, issue, ret, waits, done)))
+        wall_ms = next(ms)
+        self.timer.release()
+        breakdown = analyze_step(events, comms, wall_ms,
+                                 parents=[m.parent for m in self.hooks.modules] if self.hooks is not None else None)
+        losses = [float(x) for x in self._step_loss]
+        self.steps.append(StepRecord(
+            step=index - self.warmup_steps,
+            breakdown=breakdown,
+            loss=statistics.fmean(losses) if losses else None,
+            tokens=self._step_tokens if self._step_tokens is not None else (log.tokens_seen or None),
+            memory=dict(self.memory.peaks) if self.memory is not None else {},
+            instrumented=instrumented,
+            warmup=warm,
+        ))
+        self._seq_len = log.seq_len
+        log.clear()
+
+    def _store_flops(self, counter: FlopCounter) -> None:
+        by_phase: dict[str, int] = {}
+        for (_, phase), n in counter.counts.items():
+            by_phase[phase] = by_phase.get(phase, 0) + n
+        tokens = self.steps[-1].tokens if self.steps else None
+        analytic = analytic_flops(self.model, self._seq_len)
+        if analytic is not None and tokens:
+            analytic["tokens_per_step"] = tokens
+            analytic["flops_per_step"] = analytic["flops_per_token"] * tokens
+        self.flops = {
+            "total": int(sum(counter.counts.values())),
+            "by_phase": by_phase,
+            "counts": dict(counter.counts),
+            "uncounted": dict(counter.uncounted),
+            "analytic": analytic,
+            "step": self.steps[-1].step if self.steps else None,
+        }
+
+    # -- results -----------------------------------------------------------------------------------
+
+    def env(self) -> dict[str, Any]:
+        """The `env` block: library versions, device, world size and the timer used."""
+        return profile_env(self)
+
+    def rank_result(self) -> dict[str, Any]:
+        """This rank's profile (what profile.rank<r>.json holds); no collective."""
+        return rank_profile(self)
+
+    def result(self, *, recipe: dict[str, Any] | None = None, env: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The profile.json dict. With several ranks this is a collective: every rank must call it,
+        and every rank gets the merged profile.
+
+        Args:
+            recipe: the resolved recipe (overrides the constructor's).
+            env: extra env fields (merged over the profiler's own).
+        """
+        from trainprof.analysis.merge import merge_ranks
+
+        if recipe is not None:
+            self.recipe = recipe
+        if env is not None:
+            self.extra_env.update(env)
+        local = self.rank_result()
+        if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            gathered: list[Any] = [None] * self.world_size
+            torch.distributed.all_gather_object(gathered, local)
+            return merge_ranks(gathered)
+        return merge_ranks([local])
+
+    def save(self, run_dir: str | Path, *, recipe: dict[str, Any] | None = None,
+             env: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write this rank's profile.rank<r>.json; rank 0 also writes the merged profile.json,
+        modules.csv, ops.csv, comm.csv and summary.md. A collective with several ranks.
+
+        Returns:
+            The merged profile.
+        """
+        from trainprof.io import atomic_write_json
+        from trainprof.report.summary import write_report
+
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        merged = self.result(recipe=recipe, env=env)
+        atomic_write_json(run_dir / f"profile.rank{self.rank}.json", self.rank_result())
+        if self.rank == 0:
+            atomic_write_json(run_dir / "profile.json", merged)
+            write_report(merged, run_dir)
+        return merged

@@ -1,0 +1,148 @@
+"""FLOPs: counted per (module, phase) on one step with torch.utils.flop_counter's formulas, and the
+analytic PaLM estimate they are cross-checked against.
+
+Counting: a TorchDispatchMode sees every aten op of the step (forward, backward, recompute) and applies
+`torch.utils.flop_counter.flop_registry` (matmul, bmm, convolution, SDPA kernels); each op's FLOPs go
+to the innermost profiled module open at that moment and its phase, so FLOPs and times share one
+attribution. Gaps closed here: the CPU flash-attention kernels
+(`_scaled_dot_product_flash_attention_for_cpu` and its backward) are missing from the registry and
+count 0 there (pytorch#195460); they get flop_counter's own `sdpa_flop_count` /
+`sdpa_backward_flop_count`. bitsandbytes' 4-bit matmul (`bitsandbytes::gemm_4bit`, QLoRA's forward)
+counts 2*M*N*K. Gaps left (stated in the output): elementwise ops, norms and softmax count 0, as in
+flop_counter; any other op outside aten is listed in `flops_uncounted_ops` with its call count.
+
+Conventions (flop_counter's): a multiply-add is 2 FLOPs; causal attention counts the full s x s score
+matrix (no 0.5 factor); attention backward counts 2.5x its forward (the scores are recomputed).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from trainprof.models import logical_numel
+
+aten = torch.ops.aten
+
+
+def _sdpa_cpu_flop(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                   out_val: Any = None, **kwargs: Any) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _sdpa_cpu_backward_flop(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+def _gemm_4bit_flop(a: torch.Tensor, b: torch.Tensor, shape_b: list[int], *args: Any, out_val: Any = None,
+                    **kwargs: Any) -> int:
+    # bitsandbytes 4-bit matmul: A (..., K) @ W^T with W of shape_b = (N, K): 2*M*N*K
+    return 2 * a.numel() * int(shape_b[0])
+
+
+# custom (non-aten) ops by schema name: registered lazily, their packets exist only once imported
+NAMED_FORMULAS: dict[str, Callable[..., int]] = {
+    "bitsandbytes::gemm_4bit": _gemm_4bit_flop,
+}
+
+FORMULAS: dict[Any, Callable[..., int]] = {
+    **flop_registry,
+    # pytorch#195460: the CPU flash kernels are not in flop_registry
+    aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flop,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flop,
+}
+
+# aten ops that do matrix work but have no formula: worth naming when they run
+_HEAVY_WORDS = ("mm", "conv", "attention", "linear", "matmul", "gemm")
+
+FLOPS_CONVENTION = (
+    "measured: torch.utils.flop_counter formulas per aten op on one step (matmul, bmm, convolution, SDPA; "
+    "the CPU flash-attention kernels added with flop_counter's sdpa formulas, pytorch#195460), forward + "
+    "backward + recompute as executed on this rank; elementwise, norm and softmax ops count 0. Causal "
+    "attention counted as full (no 0.5 factor); attention backward = 2.5x forward (scores recomputed). "
+    "achieved_tflops = flops_per_step / median step time (all executed FLOPs, recompute included). "
+    "MFU uses model FLOPs = executed FLOPs minus recompute (PaLM appendix B: recomputation is not "
+    "model work); for LoRA/QLoRA the frozen base gets no weight-gradient matmuls, so model FLOPs are "
+    "what actually runs (about 4N_frozen + 6N_trainable per token), and 4-bit dequantization is not "
+    "counted (bitsandbytes gemm_4bit counts as a dense matmul). analytic = (6N + 12*L*H*Q*T) per token (PaLM appendix B; N = parameters in matmuls, the "
+    "input embedding excluded), with 4N for frozen parameters."
+)
+
+
+class FlopCounter(TorchDispatchMode):
+    """Counts FLOPs of every dispatched aten op into (module index, phase).
+
+    Args:
+        where: returns (module index or -1, phase) at the moment an op runs.
+    """
+
+    def __init__(self, where: Callable[[], tuple[int, str]]) -> None:
+        super().__init__()
+        self.where = where
+        self.counts: dict[tuple[int, str], int] = defaultdict(int)
+        self.uncounted: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        formula = FORMULAS.get(packet)
+        if formula is None:
+            formula = NAMED_FORMULAS.get(func._schema.name)
+        if formula is not None:
+            self.counts[self.where()] += int(formula(*args, **kwargs, out_val=out))
+        else:
+            namespace = getattr(func, "namespace", "aten")
+            name = packet.__name__
+            if namespace not in ("aten", "prim", "prims", "profiler") or any(w in name for w in _HEAVY_WORDS):
+                self.uncounted[f"{namespace}::{name}"] += 1
+        return out
+
+
+def analytic_flops(model: torch.nn.Module, seq_len: int | None) -> dict[str, Any] | None:
+    """PaLM appendix B estimate of training FLOPs per token: 6N + 12*L*H*Q*T.
+
+    N counts parameters that take part in matmuls (all but the input embedding); frozen parameters
+    (LoRA base) count 4N instead of 6N (forward 2N + input gradient 2N, no weight gradient).
+
+    Args:
+        model: a model with a Hugging Face config (num_hidden_layers, num_attention_heads, hidden_size).
+        seq_len: T, tokens per sequence.
+    Returns:
+        {flops_per_token, n_params_matmul, n_trainable, n_frozen, layers, heads, head_dim, seq_len,
+        formula}, or None when the model has no such config or seq_len is unknown.
+    """
+    cfg = getattr(model, "config", None)
+    layers = getattr(cfg, "num_hidden_layers", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    hidden = getattr(cfg, "hidden_size", None)
+    if not (layers and heads and hidden and seq_len):
+        return None
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    embedding_params = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    trainable = frozen = 0
+    for p in model.parameters():
+        if id(p) in embedding_params:
+            continue
+        if p.requires_grad:
+            trainable += logical_numel(p)
+        else:
+            frozen += logical_numel(p)
+    attention = 12 * layers * heads * head_dim * seq_len  # PaLM appendix B: 12*L*H*Q*T per token
+    per_token = 6 * trainable + 4 * frozen + attention
+    return {
+        "flops_per_token": per_token,
+        "n_params_matmul": trainable + frozen,
+        "n_trainable": trainable,
+        "n_frozen": frozen,
+        "layers": layers,
+        "heads": heads,
+        "head_dim": head_dim,
+        "seq_len": seq_len,
+        "formula": "6*N_trainable + 4*N_frozen + 12*L*H*Q*T per token (PaLM appendix B; input embedding excluded)",
+    }

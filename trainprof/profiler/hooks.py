@@ -1,0 +1,306 @@
+"""Module hooks: when each module call's forward, backward and recompute begin and end.
+
+Forward: a forward pre-hook (registered with prepend=True, so it runs before hooks other libraries put
+there, e.g. ZeRO-3's parameter all-gather) and a forward hook (appended last, `always_call=True`, so it
+runs after ZeRO-3's release and even when recomputation stops early with an exception).
+
+Recompute: a forward hook that fires while the autograd engine runs a graph task
+(`torch._C._current_graph_task_id() != -1`) is a forward re-run inside backward, i.e. activation
+recomputation (non-reentrant and reentrant checkpointing alike). transformers >= 5 checkpoints a
+layer's `forward`, not its `__call__`, so the layer's own hooks do not fire again; its children's do.
+When the model has gradient checkpointing on, modules deeper than `max_depth` get "sentinel" hooks that
+only act during a re-run and record it under their nearest profiled ancestor, so a re-run is seen at
+any depth; the analysis merges back-to-back re-runs into one burst (see analysis/breakdown.py).
+
+Backward, without touching the module's own hook dicts and without wrapping tensors in autograd
+Functions (which would turn in-place ops on module outputs into errors):
+  * begin: a tensor hook on each output that requires grad. It fires when the output's producer node
+    is about to run, i.e. when the module's last forward op starts its backward.
+  * end: the autograd engine runs ready nodes in decreasing sequence number (creation order), so once
+    any node created *before* the module call runs, the module's backward is over. Every forward
+    pre-hook takes a counter value `pre`, every forward hook a value `post`; a tensor hook on an input
+    carries `pre`, one on an output carries `post`. When a hook with value k fires, every open backward
+    whose `pre >= k` is closed. Modules whose inputs need no grad (frozen LoRA base, embeddings) close
+    at the next such hook or at the end of the graph task (an engine callback).
+This gives nested, properly ordered backward intervals for calls that run twice, for gradient
+accumulation (each micro batch has its own counter values) and under ZeRO-3's own hooks.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from trainprof.analysis.records import ModuleInfo
+from trainprof.models import logical_numel
+from trainprof.profiler.log import B_CLOSE, B_OPEN, F_CLOSE, F_OPEN, R_CLOSE, R_OPEN, StepLog
+
+_graph_task_id = torch._C._current_graph_task_id
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    ds_tensor = getattr(p, "ds_tensor", None)  # ZeRO-3: p.data is empty between gathers
+    return int(ds_tensor.numel()) if ds_tensor is not None else p.numel()
+
+
+def describe_modules(model: torch.nn.Module, max_depth: int) -> list[tuple[ModuleInfo, torch.nn.Module]]:
+    """Every module down to `max_depth` (0 = the model), parents before children.
+
+    Args:
+        model: the model as the training loop calls it (the peft wrapper for LoRA, engine.module for
+            DeepSpeed).
+        max_depth: deepest level to include.
+    Returns:
+        (info, module) pairs; info.index is the position in the list.
+    """
+    out: list[tuple[ModuleInfo, torch.nn.Module]] = []
+    index_of: dict[str, int] = {}
+    for name, mod in model.named_modules():
+        depth = 0 if name == "" else name.count(".") + 1
+        if depth > max_depth:
+            continue
+        parent = -1 if name == "" else index_of.get(name.rpartition(".")[0], 0)
+        params = list(mod.parameters())
+        info = ModuleInfo(
+            index=len(out),
+            name=name,
+            type=type(mod).__name__,
+            depth=depth,
+            parent=parent,
+            params=sum(logical_numel(p) for p in params),
+            params_trainable=sum(logical_numel(p) for p in params if p.requires_grad),
+            params_local=sum(_local_numel(p) for p in params),
+        )
+        index_of[name] = info.index
+        out.append((info, mod))
+    return out
+
+
+def _grad_tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors that require grad in a hook's args/kwargs/output: a tensor, or up to two levels of
+    tuple/list/dict (ModelOutput is a dict)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.requires_grad else []
+    found: list[torch.Tensor] = []
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            if item.requires_grad:
+                found.append(item)
+        elif isinstance(item, (tuple, list)):
+            found.extend(t for t in item if isinstance(t, torch.Tensor) and t.requires_grad)
+        elif isinstance(item, dict):
+            found.extend(t for t in item.values() if isinstance(t, torch.Tensor) and t.requires_grad)
+    return found
+
+
+class ModuleHooks:
+    """Installs the forward hooks on every module down to a depth and records module events into a
+    StepLog. `close()` removes exactly the hooks it added.
+
+    Args:
+        model: the model the loop calls.
+        max_depth: deepest module level timed.
+        log: the step record the hooks append to.
+        now: the timer's stamp function.
+        on_root: called as on_root(phase, begin) when the model's own forward/backward begins or
+            ends (memory tracking uses it); None for no callback.
+        recompute_sentinels: hook modules deeper than max_depth to see re-runs (None: when the model
+            says gradient checkpointing is on, `model.is_gradient_checkpointing`).
+    """
+
+    def __init__(self, model: torch.nn.Module, max_depth: int, log: StepLog, now: Callable[[], Any],
+                 on_root: Callable[[str, bool], None] | None = None, recompute_sentinels: bool | None = None) -> None:
+        self.log = log
+        self.now = now
+        self.on_root = on_root
+        described = describe_modules(model, max_depth)
+        self.modules: list[ModuleInfo] = [info for info, _ in described]
+        self.counter = 0
+        # open forward/recompute calls: [mi, pre, is_recompute, range] (+ [id(module)] for a sentinel)
+        self.fstack: list[list[Any]] = []
+        self.bstack: list[list[Any]] = []  # open backward calls: [pre, mi, graph task, range]
+        self.bstate: dict[int, int] = {}  # pre -> 1 open, 2 closed
+        self.callback_tasks: set[int] = set()
+        self.range_names: list[dict[str, str]] | None = None  # set while operator tracing is on
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        for info, mod in described:
+            pre = functools.partial(self._pre, info.index)
+            post = functools.partial(self._post, info.index)
+            self._handles.append(mod.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
+        if recompute_sentinels is None:  # DDP does not forward attributes: ask the module it wraps
+            inner = getattr(model, "module", model)
+            recompute_sentinels = bool(getattr(inner, "is_gradient_checkpointing", False))
+        if recompute_sentinels:
+            index_of = {info.name: info.index for info in self.modules}
+            for name, mod in model.named_modules():
+                if name in index_of or name == "":
+                    continue
+                owner = name
+                while owner not in index_of:
+                    owner = owner.rpartition(".")[0]
+                pre = functools.partial(self._sentinel_pre, index_of[owner])
+                post = functools.partial(self._sentinel_post, index_of[owner])
+                self._handles.append(mod.register_forward_pre_hook(pre, prepend=True))
+                self._handles.append(mod.register_forward_hook(post, always_call=True))
+
+    # -- state shared with comm / flops / ops ------------------------------------------------------
+
+    def current(self) -> tuple[int, str | None]:
+        """The innermost open module call and its phase, (-1, None) outside the model."""
+        if self.fstack:
+            top = self.fstack[-1]
+            return top[0], "recompute" if top[2] else "forward"
+        if self.bstack:
+            return self.bstack[-1][1], "backward"
+        return -1, None
+
+    def reset_step(self) -> None:
+        self.bstate.clear()
+        self.callback_tasks.clear()
+        self.fstack.clear()
+        self.bstack.clear()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- forward -----------------------------------------------------------------------------------
+
+    def _pre(self, mi: int, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        log = self.log
+        if not log.active:
+            return None
+        t = self.now()
+        recompute = _graph_task_id() != -1
+        k = self.counter
+        self.counter = k + 1
+        log.events.append((R_OPEN if recompute else F_OPEN, mi, t))
+        rng = None
+        if self.range_names is not None:
+            rng = torch.ops.profiler._record_function_enter_new(
+                self.range_names[mi]["recompute" if recompute else "forward"], None)
+        self.fstack.append([mi, k, recompute, rng])
+        if mi == 0 and not recompute:
+            self._count_tokens(args, kwargs)
+            if self.on_root is not None:
+                self.on_root("forward", True)
+        if torch.is_grad_enabled():
+            end = functools.partial(self._backward_end, k)
+            for x in _grad_tensors(args):
+                x.register_hook(end)
+            if kwargs:
+                for x in _grad_tensors(kwargs):
+                    x.register_hook(end)
+        return None
+
+    def _post(self, mi: int, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        log = self.log
+        if not log.active or not self.fstack or self.fstack[-1][0] != mi or len(self.fstack[-1]) != 4:
+            return None
+        t = self.now()
+        _, k, recompute, rng = self.fstack.pop()
+        log.events.append((R_CLOSE if recompute else F_CLOSE, mi, t))
+        if rng is not None:
+            torch.ops.profiler._record_function_exit._RecordFunction(rng)
+        post = self.counter
+        self.counter = post + 1
+        if output is not None and torch.is_grad_enabled():
+            begin = functools.partial(self._backward_begin, mi, k, post)
+            for x in _grad_tensors(output):
+                x.register_hook(begin)
+        if mi == 0 and not recompute and self.on_root is not None:
+            self.on_root("forward", False)
+        return None
+
+    def _sentinel_pre(self, mi: int, module: torch.nn.Module, args: tuple) -> None:
+        """A module below max_depth starts: record only the outermost re-run, under its profiled ancestor."""
+        if not self.log.active or _graph_task_id() == -1 or (self.fstack and self.fstack[-1][2]):
+            return None
+        self.log.events.append((R_OPEN, mi, self.now()))
+        self.fstack.append([mi, -1, True, None, id(module)])
+        return None
+
+    def _sentinel_post(self, mi: int, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        stack = self.fstack
+        if not self.log.active or not stack or len(stack[-1]) < 5 or stack[-1][4] != id(module):
+            return None
+        stack.pop()
+        self.log.events.append((R_CLOSE, mi, self.now()))
+        return None
+
+    def _count_tokens(self, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids") if kwargs else None
+        if ids is None and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
+            ids = args[0]
+        if isinstance(ids, torch.Tensor):
+            self.log.tokens_seen += ids.numel()
+            self.log.seq_len = int(ids.shape[-1]) if ids.dim() else None
+
+    # -- backward ----------------------------------------------------------------------------------
+
+    def _backward_begin(self, mi: int, pre: int, post: int, grad: torch.Tensor) -> None:
+        if not self.log.active:
+            return None
+        t = self.now()
+        self._close_from(post, t)
+        if pre not in self.bstate:
+            self.bstate[pre] = 1
+            task = _graph_task_id()
+            stack = self.bstack
+            # A module returning its child's output (or the same tensor as a sibling) has its hook on that
+            # tensor fire after the child's: it goes below the child, keeping `pre` increasing up the stack.
+            i = len(stack)
+            while i and stack[i - 1][0] > pre:
+                i -= 1
+            above = stack[i:]
+            if self.range_names is not None:
+                for entry in reversed(above):  # ranges must nest: reopen the children inside this one
+                    torch.ops.profiler._record_function_exit._RecordFunction(entry[3])
+            rng = None
+            if self.range_names is not None:
+                rng = torch.ops.profiler._record_function_enter_new(self.range_names[mi]["backward"], None)
+                for entry in above:
+                    entry[3] = torch.ops.profiler._record_function_enter_new(
+                        self.range_names[entry[1]]["backward"], None)
+            stack.insert(i, [pre, mi, task, rng])
+            self.log.events.append((B_OPEN, mi, t))
+            if task not in self.callback_tasks:
+                self.callback_tasks.add(task)
+                _queue_callback(functools.partial(self._graph_task_end, task))
+            if mi == 0 and self.on_root is not None:
+                self.on_root("backward", True)
+        return None
+
+    def _backward_end(self, pre: int, grad: torch.Tensor) -> None:
+        if self.log.active and self.bstack:
+            self._close_from(pre, self.now())
+        return None
+
+    def _close_from(self, k: int, t: Any) -> None:
+        """Close every open backward whose forward began at or after counter value k."""
+        stack = self.bstack
+        while stack and stack[-1][0] >= k:
+            self._pop_backward(t)
+
+    def _pop_backward(self, t: Any) -> None:
+        pre, mi, _, rng = self.bstack.pop()
+        self.bstate[pre] = 2
+        self.log.events.append((B_CLOSE, mi, t))
+        if rng is not None:
+            torch.ops.profiler._record_function_exit._RecordFunction(rng)
+        if mi == 0 and self.on_root is not None:
+            self.on_root("backward", False)
+
+    def _graph_task_end(self, task: int) -> None:
+        self.callback_tasks.discard(task)
+        if not self.log.active:
+            return
+        t = self.now()
+        while self.bstack and self.bstack[-1][2] == task:
+            self._pop_backward(t)

@@ -1,0 +1,56 @@
+"""The per-step record that hooks append to: module events, phase regions and collectives, each with a
+timer stamp. Appending a tuple is all a hook does on the hot path; the analysis runs after the step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainprof.analysis.records import (  # noqa: F401  (re-exported for the hooks)
+    B_CLOSE,
+    B_OPEN,
+    F_CLOSE,
+    F_OPEN,
+    MODULE_CLOSE,
+    MODULE_OPEN,
+    R_CLOSE,
+    R_OPEN,
+    REGION_CLOSE,
+    REGION_OPEN,
+)
+
+
+@dataclass(slots=True)
+class CommRecord:
+    """One collective call as issued by this rank.
+
+    Stamps: `issue` before the call, `ret` when it returned; `waits` the (begin, end) of every blocking
+    `Work.wait()` on an async op; `done` when gloo reported completion (host timer only).
+    """
+
+    op: str
+    nbytes: int  # nccl-tests "size" of the collective (see comm.py)
+    group_size: int
+    module: int  # innermost profiled module open when issued, -1 outside the model
+    is_async: bool
+    issue: Any
+    ret: Any = None
+    waits: list[tuple[Any, Any]] = field(default_factory=list)
+    done: Any = None
+    work: Any = None  # the c10d Work, kept on GPU to read its NCCL duration after the step
+
+
+@dataclass
+class StepLog:
+    """What one step recorded. `active` gates every hook: outside recorded steps they return at once."""
+
+    active: bool = False
+    events: list[tuple[int, Any, Any]] = field(default_factory=list)
+    comms: list[CommRecord] = field(default_factory=list)
+    tokens_seen: int = 0  # input_ids elements in root forward calls (recompute excluded)
+    seq_len: int | None = None
+
+    def clear(self) -> None:
+        self.events = []
+        self.comms = []
+        self.tokens_seen = 0

@@ -1,0 +1,177 @@
+"""Memory: the peak of each phase (forward, backward, optimizer) and the bytes of the model states.
+
+GPU: the CUDA caching allocator's peak (`torch.cuda.max_memory_allocated`), reset when a phase begins
+(`reset_peak_memory_stats`); both are host-side reads, no synchronize. This resets the process-wide
+peak counter, which other code reading it will notice.
+
+CPU: there is no tensor allocator with statistics, so the figure is the process's peak resident set
+size (VmHWM in /proc/self/status), reset when a phase begins by writing 5 to /proc/self/clear_refs
+(Linux >= 4.0). It covers everything in the process (Python, libraries, loader buffers), not only
+tensors, and counts pages touched, not bytes allocated. Where clear_refs cannot be written the current
+RSS is sampled at phase boundaries instead, and the method says so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import torch
+
+_VMHWM = re.compile(rb"VmHWM:\s+(\d+) kB")
+_VMRSS = re.compile(rb"VmRSS:\s+(\d+) kB")
+PHASES = ("forward", "backward", "optimizer")
+
+
+class PhaseMemory:
+    """Peak memory per phase for the current step; `begin`/`end` nest (only the outermost counts).
+
+    Args:
+        device: the compute device (CUDA -> allocator peak, otherwise process RSS peak).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.peaks: dict[str, int] = {}
+        self._depth = {p: 0 for p in PHASES}
+        self._status_fd: int | None = None
+        self._clear_fd: int | None = None
+        if self.cuda:
+            self.method = ("cuda_allocator_peak: torch.cuda.max_memory_allocated per phase, reset at phase "
+                           "start with torch.cuda.reset_peak_memory_stats")
+            return
+        try:
+            self._status_fd = os.open("/proc/self/status", os.O_RDONLY)
+        except OSError:
+            self.method = "unavailable: /proc/self/status cannot be read on this system"
+            return
+        try:
+            self._clear_fd = os.open("/proc/self/clear_refs", os.O_WRONLY)
+            self.method = ("cpu_process_peak_rss: VmHWM of this rank's process per phase, reset at phase start "
+                           "via /proc/self/clear_refs; all process memory, not only tensors")
+        except OSError:
+            self.method = ("cpu_process_rss_sampled: VmRSS of this rank's process read at phase start and end "
+                           "(peak reset not permitted); all process memory, not only tensors")
+
+    @property
+    def available(self) -> bool:
+        return self.cuda or self._status_fd is not None
+
+    def start_step(self) -> None:
+        self.peaks = {}
+        self._depth = {p: 0 for p in PHASES}
+
+    def begin(self, phase: str) -> None:
+        if phase not in self._depth or not self.available:
+            return
+        self._depth[phase] += 1
+        if self._depth[phase] != 1:
+            return
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._clear_fd is not None:
+            os.write(self._clear_fd, b"5")
+        else:
+            self._note(phase, self._read(_VMRSS))
+
+    def end(self, phase: str) -> None:
+        if phase not in self._depth or not self.available or self._depth[phase] == 0:
+            return
+        self._depth[phase] -= 1
+        if self._depth[phase]:
+            return
+        if self.cuda:
+            value = int(torch.cuda.max_memory_allocated(self.device))
+        else:
+            value = self._read(_VMHWM if self._clear_fd is not None else _VMRSS)
+        self._note(phase, value)
+
+    def _note(self, phase: str, value: int) -> None:
+        self.peaks[phase] = max(self.peaks.get(phase, 0), value)
+
+    def _read(self, pattern: re.Pattern[bytes]) -> int:
+        text = os.pread(self._status_fd, 8192, 0)  # type: ignore[arg-type]
+        match = pattern.search(text)
+        return int(match.group(1)) * 1024 if match else 0
+
+    def close(self) -> None:
+        for fd in (self._status_fd, self._clear_fd):
+            if fd is not None:
+                os.close(fd)
+        self._status_fd = self._clear_fd = None
+
+
+def _tensor_bytes(t: Any, seen: set[int]) -> int:
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.numel() == 0:
+        return 0
+    key = t.data_ptr()
+    if key in seen:
+        return 0
+    seen.add(key)
+    return t.numel() * t.element_size()
+
+
+def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer holding the states: itself, or a DeepSpeed ZeRO optimizer's `.optimizer`."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else None
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: Any = None) -> dict[str, Any]:
+    """Bytes this rank holds for parameters, gradients and optimizer states (ZeRO-aware).
+
+    ZeRO-3 parameters count their local shard (`ds_tensor`), 4-bit parameters their packed storage.
+    Gradients are model `.grad`s plus the fp32 partitions' grads and DeepSpeed's flat gradient buffers
+    where present. Optimizer states are the tensors in the (inner) torch optimizer's `state`; fp32 master
+    copies that ZeRO keeps apart from the model weights are `master_params`.
+
+    Args:
+        model: the model.
+        optimizer: a torch optimizer or a DeepSpeed ZeRO optimizer (None: no optimizer states).
+    Returns:
+        {params, grads, optimizer_states, master_params, total, method}.
+    """
+    seen: set[int] = set()
+    params = grads = 0
+    model_ptrs: set[int] = set()
+    for p in model.parameters():
+        ds_tensor = getattr(p, "ds_tensor", None)
+        stored = ds_tensor if ds_tensor is not None else p
+        params += _tensor_bytes(stored, seen)
+        if stored.numel():
+            model_ptrs.add(stored.data_ptr())
+    for p in model.parameters():
+        grads += _tensor_bytes(p.grad, seen)
+    # DeepSpeed keeps reduced gradient partitions in its own buffers
+    for attr in ("grad_partitions_flat_buffer",):
+        grads += _tensor_bytes(getattr(optimizer, attr, None), seen)
+    averaged = getattr(optimizer, "averaged_gradients", None)
+    if isinstance(averaged, dict):
+        for group in averaged.values():
+            for g in group or ():
+                grads += _tensor_bytes(g, seen)
+    states = master = 0
+    inner = _inner_optimizer(optimizer)
+    if inner is not None:
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.numel() and p.data_ptr() not in model_ptrs:
+                    master += _tensor_bytes(p, seen)
+                grads += _tensor_bytes(p.grad, seen)
+        for state in inner.state.values():
+            for value in state.values():
+                states += _tensor_bytes(value, seen)
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer_states": states,
+        "master_params": master,
+        "total": params + grads + states + master,
+        "method": ("bytes of tensors this rank stores, each storage counted once: ZeRO-3 shards, packed 4-bit "
+                   "weights, .grad and DeepSpeed gradient buffers, the torch optimizer's state and fp32 "
+                   "master copies"),
+    }

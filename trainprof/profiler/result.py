@@ -1,0 +1,151 @@
+"""One rank's profile document assembled from a Profiler's recorded steps (the analysis does the
+numbers; this module puts them under the profile.json field names and says how each was measured)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import statistics
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainprof.analysis.aggregate import (
+    SCHEMA_VERSION,
+    comm_rows,
+    flops_by_module,
+    module_rows,
+    rank_entry,
+    select_steps,
+    step_entries,
+    summarize,
+)
+from trainprof.profiler.flops import FLOPS_CONVENTION
+from trainprof.profiler.memory import model_state_bytes
+from trainprof.profiler.peaks import dense_peak
+
+if TYPE_CHECKING:
+    from trainprof.profiler.core import Profiler
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def compute_dtype(model: torch.nn.Module) -> str:
+    """The dtype most floating-point parameters have, as a peak-table key (fp32 matmuls -> tf32 when
+    torch allows TF32 on CUDA)."""
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + 1
+    dtype = max(counts, key=counts.__getitem__) if counts else torch.float32
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
+def profile_env(prof: Profiler) -> dict[str, Any]:
+    """The `env` block: library versions, device, world size; the runner's fields laid over it; the
+    timer is always the profiler's own."""
+    device = (torch.cuda.get_device_name(prof.device) if prof.device.type == "cuda"
+              else platform.processor() or platform.machine())
+    env = {"torch": torch.__version__, "deepspeed": _version("deepspeed"), "transformers": _version("transformers"),
+           "device": device, "device_type": prof.device.type, "world_size": prof.world_size}
+    env.update(prof.extra_env)
+    env["timer"] = prof.timer.kind
+    env["timer_description"] = prof.timer.description
+    return env
+
+
+def rank_profile(prof: Profiler) -> dict[str, Any]:
+    """This rank's profile: what profile.rank<r>.json holds (no collective)."""
+    env = profile_env(prof)
+    steps_used, used_desc = select_steps(prof.steps)
+    infos = prof.hooks.modules if prof.hooks is not None else []
+    flops = prof.flops
+    peak, reason = dense_peak(env["device"], prof.device.type, compute_dtype(prof.model))
+    summary = summarize(steps_used, prof.steps, flops=flops, flops_convention=FLOPS_CONVENTION,
+                        memory_method=prof.memory.method if prof.memory is not None else None,
+                        peak=peak, peak_reason=reason)
+    summary["steps_used_description"] = used_desc
+    state = model_state_bytes(prof.model, prof.optimizer)
+    if prof.grads_bytes is not None:  # grads read when the optimizer began, on the FLOP-counting step
+        state["grads"] = max(state["grads"], prof.grads_bytes)
+        state["total"] = state["params"] + state["grads"] + state["optimizer_states"] + state["master_params"]
+    op_steps = [s for s in prof.steps if "ops" in s.instrumented]
+    ops_cost = None
+    if op_steps and summary["step_ms"]["median"]:
+        ops_cost = statistics.median(s.breakdown.wall_ms for s in op_steps) / summary["step_ms"]["median"] - 1
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "rank",
+        "rank": prof.rank,
+        "recipe": prof.recipe,
+        "env": env,
+        "measurement": measurement(prof, used_desc),
+        "steps": step_entries(prof.steps),
+        "summary": summary,
+        "modules": module_rows(infos, steps_used, flops_by_module(infos, flops["counts"]) if flops else None),
+        "ops": mean_ops(prof.ops_rows),
+        "ops_info": {"enabled": prof.ops, "steps": [s.step for s in op_steps], "cost_frac": ops_cost,
+                     "mechanism": "torch.profiler (Kineto) with trainprof record_function ranges per module and "
+                                  "phase; see trainprof/profiler/ops.py"},
+        "comm": comm_rows(steps_used),
+        "model_state_bytes": state,
+        "ranks": [rank_entry(prof.rank, steps_used)],
+        "straggler": None,
+    }
+
+
+def mean_ops(per_step: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Operator rows averaged over the traced steps (per-step values)."""
+    if not per_step:
+        return []
+    n = len(per_step)
+    acc: dict[tuple[str, Any, str], dict[str, Any]] = {}
+    for rows in per_step:
+        for r in rows:
+            a = acc.setdefault((r["name"], r["module"], r["phase"]), {
+                "name": r["name"], "module": r["module"], "phase": r["phase"], "calls": 0.0, "self_ms": 0.0,
+                "self_cpu_ms": 0.0, "flops": None})
+            a["calls"] += r["calls"] / n
+            a["self_ms"] += r["self_ms"] / n
+            a["self_cpu_ms"] += r["self_cpu_ms"] / n
+            if r["flops"] is not None:
+                a["flops"] = (a["flops"] or 0) + r["flops"] / n
+    out = sorted(acc.values(), key=lambda r: r["self_ms"], reverse=True)
+    for r in out:
+        r["calls"] = round(r["calls"], 3)
+        if r["flops"] is not None:
+            r["flops"] = int(r["flops"])
+    return out
+
+
+def measurement(prof: Profiler, used_desc: str) -> dict[str, str]:
+    """How every figure was measured, in words, for the output."""
+    return {
+        "profiler": ("enabled" if prof.enabled else
+                     "disabled (profile.enabled false): only step wall time and data wait were recorded"),
+        "timer": prof.timer.description,
+        "steps_used": used_desc,
+        "module_depth": str(prof.module_depth),
+        "module_times": ("forward/recompute: forward-hook windows minus exposed communication inside them; "
+                         "backward: from the tensor hook on a module's outputs to the first autograd node "
+                         "created before the module ran (or the end of the backward pass), minus "
+                         "recompute and exposed communication inside; self = minus the children that ran; "
+                         "per-module values are medians over steps of per-step sums over calls"),
+        "recompute": ("forward hooks firing inside an autograd graph task (activation checkpointing re-runs); "
+                      "back-to-back re-runs of children are one re-run of their common ancestor"),
+        "phases": ("each instant labeled once, priority comm_exposed > recompute > data_wait > optimizer > "
+                   "backward = forward > other; unattributed = wall - sum(phases)"),
+        "comm_exposed": ("host timer: time the issuing thread blocked in a synchronous collective or in "
+                         "Work.wait(); CUDA events: compute-stream time across the call / wait"),
+        "comm_bandwidth": ("nccl-tests PERFORMANCE.md: algbw = S/t, busbw = algbw*2(n-1)/n for all_reduce, "
+                           "*(n-1)/n for all_gather/reduce_scatter/all_to_all, *1 for broadcast/reduce; "
+                           "t = issue-to-completion, which includes waiting for slower ranks"),
+        "memory": prof.memory.method if prof.memory is not None else "not measured",
+    }

@@ -1,0 +1,115 @@
+"""The report's plots, drawn with matplotlib's Agg backend into PNG bytes (embedded in report.html,
+written beside report.md)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+PHASE_COLORS = {
+    "data_wait": "#9e9e9e", "forward": "#4c78a8", "backward": "#f58518", "recompute": "#b279a2",
+    "optimizer": "#54a24b", "comm_exposed": "#e45756", "other": "#bab0ac", "unattributed": "#eeeeee",
+    "step": "#4c78a8",
+}
+DPI = 110
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
+    _pyplot().close(fig)
+    return buf.getvalue()
+
+
+def phase_bars(steps: list[dict[str, Any]], phases: tuple[str, ...]) -> bytes:
+    """A stacked bar per step: each phase's ms, then what no phase covered (unattributed).
+
+    Args:
+        steps: profile.json steps (with phases_ms and unattributed_ms).
+        phases: the phases in stacking order.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    x = list(range(len(steps)))
+    bottom = [0.0] * len(steps)
+    for phase in (*phases, "unattributed"):
+        values = [(s.get("unattributed_ms") if phase == "unattributed" else s["phases_ms"].get(phase)) or 0.0
+                  for s in steps]
+        if not any(values):
+            continue
+        ax.bar(x, values, bottom=bottom, label=phase, color=PHASE_COLORS.get(phase), edgecolor="white", linewidth=0.3)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(x, [str(s["step"]) + ("*" if s.get("instrumented") else "") for s in steps], fontsize=8)
+    ax.set_xlabel("step (* = instrumented: FLOP counting or operator tracing)")
+    ax.set_ylabel("ms")
+    ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    return _png(fig)
+
+
+def step_bars(steps: list[dict[str, Any]]) -> bytes:
+    """Wall time per step, for run dirs without a phase breakdown."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 3.0))
+    ax.bar([str(s["step"]) for s in steps], [s.get("wall_ms") or 0.0 for s in steps], color=PHASE_COLORS["step"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("wall ms")
+    ax.spines[["top", "right"]].set_visible(False)
+    return _png(fig)
+
+
+def module_bars(labels: list[str], parts: dict[str, list[float]], xlabel: str) -> bytes:
+    """Horizontal stacked bars, one per module (largest on top), parts e.g. forward/backward/recompute."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.32 * len(labels)))
+    y = list(range(len(labels)))[::-1]
+    left = [0.0] * len(labels)
+    for part, values in parts.items():
+        if not any(values):
+            continue
+        ax.barh(y, values, left=left, label=part, color=PHASE_COLORS.get(part), edgecolor="white", linewidth=0.3)
+        left = [a + b for a, b in zip(left, values)]
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.legend(fontsize=8, frameon=False, loc="lower right")
+    ax.spines[["top", "right"]].set_visible(False)
+    return _png(fig)
+
+
+def memory_bars(peaks: dict[str, float], ylabel: str) -> bytes:
+    """Peak memory per phase (MiB)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.0))
+    names = list(peaks)
+    ax.bar(names, [peaks[n] for n in names], color=[PHASE_COLORS.get(n, "#4c78a8") for n in names])
+    for i, n in enumerate(names):
+        ax.annotate(f"{peaks[n]:,.0f}", (i, peaks[n]), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.spines[["top", "right"]].set_visible(False)
+    return _png(fig)
+
+
+def speedup_bars(labels: list[str], changes: list[float], noise: float | None) -> bytes:
+    """Time change B vs A per row (negative = B faster), with the noise band shaded."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.3 * len(labels)))
+    y = list(range(len(labels)))[::-1]
+    colors = ["#54a24b" if c < 0 else "#e45756" for c in changes]
+    ax.barh(y, [100 * c for c in changes], color=colors)
+    if noise:
+        ax.axvspan(-100 * noise, 100 * noise, color="#dddddd", alpha=0.6, label=f"noise band ±{100 * noise:.0f}%")
+        ax.legend(fontsize=8, frameon=False, loc="lower right")
+    ax.axvline(0, color="black", linewidth=0.6)
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.set_xlabel("time change B vs A, % (negative = B faster)")
+    ax.spines[["top", "right"]].set_visible(False)
+    return _png(fig)

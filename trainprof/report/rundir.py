@@ -1,0 +1,164 @@
+"""Reading a run dir for reports: profile.json (or its rank files), recipe.yaml, failures and the
+trace files under tb/, tolerating run dirs written by older versions (parts they lack are named, not
+crashed on). No torch import.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainprof.analysis.trace import find_traces
+
+PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other")
+
+
+class RunDirError(ValueError):
+    """The path is not a readable run dir (one line: what, where, what to do)."""
+
+
+@dataclass
+class TraceFile:
+    """A trace under tb/: its path, size and (from its file name) the worker it belongs to."""
+
+    path: Path
+    bytes: int
+    worker: str
+
+
+@dataclass
+class RunData:
+    """Everything a report reads from one run dir.
+
+    Attributes:
+        path: the run dir.
+        profile: profile.json (or the merge of profile.rank*.json), None when neither exists.
+        source: which file(s) `profile` came from.
+        recipe_text: recipe.yaml as written (None when absent).
+        failures: failure-rank<N>.json documents.
+        traces: trace files under tb/.
+        scalars: TensorBoard event files under tb/.
+    """
+
+    path: Path
+    profile: dict[str, Any] | None
+    source: str
+    recipe_text: str | None = None
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    traces: list[TraceFile] = field(default_factory=list)
+    scalars: list[Path] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def has_phases(self) -> bool:
+        """Whether the profile comes from the step profiler (phases per step, modules)."""
+        p = self.profile or {}
+        return bool(p.get("steps")) and "phases_ms" in p["steps"][0]
+
+    @property
+    def measured_steps(self) -> list[dict[str, Any]]:
+        return [s for s in (self.profile or {}).get("steps", []) if not s.get("warmup") and s.get("step", 0) >= 0]
+
+
+def _worker(name: str) -> str:
+    """The TensorBoard plugin's worker name: the file name up to an optional `.<digits>` span and the
+    .pt.trace.json[.gz] suffix."""
+    stem = name.split(".pt.trace.json")[0]
+    head, _, tail = stem.rpartition(".")
+    return head if head and tail.isdigit() else stem
+
+
+def _old_rank_files(path: Path) -> dict[str, Any] | None:
+    """A profile-like document from the rank<N>.json step files the runner wrote before the step
+    profiler existed (wall time, loss, tokens and peak memory per step)."""
+    files = sorted(path.glob("rank[0-9]*.json"))
+    if not files:
+        return None
+    ranks = [json.loads(f.read_text()) for f in files]
+    steps = [s for s in ranks[0].get("steps", []) if not s.get("warmup")]
+    return {"schema_version": 0, "steps": steps, "summary": {}, "env": {}, "ranks": [
+        {"rank": r.get("rank"), "step_ms_median": None} for r in ranks]}
+
+
+def load_run(path: str | Path) -> RunData:
+    """Load a run dir.
+
+    Args:
+        path: a run dir (runs/<name>-<timestamp>/).
+    Returns:
+        RunData; `profile` is None only when the dir has no profile of any kind.
+    Raises:
+        RunDirError: the path does not exist or is not a directory.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise RunDirError(f"run dir '{path}' does not exist or is not a directory; pass runs/<run>/")
+    profile, source = None, "none"
+    if (path / "profile.json").is_file():
+        profile, source = json.loads((path / "profile.json").read_text()), "profile.json"
+    elif list(path.glob("profile.rank*.json")):
+        from trainprof.analysis.merge import merge_rank_files
+
+        profile, source = merge_rank_files(path), "profile.rank*.json (merged now: profile.json is missing)"
+    else:
+        old = _old_rank_files(path)
+        if old is not None:
+            profile, source = old, "rank<N>.json (step times only)"
+    recipe = path / "recipe.yaml"
+    traces = [TraceFile(p, p.stat().st_size, _worker(p.name)) for p in find_traces(path)]
+    tb = path / "tb"
+    scalars = sorted(tb.glob("events.out.tfevents.*")) if tb.is_dir() else []
+    return RunData(
+        path=path, profile=profile, source=source,
+        recipe_text=recipe.read_text() if recipe.is_file() else None,
+        failures=[json.loads(f.read_text()) for f in sorted(path.glob("failure-rank*.json"))],
+        traces=traces, scalars=scalars,
+    )
+
+
+def recipe_of(run: RunData) -> dict[str, Any]:
+    """The resolved recipe: profile.json's, else recipe.yaml's, else {}."""
+    recipe = (run.profile or {}).get("recipe")
+    if recipe:
+        return recipe
+    if run.recipe_text:
+        import yaml
+
+        return yaml.safe_load(run.recipe_text) or {}
+    return {}
+
+
+def step_tflops(profile: dict[str, Any], step: dict[str, Any]) -> float | None:
+    """Achieved TFLOP/s of one step: the counted FLOPs per step (same every step) over its wall time."""
+    flops = (profile.get("summary") or {}).get("flops_per_step")
+    return flops / (step["wall_ms"] / 1e3) / 1e12 if flops and step.get("wall_ms") else None
+
+
+def step_tokens_per_s(step: dict[str, Any]) -> float | None:
+    return step["tokens"] / (step["wall_ms"] / 1e3) if step.get("tokens") and step.get("wall_ms") else None
+
+
+def step_peak_memory(step: dict[str, Any]) -> dict[str, int | None]:
+    """Peak memory per phase of one step ({"step": bytes} for runs written before the profiler)."""
+    peaks = step.get("peak_memory_bytes")
+    if isinstance(peaks, dict):
+        return peaks
+    return {"step": peaks} if peaks is not None else {}
+
+
+def module_time(m: dict[str, Any], self_time: bool = False) -> float:
+    """forward + backward + recompute ms of a module row (its self part with self_time)."""
+    p = "self_" if self_time else ""
+    return sum(m.get(f"{p}{k}_ms") or 0.0 for k in ("forward", "backward", "recompute"))
+
+
+def top_modules(profile: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """The n modules with the most self time (forward + backward + recompute), the ones that do the
+    work: inclusive time would rank the model and its containers first."""
+    mods = [m for m in profile.get("modules") or [] if module_time(m, self_time=True) > 0]
+    return sorted(mods, key=lambda m: -module_time(m, self_time=True))[:n]

@@ -1,0 +1,131 @@
+"""TensorBoard scalars per measured step, written next to the Kineto traces in <run_dir>/tb so one
+`tensorboard --logdir <run_dir>/tb` shows the profiler plugin's views and these series together.
+
+Series (x axis = the profile's step number; warm-up steps are left out):
+    step/wall_ms, step/tokens_per_s, step/achieved_tflops, step/loss, step/instrumented (1 on a step
+    slowed by FLOP counting or operator tracing)
+    phase/<phase>_ms for data_wait, forward, backward, recompute, optimizer, comm_exposed, other,
+    unattributed; comm/exposed_ms and comm/exposed_frac (exposed communication over the step)
+    memory/peak_<phase>_mib (forward, backward, optimizer; or the step's peak in older run dirs)
+    module/<name>/{forward,backward,recompute}_ms for the top modules by self time, when the profile
+    has per-step module times (steps[].modules_ms); otherwise their medians as text in the summary
+
+Written with tensorboard's own event writer and protos: no torch or TensorFlow import.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from trainprof.report.rundir import PHASES, step_peak_memory, step_tflops, step_tokens_per_s, top_modules
+
+SCALARS_SUFFIX = ".trainprof"  # our event files end in this; rewriting replaces only them
+TOP_MODULES = 8
+
+
+def scalar_series(profile: dict[str, Any], top: int = TOP_MODULES) -> dict[str, list[tuple[int, float]]]:
+    """The scalar series of a profile: tag -> [(step, value)], measured steps only.
+
+    Args:
+        profile: a profile.json document (any version; absent fields give no series).
+        top: how many modules get per-step series.
+    """
+    series: dict[str, list[tuple[int, float]]] = {}
+
+    def add(tag: str, step: int, value: Any) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            series.setdefault(tag, []).append((step, float(value)))
+
+    modules = [m["name"] for m in top_modules(profile, top)]
+    for s in profile.get("steps") or []:
+        if s.get("warmup") or s.get("step", 0) < 0:
+            continue
+        n = int(s["step"])
+        add("step/wall_ms", n, s.get("wall_ms"))
+        add("step/tokens_per_s", n, step_tokens_per_s(s))
+        add("step/achieved_tflops", n, step_tflops(profile, s))
+        add("step/loss", n, s.get("loss"))
+        if "instrumented" in s:
+            add("step/instrumented", n, 1.0 if s["instrumented"] else 0.0)
+        phases = s.get("phases_ms") or {}
+        for phase in PHASES:
+            add(f"phase/{phase}_ms", n, phases.get(phase))
+        if phases:
+            add("phase/unattributed_ms", n, s.get("unattributed_ms"))
+            exposed = phases.get("comm_exposed")
+            add("comm/exposed_ms", n, exposed)
+            if exposed is not None and s.get("wall_ms"):
+                add("comm/exposed_frac", n, exposed / s["wall_ms"])
+        for phase, nbytes in step_peak_memory(s).items():
+            add(f"memory/peak_{phase}_mib", n, None if nbytes is None else nbytes / 2**20)
+        per_module = s.get("modules_ms") or {}
+        for name in modules:
+            times = per_module.get(name)
+            if times is None:
+                continue
+            label = name or "<model>"
+            for i, phase in enumerate(("forward", "backward", "recompute")):
+                add(f"module/{label}/{phase}_ms", n, times[i] if isinstance(times, list) else times.get(phase))
+    return series
+
+
+def _summary_text(profile: dict[str, Any], run_name: str) -> str:
+    """Markdown shown in TensorBoard's Text tab: how the scalars were measured."""
+    meas = profile.get("measurement") or {}
+    s = profile.get("summary") or {}
+    lines = [f"**trainprof run {run_name}**", ""]
+    for key in ("timer", "phases", "comm_exposed", "memory", "steps_used"):
+        if key in meas:
+            lines.append(f"- {key}: {meas[key]}")
+    if s.get("tokens_per_s_scope") or s.get("tokens_per_s_method"):
+        lines.append(f"- tokens/s: per step, tokens of the step / its wall time "
+                     f"({s.get('tokens_per_s_scope') or s.get('tokens_per_s_method')})")
+    if s.get("flops_convention"):
+        lines.append(f"- achieved TFLOP/s: FLOPs counted on one step / each step's wall time; {s['flops_convention']}")
+    mods = top_modules(profile, TOP_MODULES)
+    if mods and not any((st.get("modules_ms") for st in profile.get("steps") or [])):
+        lines += ["", "Top modules by self time (median per step, ms; this profile has no per-step module times):", "",
+                  "| module | forward | backward | recompute |", "|---|---|---|---|"]
+        lines += [f"| {m['name'] or '<model>'} | {m.get('forward_ms', 0):.3f} | {m.get('backward_ms', 0):.3f} | "
+                  f"{m.get('recompute_ms', 0):.3f} |" for m in mods]
+    return "\n".join(lines)
+
+
+def write_tensorboard_scalars(profile: dict[str, Any], run_dir: str | Path) -> Path:
+    """Write the scalar series (and a text note on how they were measured) to <run_dir>/tb.
+
+    Replaces event files this function wrote before (suffix .trainprof), so re-running a report does
+    not duplicate points; the Kineto traces in tb/ are left alone.
+
+    Args:
+        profile: the merged profile.json document.
+        run_dir: the run directory.
+    Returns:
+        The event file written.
+    """
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    logdir = Path(run_dir) / "tb"
+    logdir.mkdir(parents=True, exist_ok=True)
+    for old in logdir.glob(f"events.out.tfevents.*{SCALARS_SUFFIX}"):
+        old.unlink()
+    writer = EventFileWriter(str(logdir), filename_suffix=SCALARS_SUFFIX)
+    wall = time.time()
+    by_step: dict[int, list[Any]] = {}
+    for tag, points in scalar_series(profile).items():
+        for step, value in points:
+            by_step.setdefault(step, []).append(summary_pb2.Summary.Value(tag=tag, simple_value=value))
+    for step in sorted(by_step):
+        writer.add_event(event_pb2.Event(wall_time=wall, step=step, summary=summary_pb2.Summary(value=by_step[step])))
+    text = _summary_text(profile, Path(run_dir).name).encode("utf-8")
+    meta = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
+    tensor = TensorProto(dtype=7, string_val=[text], tensor_shape=TensorShapeProto())  # 7 = DT_STRING
+    writer.add_event(event_pb2.Event(wall_time=wall, step=0, summary=summary_pb2.Summary(
+        value=[summary_pb2.Summary.Value(tag="trainprof/how_measured", metadata=meta, tensor=tensor)])))
+    writer.close()
+    return next(logdir.glob(f"events.out.tfevents.*{SCALARS_SUFFIX}"))
