@@ -104,7 +104,7 @@ class OptimizerConfig:
 @dataclass(kw_only=True)
 class ProfileConfig:
     enabled: bool = True  # hook-based step profiler on every measured step
-    module_depth: int = 3  # deepest module level timed (0 = the model itself)
+    module_depth: int = 4  # deepest module level timed (0 = LlamaForCausalLM; 4 = attention, MLP, norms)
     ops: bool = False  # operator level (torch.profiler) on the steps in ops_steps
     ops_steps: int = 2  # measured steps traced at operator level when ops is on
 
