@@ -11,7 +11,9 @@ from trainprof.recipe import RecipeError
 
 # subcommand modules, in --help order; each defines add_parser(subparsers) -> ArgumentParser whose
 # defaults include func(args) -> exit code
-COMMANDS = ["trainprof.commands.run", "trainprof.commands.plan"]
+COMMANDS = ["trainprof.commands.run", "trainprof.commands.plan", "trainprof.commands.sweep",
+            "trainprof.commands.maxbatch", "trainprof.commands.scale", "trainprof.commands.report",
+            "trainprof.commands.diff", "trainprof.commands.tb"]
 
 
 class UserError(Exception):

@@ -7,9 +7,11 @@ import logging
 import platform
 import warnings
 import resource
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: `trainprof report` should not pay for it
+    import torch
+
 
 
 def _version(pkg: str) -> str | None:
@@ -20,6 +22,8 @@ def _version(pkg: str) -> str | None:
 
 
 def device_name(device: torch.device) -> str:
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine()
@@ -27,6 +31,8 @@ def device_name(device: torch.device) -> str:
 
 def collect_env(device: torch.device, world_size: int) -> dict[str, Any]:
     """The `env` block of profile.json."""
+    import torch
+
     return {
         "torch": torch.__version__,
         "deepspeed": _version("deepspeed"),
@@ -46,6 +52,8 @@ def collect_env(device: torch.device, world_size: int) -> dict[str, Any]:
 
 def memory_meter(device: torch.device) -> str:
     """What `peak_memory_bytes` measures on this device."""
+    import torch
+
     if device.type == "cuda":
         return "cuda_allocator_peak: torch.cuda.max_memory_allocated, reset every step"
     return (
@@ -54,15 +62,40 @@ def memory_meter(device: torch.device) -> str:
     )
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+# Peaks folded in by whoever reset the device's peak counter mid-window (the profiler resets it at
+# every phase start); peak_memory_bytes reports the max of these and the counter, so a reset never
+# hides a peak from the window the runner measures.
+_folded_peak = 0
 
 
-def peak_memory_bytes(device: torch.device) -> int:
+def _raw_peak(device: torch.device) -> int:
+    import torch
+
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a measurement window: one step on GPU; on CPU the window is the process lifetime."""
+    import torch
+
+    global _folded_peak
+    if device.type == "cuda":
+        _folded_peak = 0
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def fold_peak_memory(device: torch.device) -> None:
+    """Call right before resetting the device's peak counter (CUDA peak stats, or /proc/self/clear_refs
+    on CPU, which also resets ru_maxrss) so that the runner's window keeps its peak."""
+    global _folded_peak
+    _folded_peak = max(_folded_peak, _raw_peak(device))
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The peak of the current window (see reset_peak_memory), whatever was reset inside it."""
+    return max(_raw_peak(device), _folded_peak)
 
 
 def quiet_library_noise() -> None:
@@ -78,6 +111,8 @@ def quiet_library_noise() -> None:
 
 def apply_memory_cap(device: torch.device, cap_gb: float | None) -> None:
     """On GPU, cap the caching allocator so going past `cap_gb` raises a real CUDA OOM."""
+    import torch
+
     if cap_gb is None or device.type != "cuda":
         return
     total = torch.cuda.get_device_properties(device).total_memory

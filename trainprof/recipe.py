@@ -106,7 +106,12 @@ class ProfileConfig:
     enabled: bool = True  # hook-based step profiler on every measured step
     module_depth: int = 4  # deepest module level timed (0 = LlamaForCausalLM; 4 = attention, MLP, norms)
     ops: bool = False  # operator level (torch.profiler) on the steps in ops_steps
-    ops_steps: int = 2  # measured steps traced at operator level when ops is on
+    ops_steps: int = 2  # measured steps traced at operator level when ops is on (torch.profiler active)
+    trace_wait: int = 0  # measured steps to skip before operator tracing starts (torch.profiler wait)
+    trace_warmup: int = 1  # steps traced then discarded before the ops_steps (Kineto warm-up); not in medians
+    record_shapes: bool = False  # operator input shapes (and per-operator FLOPs) in traces; larger traces
+    with_stack: bool = False  # Python stack per operator in traces; much larger traces
+    trace_gzip: bool = True  # traces as .pt.trace.json.gz (TensorBoard, Perfetto and HTA read them)
 
 
 @dataclass(kw_only=True)
@@ -153,7 +158,7 @@ DEEPSPEED_KEYS_FROM_RECIPE: dict[str, str] = {
 # ---------------------------------------------------------------------------------------------
 
 
-def _did_you_mean(key: str, options: typing.Iterable[str]) -> str:
+def did_you_mean(key: str, options: typing.Iterable[str]) -> str:
     close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.6)
     return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(sorted(options))}"
 
@@ -234,7 +239,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     for key, value in data.items():
         full = f"{prefix}{key}"
         if key not in names:
-            raise RecipeError(f"unknown recipe key '{full}'{_did_you_mean(str(key), names)}")
+            raise RecipeError(f"unknown recipe key '{full}'{did_you_mean(str(key), names)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value if value is not None else {}, f"{full}.")
@@ -267,7 +272,7 @@ def _resolve_override_key(key: str) -> str:
             return matches[0]
         if len(matches) > 1:
             raise RecipeError(f"override '{key}' is ambiguous: write one of {', '.join(matches)}")
-    raise RecipeError(f"unknown recipe key '{key}' in override{_did_you_mean(key, leaves)}")
+    raise RecipeError(f"unknown recipe key '{key}' in override{did_you_mean(key, leaves)}")
 
 
 def apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str]) -> dict[str, Any]:
@@ -346,7 +351,7 @@ def validate(recipe: Recipe) -> None:
     m, t, d, tr, e, o = recipe.model, recipe.task, recipe.data, recipe.train, recipe.engine, recipe.optimizer
     _require(
         m.name in SHAPES or m.name == "custom",
-        f"recipe key 'model.name': unknown shape {m.name!r}{_did_you_mean(m.name, [*SHAPES, 'custom'])}",
+        f"recipe key 'model.name': unknown shape {m.name!r}{did_you_mean(m.name, [*SHAPES, 'custom'])}",
     )
     if m.checkpoint is not None:
         ckpt = Path(m.checkpoint)
@@ -390,6 +395,8 @@ def validate(recipe: Recipe) -> None:
         ("train.warmup_steps", tr.warmup_steps, 0),
         ("profile.module_depth", recipe.profile.module_depth, 0),
         ("profile.ops_steps", recipe.profile.ops_steps, 1),
+        ("profile.trace_wait", recipe.profile.trace_wait, 0),
+        ("profile.trace_warmup", recipe.profile.trace_warmup, 0),
     ):
         _require(value >= low, f"recipe key '{key}': {value} is out of range; it must be >= {low}")
     _require(
@@ -440,7 +447,7 @@ def validate(recipe: Recipe) -> None:
             _require(
                 name in known,
                 f"recipe key 'task.lora.target_modules': {name!r} is not a Llama linear layer"
-                f"{_did_you_mean(name, known)}",
+                f"{did_you_mean(name, known)}",
             )
     if t.kind == "qlora":
         _require(

@@ -8,6 +8,7 @@ import contextlib
 import datetime as dt
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -143,18 +144,31 @@ def record_failure(run_dir: Path, ctx):
     from trainprof.env import peak_memory_bytes
     from trainprof.io import atomic_write_json
 
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)  # torchrun stops survivors with SIGTERM
     try:
         yield
     except BaseException as err:
         oom = isinstance(err, MemoryError) or "out of memory" in str(err).lower()
+        interrupted = isinstance(err, (KeyboardInterrupt, Terminated))
         atomic_write_json(run_dir / f"failure-rank{ctx.rank}.json", {
             "rank": ctx.rank,
-            "kind": "oom" if oom else ("interrupted" if isinstance(err, KeyboardInterrupt) else "error"),
+            "kind": "oom" if oom else ("interrupted" if interrupted else "error"),
             "type": type(err).__name__,
+            "signal": "SIGTERM" if isinstance(err, Terminated) else ("SIGINT" if isinstance(err, KeyboardInterrupt) else None),
             "message": str(err).strip().splitlines()[0][:500] if str(err).strip() else type(err).__name__,
             "peak_memory_bytes": peak_memory_bytes(ctx.device),
         })
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so record_failure can write the rank's failure file."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated("terminated by SIGTERM (torchrun stops the other ranks when one fails)")
 
 
 def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
@@ -222,8 +236,15 @@ def write_run_files(profile: dict[str, Any], run_dir: Path) -> None:
     from trainprof.io import atomic_write_json
     from trainprof.report.summary import write_report
 
+    from trainprof.report.run_report import write_reports
+
     atomic_write_json(run_dir / "profile.json", profile)
     write_report(profile, run_dir)
+    try:
+        write_reports(run_dir)  # report.md, report.html, TensorBoard scalars under tb/
+    except Exception as err:  # a report problem must not fail a finished run; `trainprof report` retries
+        print(f"trainprof: report not written ({type(err).__name__}: {err}); run `trainprof report {run_dir}`",
+              file=sys.stderr)
 
 
 def gather_to_rank0(obj: Any, ctx) -> list[Any]:
@@ -238,6 +259,8 @@ def gather_to_rank0(obj: Any, ctx) -> list[Any]:
 
 def render_summary(profile: dict[str, Any], run_dir: Path) -> str:
     """The short table rank 0 prints at the end of a run."""
+    from trainprof.report.rundir import trace_size_text
+
     s, env = profile["summary"], profile["env"]
     steps = [st for st in profile["steps"] if not st.get("warmup")]
     phases = s.get("phases_ms") or {}
@@ -259,6 +282,7 @@ def render_summary(profile: dict[str, Any], run_dir: Path) -> str:
          if steps and steps[0].get("loss") is not None else "n/a"),
         ("peak memory", f"{s['peak_memory_bytes_max'] / 2**20:,.0f} MiB ({s['memory_meter'].split(':')[0]})"),
         ("params total / trainable", f"{profile['params']['total']:,} / {profile['params']['trainable']:,}"),
+        ("trace per step", trace_size_text(profile)),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(["", "trainprof run summary", *(f"  {k:<{width}}  {v}" for k, v in rows)])

@@ -7,9 +7,12 @@ row (per-step series: steps[].phases_ms, and steps[].modules_ms where the profil
 on a shared machine, time stolen by other processes only ever adds, so the minimum over steps is the
 most repeatable estimate of a row's own cost (as timeit does).
 
-Verdict: change = B / A - 1. |change| <= band is "within noise"; rows below `min_ms` in both runs are
-"too small" (a preemption of a millisecond is most of them). The default band and floor are measured
-(docs/reports.md: identical runs diffed against each other).
+Verdict, symmetric in ratio (noise on a time is a factor, not an offset): B is "faster" when
+B < A / (1 + band), "slower" when B > A * (1 + band), else "within noise". Rows under `min_ms` in
+both runs are "too small" (one preemption is most of them), and so is a model part whose modules are
+each under `min_ms`. The band is measured: from a repeat of run A (`repeat`: an identical run; band =
+NOISE_SAFETY x the largest ratio between A and its repeat over the judged rows), else the default per
+statistic, measured on this project's shared CI machine (docs/reports.md).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_ex
 MODULE_PHASES = ("forward", "backward", "recompute")
 STATS = ("median", "min")
 DEFAULT_BAND = {"median": 0.25, "min": 0.15}  # measured, see docs/reports.md
-DEFAULT_MIN_MS = 0.5
+DEFAULT_MIN_MS = 1.0  # rows under 1 ms: a single preemption (~1 ms) is most of them
+NOISE_SAFETY = 1.5  # one repeat pair samples the noise once; 1.5x its largest ratio covers a second draw
+MIN_BAND = 0.10  # quiet identical runs here differed by 4-10% on judged rows (docs/reports.md)
 
 
 @dataclass
@@ -68,6 +73,8 @@ class ProfileDiff:
     only_b: list[str] = field(default_factory=list)
     recipe_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    band_source: str = "default"  # "default" | "given" | "repeat"
+    repeat_noise: float | None = None  # largest ratio - 1 between A and its repeat, when one was given
 
     def rows(self) -> list[DiffRow]:
         return [*self.steps, *self.phases, *self.parts, *self.modules]
@@ -133,26 +140,35 @@ def _verdict(row: DiffRow, band: float, min_ms: float) -> str:
         return "only in A" if row.b_ms is None else "only in B"
     if max(row.a_ms, row.b_ms) < min_ms:
         return "too small"
-    c = row.change
-    if c is None:
-        return "new in B"
-    if c < -band:
+    if not row.a_ms or not row.b_ms:
+        return "new in B" if not row.a_ms else "gone in B"
+    if row.b_ms < row.a_ms / (1 + band):
         return "faster"
-    if c > band:
+    if row.b_ms > row.a_ms * (1 + band):
         return "slower"
     return "within noise"
 
 
+def noise_ratio(row: DiffRow) -> float | None:
+    """max(B/A, A/B) - 1 of a row (None when a side is zero or missing)."""
+    if not row.a_ms or not row.b_ms:
+        return None
+    return max(row.b_ms / row.a_ms, row.a_ms / row.b_ms) - 1
+
+
 def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median", band: float | None = None,
-                  min_ms: float = DEFAULT_MIN_MS,
+                  min_ms: float = DEFAULT_MIN_MS, repeat: dict[str, Any] | None = None,
                   parts: list[tuple[str, Callable[[dict[str, Any]], bool]]] | None = None) -> ProfileDiff:
     """Compare run B against run A.
 
     Args:
         a, b: profile.json documents (older ones without phases/modules give fewer rows, with a note).
         stat: "median" (the profiles' figures) or "min" (fastest measured step per row).
-        band: relative change counted as noise (default DEFAULT_BAND[stat]).
+        band: ratio counted as noise (0.15: within 15% either way); default: measured from `repeat`,
+            else DEFAULT_BAND[stat].
         min_ms: rows where both runs are below this many ms per step are "too small".
+        repeat: a repeat of run A (same recipe, same machine): the band becomes NOISE_SAFETY x the
+            largest ratio between A and the repeat over the judged rows (at least MIN_BAND).
         parts: (label, module predicate) groups summed per phase (outermost matching modules only),
             e.g. trainprof.report.summary.CATEGORIES.
     Returns:
@@ -160,9 +176,17 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
     """
     if stat not in STATS:
         raise ValueError(f"stat '{stat}' is not one of {', '.join(STATS)}")
+    band_source = "given" if band is not None else "default"
+    measured_noise = None
+    if band is None and repeat is not None:
+        self_diff = diff_profiles(a, repeat, stat=stat, band=0.0, min_ms=min_ms, parts=parts)
+        ratios = [noise_ratio(r) for r in self_diff.rows() if r.verdict != "too small" and r.kind != "step"]
+        measured_noise = max((x for x in ratios if x is not None), default=0.0)
+        band, band_source = max(MIN_BAND, NOISE_SAFETY * measured_noise), "repeat"
     band = DEFAULT_BAND[stat] if band is None else band
     out = ProfileDiff(stat=stat, band=band, min_ms=min_ms, recipe_changes=recipe_changes(a.get("recipe"),
-                                                                                          b.get("recipe")))
+                                                                                          b.get("recipe")),
+                      band_source=band_source, repeat_noise=measured_noise)
     steps_a, steps_b = used_steps(a), used_steps(b)
 
     def series_row(kind: str, name: str, phase: str, get: Callable[[dict[str, Any]], float | None],
@@ -182,7 +206,8 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
     if has_phases:
         for phase in PHASES:
             out.phases.append(series_row("phase", phase, phase, lambda s, p=phase: s["phases_ms"].get(p),
-                                         (sa.get("phases_ms") or {}).get(phase), (sb.get("phases_ms") or {}).get(phase)))
+                                         (sa.get("phases_ms") or {}).get(phase),
+                                         (sb.get("phases_ms") or {}).get(phase)))
     else:
         out.notes.append("phases: at least one run has no per-step phase breakdown (an older run dir)")
 
@@ -204,15 +229,21 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
 
     for label, match in parts or []:
         for phase in MODULE_PHASES:
-            values = []
+            values, largest = [], 0.0
             for mods, series in ((mods_a, series_a), (mods_b, series_b)):
                 members = [m for m in mods.values() if match(m)]
                 names = {m["name"] for m in members}
                 members = [m for m in members if not any(m["name"].startswith(n + ".") for n in names if n)]
-                values.append(sum(module_value(mods, series, m["name"], phase) or 0.0 for m in members)
-                              if members else None)
+                member_ms = [module_value(mods, series, m["name"], phase) or 0.0 for m in members]
+                largest = max([largest, *member_ms])
+                values.append(sum(member_ms) if members else None)
             if any(values) and None not in values:
-                out.parts.append(DiffRow("part", label, phase, values[0], values[1]))
+                row = DiffRow("part", label, phase, values[0], values[1])
+                # a sum of modules that are each too small to judge is not judged either: per-call
+                # effects (hook cost, cache state the previous module left) add up in it
+                if largest < min_ms:
+                    row.verdict = "too small"
+                out.parts.append(row)
 
     for name in [*mods_a, *(n for n in mods_b if n not in mods_a)]:
         if name not in mods_a or name not in mods_b:
@@ -229,5 +260,5 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
     out.only_a = [n for n in mods_a if n not in mods_b]
     out.only_b = [n for n in mods_b if n not in mods_a]
     for row in out.rows():
-        row.verdict = _verdict(row, band, min_ms)
+        row.verdict = row.verdict or _verdict(row, band, min_ms)
     return out

@@ -65,8 +65,13 @@ class Profiler:
         active_steps: measured steps after warm-up (None: every step).
         flops: count FLOPs on one step (the last warm-up step, else the first step, then flagged).
         ops: trace aten operators with torch.profiler on `ops_steps` measured steps.
-        ops_steps: how many measured steps to trace at operator level.
+        ops_steps: how many measured steps to trace at operator level (the schedule's active steps).
         trace_dir: where operator-level steps write Chrome/TensorBoard traces (None: not written).
+        trace_wait, trace_warmup: torch.profiler schedule before the active steps: measured steps
+            skipped, then steps traced and discarded (Kineto warm-up; flagged "trace_warmup").
+        record_shapes: operator input shapes in the trace, and per-operator FLOPs (which need them).
+        with_stack: Python stacks per operator in the trace.
+        trace_gzip: write the trace as .pt.trace.json.gz.
         memory: measure peak memory per phase.
         comm: wrap torch.distributed collectives.
         device: the compute device (default: the model's first parameter's device).
@@ -77,7 +82,9 @@ class Profiler:
     def __init__(self, model: torch.nn.Module, optimizer: Any = None, *, module_depth: int = 3,
                  enabled: bool = True, warmup_steps: int = 0, active_steps: int | None = None,
                  flops: bool = True, ops: bool = False, ops_steps: int = 1,
-                 trace_dir: str | Path | None = None, memory: bool = True, comm: bool = True,
+                 trace_dir: str | Path | None = None, trace_wait: int = 0, trace_warmup: int = 0,
+                 record_shapes: bool = True, with_stack: bool = False, trace_gzip: bool = False,
+                 memory: bool = True, comm: bool = True,
                  device: torch.device | str | None = None, rank: int | None = None,
                  world_size: int | None = None, recipe: dict[str, Any] | None = None,
                  env: dict[str, Any] | None = None) -> None:
@@ -106,7 +113,6 @@ class Profiler:
         self._step_tokens: int | None = None
         self.flops: dict[str, Any] | None = None
         self.ops_rows: list[list[dict[str, Any]]] = []
-        self._ops_done = 0
         self.grads_bytes: int | None = None
         self.flops_running = False
         self._seq_len: int | None = None
@@ -115,7 +121,10 @@ class Profiler:
         self.memory = PhaseMemory(self.device) if (memory and enabled) else None
         self.hooks: ModuleHooks | None = None
         self.comm: CommTracer | None = None
-        self._op_tracer = OpTracer(cuda=self.device.type == "cuda", trace_dir=trace_dir, rank=self.rank)
+        self._op_tracer = OpTracer(cuda=self.device.type == "cuda", trace_dir=trace_dir, rank=self.rank,
+                                   world_size=self.world_size, wait=trace_wait, warmup=trace_warmup,
+                                   active=ops_steps, record_shapes=record_shapes, with_stack=with_stack,
+                                   gzip=trace_gzip)
         if not enabled:
             return
         self.hooks = ModuleHooks(model, module_depth, self.log, self.timer.now,
@@ -155,6 +164,8 @@ class Profiler:
             module_depth=p.module_depth + wrapper_levels, enabled=p.enabled, ops=p.ops, ops_steps=p.ops_steps,
             warmup_steps=t.warmup_steps, active_steps=t.steps, recipe=recipe.to_dict(),
             trace_dir=(Path(run_dir) / "tb") if (run_dir is not None and p.ops) else None,
+            trace_wait=p.trace_wait, trace_warmup=p.trace_warmup, record_shapes=p.record_shapes,
+            with_stack=p.with_stack, trace_gzip=p.trace_gzip,
         )
         kwargs.update(overrides)
         return cls(model, optimizer, **kwargs)
@@ -193,6 +204,9 @@ class Profiler:
             self.comm.close()
         if self.memory is not None:
             self.memory.close()
+        rows = self._op_tracer.close()  # a schedule cut short by the end of training: write what it has
+        if rows:
+            self.ops_rows.extend(rows)
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -208,10 +222,16 @@ class Profiler:
                     return
                 continue
             t0 = now()
+            traced = self._op_tracer.recording
+            handle = torch.ops.profiler._record_function_enter_new(region_range_name("data_wait"), None) \
+                if traced else None
             try:
                 batch = next(it)
             except StopIteration:
                 return
+            finally:
+                if handle is not None:
+                    torch.ops.profiler._record_function_exit._RecordFunction(handle)
             t1 = now()
             if self.log.active:
                 self.log.events.append((REGION_OPEN, "data_wait", t0))
@@ -234,7 +254,11 @@ class Profiler:
         if self._closed or not (measured or flops_step):
             yield self
             return
-        ops_step = self.ops and measured and not flops_step and self._ops_done < self.ops_steps
+        ops_phase = None
+        if self.ops and measured and not flops_step and self.hooks is not None:
+            ops_phase = self._op_tracer.begin_step(index - self.warmup_steps, self._range_names,
+                                                   [m.name for m in self.hooks.modules])
+        traced = ops_phase in ("warmup", "active")
         log = self.log
         log.clear()
         self._step_loss, self._step_tokens = [], None
@@ -242,9 +266,8 @@ class Profiler:
             self.hooks.reset_step()
         if self.memory is not None:
             self.memory.start_step()
-        if ops_step:
+        if traced:
             self.hooks.range_names = self._range_names
-            self._op_tracer.start()
         counter = None
         if flops_step:
             counter = FlopCounter(self._where)
@@ -267,14 +290,13 @@ class Profiler:
             instrumented = []
             if flops_step:
                 instrumented.append("flops")
-            ops_rows = None
-            if ops_step:
+            if ops_phase is not None:
                 self.hooks.range_names = None
-                ops_rows = self._op_tracer.stop(index - self.warmup_steps, self._range_names,
-                                                [m.name for m in self.hooks.modules])
-                self.ops_rows.append(ops_rows)
-                self._ops_done += 1
-                instrumented.append("ops")
+                rows = self._op_tracer.end_step(index - self.warmup_steps)
+                if rows:
+                    self.ops_rows.extend(rows)
+                if traced:
+                    instrumented.append("ops" if ops_phase == "active" else "trace_warmup")
             self._finish_step(index, origin, end, warm=not measured, instrumented=instrumented)
             if counter is not None:
                 self._store_flops(counter)
@@ -422,8 +444,21 @@ class Profiler:
         return profile_env(self)
 
     def rank_result(self) -> dict[str, Any]:
-        """This rank's profile (what profile.rank<r>.json holds); no collective."""
-        return rank_profile(self)
+        """This rank's profile (what profile.rank<r>.json holds); no collective. Beyond the medians,
+        each step carries its own module times (`modules_ms`: name -> [forward, backward, recompute]
+        ms, modules that ran), for per-step series (TensorBoard) and the run-to-run diff's noise."""
+        from trainprof.analysis.aggregate import module_tree_step
+
+        out = rank_profile(self)
+        if self.hooks is not None:
+            infos = self.hooks.modules
+            for entry, record in zip(out["steps"], self.steps):
+                rows = module_tree_step(infos, record.breakdown.modules)
+                entry["modules_ms"] = {infos[i].name: [r["forward_ms"], r["backward_ms"], r["recompute_ms"]]
+                                       for i, r in rows.items()}
+        if self.ops:
+            out["ops_info"].update(self._op_tracer.info())
+        return out
 
     def result(self, *, recipe: dict[str, Any] | None = None, env: dict[str, Any] | None = None) -> dict[str, Any]:
         """The profile.json dict. With several ranks this is a collective: every rank must call it,

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from trainprof.env import fold_peak_memory
+
 _VMHWM = re.compile(rb"VmHWM:\s+(\d+) kB")
 _VMRSS = re.compile(rb"VmRSS:\s+(\d+) kB")
 PHASES = ("forward", "backward", "optimizer")
@@ -69,6 +71,8 @@ class PhaseMemory:
         self._depth[phase] += 1
         if self._depth[phase] != 1:
             return
+        if self.cuda or self._clear_fd is not None:
+            fold_peak_memory(self.device)  # keep the runner's step / lifetime peak across this reset
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self._clear_fd is not None:

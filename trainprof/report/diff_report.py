@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainprof.analysis.diff import ProfileDiff, diff_profiles
+from trainprof.analysis.diff import DEFAULT_MIN_MS, NOISE_SAFETY, ProfileDiff, diff_profiles
 from trainprof.io import atomic_write_text
 from trainprof.report import plots
 from trainprof.report.document import Document, Facts, Figure, Missing, Para, Table, render_csv, render_html
@@ -26,9 +26,19 @@ def _method(d: ProfileDiff, a: dict[str, Any], b: dict[str, Any]) -> str:
             "over ranks)" if d.stat == "median" else
             "the fastest measured step of each row (rank 0's per-step series)")
     timers = {x.get("env", {}).get("timer_description") or x.get("env", {}).get("timer") for x in (a, b)} - {None}
-    return (f"ms per optimizer step, {stat}; change = B/A - 1, faster by = (A-B)/A; |change| <= "
-            f"{100 * d.band:.0f}% is within noise, rows under {d.min_ms} ms in both runs are too small to judge; "
-            f"timer: {'; '.join(sorted(timers)) or 'not recorded'}")
+    return (f"ms per optimizer step, {stat}; change = B/A - 1, faster by = (A-B)/A, speedup = A/B; B is faster "
+            f"when B < A/{1 + d.band:.2f} and slower when B > A*{1 + d.band:.2f} (noise band {_band_text(d)}); rows "
+            f"under {d.min_ms} ms in both runs are too small to judge; spread = interquartile range / median of "
+            f"the per-step values; timer: {'; '.join(sorted(timers)) or 'not recorded'}")
+
+
+def _band_text(d: ProfileDiff) -> str:
+    if d.band_source == "repeat":
+        return (f"{100 * d.band:.0f}%: {NOISE_SAFETY}x the largest difference, {100 * (d.repeat_noise or 0):.0f}%, "
+                "between A and its repeat")
+    if d.band_source == "given":
+        return f"{100 * d.band:.0f}%, given with --noise"
+    return f"{100 * d.band:.0f}%, the default for --stat {d.stat}, measured on identical runs (docs/reports.md)"
 
 
 def _table(rows, method: str, id: str, name_header: str) -> Table:
@@ -41,12 +51,16 @@ def _table(rows, method: str, id: str, name_header: str) -> Table:
                  method=method, id=id, numeric=[False, False, True, True, True, True, True, False, True, True])
 
 
-def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff) -> Document:
+def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff,
+                        run_repeat: RunData | None = None) -> Document:
     a, b = run_a.profile or {}, run_b.profile or {}
     doc = Document("trainprof diff", subtitle=f"A = {run_a.path.name}, B = {run_b.path.name}")
     sec = doc.section("Runs", id="runs")
-    sec.blocks.append(Facts([("A", str(run_a.path)), ("B", str(run_b.path)),
-                             ("statistic", d.stat), ("noise band", f"±{100 * d.band:.0f}% (floor {d.min_ms} ms)")]))
+    facts = [("A", str(run_a.path)), ("B", str(run_b.path))]
+    if run_repeat is not None:
+        facts.append(("repeat of A", str(run_repeat.path)))
+    facts += [("statistic", d.stat), ("noise band", f"{_band_text(d)}; rows under {d.min_ms} ms not judged")]
+    sec.blocks.append(Facts(facts))
     if d.recipe_changes:
         sec.blocks.append(Table(["recipe key", "A", "B"], [[k, str(va), str(vb)] for k, va, vb in d.recipe_changes],
                                 id="recipe-changes", numeric=[False, False, False]))
@@ -92,24 +106,29 @@ def diff_csv(d: ProfileDiff) -> str:
     return render_csv(table)
 
 
-def run_diff(path_a: str | Path, path_b: str | Path, *, stat: str = "median", band: float | None = None,
-             min_ms: float | None = None) -> tuple[ProfileDiff, Document]:
-    """Load two run dirs and diff them (model parts from the summary's Llama2 categories)."""
-    from trainprof.analysis.diff import DEFAULT_MIN_MS
+def run_diff(path_a: str | Path, path_b: str | Path, *, stat: str = "min", band: float | None = None,
+             min_ms: float | None = None, repeat: str | Path | None = None) -> tuple[ProfileDiff, Document]:
+    """Load two run dirs (and optionally a repeat of A, to measure the noise band) and diff them; model
+    parts are the summary's Llama2 categories."""
     from trainprof.report.summary import CATEGORIES
 
     runs = []
-    for p in (path_a, path_b):
+    for p in (path_a, path_b, repeat):
+        if p is None:
+            runs.append(None)
+            continue
         run = load_run(p)
         if run.profile is None:
             raise RunDirError(f"run dir '{p}' has no profile.json (nor rank files); nothing to compare")
         runs.append(run)
     d = diff_profiles(runs[0].profile, runs[1].profile, stat=stat, band=band,
-                      min_ms=DEFAULT_MIN_MS if min_ms is None else min_ms, parts=CATEGORIES)
-    return d, build_diff_document(runs[0], runs[1], d)
+                      min_ms=DEFAULT_MIN_MS if min_ms is None else min_ms, parts=CATEGORIES,
+                      repeat=runs[2].profile if runs[2] is not None else None)
+    return d, build_diff_document(runs[0], runs[1], d, runs[2])
 
 
-def write_diff(d: ProfileDiff, doc: Document, out_dir: str | Path, formats: tuple[str, ...] = FORMATS) -> dict[str, Path]:
+def write_diff(d: ProfileDiff, doc: Document, out_dir: str | Path,
+               formats: tuple[str, ...] = FORMATS) -> dict[str, Path]:
     """Write diff.md (+ diff_plots/), diff.html and diff.csv into out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -105,8 +105,9 @@ def speedup_bars(labels: list[str], changes: list[float], noise: float | None) -
     y = list(range(len(labels)))[::-1]
     colors = ["#54a24b" if c < 0 else "#e45756" for c in changes]
     ax.barh(y, [100 * c for c in changes], color=colors)
-    if noise:
-        ax.axvspan(-100 * noise, 100 * noise, color="#dddddd", alpha=0.6, label=f"noise band ±{100 * noise:.0f}%")
+    if noise:  # the band is symmetric in ratio: B within A/(1+noise) .. A*(1+noise)
+        ax.axvspan(100 * (1 / (1 + noise) - 1), 100 * noise, color="#dddddd", alpha=0.6,
+                   label=f"noise band (ratio within {1 + noise:.2f}x)")
         ax.legend(fontsize=8, frameon=False, loc="lower right")
     ax.axvline(0, color="black", linewidth=0.6)
     ax.set_yticks(y, labels, fontsize=8)

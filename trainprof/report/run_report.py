@@ -6,9 +6,11 @@ beside it); what a run dir lacks is named in the report. Imports neither torch n
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
+from trainprof.analysis.trace import TraceFormatError, summarize_trace
 from trainprof.io import atomic_write_text
 from trainprof.report import plots
 from trainprof.report.document import Details, Document, Facts, Figure, Missing, Para, Table, fmt
@@ -19,6 +21,7 @@ PLOTS_DIR = "report_plots"  # PNGs for report.md, beside it
 TOP_MODULES = 15
 TOP_OPS = 25
 MiB = 2**20
+TRACE_SCAN_BYTES = 32 * MiB  # traces larger than this (on disk) are listed, not read, unless asked
 
 
 def _mib(x: float | None) -> float | None:
@@ -98,7 +101,7 @@ def method_section(doc: Document, run: RunData) -> None:
                        ("steps_used_description", "steps used"), ("peak_memory_method", "peak memory per phase"),
                        ("memory_meter", "peak memory"), ("flops_convention", "FLOPs and MFU"),
                        ("achieved_tflops_scope", "achieved TFLOP/s")):
-        if s.get(key):
+        if s.get(key) and all(s[key] != text for _, text in rows):
             rows.append([label, s[key]])
     if _get(s, "analytic", "formula"):
         rows.append(["analytic FLOPs cross-check", s["analytic"]["formula"]])
@@ -232,7 +235,8 @@ def comm_section(doc: Document, run: RunData) -> None:
         return
     step_ms = _get(p, "summary", "step_ms", "median")
     exposed = _get(p, "summary", "phases_ms", "comm_exposed")
-    sec.blocks.append(Para(f"Exposed communication: {fmt(exposed)} ms per step ({_pct(exposed, step_ms)} of the step)."))
+    sec.blocks.append(Para(f"Exposed communication: {fmt(exposed)} ms per step "
+                           f"({_pct(exposed, step_ms)} of the step)."))
     meas = p.get("measurement") or {}
     sec.blocks.append(Table(
         ["op", "phase", "group", "calls", "MiB", "total ms", "exposed ms", "algbw GB/s", "busbw GB/s"],
@@ -255,7 +259,8 @@ def memory_section(doc: Document, run: RunData) -> None:
                                 method=s.get("peak_memory_method"), id="memory-table"))
     elif s.get("peak_memory_bytes_max") is not None:
         sec.blocks.append(Missing("memory per phase", "this run dir records one peak per step, not per phase"))
-        sec.blocks.append(Table(["what", "peak MiB"], [["whole step, max over steps", _mib(s["peak_memory_bytes_max"])]],
+        sec.blocks.append(Table(["what", "peak MiB"],
+                                [["whole step, max over steps", _mib(s["peak_memory_bytes_max"])]],
                                 method=s.get("memory_meter"), id="memory-table"))
     else:
         per_step = [step_peak_memory(st) for st in run.measured_steps]
@@ -314,7 +319,7 @@ def ranks_section(doc: Document, run: RunData) -> None:
                                    "and data wait (what a straggler is judged by)", id="ranks-table"))
 
 
-def traces_section(doc: Document, run: RunData) -> None:
+def traces_section(doc: Document, run: RunData, scan_bytes: int = TRACE_SCAN_BYTES) -> None:
     p = run.profile or {}
     info = p.get("ops_info") or {}
     sec = doc.section("Traces and TensorBoard", id="traces")
@@ -326,17 +331,38 @@ def traces_section(doc: Document, run: RunData) -> None:
         per_worker: dict[str, int] = {}
         for t in run.traces:
             per_worker[t.worker] = per_worker.get(t.worker, 0) + 1
-        rows = []
+        rows, skipped = [], []
         for t in run.traces:
-            n = len(traced) if traced and per_worker[t.worker] == 1 else None
-            rows.append([str(t.path.relative_to(run.path)), t.worker, _mib(t.bytes), n,
-                         None if not n else _mib(t.bytes / n)])
-        sec.blocks.append(Table(["file", "worker", "MiB", "steps", "MiB per step"], rows, id="traces-table",
-                                method="file size on disk (gzip-compressed when the name ends in .gz); steps = the "
-                                       "traced steps in profile.json ops_info"))
+            rank, steps, step_ms = None, None, None
+            if t.bytes <= scan_bytes:
+                try:
+                    summary = summarize_trace(t.path)  # streaming: memory does not grow with the file
+                except TraceFormatError as err:
+                    sec.blocks.append(Missing(f"trace {t.path.name}", str(err)))
+                    continue
+                if summary.rank is not None:
+                    rank = f"{summary.rank} of {summary.world_size}"
+                steps = ", ".join(str(n) for n in sorted(summary.steps)) or "none"
+                step_ms = statistics.median(summary.steps.values()) if summary.steps else None
+                n = len(summary.steps) or None
+            else:
+                skipped.append(t.path.name)
+                n = len(traced) if traced and per_worker[t.worker] == 1 else None
+            rows.append([str(t.path.relative_to(run.path)), t.worker, rank, steps, _mib(t.bytes),
+                         None if not n else _mib(t.bytes / n), step_ms])
+        sec.blocks.append(Table(
+            ["file", "worker", "rank (distributedInfo)", "steps (ProfilerStep#)", "MiB", "MiB per step",
+             "traced step ms (median)"], rows, id="traces-table",
+            method="file size on disk (gzip-compressed when the name ends in .gz) over the ProfilerStep markers in "
+                   "the file; traced step ms is the ProfilerStep range (slower than an untraced step: the profile's "
+                   "figures leave traced steps out)"))
+        if skipped:
+            sec.blocks.append(Para(f"Not scanned (over {scan_bytes / MiB:.0f} MiB each; steps from profile.json): "
+                                   + ", ".join(skipped) + ". `trainprof report --scan-traces` reads them (streaming)."))
         sec.blocks.append(Para(f"Open with `trainprof tb {run.path}` (TensorBoard's PyTorch Profiler tab: each rank "
                                "is a worker), or load a file into https://ui.perfetto.dev or chrome://tracing. "
-                               "Module ranges are named trainprof::<phase>::<module>."))
+                               "Module ranges are named trainprof::<phase>::<module> (<model> = the model itself), "
+                               "phase regions trainprof::<phase>."))
     if run.scalars:
         sec.blocks.append(Para("TensorBoard scalars (phases, tokens/s, TFLOP/s, memory, exposed communication per "
                                f"step) are in {', '.join(str(f.relative_to(run.path)) for f in run.scalars)}."))
@@ -345,11 +371,17 @@ def traces_section(doc: Document, run: RunData) -> None:
 
 
 SECTIONS = (facts_section, method_section, phases_section, modules_section, ops_section, comm_section,
-            memory_section, flops_section, ranks_section, traces_section)
+            memory_section, flops_section, ranks_section)
 
 
-def build_run_report(run: RunData) -> Document:
-    """The report of one run as a Document (render with render_markdown / render_html)."""
+def build_run_report(run: RunData, *, trace_scan_bytes: int = TRACE_SCAN_BYTES) -> Document:
+    """The report of one run as a Document (render with render_markdown / render_html).
+
+    Args:
+        run: the loaded run dir.
+        trace_scan_bytes: trace files up to this size on disk are read (streaming) for their ranks and
+            ProfilerStep markers; larger ones are listed from profile.json alone, to keep a report fast.
+    """
     p = run.profile or {}
     recipe = recipe_of(run)
     name = _get(recipe, "output", "name") or run.name
@@ -360,22 +392,25 @@ def build_run_report(run: RunData) -> Document:
                                   "(the run failed before writing one)"))
         for f in run.failures:
             sec.blocks.append(Para(f"rank {f.get('rank')} failed: {f.get('kind')}: {f.get('message')}"))
-        traces_section(doc, run)
+        traces_section(doc, run, trace_scan_bytes)
         return doc
     for build in SECTIONS:
         build(doc, run)
+    traces_section(doc, run, trace_scan_bytes)
     if p.get("schema_version", 1) < 1:
         doc.sections[0].blocks.insert(0, Missing("profile.json", "only the runner's per-rank step files exist"))
     return doc
 
 
-def write_reports(run_dir: str | Path, *, scalars: bool = True) -> dict[str, Path]:
+def write_reports(run_dir: str | Path, *, scalars: bool = True,
+                  trace_scan_bytes: int = TRACE_SCAN_BYTES) -> dict[str, Path]:
     """Write report.md (+ its PNGs under report_plots/) and report.html into the run dir, and refresh the
     TensorBoard scalars in tb/ when the run has a profile.
 
     Args:
         run_dir: the run directory.
         scalars: also (re)write the TensorBoard scalars.
+        trace_scan_bytes: see build_run_report.
     Returns:
         name -> path of what was written.
     """
@@ -386,7 +421,7 @@ def write_reports(run_dir: str | Path, *, scalars: bool = True) -> dict[str, Pat
 
         out["scalars"] = write_tensorboard_scalars(run.profile, run.path)
         run = load_run(run_dir)  # the report lists the events file just written
-    doc = build_run_report(run)
+    doc = build_run_report(run, trace_scan_bytes=trace_scan_bytes)
     for fig in doc.figures():
         path = run.path / fig.file
         path.parent.mkdir(parents=True, exist_ok=True)

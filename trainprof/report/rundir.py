@@ -162,3 +162,16 @@ def top_modules(profile: dict[str, Any], n: int) -> list[dict[str, Any]]:
     work: inclusive time would rank the model and its containers first."""
     mods = [m for m in profile.get("modules") or [] if module_time(m, self_time=True) > 0]
     return sorted(mods, key=lambda m: -module_time(m, self_time=True))[:n]
+
+
+def trace_size_text(profile: dict[str, Any]) -> str:
+    """One line for a run summary: the Kineto trace size per traced step, or why there is none."""
+    info = profile.get("ops_info") or {}
+    if not info.get("enabled"):
+        return "no operator trace (profile.ops false)"
+    per_step = info.get("trace_bytes_per_step")
+    if not per_step:
+        return "operator trace not written"
+    gz = "gzip, " if info.get("trace_gzip") else ""
+    return (f"{per_step / 2**20:,.2f} MiB per traced step per rank ({gz}steps {info.get('trace_steps')}, "
+            f"{(info.get('trace_bytes') or 0) / 2**20:,.2f} MiB on rank 0; tb/)")

@@ -1,0 +1,157 @@
+"""`trainprof diff`: modules matched by name, one-sided modules listed, verdicts against a noise band
+(given, default, or measured from a repeat of run A), md/html/csv output; and two real runs of the
+tiny Llama, attention=eager against attention=sdpa, where the attention modules come out faster and
+everything else within the noise band measured from a repeat of the eager run."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.checks import retry_on_noise
+from trainprof.analysis.diff import MIN_BAND, NOISE_SAFETY, diff_profiles
+from trainprof.report.diff_report import run_diff, write_diff
+from trainprof.report.summary import CATEGORIES
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).parent / "data"
+PROFILE = json.loads((DATA / "zero3_2rank" / "profile.json").read_text())
+
+
+def _scaled(profile: dict, factor: float, match=lambda name: name.endswith("self_attn")) -> dict:
+    """A copy of `profile` whose matching modules take `factor` times as long (medians and per step)."""
+    out = copy.deepcopy(profile)
+    for m in out["modules"]:
+        if match(m["name"]):
+            for k in ("forward_ms", "backward_ms", "recompute_ms"):
+                m[k] *= factor
+    for s in out["steps"]:
+        for name, values in (s.get("modules_ms") or {}).items():
+            if match(name):
+                s["modules_ms"][name] = [v * factor for v in values]
+    return out
+
+
+def _verdicts(d, kind: str = "module") -> dict[tuple[str, str], str]:
+    return {(r.name, r.phase): r.verdict for r in d.rows() if r.kind == kind}
+
+
+@pytest.mark.parametrize("stat", ["min", "median"])
+def test_faster_modules_are_named_and_the_rest_is_unchanged(stat):
+    b = _scaled(PROFILE, 0.5)
+    b["recipe"]["model"]["attention"] = "eager"
+    d = diff_profiles(PROFILE, b, stat=stat, band=0.1, parts=CATEGORIES)
+    verdicts = _verdicts(d)
+    for layer in (0, 1):
+        for phase in ("forward", "backward"):
+            assert verdicts[(f"model.layers.{layer}.self_attn", phase)] == "faster"
+    unchanged = {k: v for k, v in verdicts.items() if "self_attn" not in k[0] and k[0] not in
+                 ("", "model", "model.layers.0", "model.layers.1")}
+    assert unchanged and set(unchanged.values()) <= {"within noise", "too small"}
+    attention = {r.phase: r for r in d.parts if r.name == "attention"}
+    assert attention["forward"].speedup == pytest.approx(2.0) and attention["forward"].faster_by == pytest.approx(0.5)
+    assert d.recipe_changes == [("model.attention", "sdpa", "eager")]
+
+
+def test_modules_on_one_side_only_are_listed():
+    b = copy.deepcopy(PROFILE)
+    b["modules"] = [m for m in b["modules"] if m["name"] != "lm_head"]
+    b["modules"].append({**b["modules"][-1], "name": "model.layers.2"})
+    d = diff_profiles(PROFILE, b, stat="median")
+    assert d.only_a == ["lm_head"] and d.only_b == ["model.layers.2"]
+    assert not any(r.name in ("lm_head", "model.layers.2") for r in d.modules)
+
+
+def test_noise_band_from_a_repeat_of_run_a():
+    repeat = _scaled(PROFILE, 1.04, match=lambda name: True)  # every module 4% slower: the "noise"
+    b = _scaled(PROFILE, 0.5)
+    d = diff_profiles(PROFILE, b, stat="min", repeat=repeat, parts=CATEGORIES)
+    assert d.band_source == "repeat" and d.repeat_noise == pytest.approx(0.04, abs=0.005)
+    assert d.band == pytest.approx(max(MIN_BAND, NOISE_SAFETY * d.repeat_noise))
+    assert _verdicts(d)[("model.layers.0.self_attn", "forward")] == "faster"
+
+
+def test_run_dirs_without_phases_or_modules_still_diff(tmp_path):
+    d, doc = run_diff(DATA / "pre_profiler_run", DATA / "zero3_2rank")
+    assert [r.name for r in d.steps] == ["step"] and not d.phases and not d.modules
+    assert any(n.startswith("phases:") for n in d.notes) and any(n.startswith("modules:") for n in d.notes)
+    written = write_diff(d, doc, tmp_path)
+    assert "not available: modules" in written["html"].read_text()
+
+
+def test_cli_writes_md_html_csv(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for path, profile in ((a, PROFILE), (b, _scaled(PROFILE, 0.5))):
+        path.mkdir()
+        (path / "profile.json").write_text(json.dumps(profile))
+    out = subprocess.run([sys.executable, "-m", "trainprof", "diff", str(a), str(b), "--out", str(tmp_path / "d"),
+                          "--noise", "10%"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "d" / "diff.csv").read_text())))
+    attn = next(r for r in rows if r["name"] == "model.layers.0.self_attn" and r["phase"] == "forward")
+    assert attn["verdict"] == "faster" and float(attn["speedup"]) == pytest.approx(2.0)
+    assert float(attn["noise_band"]) == pytest.approx(0.1)
+    html = (tmp_path / "d" / "diff.html").read_text()
+    assert '<table id="module-diff">' in html and 'src="data:image/png;base64,' in html and "<script" not in html
+    assert "How measured" in (tmp_path / "d" / "diff.md").read_text()
+    bad = subprocess.run([sys.executable, "-m", "trainprof", "diff", str(a), str(tmp_path / "missing")],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+# -- two real runs ---------------------------------------------------------------------------------
+# seq 2048 (the tiny model's RoPE table raised to cover it): eager attention materializes 4 heads x
+# 2048^2 scores per layer; SDPA's CPU flash kernel does not, which makes attention several times faster
+# (7.5x forward, 4x backward measured here) while MLP, norms and head do the same work in both runs.
+REAL = ["engine.kind=torch", "engine.zero_stage=0", "data.seq_len=2048", "model.max_position_embeddings=2048",
+        "train.micro_batch_size=1", "train.steps=8", "train.warmup_steps=1", "profile.module_depth=4"]
+
+
+def _run(out: Path, attention: str) -> Path:
+    """One real single-process run of the CPU quickstart recipe (`python -m trainprof.run`)."""
+    cmd = [sys.executable, "-m", "trainprof.run", str(REPO / "recipes" / "quickstart_cpu.yaml"), *REAL,
+           f"model.attention={attention}", f"output.dir={out}", f"output.name={attention}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = [p for p in out.iterdir() if p.name.startswith(attention)]
+    return run_dir
+
+
+def _contains_attention(name: str) -> bool:
+    return name in ("", "model", "model.layers") or name.startswith("model.layers.") and name.count(".") == 2 \
+        or "self_attn" in name
+
+
+@pytest.mark.slow
+def test_sdpa_against_eager_speeds_up_attention_and_nothing_else(tmp_path):
+    attempt = iter(range(3))
+
+    def check() -> None:
+        base = tmp_path / f"attempt{next(attempt)}"
+        eager = _run(base / "a", "eager")  # A, B, then A's repeat: the repeat sees the same machine
+        sdpa = _run(base / "b", "sdpa")
+        repeat = _run(base / "a2", "eager")
+        d, doc = run_diff(eager, sdpa, stat="min", repeat=repeat)
+        write_diff(d, doc, base / "diff")
+        # attention rows: faster beyond the noise band measured between the two eager runs
+        for layer in (0, 1):
+            for phase in ("forward", "backward"):
+                row = next(r for r in d.modules if r.name == f"model.layers.{layer}.self_attn" and r.phase == phase)
+                assert row.verdict == "faster", (row, d.band)
+        assert all(r.verdict == "faster" for r in d.parts if r.name == "attention")
+        # everything that does not contain attention: within that band (or too small to judge)
+        rest = [r for r in d.modules if not _contains_attention(r.name)]
+        rest += [r for r in d.parts if r.name in ("MLP", "norms", "head", "embedding")]
+        assert rest and all(r.verdict in ("within noise", "too small") for r in rest), \
+            ([(r.name, r.phase, r.change) for r in rest if r.verdict not in ("within noise", "too small")], d.band)
+
+    retry_on_noise(check)

@@ -1,0 +1,144 @@
+"""`trainprof report`: report.md and a self-contained report.html from recorded run dirs (a 2-rank
+ZeRO-3 run with traces, a run dir from before the profiler, one with no profile at all), rendered in
+headless Chromium; and the report of a fresh real run with operator tracing."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_trainprof
+from trainprof.report.run_report import write_reports
+
+DATA = Path(__file__).parent / "data"
+TABLES = ("methods-table", "phases-table", "steps-table", "categories-table", "top-modules-table",
+          "module-phase-table", "ops-table", "comm-table", "memory-table", "flops-table", "ranks-table",
+          "traces-table")
+FIGURES = ("fig-phases", "fig-modules", "fig-memory")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars"]
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    dest = tmp_path / name
+    shutil.copytree(DATA / name, dest)
+    return dest
+
+
+def _no_external_references(html: str) -> None:
+    """Self-contained: every src/href is inline data or an in-page anchor; no scripts, no stylesheets."""
+    refs = re.findall(r'\b(?:src|href)="([^"]*)"', html)
+    outside = [r[:40] for r in refs if not r.startswith(("data:", "#"))]
+    assert refs and not outside, outside
+    assert "<script" not in html and "<link" not in html and "@import" not in html
+
+
+def test_report_of_a_profiled_two_rank_run(tmp_path):
+    run = _copy("zero3_2rank", tmp_path)
+    written = write_reports(run)
+    html = written["html"].read_text()
+    md = written["md"].read_text()
+    _no_external_references(html)
+    for table in TABLES:
+        assert f'<table id="{table}">' in html, table
+    for fig in FIGURES:
+        assert re.search(rf'<figure id="{fig}"><img alt="[^"]+" src="data:image/png;base64,', html), fig
+        assert (run / "report_plots" / f"{fig[4:]}.png").stat().st_size > 5000
+    assert "not available" not in html  # nothing is missing from this run dir
+    profile = json.loads((run / "profile.json").read_text())
+    # every module of the profile is in the module x phase table, and the method strings are copied
+    for m in profile["modules"]:
+        assert (m["name"] or "&lt;model&gt;") in html
+    assert profile["measurement"]["module_times"] in md
+    assert profile["summary"]["flops_convention"] in md
+    # the trace size per step is stated (file size / traced steps)
+    per_step = profile["ops_info"]["trace_bytes_per_step"] / 2**20
+    assert f"{per_step:.2f}" in md
+    assert (run / "tb").glob("events.out.tfevents.*.trainprof")
+
+
+def test_report_does_not_import_torch_and_is_fast(tmp_path):
+    run = _copy("zero3_2rank", tmp_path)
+    code = ("import sys, time; t = time.perf_counter(); from trainprof.report.run_report import write_reports; "
+            f"write_reports({str(run)!r}); assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, "
+            "'imported torch'; print(time.perf_counter() - t)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) < 30  # seconds; about 2 s on the 2-core CI machine
+
+
+def test_run_dir_from_before_the_profiler_reports_what_it_has(tmp_path):
+    run = _copy("pre_profiler_run", tmp_path)
+    html = write_reports(run)["html"].read_text()
+    _no_external_references(html)
+    for missing in ("phase breakdown", "module times", "operator table", "communication table",
+                    "memory per phase", "FLOPs / MFU", "Kineto traces"):
+        assert f"not available: {missing}</strong>" in html, missing
+    assert '<table id="steps-table">' in html and 'id="fig-steps"' in html and 'id="memory-table"' in html
+
+
+def test_run_dir_with_only_a_failure_and_cli_errors(tmp_path):
+    run = tmp_path / "failed"
+    run.mkdir()
+    (run / "failure-rank0.json").write_text(json.dumps({"rank": 0, "kind": "oom", "message": "CUDA out of memory"}))
+    md = write_reports(run)["md"].read_text()
+    assert "not available: profile" in md and "oom: CUDA out of memory" in md
+    out = subprocess.run([sys.executable, "-m", "trainprof", "report", str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "does not exist" in out.stderr
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    pytest.skip("chromium is not installed (apt-get install -y chromium)")
+
+
+def test_report_html_renders_in_headless_chromium(tmp_path):
+    browser = _chromium()
+    run = _copy("zero3_2rank", tmp_path)
+    html = write_reports(run, scalars=False)["html"]
+    url = html.resolve().as_uri()
+    common = [browser, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
+    env = {**os.environ, "HOME": str(tmp_path)}
+    dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=120, env=env)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    for table in TABLES:
+        assert f'<table id="{table}">' in dom.stdout, table
+    assert dom.stdout.count('src="data:image/png;base64,') == len(FIGURES)
+    shot = tmp_path / "shot.png"
+    out = subprocess.run([*common, f"--screenshot={shot}", "--window-size=1200,2400", url], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0 and shot.exists(), out.stderr[-2000:]
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(shot)[..., :3]
+    dark = (pixels.mean(axis=2) < 0.5).mean()  # text, table rules and plot bars
+    colored = (pixels.std(axis=2) > 0.15).mean()  # the phase plot's colors
+    assert pixels.std() > 0.05 and 0.005 < dark < 0.5 and colored > 0.001, (pixels.std(), dark, colored)
+
+
+@pytest.mark.slow
+def test_real_run_with_operator_tracing_writes_traces_that_report(tmp_path):
+    from trainprof.analysis.trace import summarize_trace
+
+    run_dir, profile = run_trainprof(tmp_path, 2, "profile.ops=true", "profile.ops_steps=2", "train.steps=5")
+    traces = sorted((run_dir / "tb").glob("rank*.pt.trace.json.gz"))
+    assert [t.name.split(".")[0] for t in traces] == ["rank0", "rank1"]
+    info = profile["ops_info"]
+    assert info["trace_steps"] == [1, 2] and info["trace_bytes_per_step"] > 0
+    assert [s["instrumented"] for s in profile["steps"] if not s["warmup"]][:3] == [["trace_warmup"], ["ops"], ["ops"]]
+    for rank, path in enumerate(traces):
+        s = summarize_trace(path)
+        assert (s.rank, s.world_size, sorted(s.steps)) == (rank, 2, [1, 2])
+        assert "trainprof::forward::model.layers.0.self_attn" in s.ranges_ms
+    written = write_reports(run_dir)
+    assert "not available" not in written["html"].read_text()

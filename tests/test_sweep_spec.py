@@ -1,0 +1,305 @@
+"""Sweep files, cell ids, failure parsing, the max-batch search, strong-scaling batches, the scaling
+arithmetic, tables and the launcher's timeout: everything about sweeps that needs no training run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import psutil
+import pytest
+
+from trainprof.sweep.launch import launch
+from trainprof.sweep.maxbatch import search_max_batch
+from trainprof.sweep.outcome import failure_record, metrics_row
+from trainprof.sweep.scaling import PARTS, analyze, comm_rows, strong_overrides
+from trainprof.sweep.spec import SweepError, load_sweep
+from trainprof.sweep.tables import Column, fmt_num, write_tables
+
+from conftest import QUICKSTART, REPO
+
+SWEEPS = sorted((REPO / "recipes" / "sweeps").glob("*.yaml"))
+
+
+def write_sweep(tmp_path: Path, text: str, name: str = "s.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(f"recipe: {QUICKSTART}\n" + text)
+    return path
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainprof", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=120)
+
+
+def test_shipped_sweeps_validate_and_open_with_their_command():
+    assert SWEEPS, "recipes/sweeps/ ships sweep files"
+    names = {p.stem for p in SWEEPS}
+    for path in SWEEPS:
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("# trainprof ") and first.endswith(f"recipes/sweeps/{path.name}"), path
+        sweep = load_sweep(path, check_machine=False)  # GPU sweeps validate on a laptop too
+        assert sweep.cells, path
+        if path.stem.endswith("_gpu"):  # every GPU table has a CPU version that runs here
+            assert path.stem[: -len("_gpu")] + "_cpu" in names, f"{path.name} has no _cpu twin"
+    for path in SWEEPS:
+        if path.stem.endswith("_cpu"):
+            load_sweep(path, check_machine=True, cuda_available=False)
+
+
+def test_matrix_crossed_with_cells_in_order_with_stable_ids(tmp_path):
+    path = write_sweep(tmp_path, """
+overrides: [data.seq_len=64]
+cells:
+  - {name: a}
+  - {name: b, overrides: [engine.zero_stage=2], nproc: 2}
+matrix:
+  model.recompute: [false, true]
+  model.attention: [eager, sdpa]
+""")
+    sweep = load_sweep(path)
+    assert [c.label for c in sweep.cells][:4] == ["a recompute=false attention=eager", "a recompute=false attention=sdpa",
+                                                  "a recompute=true attention=eager", "a recompute=true attention=sdpa"]
+    assert len(sweep.cells) == 8 and [c.nproc for c in sweep.cells] == [1] * 4 + [2] * 4
+    assert sweep.cells[4].overrides == ["data.seq_len=64", "engine.zero_stage=2", "model.recompute=false",
+                                        "model.attention=eager"]
+    # the id depends on the configuration, not on how its overrides are spelled or ordered
+    again = write_sweep(tmp_path, """
+cells:
+  - {name: b, overrides: [model.attention=eager, recompute=false, zero_stage=2, seq_len=64], nproc: 2}
+""", "again.yaml")
+    assert load_sweep(again).cells[0].key == sweep.cells[4].key
+    # a different world size or value is a different cell
+    assert len({c.key for c in sweep.cells}) == 8 == len({c.id for c in sweep.cells})
+
+
+def test_world_size_in_the_matrix(tmp_path):
+    sweep = load_sweep(write_sweep(tmp_path, "matrix: {nproc: [1, 2], engine.zero_stage: [0, 3]}\n"))
+    assert [(c.nproc, c.overrides) for c in sweep.cells] == [
+        (1, ["engine.zero_stage=0"]), (1, ["engine.zero_stage=3"]), (2, ["engine.zero_stage=0"]),
+        (2, ["engine.zero_stage=3"])]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("celss: [{name: a}]\n", "unknown key 'celss'; did you mean 'cells'?"),
+    ("cells: [{name: a, overides: [x=1]}]\n", "cell 1: unknown key 'overides'; did you mean 'overrides'?"),
+    ("cells: [{name: a, overrides: [engine.zero_stagee=2]}]\n", "cell 'a': unknown recipe key 'engine.zero_stagee'"),
+    ("matrix: {engine.zero_stage: [0, 7]}\n", "cell 'zero_stage=7': recipe key 'engine.zero_stage': 7 is out of range"),
+    ("overrides: [engine.zero_stage=2]\nmatrix: {engine.offload: [optimizer+params]}\n",
+     "parameter offload needs ZeRO stage 3"),
+    ("cells: [{name: a}, {name: b}]\n", "cells 'a' and 'b' are the same configuration"),
+    ("matrix: {nproc: [0]}\n", "must be an integer >= 1"),
+    ("timeout_s: -1\ncells: [{}]\n", "'timeout_s' must be a number of seconds > 0"),
+    ("cells: [{overrides: zero_stage=2}]\n", "must be a list of key=value strings"),
+])
+def test_bad_sweep_files_are_one_line_errors(tmp_path, text, message):
+    with pytest.raises(SweepError) as err:
+        load_sweep(write_sweep(tmp_path, text), cuda_available=False)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_cli_bad_sweep_exits_2_before_running_anything(tmp_path):
+    path = write_sweep(tmp_path, "cells:\n  - {name: ok}\n  - {name: bad, overrides: [model.attention=flash2]}\n")
+    proc = cli("sweep", str(path), "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("trainprof: sweep file")
+    assert "flash2 needs a CUDA GPU" in proc.stderr
+    assert not (tmp_path / "out").exists()  # validated up front: not even the first cell ran
+    missing = cli("sweep", str(tmp_path / "nope.yaml"), cwd=tmp_path)
+    assert missing.returncode == 2 and "not found" in missing.stderr
+
+
+def test_cli_help_of_each_command():
+    for command in ("sweep", "maxbatch", "scale"):
+        proc = subprocess.run([sys.executable, "-m", "trainprof", command, "--help"], capture_output=True, text=True)
+        assert proc.returncode == 0 and "usage: trainprof " + command in proc.stdout
+
+
+def test_maxbatch_search_doubles_then_bisects():
+    tried = []
+
+    def fits(b):
+        tried.append(b)
+        return b <= 37
+
+    s = search_max_batch(fits, start=1, limit=1024)
+    assert (s.max_fit, s.first_fail, s.bounded) == (37, 38, True)
+    assert tried == [1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37]
+    none = search_max_batch(lambda b: False, start=4)
+    assert none.max_fit is None and none.first_fail == 4
+    unbounded = search_max_batch(lambda b: True, start=3, limit=20)
+    assert unbounded.max_fit == 20 and not unbounded.bounded and unbounded.tried == [3, 6, 12, 20]
+
+
+def test_strong_scaling_keeps_the_global_batch():
+    assert strong_overrides(4, 1, 1, 2) == ["train.micro_batch_size=2", "train.grad_accum=1"]
+    assert strong_overrides(4, 2, 1, 4) == ["train.micro_batch_size=2", "train.grad_accum=1"]
+    assert strong_overrides(3, 2, 1, 2) == ["train.micro_batch_size=3", "train.grad_accum=1"]
+    assert strong_overrides(4, 1, 1, 1) == ["train.micro_batch_size=4", "train.grad_accum=1"]
+    with pytest.raises(Exception, match="does not split over 8 ranks"):
+        strong_overrides(4, 1, 1, 8)
+
+
+def _profile(n: int, tput: float, step_ms: float, phases: dict[str, float], *, busy: list[float] | None = None,
+             comm: list[dict] | None = None, unattributed: float = 0.0) -> dict:
+    """A merged profile.json as the step profiler writes it (only the fields scaling reads)."""
+    busy = busy or [step_ms] * n
+    return {
+        "recipe": {"train": {"micro_batch_size": 2, "grad_accum": 1}, "data": {"seq_len": 100}},
+        "env": {"world_size": n, "timer": "host"},
+        "summary": {"tokens_per_s": tput, "step_ms": {"median": step_ms}, "phases_ms": phases,
+                    "unattributed_ms": unattributed,
+                    "across_ranks": {"phases_ms": {p: {"median": v} for p, v in phases.items()}}},
+        "ranks": [{"rank": r, "step_ms_median": step_ms, "busy_ms_median": b} for r, b in enumerate(busy)],
+        "comm": comm or [],
+    }
+
+
+def test_scaling_efficiency_and_where_the_loss_went():
+    ph1 = {"data_wait": 1.0, "forward": 30.0, "backward": 60.0, "recompute": 0.0, "optimizer": 9.0,
+           "comm_exposed": 0.0, "other": 0.0}
+    # N=2: 25 ms more exposed communication (5 of it waiting for the straggler), 5 ms more compute,
+    # 3 ms more idle: a 133 ms step instead of 100
+    ph2 = dict(ph1, comm_exposed=25.0, forward=35.0, data_wait=4.0)
+    t1 = 200 / 0.100  # 200 global tokens per step at N=1 (2 x 100 x 1), 100 ms
+    t2 = 400 / 0.133
+    points = [{"label": "two", "world_size": 2, "run_dir": "b",
+               "profile": _profile(2, t2, 133.0, ph2, busy=[100.0, 110.0],
+                                   comm=[{"op": "all_reduce", "phase": "backward", "calls": 2, "bytes": 4e6,
+                                          "total_ms": 20.0, "exposed_ms": 15.0, "group_size": 2},
+                                         {"op": "all_reduce", "phase": "optimizer", "calls": 1, "bytes": 1e6,
+                                          "total_ms": 5.0, "exposed_ms": 5.0, "group_size": 2}])},
+              {"label": "one", "world_size": 1, "run_dir": "a", "profile": _profile(1, t1, 100.0, ph1)}]
+    rows, notes = analyze(points)
+    one, two = rows
+    assert one["efficiency"] == pytest.approx(1.0) and all(one[f"{k}_ms"] == pytest.approx(0) for k in PARTS)
+    assert two["efficiency"] == pytest.approx(t2 / (2 * t1)) == pytest.approx(100 / 133)
+    assert two["excess_ms"] == pytest.approx(33.0)
+    assert two["imbalance_ms"] == pytest.approx(110 - 105)  # max - median busy
+    assert two["comm_ms"] == pytest.approx(25 - 5)
+    assert two["compute_ms"] == pytest.approx(5.0) and two["idle_ms"] == pytest.approx(3.0)
+    assert two["other_ms"] == pytest.approx(0.0)
+    assert two["efficiency"] + sum(two[f"{k}_lost"] for k in PARTS) == pytest.approx(1.0)
+    (bw,) = comm_rows(points)
+    assert bw["bytes"] == 5e6 and bw["total_ms"] == 25.0
+    assert bw["busbw_gbps"] == pytest.approx(5e6 / 0.025 / 1e9 * 2 * (2 - 1) / 2)  # nccl-tests all_reduce
+    assert not notes
+
+
+def test_scaling_without_phases_puts_the_loss_in_other():
+    p1 = {"recipe": {"train": {"micro_batch_size": 1, "grad_accum": 1}, "data": {"seq_len": 10}},
+          "env": {"world_size": 1}, "summary": {"tokens_per_s": 100.0, "step_ms": {"median": 100.0}},
+          "ranks": [{"rank": 0, "step_ms_median": 100.0}]}
+    p2 = json.loads(json.dumps(p1))
+    p2["env"]["world_size"] = 2
+    p2["summary"] = {"tokens_per_s": 160.0, "step_ms": {"median": 125.0}}
+    p2["ranks"] = [{"rank": 0, "step_ms_median": 125.0}, {"rank": 1, "step_ms_median": 125.0}]
+    rows, notes = analyze([{"world_size": 1, "run_dir": "a", "profile": p1},
+                           {"world_size": 2, "run_dir": "b", "profile": p2}])
+    assert rows[1]["efficiency"] == pytest.approx(0.8)
+    assert rows[1]["comm_ms"] is None and rows[1]["other_lost"] == pytest.approx(0.2)
+    assert any("phases_ms" in n for n in notes)
+
+
+TORCHRUN_KILLED = """
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+=======================================================
+trainprof.run FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-21_10:08:06
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 22709)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 22709
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-21_10:08:06
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 22710)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 22710
+=======================================================
+"""
+
+
+def test_failure_record_names_the_killed_rank_and_signal(tmp_path):
+    from trainprof.sweep.launch import Launch
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "failure-rank0.json").write_text(json.dumps(
+        {"rank": 0, "kind": "error", "type": "RuntimeError", "message": "Connection reset by peer",
+         "peak_memory_bytes": 1}))
+    log = tmp_path / "launch.log"
+    log.write_text(TORCHRUN_KILLED)
+    f = failure_record(Launch(returncode=1, elapsed_s=3.0, log=str(log)), run_dir, world_size=2)
+    assert (f["kind"], f["rank"], f["signal"]) == ("killed", 1, "SIGKILL")
+    assert f["ranks_silent"] == [1] and f["ranks_with_failure_file"] == [0]
+    # without a signal in torchrun's report the ranks' own records decide: oom before error
+    log.write_text("Traceback ...\nRuntimeError: boom\n")
+    (run_dir / "failure-rank1.json").write_text(json.dumps(
+        {"rank": 1, "kind": "oom", "type": "MemoryError", "message": "out of memory", "peak_memory_bytes": 123}))
+    f = failure_record(Launch(returncode=1, elapsed_s=3.0, log=str(log)), run_dir, world_size=2)
+    assert (f["kind"], f["rank"], f["peak_memory_bytes"]) == ("oom", 1, 123)
+    timed = failure_record(Launch(returncode=-9, elapsed_s=9.0, timed_out=True, log=str(log)), run_dir, world_size=2)
+    assert timed["kind"] == "timeout"
+
+
+def test_metrics_row_reads_absent_fields_as_null_with_a_reason():
+    values, methods, why = metrics_row({"env": {"world_size": 2, "timer": "host"},
+                                        "summary": {"tokens_per_s": 10.0, "step_ms": {"median": 5.0}}})
+    assert values["tokens_per_s"] == 10.0 and values["mfu"] is None and values["forward_ms"] is None
+    assert {"mfu", "achieved_tflops", "phases_ms", "peak_memory_mib"} <= set(why)
+    assert "tokens_per_s" in methods and "step_ms" in methods
+
+
+def test_tables_md_csv_html(tmp_path):
+    rows = [{"cell": "a|b", "x": 1234.5}, {"cell": "c", "x": None}]
+    paths = write_tables(tmp_path / "t", rows, [Column("cell", "cell"), Column("x", "x ms", fmt_num(1))],
+                         title="T", notes=["x: host clock"])
+    assert [p.suffix for p in paths] == [".md", ".csv", ".html"]
+    df = pd.read_csv(tmp_path / "t.csv")
+    assert list(df.columns) == ["cell", "x"] and df["x"].isna().tolist() == [False, True]
+    md = (tmp_path / "t.md").read_text()
+    assert "| a\\|b | 1,234.5 |" in md and "| c | n/a |" in md and "x: host clock" in md
+    assert "<td>a|b</td>" in (tmp_path / "t.html").read_text()
+
+
+def test_launch_timeout_kills_the_whole_tree(tmp_path):
+    """A hung cell is killed whole, ranks in sessions of their own included (as torchrun starts them)."""
+    pidfile = tmp_path / "pid"
+    script = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(600)'], start_new_session=True); open({str(pidfile)!r}, 'w').write(str(p.pid)); "
+              "time.sleep(600)")
+    start = time.monotonic()
+    result = launch([sys.executable, "-c", script], log_path=tmp_path / "log", timeout_s=3)
+    assert result.timed_out and time.monotonic() - start < 30
+    grandchild = int(pidfile.read_text())
+    time.sleep(0.5)
+    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+
+
+def test_multi_node_cells_use_srun_inside_slurm_only(monkeypatch):
+    from trainprof.cli import UserError
+    from trainprof.sweep.launch import torchrun_command
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    single = torchrun_command("r.yaml", ["a=1"], nproc=2)
+    assert single[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    with pytest.raises(UserError, match="needs a SLURM allocation"):
+        torchrun_command("r.yaml", [], nproc=8, nnodes=2)
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("TRAINPROF_RDZV_HOST", "node7")
+    cmd = torchrun_command("r.yaml", ["a=1"], nproc=8, nnodes=2)
+    assert cmd[:3] == ["srun", "--nodes=2", "--ntasks-per-node=1"]
+    assert "--nnodes=2" in cmd and "--nproc_per_node=8" in cmd and "--rdzv_endpoint=node7:29500" in cmd
+    assert cmd[-4:] == ["-m", "trainprof.run", "r.yaml", "a=1"]

@@ -1,0 +1,116 @@
+"""TensorBoard: the scalar series, and the real TensorBoard + torch-tb-profiler plugin served by
+`trainprof tb` on loopback over a recorded 2-rank run's tb/ dir (its HTTP API, then a clean stop)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from trainprof.commands.tb import logdir_for
+from trainprof.report.tensorboard import scalar_series, write_tensorboard_scalars
+
+DATA = Path(__file__).parent / "data"
+RUN = DATA / "zero3_2rank"
+PROFILE = json.loads((RUN / "profile.json").read_text())
+PLUGIN = "/data/plugin/pytorch_profiler"
+
+
+def test_scalar_series_per_measured_step():
+    series = scalar_series(PROFILE)
+    measured = [s["step"] for s in PROFILE["steps"] if not s["warmup"]]
+    for tag in ("phase/forward_ms", "phase/backward_ms", "phase/optimizer_ms", "phase/comm_exposed_ms",
+                "step/tokens_per_s", "step/achieved_tflops", "memory/peak_backward_mib", "comm/exposed_ms"):
+        assert [step for step, _ in series[tag]] == measured, tag
+    top = [t for t in series if t.startswith("module/")]
+    assert "module/model.layers.0.self_attn/forward_ms" in top  # per-step module times (steps[].modules_ms)
+    first = next(s for s in PROFILE["steps"] if s["step"] == measured[0])
+    assert series["phase/forward_ms"][0][1] == pytest.approx(first["phases_ms"]["forward"])
+
+
+def test_scalars_of_a_run_dir_without_phases(tmp_path):
+    shutil.copytree(DATA / "pre_profiler_run", tmp_path / "old")
+    profile = json.loads((tmp_path / "old" / "profile.json").read_text())
+    assert sorted(scalar_series(profile)) == ["memory/peak_step_mib", "step/loss", "step/tokens_per_s", "step/wall_ms"]
+    path = write_tensorboard_scalars(profile, tmp_path / "old")
+    again = write_tensorboard_scalars(profile, tmp_path / "old")  # replaces, does not add a second file
+    assert not path.exists() or path == again
+    assert len(list((tmp_path / "old" / "tb").glob("events.out.tfevents.*"))) == 1
+
+
+def test_several_runs_are_served_as_named_runs(tmp_path):
+    for name in ("a", "b"):
+        shutil.copytree(RUN, tmp_path / name)
+    logdir, tmp = logdir_for([tmp_path / "a", tmp_path / "b"])
+    try:
+        assert sorted(p.name for p in logdir.iterdir()) == ["a", "b"]
+        assert (logdir / "a").resolve() == (tmp_path / "a" / "tb").resolve()
+    finally:
+        shutil.rmtree(tmp)
+    assert logdir_for([RUN]) == (RUN / "tb", None)
+
+
+def _get(url: str, timeout: float = 30) -> object:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        body = r.read().decode()
+    return json.loads(body)
+
+
+def _wait_for_runs(base: str, timeout_s: float = 90) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        data = _get(f"{base}{PLUGIN}/runs")
+        if data["runs"] and not data["loading"]:
+            return data["runs"]
+        time.sleep(0.5)
+    raise AssertionError(f"the profiler plugin listed no run within {timeout_s} s")
+
+
+@pytest.mark.slow
+def test_trainprof_tb_serves_plugin_views_and_scalars_then_stops(tmp_path):
+    run = tmp_path / "zero3_2rank"
+    shutil.copytree(RUN, run)
+    write_tensorboard_scalars(PROFILE, run)
+    proc = subprocess.Popen([sys.executable, "-m", "trainprof", "tb", str(run)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            start_new_session=True)
+    try:
+        line = proc.stdout.readline()  # printed once TensorBoard answers (bounded inside trainprof tb)
+        assert line.startswith("TensorBoard: http://127.0.0.1:"), line
+        base = line.split()[1].split("/#")[0]
+        port = int(urllib.parse.urlsplit(base).port)
+        assert _wait_for_runs(base) == ["tb"]
+
+        def q(route: str, **kw: str) -> object:
+            return _get(f"{base}{PLUGIN}/{route}?" + urllib.parse.urlencode({"run": "tb", **kw}))
+
+        assert {"Overview", "Operator", "Trace"} <= set(q("views"))
+        assert q("workers", view="Overview") == ["rank0", "rank1"]  # each rank is a worker
+        for worker in ("rank0", "rank1"):
+            (span,) = q("spans", worker=worker)
+            overview = q("overview", worker=worker, span=span)
+            assert [row[0] for row in overview["steps"]["rows"]] == ["1", "2"]  # ProfilerStep#1, #2
+            ops = q("operation", worker=worker, span=span, group_by="Operation")
+            assert "aten::mm" in [row[0] for row in ops["host_total_time"]["rows"]]
+            table = q("operation/table", worker=worker, span=span, group_by="Operation")
+            assert any(r["name"] == "aten::mm" and r["calls"] > 0 for r in table["data"])
+        tags = _get(f"{base}/data/plugin/scalars/tags")
+        assert "phase/forward_ms" in tags["."] and "phase/comm_exposed_ms" in tags["."]
+        points = _get(f"{base}/data/plugin/scalars/scalars?run=.&tag=phase%2Fbackward_ms")
+        assert [p[1] for p in points] == [s["step"] for s in PROFILE["steps"] if not s["warmup"]]
+    finally:
+        proc.send_signal(signal.SIGTERM)  # trainprof tb stops TensorBoard and exits
+        rc = proc.wait(timeout=30)
+    assert rc == 0
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0, "TensorBoard still listening after trainprof tb exited"

@@ -1,0 +1,58 @@
+"""`trainprof diff RUN_A RUN_B`: per-phase and per-module speedup of run B against run A."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _fraction(text: str) -> float:
+    value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    if not 0 <= value < 10:
+        raise argparse.ArgumentTypeError(f"noise band must be a fraction like 0.15 or 15%, got {text}")
+    return value
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from trainprof.cli import UserError
+    from trainprof.report.diff_report import FORMATS, run_diff, write_diff
+    from trainprof.report.document import render_markdown
+    from trainprof.report.rundir import RunDirError
+
+    formats = tuple(f.strip() for f in args.format.split(",") if f.strip())
+    bad = [f for f in formats if f not in FORMATS]
+    if bad:
+        raise UserError(f"--format {','.join(bad)}: choose from {','.join(FORMATS)}")
+    try:
+        d, doc = run_diff(args.run_a, args.run_b, stat=args.stat, band=args.noise, min_ms=args.min_ms,
+                          repeat=args.repeat)
+    except RunDirError as err:
+        raise UserError(str(err)) from None
+    if args.out is None:
+        print(render_markdown(doc))
+        return 0
+    written = write_diff(d, doc, args.out, formats)
+    print("trainprof diff: wrote " + ", ".join(str(p) for p in written.values()), file=sys.stderr)
+    return 0
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("diff", help="per-phase and per-module speedup of run B against run A",
+                       description="Compare two run dirs: step, phases, model parts and modules (matched by name) "
+                       "with A ms, B ms, change, speedup and a verdict against a noise band. Modules on one side "
+                       "only are listed. Prints Markdown, or writes diff.md/.html/.csv with --out.")
+    p.add_argument("run_a", metavar="RUN_A", help="baseline run dir")
+    p.add_argument("run_b", metavar="RUN_B", help="run dir compared against the baseline")
+    p.add_argument("--out", default=None, help="directory to write diff.md, diff.html, diff.csv into")
+    p.add_argument("--format", default="md,html,csv", help="with --out: any of md,html,csv (default all)")
+    p.add_argument("--stat", choices=("min", "median"), default="min",
+                   help="min: each row's fastest measured step (default; time stolen by other processes only "
+                        "adds); median: the profiles' own medians")
+    p.add_argument("--repeat", metavar="RUN_A2", default=None,
+                   help="a repeat of RUN_A (same recipe, same machine): the noise band is measured from A vs A2")
+    p.add_argument("--noise", type=_fraction, default=None,
+                   help="ratio counted as noise, e.g. 0.15 or 15%% (default: from --repeat, else the measured "
+                        "default in docs/reports.md)")
+    p.add_argument("--min-ms", type=float, default=None, help="rows under this many ms in both runs are not judged")
+    p.set_defaults(func=_diff)
+    return p

@@ -1,0 +1,97 @@
+"""`trainprof maxbatch RECIPE|SWEEP.yaml`: the largest micro batch that fits, per configuration."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from trainprof.commands.run import positive_int
+
+
+def _maxbatch(args: argparse.Namespace) -> int:
+    import torch
+
+    from trainprof.cli import UserError
+    from trainprof.recipe import check_environment
+    from trainprof.sweep.launch import check_launchable
+    from trainprof.sweep.tables import require_matplotlib
+    from trainprof.sweep.maxbatch import run_search, write_maxbatch_report
+    from trainprof.sweep.runner import interrupt_on_sigterm
+    from trainprof.sweep.spec import is_sweep_file, load_sweep, make_cell
+    from trainprof.sweep.state import SweepState
+
+    if args.start > args.max:
+        raise UserError(f"--start {args.start} is larger than --max {args.max}; lower --start or raise --max")
+    # configurations: (label, recipe path, overrides, nproc, nnodes), all validated before anything runs
+    if is_sweep_file(args.target):
+        if args.overrides:
+            raise UserError("overrides go into the sweep file's `overrides:` list, not on the command line")
+        sweep = load_sweep(args.target)
+        configs = [(c.label, c.recipe_path, c.overrides, c.nproc, c.nnodes) for c in sweep.cells]
+        name, timeout = sweep.name, float(args.timeout or sweep.timeout_s)
+    else:
+        _, recipe = make_cell(args.target, args.overrides, label="check", nproc=args.nproc)
+        check_environment(recipe, cuda_available=torch.cuda.is_available())
+        label = " ".join(args.overrides) or Path(args.target).stem
+        configs = [(label, args.target, list(args.overrides), args.nproc, 1)]
+        name, timeout = recipe.output.name, float(args.timeout or 1800)
+    for label, path, overrides, nproc, nnodes in configs:  # the largest try validates and launches too
+        cell, _ = make_cell(path, [*overrides, f"train.micro_batch_size={args.max}"], label=label, nproc=nproc,
+                            nnodes=nnodes)
+        check_launchable([cell])
+    require_matplotlib()
+    out = Path(args.out) if args.out else Path("runs") / "maxbatch" / name
+    state = SweepState(out / "maxbatch.json", kind="maxbatch", name=name,
+                       meta={"target": args.target, "start": args.start, "max": args.max, "steps": args.steps})
+    interrupt_on_sigterm()
+    rows, interrupted = [], False
+    from tqdm import tqdm
+
+    try:
+        for label, path, overrides, nproc, nnodes in tqdm(configs, desc=f"maxbatch {name}", unit="config",
+                                                          file=sys.stderr, disable=len(configs) == 1):
+            print(f"trainprof: max batch of '{label}' on {nproc * nnodes} rank(s)", file=sys.stderr)
+            rows.append(run_search(path, overrides, label=label, nproc=nproc, nnodes=nnodes, out_dir=out, state=state,
+                                   timeout_s=timeout, start=args.start, limit=args.max, steps=args.steps))
+    except KeyboardInterrupt:
+        interrupted = True
+    notes = [
+        "a try is a fresh torchrun process with train.micro_batch_size set"
+        + (f", train.steps={args.steps} and train.warmup_steps=1" if args.steps else "")
+        + "; it fits when it finishes all its steps",
+        "does not fit: failure kind oom (CUDA out of memory, or on CPU peak RSS over train.memory_cap_gb, checked "
+        "after each step) or a rank killed by SIGKILL (the kernel OOM killer's signal)",
+        f"search: doubling from {args.start} until a failure (or --max {args.max}), then bisection between the "
+        "last fit and the first failure",
+        "tokens/s, step ms and peak memory are those of the try at the max; memory meter as in its profile.json",
+    ]
+    paths = write_maxbatch_report(out, rows, state, title=f"trainprof maxbatch: {name}", notes=notes)
+    for r in rows:
+        print(f"  {r['config']}: max micro batch {r.get('max_micro_batch')} ({r['status']})", file=sys.stderr)
+    for p in paths:
+        print(f"  {p}", file=sys.stderr)
+    if interrupted:
+        print(f"trainprof: maxbatch interrupted; tries so far are kept in {state.path}; run the same command again "
+              "to resume", file=sys.stderr)
+        return 130
+    return 1 if any(r["status"] == "error" for r in rows) else 0
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("maxbatch", help="find the largest micro batch that fits (doubling, then bisection)",
+                       description="Find the largest train.micro_batch_size that runs without running out of memory: "
+                       "double from --start until a try fails, then bisect. Each try is a fresh torchrun process. "
+                       "Give a recipe (with overrides) or a sweep file (one search per cell, one table, like the "
+                       "seed research's max-batch table). Resumable: tries already made are not run again.")
+    p.add_argument("target", help="recipe YAML, or a sweep YAML (recipes/sweeps/)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides (recipe only)")
+    p.add_argument("--nproc", type=positive_int, default=1, help="ranks per try (recipe only; default 1)")
+    p.add_argument("--start", type=positive_int, default=1, help="first micro batch tried (default 1)")
+    p.add_argument("--max", type=positive_int, default=1024, help="largest micro batch tried (default 1024)")
+    p.add_argument("--steps", type=int, default=2, help="measured steps per try, after 1 warm-up step "
+                   "(default 2; 0 keeps the recipe's steps)")
+    p.add_argument("--timeout", type=positive_int, help="seconds per try (default: sweep file's, else 1800)")
+    p.add_argument("--out", help="output dir (default runs/maxbatch/<name>); holds maxbatch.json, the state")
+    p.set_defaults(func=_maxbatch)
+    return p

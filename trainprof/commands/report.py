@@ -1,0 +1,38 @@
+"""`trainprof report RUN_DIR...`: write report.md, report.html and the TensorBoard scalars of runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _report(args: argparse.Namespace) -> int:
+    from trainprof.cli import UserError
+    from trainprof.report.rundir import RunDirError
+    from trainprof.report.run_report import TRACE_SCAN_BYTES, write_reports
+
+    for run_dir in args.run_dirs:
+        start = time.perf_counter()
+        try:
+            written = write_reports(run_dir, scalars=not args.no_scalars,
+                                    trace_scan_bytes=2**62 if args.scan_traces else TRACE_SCAN_BYTES)
+        except RunDirError as err:
+            raise UserError(str(err)) from None
+        took = time.perf_counter() - start
+        names = ", ".join(str(p) for k, p in written.items() if k in ("md", "html"))
+        print(f"trainprof report: wrote {names} ({took:.1f} s)", file=sys.stderr)
+    return 0
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("report", help="report.md + self-contained report.html of a run dir",
+                       description="Write report.md (plots in report_plots/) and a self-contained report.html "
+                       "(no network needed to view it) into each run dir, and refresh its TensorBoard scalars "
+                       "in tb/. Parts a run dir lacks are named in the report.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (runs/<name>-<timestamp>/)")
+    p.add_argument("--no-scalars", action="store_true", help="do not (re)write the TensorBoard scalars in tb/")
+    p.add_argument("--scan-traces", action="store_true",
+                   help="read every trace under tb/ (streaming) even when over 32 MiB; slower on GB traces")
+    p.set_defaults(func=_report)
+    return p

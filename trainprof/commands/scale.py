@@ -1,0 +1,136 @@
+"""`trainprof scale RECIPE --nproc 1,2,4,8 [--nnodes 1,2]` or `trainprof scale --runs DIR ...`:
+throughput and scaling efficiency per world size, and where the lost efficiency went."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,4,8, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1 like 1,2,4,8, got {text!r}")
+    return sorted(set(values))
+
+
+def _launch_points(args: argparse.Namespace) -> tuple[list[dict], str, Path, bool]:
+    """Run the recipe at every world size (as cells of a sweep); returns (points, mode, out dir, interrupted)."""
+    import json
+
+    import torch
+
+    from trainprof.recipe import check_environment
+    from trainprof.sweep.launch import check_launchable
+    from trainprof.sweep.tables import require_matplotlib
+    from trainprof.sweep.runner import interrupt_on_sigterm, run_cells
+    from trainprof.sweep.scaling import strong_overrides
+    from trainprof.sweep.spec import make_cell
+    from trainprof.sweep.state import SweepState
+
+    mode = "strong" if args.strong else "weak"
+    _, base = make_cell(args.recipe, args.overrides, label="base")
+    check_environment(base, cuda_available=torch.cuda.is_available())
+    worlds = sorted({(nn * np_, nn, np_) for nn in args.nnodes for np_ in args.nproc})
+    n_ref = worlds[0][0]
+    cells = []
+    for world, nnodes, nproc in worlds:
+        extra = strong_overrides(base.train.micro_batch_size, base.train.grad_accum, n_ref, world) if args.strong else []
+        label = f"N={world}" + (f" ({nnodes} nodes x {nproc})" if nnodes > 1 else "")
+        cell, _ = make_cell(args.recipe, [*args.overrides, *extra], label=label, nproc=nproc, nnodes=nnodes)
+        cells.append(cell)
+    check_launchable(cells)
+    require_matplotlib()
+    out = Path(args.out) if args.out else Path("runs") / "scale" / f"{base.output.name}-{mode}"
+    state = SweepState(out / "scale.json", kind="scale", name=f"{base.output.name}-{mode}",
+                       meta={"recipe": args.recipe, "overrides": args.overrides, "mode": mode,
+                             "cell_ids": [c.id for c in cells]})
+    interrupt_on_sigterm()
+    interrupted = False
+    try:
+        run_cells(cells, out, state, timeout_s=float(args.timeout), retry_failed=args.retry_failed,
+                  desc=f"scale {mode}")
+    except KeyboardInterrupt:
+        interrupted = True
+    points = []
+    for c in cells:
+        rec = state.get(c.key) or {}
+        if rec.get("status") == "done":
+            profile = json.loads((Path(rec["run_dir"]) / "profile.json").read_text())
+            points.append({"label": c.label, "world_size": c.world_size, "run_dir": rec["run_dir"], "profile": profile})
+        elif rec.get("status") == "failed":
+            f = rec["failure"]
+            print(f"trainprof: {c.label} failed ({f['kind']}: {f['message'][:200]}); left out of the report",
+                  file=sys.stderr)
+    return points, mode, out, interrupted
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from trainprof.cli import UserError
+    from trainprof.sweep.scaling import analyze, collect_runs, comm_rows, measurement_notes, write_scale_report
+
+    if args.runs:
+        if args.recipe:
+            raise UserError("give either a RECIPE to run or --runs DIR ... to read, not both")
+        points = collect_runs(args.runs)
+        sizes = [p["world_size"] for p in points]
+        dup = sorted({n for n in sizes if sizes.count(n) > 1})
+        if dup:
+            raise UserError(f"several runs with world size {dup[0]}: "
+                            f"{', '.join(p['run_dir'] for p in points if p['world_size'] == dup[0])}; pass one each")
+        for p in points:
+            p["label"] = Path(p["run_dir"]).name
+        mode = args.mode_label or "as collected (per-rank batch as each run's recipe says)"
+        name = (points[0]["profile"].get("recipe") or {}).get("output", {}).get("name") or "runs"
+        out = Path(args.out) if args.out else Path("runs") / "scale" / f"{name}-collected"
+        interrupted = False
+    else:
+        if not args.recipe:
+            raise UserError("give a RECIPE to run at each --nproc, or --runs DIR ... with existing run dirs")
+        points, mode, out, interrupted = _launch_points(args)
+        mode = f"{mode} (" + ("global batch fixed at the smallest N's" if mode == "strong"
+                              else "per-rank batch fixed") + ")"
+    if len(points) < 2:
+        print(f"trainprof: scaling needs at least two world sizes that finished; have {len(points)}", file=sys.stderr)
+        return 130 if interrupted else 1
+    rows, null_notes = analyze(points)
+    comms = comm_rows(points)
+    notes = measurement_notes(points, mode) + null_notes
+    paths = write_scale_report(out, rows, comms, notes, title=f"trainprof scale: {out.name}")
+    for r in rows:
+        eff = "n/a" if r.get("efficiency") is None else f"{100 * r['efficiency']:.1f}%"
+        tput = "n/a" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:,.0f}"
+        print(f"  N={r['world_size']}: {tput} tokens/s, efficiency {eff}", file=sys.stderr)
+    for p in paths:
+        print(f"  {p}", file=sys.stderr)
+    if interrupted:
+        print("trainprof: scale interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("scale", help="scaling efficiency over world sizes, and where the lost part went",
+                       description="Run a recipe at each world size (--nproc per node x --nnodes), or read run dirs "
+                       "collected from a cluster (--runs), and report tokens/s, scaling efficiency = tput(N) / "
+                       "(N x tput(1)) and the lost efficiency split into exposed communication growth, idle, rank "
+                       "imbalance, compute slowdown and other, with per-collective bandwidth at each N. Weak scaling "
+                       "(fixed per-rank batch) by default. Resumable like `trainprof sweep`.")
+    p.add_argument("recipe", nargs="?", help="recipe YAML (omit with --runs)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    p.add_argument("--nproc", type=int_list, default=[1, 2], help="ranks per node, comma-separated (default 1,2)")
+    p.add_argument("--nnodes", type=int_list, default=[1], help="nodes, comma-separated (default 1; > 1 runs the "
+                   "nodes with srun inside a SLURM allocation, see scripts/slurm_scale.sh)")
+    p.add_argument("--strong", action="store_true", help="strong scaling: keep the global batch of the smallest N")
+    p.add_argument("--runs", nargs="+", metavar="DIR", help="existing run dirs (or dirs holding them), one per "
+                   "world size, instead of running the recipe")
+    p.add_argument("--mode-label", help="with --runs: how the runs were scaled, for the report (e.g. weak)")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per world size (default 1800)")
+    p.add_argument("--retry-failed", action="store_true", help="run failed world sizes again")
+    p.add_argument("--out", help="output dir (default runs/scale/<recipe>-<weak|strong>)")
+    p.set_defaults(func=_scale)
+    return p

@@ -1,0 +1,147 @@
+"""`trainprof tb RUN_DIR...`: TensorBoard on a loopback address over the tb/ dirs of one or more runs
+(the PyTorch Profiler plugin's trace views and trainprof's scalars), printing the URL."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HOST = "127.0.0.1"  # loopback only: traces name hosts, paths and code; do not serve them to the network
+START_TIMEOUT_S = 90
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def tb_dir(path: str | Path) -> Path:
+    """A run dir's tb/ (or the path itself when it already is a TensorBoard logdir)."""
+    from trainprof.cli import UserError
+
+    path = Path(path)
+    if (path / "tb").is_dir():
+        return path / "tb"
+    if path.is_dir() and (any(path.glob("*.pt.trace.json*")) or any(path.glob("events.out.tfevents.*"))):
+        return path
+    raise UserError(f"'{path}' has no tb/ dir with traces or scalars; run with profile.ops=true, or "
+                    f"`trainprof report {path}` to write its scalars")
+
+
+def logdir_for(run_dirs: list[str | Path]) -> tuple[Path, Path | None]:
+    """The logdir to serve: a run's tb/ itself, or for several runs a temp dir of symlinks named after
+    the run dirs (so each shows as its own run in both the profiler plugin and the scalars).
+
+    Returns:
+        (logdir, temp dir to remove afterwards or None).
+    """
+    dirs = [tb_dir(p) for p in run_dirs]
+    if len(dirs) == 1:
+        return dirs[0], None
+    tmp = Path(tempfile.mkdtemp(prefix="trainprof-tb-"))
+    for d, given in zip(dirs, run_dirs):
+        name = Path(given).resolve().name if d.name == "tb" else d.name
+        link, n = tmp / name, 1
+        while link.exists():
+            n += 1
+            link = tmp / f"{name}-{n}"
+        link.symlink_to(d.resolve(), target_is_directory=True)
+    return tmp, tmp
+
+
+def wait_until_up(url: str, proc: subprocess.Popen, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Poll TensorBoard until it answers (bounded); raise if it exits or does not answer in time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tensorboard exited with code {proc.returncode} before answering")
+        try:
+            with urllib.request.urlopen(f"{url}/data/plugins_listing", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"tensorboard did not answer on {url} within {timeout_s:.0f} s")
+
+
+def start_tensorboard(logdir: str | Path, port: int | None = None, *,
+                      quiet: bool = True) -> tuple[subprocess.Popen, str]:
+    """Start `python -m tensorboard.main` on HOST over `logdir` and wait until it answers.
+
+    Returns:
+        (the process, its base URL). Stop it with `stop_tensorboard`.
+    """
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", HOST, "--port", str(port)]
+    out = subprocess.DEVNULL if quiet else None
+    proc = subprocess.Popen(cmd, stdout=out, stderr=out)
+    url = f"http://{HOST}:{port}"
+    try:
+        wait_until_up(url, proc)
+    except BaseException:
+        stop_tensorboard(proc)
+        raise
+    return proc, url
+
+
+def stop_tensorboard(proc: subprocess.Popen, timeout_s: float = 15) -> int:
+    """SIGTERM, wait; SIGKILL if it does not exit in time. Returns the exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def _tb(args: argparse.Namespace) -> int:
+    logdir, tmp = logdir_for(args.run_dirs)
+    proc = None
+
+    def _terminate(signum, frame):  # SIGTERM: stop TensorBoard and clean up like Ctrl-C
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        proc, url = start_tensorboard(logdir, args.port, quiet=not args.verbose)
+        print(f"TensorBoard: {url}/#pytorch_profiler (traces)  {url}/#timeseries (scalars)  logdir {logdir}",
+              flush=True)
+        print("Ctrl-C stops it.", file=sys.stderr, flush=True)
+        if args.no_wait:
+            proc = None  # leave it running
+            return 0
+        return proc.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if proc is not None:
+            stop_tensorboard(proc)
+        if tmp is not None and not args.no_wait:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("tb", help="TensorBoard (traces + scalars) over run dirs, on loopback",
+                       description="Start TensorBoard on 127.0.0.1 over the tb/ dirs of the given runs and print "
+                       "the URL; each run shows in the PyTorch Profiler tab (one worker per rank) and in the "
+                       "scalars. Runs until Ctrl-C.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (or a tb/ dir)")
+    p.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--no-wait", action="store_true", help="print the URL and leave TensorBoard running")
+    p.add_argument("--verbose", action="store_true", help="show TensorBoard's own output")
+    p.set_defaults(func=_tb)
+    return p

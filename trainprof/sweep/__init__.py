@@ -1,0 +1,12 @@
+"""Sweeps, max-batch searches and scaling reports: many runs of one recipe, each a torchrun process.
+
+    spec.py      sweep files -> cells (a base recipe plus overrides, a world size), validated up front
+    launch.py    one cell as a torchrun process tree: own session, timeout, signals, no orphans
+    outcome.py   what a finished cell left behind: a metrics row from profile.json or a failure record
+    state.py     the resumable state file (atomic after every cell)
+    runner.py    runs cells in order with a progress bar; skips finished ones; SIGINT-safe
+    report.py    the sweep table (one row per cell) and its bar chart
+    tables.py    md / csv / html tables and matplotlib (Agg) charts, each with how it was measured
+    maxbatch.py  the largest micro batch that fits: doubling, then bisection
+    scaling.py   throughput and scaling efficiency per world size, and where the lost part went
+"""

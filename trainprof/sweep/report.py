@@ -1,0 +1,144 @@
+"""The sweep table (one row per cell: throughput, step time, memory, FLOP/s, MFU, phase split, or how
+the cell failed) and its bar chart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from trainprof.sweep.outcome import PHASES
+from trainprof.sweep.spec import Sweep
+from trainprof.sweep.tables import Column, figure, fmt_num, fmt_pct, fmt_text, pyplot, save_figure, write_tables
+
+METRIC_LABELS = {"tokens_per_s": "tokens/s", "step_ms": "step ms", "peak_memory_mib": "peak memory",
+                 "achieved_tflops": "achieved TFLOP/s", "mfu": "MFU", "phases_ms": "phase split"}
+
+COLUMNS = [
+    Column("cell", "cell"),
+    Column("world_size", "ranks", fmt_text),
+    Column("status", "status"),
+    Column("tokens_per_s", "tokens/s", fmt_num(0)),
+    Column("step_ms", "step ms", fmt_num(1)),
+    Column("peak_memory_mib", "peak memory MiB", fmt_num(0)),
+    Column("peak_forward_mib", "peak forward MiB", fmt_num(0)),
+    Column("peak_backward_mib", "peak backward MiB", fmt_num(0)),
+    Column("peak_optimizer_mib", "peak optimizer MiB", fmt_num(0)),
+    Column("achieved_tflops", "achieved TFLOP/s", fmt_num(4, thousands=False)),
+    Column("mfu", "MFU", fmt_pct),
+    *[Column(f"{p}_ms", f"{p} ms", fmt_num(1)) for p in PHASES],
+    Column("failure_kind", "failure", fmt_text),
+    Column("failed_rank", "failed rank", fmt_text),
+    Column("signal", "signal", fmt_text),
+    Column("failure_memory_mib", "memory at failure MiB", fmt_num(0)),
+    Column("failure_message", "failure message", fmt_text),
+    Column("cell_id", "cell id", fmt_text),
+    Column("overrides", "overrides", fmt_text),
+    Column("run_dir", "run dir", fmt_text),
+]
+
+
+def sweep_rows(sweep: Sweep, records: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
+    """One row per cell, in the sweep's order; cells not run yet have status `pending`."""
+    rows = []
+    for cell, rec in zip(sweep.cells, records):
+        rec = rec or {}
+        row: dict[str, Any] = {"cell": cell.label, "cell_id": cell.id, "world_size": cell.world_size,
+                               "status": rec.get("status", "pending"), "overrides": " ".join(cell.overrides),
+                               "run_dir": rec.get("run_dir")}
+        row.update(rec.get("values") or {})
+        row["world_size"] = cell.world_size
+        f = rec.get("failure")
+        if f:
+            mem = f.get("peak_memory_bytes")
+            row.update(failure_kind=f.get("kind"), failed_rank=f.get("rank"), signal=f.get("signal"),
+                       failure_message=f.get("message"), failure_memory_mib=None if mem is None else mem / 2**20)
+        rows.append(row)
+    return rows
+
+
+def measurement_notes(records: list[dict[str, Any] | None], labels: dict[str, str]) -> list[str]:
+    """How each figure was measured (copied from the profiles) and why some are n/a, deduplicated."""
+    methods: dict[str, list[str]] = {}
+    reasons: dict[tuple[str, str], list[str]] = {}
+    for rec in records:
+        if not rec:
+            continue
+        for key, text in (rec.get("methods") or {}).items():
+            methods.setdefault(key, [])
+            if text not in methods[key]:
+                methods[key].append(text)
+        for key, text in (rec.get("null_reasons") or {}).items():
+            reasons.setdefault((key, text), []).append(rec.get("label", rec.get("id", "?")))
+    notes = []
+    for key, texts in methods.items():
+        for text in texts:
+            notes.append(f"{labels.get(key, key)}: {text}")
+    for (key, text), cells in reasons.items():
+        which = ", ".join(cells[:3]) + (f" and {len(cells) - 3} more" if len(cells) > 3 else "")
+        notes.append(f"{labels.get(key, key)} n/a ({which}): {text}")
+    notes.append("memory at failure: the failing rank's peak memory as it recorded it in failure-rank<N>.json "
+                 "(same meter as peak memory); n/a for a rank killed by a signal, which records nothing")
+    return notes
+
+
+def write_sweep_report(out_dir: Path, sweep: Sweep, records: list[dict[str, Any] | None]) -> list[Path]:
+    """results.{md,csv,html} and results.png in out_dir; returns the paths written."""
+    rows = sweep_rows(sweep, records)
+    notes = measurement_notes(records, METRIC_LABELS)
+    done = sum(r["status"] == "done" for r in rows)
+    failed = sum(r["status"] == "failed" for r in rows)
+    intro = [f"Sweep {sweep.path or sweep.name}: base recipe {sweep.recipe_path}; {len(rows)} cells, {done} done, "
+             f"{failed} failed, {len(rows) - done - failed} not finished."]
+    if sweep.description:
+        intro.append(sweep.description)
+    chart = write_sweep_chart(out_dir / "results.png", rows, notes)
+    paths = write_tables(out_dir / "results", rows, COLUMNS, title=f"trainprof sweep: {sweep.name}", intro=intro,
+                         notes=notes, image=chart.name if chart else None)
+    return [*paths, *([chart] if chart else [])]
+
+
+def write_sweep_chart(path: Path, rows: list[dict[str, Any]], notes: list[str]) -> Path | None:
+    """Horizontal bars per cell: tokens/s, peak memory and (when profiled) the phase split of a step;
+    failed cells show their failure instead of a bar."""
+    if not rows:
+        return None
+    plt = pyplot()
+    has_phases = any(r.get(f"{p}_ms") is not None for r in rows for p in PHASES)
+    panels = 3 if has_phases else 2
+    labels = [f"{r['cell']} (n={r['world_size']})" for r in rows]
+    fig, axes, rect = figure(plt, panels, width_in=5 * panels + 4, plot_height_in=1.4 + 0.32 * len(rows), notes=notes,
+                             sharey=True)
+    y = list(range(len(rows)))
+    for ax, key, title in ((axes[0], "tokens_per_s", "tokens/s (global)"),
+                           (axes[1], "peak_memory_mib", "peak memory per rank, MiB (hatched: at failure)")):
+        values = [r.get(key) or 0 for r in rows]
+        ax.barh(y, values, color="#4c72b0")
+        if key == "peak_memory_mib":  # a failed cell's memory when it failed, where its rank recorded it
+            failed = [(r.get("failure_memory_mib") or 0) if r["status"] != "done" else 0 for r in rows]
+            ax.barh(y, failed, color="none", edgecolor="#b00000", hatch="//")
+            values = [max(a, b) for a, b in zip(values, failed)]
+        top = max(values) if any(values) else 1
+        for yi, r, v in zip(y, rows, values):
+            if r["status"] != "done":
+                text = r.get("failure_kind") or r["status"]
+                if r.get("failed_rank") is not None:
+                    text += f" (rank {r['failed_rank']}{', ' + r['signal'] if r.get('signal') else ''})"
+                ax.text(v + top * 0.02, yi, text, va="center", fontsize=8, color="#b00000")
+            elif v:
+                ax.text(v, yi, f" {v:,.0f}", va="center", fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlim(0, top * 1.3)
+    if has_phases:
+        ax = axes[2]
+        left = [0.0] * len(rows)
+        colors = plt.get_cmap("tab10")
+        for i, p in enumerate(PHASES):
+            vals = [r.get(f"{p}_ms") or 0 for r in rows]
+            ax.barh(y, vals, left=left, color=colors(i), label=p)
+            left = [a + b for a, b in zip(left, vals)]
+        ax.set_title("phase split of a step, ms (median)", fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0].set_yticks(y)
+    axes[0].set_yticklabels(labels, fontsize=8)
+    axes[0].invert_yaxis()
+    return save_figure(fig, path, rect)
