@@ -52,8 +52,6 @@ def collect_env(device: torch.device, world_size: int) -> dict[str, Any]:
 
 def memory_meter(device: torch.device) -> str:
     """What `peak_memory_bytes` measures on this device."""
-    import torch
-
     if device.type == "cuda":
         return "cuda_allocator_peak: torch.cuda.max_memory_allocated, reset every step"
     return (

@@ -27,3 +27,19 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 def atomic_write_json(path: str | Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def read_yaml(path: str | Path, *, what: str, hint: str, error: type[Exception]) -> Any:
+    """Parse a YAML file; a missing file or a syntax error raises `error` with one line naming the
+    file (and line) and `hint`, e.g. what="recipe file", hint="pass the path of a YAML recipe"."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{what} '{path}' not found; {hint}")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise error(f"{what} '{path}'{where} is not valid YAML; fix the syntax there") from None

@@ -298,15 +298,10 @@ def apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str]) -> di
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"recipe file '{path}' not found; pass the path of a YAML recipe (see recipes/)")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise RecipeError(f"recipe file '{path}'{where} is not valid YAML; fix the syntax there") from None
+    from trainprof.io import read_yaml as read_yaml_file
+
+    data = read_yaml_file(path, what="recipe file", hint="pass the path of a YAML recipe (see recipes/)",
+                          error=RecipeError)
     return data or {}
 
 

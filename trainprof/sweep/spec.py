@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from trainprof.io import read_yaml
 from trainprof.recipe import Recipe, RecipeError, did_you_mean, check_environment, load_recipe
 
 SWEEP_KEYS = ("recipe", "name", "description", "nproc", "nnodes", "timeout_s", "overrides", "cells", "matrix")
@@ -152,14 +153,8 @@ def _check_keys(data: dict[str, Any], allowed: tuple[str, ...], where: str) -> N
 
 
 def _read(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise SweepError(f"sweep file '{path}' not found; pass the path of a sweep YAML (see recipes/sweeps/)")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise SweepError(f"sweep file '{path}'{where} is not valid YAML; fix the syntax there") from None
+    data = read_yaml(path, what="sweep file", hint="pass the path of a sweep YAML (see recipes/sweeps/)",
+                     error=SweepError)
     if not isinstance(data, dict):
         raise SweepError(f"sweep file '{path}' must be a mapping with at least a 'recipe' key")
     return data
