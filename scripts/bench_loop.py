@@ -1,6 +1,6 @@
 """Benchmark: trainprof's training loop vs a minimal hand-written DeepSpeed loop on the same engine.
 
-    torchrun --nproc_per_node 2 scripts/bench_loop.py [RECIPE] [key=value ...] [--rounds 8 --steps 5]
+    torchrun --nproc_per_node 2 scripts/bench_loop.py [RECIPE] [key=value ...] [--rounds 30 --steps 3]
 
 Both loops drive one DeepSpeed engine (so model, data and config are identical), alternating in
 blocks of --steps optimizer steps, the first loop of each round alternating too. Prints, per round
@@ -48,8 +48,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe", nargs="?", default=str(DEFAULT_RECIPE))
     parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per loop per round")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per loop per round")
     args = parser.parse_args()
     quiet_library_noise()
     recipe = load_recipe(args.recipe, [*args.overrides, "profile.enabled=false"])
@@ -88,8 +88,9 @@ def main() -> int:
             print(f"round {r}: minimal {t_min * 1e3 / args.steps:.1f} ms/step, trainprof {t_tp * 1e3 / args.steps:.1f}"
                   f" ms/step, throughput ratio {ratios[-1]:.3f}")
     if ctx.rank == 0:
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
         print(f"throughput(trainprof loop) / throughput(minimal DeepSpeed loop): median {statistics.median(ratios):.3f} "
-              f"over {args.rounds} rounds x {args.steps} steps (host clock; world size {ctx.world_size}; "
+              f"(IQR {q1:.3f}-{q3:.3f}) over {args.rounds} rounds x {args.steps} steps (host clock; world size {ctx.world_size}; "
               f"recipe {Path(args.recipe).name}; goal >= 0.98)")
     return 0
 

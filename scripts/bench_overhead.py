@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from trainprof.env import quiet_library_noise  # noqa: E402
 from trainprof.models import build_model  # noqa: E402
 from trainprof.profiler import Profiler  # noqa: E402
 from trainprof.recipe import Recipe  # noqa: E402
@@ -33,7 +34,7 @@ from trainprof.recipe import Recipe  # noqa: E402
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pairs", type=int, default=60, help="profiled/unprofiled step pairs (default 60)")
-    p.add_argument("--depth", type=int, default=3, help="module_depth of the profiler (default 3, the recipe default)")
+    p.add_argument("--depth", type=int, default=4, help="module_depth of the profiler (default 4, the recipe default)")
     p.add_argument("--seq", type=int, default=256, help="tokens per sample (default 256, the CPU quickstart's)")
     p.add_argument("--batch", type=int, default=4, help="micro batch size (default 4, the CPU quickstart's)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="model dtype (default bf16)")
@@ -46,6 +47,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    quiet_library_noise()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     recipe = Recipe()
