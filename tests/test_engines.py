@@ -50,3 +50,66 @@ def test_param_offload_zero3(tmp_path):
     _, profile = run_trainprof(tmp_path, 2, "engine.zero_stage=3", "engine.offload=optimizer+params")
     assert_trained(profile, 2)
     assert profile["engine"]["config"]["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
+@pytest.mark.slow
+def test_oom_run_is_recorded_as_oom(tmp_path):
+    """A run over its memory cap fails with failure-rank0.json kind oom and no finished-rank file."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import FAST, QUICKSTART, REPO
+
+    out = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "-m", "trainprof.run", str(QUICKSTART), *FAST, "engine.zero_stage=0",
+                           "train.memory_cap_gb=0.000001", f"output.dir={out}"],
+                          capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode != 0
+    (run_dir,) = list(out.iterdir())
+    failure = json.loads((run_dir / "failure-rank0.json").read_text())
+    assert failure["kind"] == "oom" and "train.memory_cap_gb" in failure["message"]
+    assert not (run_dir / "rank0.json").exists()  # not mistaken for a finished rank
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_keeps_finished_steps_marked_partial(tmp_path):
+    """SIGTERM (what torchrun sends surviving ranks) after a few steps: the rank records it and keeps
+    the steps it finished in rank0.partial.json."""
+    import json
+    import re
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from conftest import QUICKSTART, REPO
+
+    out = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, "-m", "trainprof.run", str(QUICKSTART), "data.seq_len=64",
+                             "train.steps=100000", "train.warmup_steps=0", "engine.zero_stage=0", "profile.ops=false",
+                             f"output.dir={out}"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=REPO)
+    seen = bytearray()
+    reader = threading.Thread(target=lambda: [seen.extend(c) for c in iter(lambda: proc.stderr.read(64), b"")],
+                              daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 180
+    try:
+        while time.monotonic() < deadline:  # the progress bar shows steps done
+            done = [int(n) for n in re.findall(rb" (\d+)/100000 ", bytes(seen))]
+            if done and max(done) >= 3:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the run showed no progress in 180 s")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) != 0
+    finally:
+        proc.kill()
+    (run_dir,) = list(out.iterdir())
+    failure = json.loads((run_dir / "failure-rank0.json").read_text())
+    assert failure["kind"] == "interrupted" and failure["signal"] == "SIGTERM"
+    partial = json.loads((run_dir / "rank0.partial.json").read_text())
+    assert partial["partial"] is True and len(partial["steps"]) >= 3
+    assert not (run_dir / "rank0.json").exists()

@@ -196,20 +196,25 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
     steps: list[dict[str, Any]] = []
     bar = tqdm(total=t.warmup_steps + t.steps, desc=f"{recipe.output.name}", unit="step",
                disable=ctx.rank != 0, file=sys.stderr)
-    with prof:
-        batches = prof.wrap_loader(loader)
-        for step in range(t.warmup_steps + t.steps):
-            with prof.step():
-                record = timed_step(engine, batches, t.grad_accum, ctx.device, prof)
-            record.update(step=step - t.warmup_steps, warmup=step < t.warmup_steps)
-            steps.append(record)
-            check_memory_cap(ctx.device, t.memory_cap_gb)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", ms=f"{record['wall_ms']:.0f}")
-            bar.update()
-        bar.close()
+    try:
+        with prof:
+            batches = prof.wrap_loader(loader)
+            for step in range(t.warmup_steps + t.steps):
+                with prof.step():
+                    record = timed_step(engine, batches, t.grad_accum, ctx.device, prof)
+                record.update(step=step - t.warmup_steps, warmup=step < t.warmup_steps)
+                steps.append(record)
+                check_memory_cap(ctx.device, t.memory_cap_gb)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", ms=f"{record['wall_ms']:.0f}")
+                bar.update()
+            bar.close()
+    except BaseException:
+        # keep the steps that finished, marked partial (rank<N>.json is the name of a finished rank)
+        atomic_write_json(run_dir / f"rank{ctx.rank}.partial.json", {"rank": ctx.rank, "partial": True, "steps": steps})
+        raise
     # the runner's own per-step log (warm-up included), written before the collective merge so a
     # rank that dies there still leaves it
-    atomic_write_json(run_dir / f"rank{ctx.rank}.json", {"rank": ctx.rank, "steps": steps})
+    atomic_write_json(run_dir / f"rank{ctx.rank}.json", {"rank": ctx.rank, "partial": False, "steps": steps})
     measured = [s for s in steps if not s["warmup"]]
     extra = {
         "peak_memory_bytes_max": max(s["peak_memory_bytes"] for s in measured),
