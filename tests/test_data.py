@@ -16,9 +16,9 @@ from conftest import QUICKSTART, run_trainprof
 def test_synthetic_is_a_repeating_pattern_with_per_rank_offsets():
     a = SyntheticTokens(vocab_size=100, seq_len=40, pattern_len=16, seed=1, rank=0)
     b = SyntheticTokens(vocab_size=100, seq_len=40, pattern_len=16, seed=1, rank=1)
-    sa, sb = next(iter(a))["input_ids"], next(iter(b))["input_ids"]
     assert torch.equal(a.pattern, b.pattern)
-    assert torch.equal(sa[16:32], sa[:16])  # period 16
+    for sample in (next(iter(a))["input_ids"], next(iter(b))["input_ids"]):
+        assert torch.equal(sample[16:32], sample[:16])  # period 16 on every rank
     starts_a = [s["input_ids"][0].item() for s, _ in zip(iter(a), range(20))]
     starts_b = [s["input_ids"][0].item() for s, _ in zip(iter(b), range(20))]
     assert starts_a != starts_b  # ranks see different windows
