@@ -3,8 +3,6 @@ numbers; this module puts them under the profile.json field names and says how e
 
 from __future__ import annotations
 
-import importlib.metadata
-import platform
 import statistics
 from typing import TYPE_CHECKING, Any
 
@@ -20,19 +18,13 @@ from trainprof.analysis.aggregate import (
     step_entries,
     summarize,
 )
+from trainprof.env import collect_env
 from trainprof.profiler.flops import FLOPS_CONVENTION
 from trainprof.profiler.memory import model_state_bytes
 from trainprof.profiler.peaks import dense_peak
 
 if TYPE_CHECKING:
     from trainprof.profiler.core import Profiler
-
-
-def _version(pkg: str) -> str | None:
-    try:
-        return importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def compute_dtype(model: torch.nn.Module) -> str:
@@ -49,12 +41,9 @@ def compute_dtype(model: torch.nn.Module) -> str:
 
 
 def profile_env(prof: Profiler) -> dict[str, Any]:
-    """The `env` block: library versions, device, world size; the runner's fields laid over it; the
-    timer is always the profiler's own."""
-    device = (torch.cuda.get_device_name(prof.device) if prof.device.type == "cuda"
-              else platform.processor() or platform.machine())
-    env = {"torch": torch.__version__, "deepspeed": _version("deepspeed"), "transformers": _version("transformers"),
-           "device": device, "device_type": prof.device.type, "world_size": prof.world_size}
+    """The `env` block: library versions, device, world size (trainprof.env.collect_env); the
+    runner's fields laid over it; the timer is always the profiler's own."""
+    env = collect_env(prof.device, prof.world_size)
     env.update(prof.extra_env)
     env["timer"] = prof.timer.kind
     env["timer_description"] = prof.timer.description
