@@ -9,6 +9,8 @@ LEDGER under (module name, phase): that is the ground truth the tests compare ag
 
 from __future__ import annotations
 
+import gc
+
 import statistics
 import time
 from collections import defaultdict
@@ -265,18 +267,25 @@ def train(model: torch.nn.Module, profiler_kwargs: dict, *, steps: int = 3, warm
     opt = optimizer or SpinOptimizer([p for p in model.parameters() if p.requires_grad], spin_ms=4.0)
     LEDGER.end_step()  # drop anything recorded before
     LEDGER.steps.clear()
-    with Profiler(model, optimizer=opt, warmup_steps=warmup, **profiler_kwargs) as prof:
-        batches = prof.wrap_loader(busy_loader((steps + warmup) * grad_accum))
-        for _ in range(steps + warmup):
-            with prof.step():
-                for _ in range(grad_accum):
-                    x = next(batches)
-                    loss = model(x)
-                    with Timed("", "backward_wall"):
-                        loss.backward()
-                    prof.record(loss=loss, tokens=x.shape[0])
-                with Timed("optimizer", "optimizer"):  # the truth: the whole step() and zero_grad() calls
-                    opt.step()
-                    opt.zero_grad()
-            LEDGER.end_step()
+    # A cyclic-GC pass over the heap earlier tests left in this process can land inside one module's
+    # timed window; like preemption it is machine noise, not attribution, so the loop runs without it.
+    gc.collect()
+    gc.disable()
+    try:
+        with Profiler(model, optimizer=opt, warmup_steps=warmup, **profiler_kwargs) as prof:
+            batches = prof.wrap_loader(busy_loader((steps + warmup) * grad_accum))
+            for _ in range(steps + warmup):
+                with prof.step():
+                    for _ in range(grad_accum):
+                        x = next(batches)
+                        loss = model(x)
+                        with Timed("", "backward_wall"):
+                            loss.backward()
+                        prof.record(loss=loss, tokens=x.shape[0])
+                    with Timed("optimizer", "optimizer"):  # the truth: the whole step() and zero_grad() calls
+                        opt.step()
+                        opt.zero_grad()
+                LEDGER.end_step()
+    finally:
+        gc.enable()
     return prof, LEDGER.steps[warmup:]
