@@ -115,6 +115,8 @@ class Profiler:
         self.ops_rows: list[list[dict[str, Any]]] = []
         self.grads_bytes: int | None = None
         self.flops_running = False
+        self._flops_paused = False  # FLOP counting suspended for the optimizer phase
+        self._flop_counter: FlopCounter | None = None
         self._seq_len: int | None = None
         self._undo: list[Any] = []  # callables that remove the call wrappers
         self._closed = False
@@ -270,7 +272,7 @@ class Profiler:
             self.hooks.range_names = self._range_names
         counter = None
         if flops_step:
-            counter = FlopCounter(self._where)
+            counter = self._flop_counter = FlopCounter(self._where)
             counter.__enter__()
             self.flops_running = True
         origin = pending[0] if pending is not None else self.timer.now()
@@ -284,8 +286,10 @@ class Profiler:
             end = self.timer.now()
             log.active = False
             if counter is not None:
-                counter.__exit__(None, None, None)
-                self.flops_running = False
+                if not self._flops_paused:  # else an optimizer phase left open by an exception holds it
+                    counter.__exit__(None, None, None)
+                self.flops_running = self._flops_paused = False
+                self._flop_counter = None
             self._regions.clear()
             instrumented = []
             if flops_step:
@@ -345,6 +349,11 @@ class Profiler:
             self.memory.begin(label)
         if label == "optimizer" and self.flops_running:
             self.grads_bytes = max(self.grads_bytes or 0, model_state_bytes(self.model, self.optimizer)["grads"])
+            # Adam is elementwise (0 FLOPs by the convention), and a dispatch mode around it would stop
+            # torch.compile'd optimizers (torchao's quantized AdamW) from compiling: count outside it.
+            self._flop_counter.__exit__(None, None, None)
+            self.flops_running = False
+            self._flops_paused = True
         tracing = self.hooks is not None and self.hooks.range_names is not None
         handle = torch.ops.profiler._record_function_enter_new(region_range_name(label), None) if tracing else None
         self._regions.append((label, handle))
@@ -358,6 +367,10 @@ class Profiler:
                 if handle is not None:
                     torch.ops.profiler._record_function_exit._RecordFunction(handle)
                 break
+        if label == "optimizer" and self._flops_paused:
+            self._flop_counter.__enter__()
+            self.flops_running = True
+            self._flops_paused = False
         self.log.events.append((REGION_CLOSE, label, self.timer.now()))
         if self.memory is not None:
             self.memory.end(label)
