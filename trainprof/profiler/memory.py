@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from trainprof.env import fold_peak_memory
 
@@ -110,6 +111,9 @@ class PhaseMemory:
 def _tensor_bytes(t: Any, seen: set[int]) -> int:
     if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.numel() == 0:
         return 0
+    if is_traceable_wrapper_subclass(t):  # e.g. torchao's quantized Adam states: codes + scales + code book
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, name), seen) for name in names)
     key = t.data_ptr()
     if key in seen:
         return 0
@@ -137,7 +141,8 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any = None) -> dict[str
         model: the model.
         optimizer: a torch optimizer or a DeepSpeed ZeRO optimizer (None: no optimizer states).
     Returns:
-        {params, grads, optimizer_states, master_params, total, method}.
+        {params, grads, optimizer_states, master_params, total, optimizer_state_elements,
+        optimizer_state_quantized_elements (those held block-quantized, e.g. by torchao), method}.
     """
     seen: set[int] = set()
     params = grads = 0
@@ -158,7 +163,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any = None) -> dict[str
         for group in averaged.values():
             for g in group or ():
                 grads += _tensor_bytes(g, seen)
-    states = master = 0
+    states = master = state_elements = quantized_elements = 0
     inner = _inner_optimizer(optimizer)
     if inner is not None:
         for group in inner.param_groups:
@@ -166,16 +171,25 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any = None) -> dict[str
                 if p.numel() and p.data_ptr() not in model_ptrs:
                     master += _tensor_bytes(p, seen)
                 grads += _tensor_bytes(p.grad, seen)
+        # ZeRO-3 puts its fp32 partitions in the optimizer's groups only during step(): read them here
+        for flat in getattr(optimizer, "fp32_partitioned_groups_flat", None) or ():
+            if isinstance(flat, torch.Tensor) and flat.numel() and flat.data_ptr() not in model_ptrs:
+                master += _tensor_bytes(flat, seen)
         for state in inner.state.values():
             for value in state.values():
                 states += _tensor_bytes(value, seen)
+                if isinstance(value, torch.Tensor) and value.numel() > 1:  # not the step counters
+                    state_elements += value.numel()
+                    quantized_elements += value.numel() if is_traceable_wrapper_subclass(value) else 0
     return {
         "params": params,
         "grads": grads,
         "optimizer_states": states,
         "master_params": master,
         "total": params + grads + states + master,
+        "optimizer_state_elements": state_elements,
+        "optimizer_state_quantized_elements": quantized_elements,
         "method": ("bytes of tensors this rank stores, each storage counted once: ZeRO-3 shards, packed 4-bit "
-                   "weights, .grad and DeepSpeed gradient buffers, the torch optimizer's state and fp32 "
-                   "master copies"),
+                   "weights, .grad and DeepSpeed gradient buffers, the torch optimizer's state (quantized "
+                   "states as their codes, scales and code books) and fp32 master copies"),
     }
