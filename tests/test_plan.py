@@ -166,6 +166,18 @@ def test_zero1_partitions_only_optimizer_and_zero0_nothing() -> None:
     assert states(z1, "optimizer")[0] == pytest.approx(12 * total / 8, abs=1)
 
 
+@pytest.mark.parametrize("bits,block", [(8, 256), (4, 128)])
+def test_quantized_adam_states_shrink_only_the_moments(bits: int, block: int) -> None:
+    fp32, quant = make(stage=2), make(stage=2)
+    quant.optimizer.state_bits = bits
+    a, b = estimate_plan(fp32, 8), estimate_plan(quant, 8)
+    total = a["params"]["total"]["value"]
+    # 4 B fp32 master stays; each moment is bits/8 B plus one fp32 scale per block (torchao)
+    assert states(b, "optimizer")[0] == pytest.approx((4 + 2 * (bits / 8 + 4 / block)) * total / 8, abs=1)
+    assert states(b, "params") == states(a, "params") and states(b, "grads") == states(a, "grads")
+    assert f"torchao {bits}-bit" in b["model_states"]["convention"]
+
+
 def test_optimizer_offload_moves_optimizer_states_to_cpu() -> None:
     on_gpu = estimate_plan(make(stage=2), 8)
     offloaded = estimate_plan(make(stage=2, offload="optimizer"), 8)

@@ -99,12 +99,16 @@ def peak_memory_bytes(device: torch.device) -> int:
 def quiet_library_noise() -> None:
     """Hide library messages the user cannot act on and that bury trainprof's output: the
     deprecation warnings DeepSpeed's own calls into torch.distributed raise on every collective,
-    transformers' renamed-method warnings, and bitsandbytes' notice that its optional hub-downloaded
-    CPU kernel is absent (it falls back to its built-in kernel)."""
+    transformers' renamed-method warnings, bitsandbytes' notice that its optional hub-downloaded
+    CPU kernel is absent (it falls back to its built-in kernel), and torchao's failures to load its
+    CUDA/Python-3.10 extension libraries, which its quantized optimizers do not use."""
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*(gradient|activation)_checkpointing.* is deprecated",
                             category=FutureWarning)
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=r".* does not implement _stable_hash_for_caching", category=UserWarning)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # torchao's register_constant() notice
 
 
 def apply_memory_cap(device: torch.device, cap_gb: float | None) -> None:

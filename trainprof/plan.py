@@ -130,6 +130,24 @@ def quantized_4bit_bytes(numel: int, *, double_quant: bool) -> int:
 
 def _state_bytes(recipe: Recipe, census: dict[str, Any]) -> tuple[float, float, float, str]:
     """Bytes per trainable parameter for (params, grads, optimizer states) and the convention used."""
+    param_b, grad_b, opt_b, convention = _fp32_state_bytes(recipe, census)
+    bits = recipe.optimizer.state_bits
+    if bits == 32:
+        return param_b, grad_b, opt_b, convention
+    from trainprof.engines.optim import TORCHAO_BLOCK_SIZE
+
+    block = TORCHAO_BLOCK_SIZE[bits]
+    moment = bits / 8 + 4 / block  # codes + one fp32 scale per block
+    fp32_moments = 8 if (recipe.model.dtype == "fp32" or recipe.engine.kind == "deepspeed") else 2 * param_b
+    opt_b = opt_b - fp32_moments + 2 * moment
+    return param_b, grad_b, opt_b, (
+        f"{convention}; but the two Adam moments are torchao {bits}-bit block-quantized: {bits / 8:g} B + one "
+        f"fp32 scale per {block} elements each ({2 * moment:g} B/param), assuming every state tensor qualifies "
+        f"(>= 4096 elements, a multiple of {block}); the run measures the real bytes"
+    )
+
+
+def _fp32_state_bytes(recipe: Recipe, census: dict[str, Any]) -> tuple[float, float, float, str]:
     if recipe.model.dtype == "fp32":
         return 4, 4, 8, "fp32 Adam: 4 B params + 4 B grads + 8 B momentum/variance (no master copy; K=8)"
     if recipe.engine.kind == "deepspeed":
@@ -389,6 +407,9 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
                      "unpartitioned ZeRO-paper baseline.")
     if engine.offload != "none":
         notes.append("ZeRO-Offload also streams gradients to host memory; the GPU gradient row is an upper bound.")
+    if recipe.optimizer.state_bits != 32:
+        notes.append(f"DeepSpeed's estimator assumes fp32 Adam states; the optimizer row counts the "
+                     f"{recipe.optimizer.state_bits}-bit ones.")
     model = recipe.model
     return {
         "schema_version": PLAN_SCHEMA_VERSION,

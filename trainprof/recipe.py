@@ -94,6 +94,7 @@ class EngineConfig:
 @dataclass(kw_only=True)
 class OptimizerConfig:
     name: Literal["adamw"] = "adamw"  # AdamW (DeepSpeed's, or torch.optim's for engine torch)
+    state_bits: Literal[32, 8, 4] = 32  # Adam moments: 32 = fp32; 8/4 = torchao block-quantized states, all params train
     lr: float = 1e-4  # constant learning rate
     weight_decay: float = 0.0  # decoupled weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam (beta1, beta2)
@@ -409,6 +410,18 @@ def validate(recipe: Recipe) -> None:
         f"recipe key 'optimizer.betas': {o.betas} must be two numbers in [0, 1)",
     )
     _require(o.eps > 0, f"recipe key 'optimizer.eps': {o.eps} must be > 0")
+    if o.state_bits != 32:
+        _require(
+            e.offload == "none",
+            f"recipe key 'optimizer.state_bits': {o.state_bits}-bit states cannot combine with engine.offload="
+            f"{e.offload} (ZeRO-Offload runs DeepSpeed's own fp32 CPU Adam); set optimizer.state_bits=32 or "
+            "engine.offload=none",
+        )
+        _require(
+            tr.warmup_steps >= 1,
+            f"recipe key 'train.warmup_steps': {o.state_bits}-bit optimizer states compile their update on the "
+            "first optimizer step; set train.warmup_steps >= 1 so compilation is not measured",
+        )
     if e.kind == "torch":
         _require(
             e.zero_stage == 0,
@@ -502,6 +515,12 @@ def check_environment(recipe: Recipe, *, cuda_available: bool) -> None:
         _require(
             importlib.util.find_spec("bitsandbytes") is not None,
             "recipe key 'task.kind': qlora needs bitsandbytes; pip install bitsandbytes",
+        )
+    if recipe.optimizer.state_bits != 32:
+        _require(
+            importlib.util.find_spec("torchao") is not None,
+            f"recipe key 'optimizer.state_bits': {recipe.optimizer.state_bits}-bit optimizer states need torchao; "
+            "pip install torchao",
         )
     if recipe.task.kind in ("lora", "qlora"):
         _require(

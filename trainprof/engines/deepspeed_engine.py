@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from trainprof.engines.base import DistContext
+from trainprof.engines.optim import param_groups, quantized_adamw
 from trainprof.models import build_model
 from trainprof.recipe import Recipe
 
@@ -23,11 +24,14 @@ def deepspeed_config(recipe: Recipe, world_size: int) -> dict[str, Any]:
         gradient_accumulation_steps=t.grad_accum,
         train_batch_size=t.micro_batch_size * t.grad_accum * world_size,
         gradient_clipping=o.grad_clip,
-        optimizer={
+    )
+    if o.state_bits == 32:
+        cfg["optimizer"] = {
             "type": "AdamW",
             "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
-        },
-    )
+        }
+    else:  # a torchao client optimizer (trainprof.engines.optim), which ZeRO wraps like any torch one
+        cfg["zero_allow_untested_optimizer"] = True
     cfg.setdefault("steps_per_print", 10**9)  # trainprof prints its own progress
     cfg.setdefault("wall_clock_breakdown", False)
     zero = cfg.setdefault("zero_optimization", {})
@@ -57,9 +61,10 @@ class DeepSpeedEngine:
                 model = build_model(recipe, device=ctx.device)
         else:
             model = build_model(recipe, device=ctx.device)
-        trainable = [p for p in model.parameters() if p.requires_grad]
+        groups = param_groups(model, recipe.optimizer.weight_decay)
+        client = quantized_adamw(groups, recipe.optimizer) if recipe.optimizer.state_bits != 32 else None
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=trainable, config=self.config
+            model=model, model_parameters=groups, optimizer=client, config=self.config
         )
         self.module = self.engine.module
         self.loop_module = self.module  # the DeepSpeed engine's own forward is bookkeeping around it

@@ -1,4 +1,5 @@
-"""Plain PyTorch engine: one process or DDP, AdamW, torch.autocast mixed precision.
+"""Plain PyTorch engine: one process or DDP, AdamW (fp32 or torchao 8/4-bit states), torch.autocast
+mixed precision.
 
 Trainable parameters are kept in fp32 and the forward runs under autocast in the recipe's dtype
 (PyTorch AMP); a frozen base (LoRA/QLoRA) stays in the recipe's dtype. fp16 uses a GradScaler.
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from trainprof.engines.base import DistContext
+from trainprof.engines.optim import build_adamw, param_groups
 from trainprof.models import build_model, torch_dtype
 from trainprof.recipe import Recipe
 
@@ -34,11 +36,9 @@ class TorchEngine:
                 model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None
             )
         self.loop_module = self.model
-        o = recipe.optimizer
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
-        )
+        groups = param_groups(model, recipe.optimizer.weight_decay)
+        self.params = [p for g in groups for p in g["params"]]
+        self.optimizer = build_adamw(groups, recipe.optimizer)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=recipe.model.dtype == "fp16")
         self.micro = 0
         self.config: dict[str, Any] = {
