@@ -265,6 +265,7 @@ def gather_to_rank0(obj: Any, ctx) -> list[Any]:
 def render_summary(profile: dict[str, Any], run_dir: Path) -> str:
     """The short table rank 0 prints at the end of a run."""
     from trainprof.report.rundir import trace_size_text
+    from trainprof.report.summary import model_states_text
 
     s, env = profile["summary"], profile["env"]
     steps = [st for st in profile["steps"] if not st.get("warmup")]
@@ -286,6 +287,8 @@ def render_summary(profile: dict[str, Any], run_dir: Path) -> str:
         ("loss first -> last", f"{steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}"
          if steps and steps[0].get("loss") is not None else "n/a"),
         ("peak memory", f"{s['peak_memory_bytes_max'] / 2**20:,.0f} MiB ({s['memory_meter'].split(':')[0]})"),
+        ("model states (rank 0)", model_states_text(profile["model_state_bytes"])
+         if profile.get("model_state_bytes") else "n/a"),
         ("params total / trainable", f"{profile['params']['total']:,} / {profile['params']['trainable']:,}"),
         ("trace per step", trace_size_text(profile)),
     ]

@@ -148,9 +148,7 @@ def render_markdown(profile: dict[str, Any]) -> str:
               f"optimizer {_bytes(peaks.get('optimizer'))} ({s.get('peak_memory_method')})"]
     state = profile.get("model_state_bytes")
     if state:
-        lines.append(f"- model states on rank {profile.get('steps_rank', 0)}: params {_bytes(state['params'])}, grads "
-                     f"{_bytes(state['grads'])}, optimizer states {_bytes(state['optimizer_states'])}, fp32 master "
-                     f"{_bytes(state['master_params'])}")
+        lines.append(f"- model states on rank {profile.get('steps_rank', 0)}: {model_states_text(state)}")
     lines += ["", "## How this was measured", ""]
     for key, text in meas.items():
         lines.append(f"- {key}: {text}")
@@ -171,3 +169,13 @@ def write_report(profile: dict[str, Any], run_dir: str | Path) -> None:
     atomic_write_text(run_dir / "ops.csv", _csv(profile["ops"], OP_COLUMNS))
     atomic_write_text(run_dir / "comm.csv", _csv(profile["comm"], COMM_COLUMNS))
     atomic_write_text(run_dir / "summary.md", render_markdown(profile))
+
+
+def model_states_text(state: dict[str, Any]) -> str:
+    """Model-state bytes of one rank in words, with the share of optimizer states held quantized."""
+    text = (f"params {_bytes(state['params'])}, grads {_bytes(state['grads'])}, optimizer states "
+            f"{_bytes(state['optimizer_states'])}, fp32 master {_bytes(state['master_params'])}")
+    elements, quantized = state.get("optimizer_state_elements"), state.get("optimizer_state_quantized_elements")
+    if elements and quantized:
+        text += f" ({100 * quantized / elements:.1f}% of optimizer-state elements block-quantized)"
+    return text

@@ -91,6 +91,18 @@ def metrics_row(profile: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
         values[f"peak_{phase}_mib"] = None if v is None else v / 2**20
     if not per_phase:
         why["peak memory by phase"] = "profile.json has no summary.peak_memory_bytes per phase (step profiler off)"
+    state = profile.get("model_state_bytes") or {}
+    for key, field in (("model_states_mib", "total"), ("optimizer_states_mib", "optimizer_states")):
+        values[key] = None if state.get(field) is None else state[field] / 2**20
+        if values[key] is None:
+            why[key] = "profile.json has no model_state_bytes (older profiler)"
+        else:
+            methods[key] = f"rank {profile.get('steps_rank', profile.get('rank', 0))}: {state.get('method', 'tensor bytes')}"
+    elements = state.get("optimizer_state_elements")
+    values["optimizer_states_quantized_frac"] = (
+        state["optimizer_state_quantized_elements"] / elements if elements else None)
+    if values["optimizer_states_quantized_frac"] is None:
+        why["optimizer_states_quantized_frac"] = "profile.json does not count optimizer state elements"
     values["achieved_tflops"] = s.get("achieved_tflops")
     if values["achieved_tflops"] is None:
         why["achieved_tflops"] = s.get("mfu_reason") if "achieved_tflops" in s else \
