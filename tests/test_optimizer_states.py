@@ -15,8 +15,9 @@ import torch
 from conftest import REPO, run_trainprof
 from trainprof.engines.optim import param_groups
 from trainprof.models import build_model
+from trainprof.plan import estimate_plan
 from trainprof.profiler.memory import model_state_bytes
-from trainprof.recipe import load_recipe
+from trainprof.recipe import load_recipe, recipe_from_dict
 
 # torchao: per moment 1/2 B of 4-bit codes + one fp32 scale per 128 elements, against 4 B in fp32
 FOUR_BIT_RATIO = (0.5 + 4 / 128) / 4
@@ -53,6 +54,16 @@ def test_four_bit_states_train_every_parameter_in_an_eighth_of_the_bytes(tmp_pat
     assert q["summary"]["flops_per_step"] == fp32["summary"]["flops_per_step"]
     summary = (q_dir / "summary.md").read_text()
     assert "of optimizer-state elements block-quantized" in summary
+
+    # `trainprof plan`'s accounting against what the runs measured: params and grads exact, optimizer
+    # states within the fp32 norm weights and step counters plan does not model
+    for measured in (fp32, q):
+        recipe = recipe_from_dict(measured["recipe"])
+        planned = estimate_plan(recipe, 1)["model_states"]["per_rank"]
+        got = measured["model_state_bytes"]
+        assert planned["params"]["gpu_bytes"] + planned["params"]["cpu_bytes"] == got["params"]
+        assert planned["grads"]["gpu_bytes"] == got["grads"]
+        assert planned["optimizer"]["gpu_bytes"] == pytest.approx(got["optimizer_states"], rel=0.01)
 
 
 @pytest.mark.slow

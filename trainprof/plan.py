@@ -80,13 +80,7 @@ def _census(model: Any, recipe: Recipe) -> dict[str, Any]:
     """What the memory and FLOP formulas need from the meta model, in logical elements."""
     counts = count_params(model)
     embedding = model.get_input_embeddings().weight.numel()
-    layer_params = 0
-    trainable_bytes_as_built = 0
-    for name, p in model.named_parameters():
-        if ".layers." in f".{name}":
-            layer_params += p.numel()
-        if p.requires_grad:
-            trainable_bytes_as_built += p.numel() * p.element_size()
+    layer_params = sum(p.numel() for name, p in model.named_parameters() if ".layers." in f".{name}")
     quantized: list[int] = []
     if recipe.task.kind == "qlora":
         import bitsandbytes as bnb
@@ -100,7 +94,6 @@ def _census(model: Any, recipe: Recipe) -> dict[str, Any]:
         "trainable": counts["trainable"],
         "embedding": embedding,
         "layer_params": layer_params,
-        "trainable_bytes_as_built": trainable_bytes_as_built,
         "quantized_numels": quantized,
         "largest_layer": largest_layer,
     }
@@ -138,8 +131,7 @@ def _state_bytes(recipe: Recipe, census: dict[str, Any]) -> tuple[float, float, 
 
     block = TORCHAO_BLOCK_SIZE[bits]
     moment = bits / 8 + 4 / block  # codes + one fp32 scale per block
-    fp32_moments = 8 if (recipe.model.dtype == "fp32" or recipe.engine.kind == "deepspeed") else 2 * param_b
-    opt_b = opt_b - fp32_moments + 2 * moment
+    opt_b = opt_b - 8 + 2 * moment  # every convention above holds the two moments in fp32
     return param_b, grad_b, opt_b, (
         f"{convention}; but the two Adam moments are torchao {bits}-bit block-quantized: {bits / 8:g} B + one "
         f"fp32 scale per {block} elements each ({2 * moment:g} B/param), assuming every state tensor qualifies "
@@ -155,10 +147,10 @@ def _fp32_state_bytes(recipe: Recipe, census: dict[str, Any]) -> tuple[float, fl
             "mixed-precision Adam (ZeRO paper sec. 3.1): 2 B 16-bit params + 2 B grads + K=12 B fp32 "
             "master/momentum/variance; DeepSpeed casts every float param, LoRA adapters too, to 16-bit"
         )
-    per_param = census["trainable_bytes_as_built"] / max(census["trainable"], 1)
-    return per_param, per_param, 2 * per_param, (
-        "torch.optim.AdamW on the model as built: params, grads and both moments in the param's dtype "
-        f"({per_param:g} B; no fp32 master copy; peft keeps LoRA adapters in fp32)"
+    # trainprof's torch engine keeps trainable parameters in fp32 and runs the forward under autocast
+    return 4, 4, 8, (
+        f"torch engine, PyTorch AMP: trainable params kept in fp32 under {recipe.model.dtype} autocast: 4 B params "
+        "+ 4 B grads + 8 B momentum/variance (no separate master copy; K=8)"
     )
 
 
