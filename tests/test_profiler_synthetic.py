@@ -66,8 +66,12 @@ def test_module_phase_times_recovered_with_recompute_and_called_twice():
         check_modules(prof, ledger, LEAVES + PARENTS)
         mods = _modules(result)
         assert mods["shared"]["calls"] == 2 and mods["embed"]["calls"] == 1
-        # self time of a parent is its own work only: block's own child is measured, so block's self ~ 0
-        assert abs(mods["block"]["self_forward_ms"]) < 0.3 and abs(mods["block"]["self_backward_ms"]) < 0.3
+        # self time of a parent is its own work only: block's own child is measured, so block's self ~ 0.
+        # What remains is the autograd and hook machinery between its three children (0.2-0.35 ms of
+        # backward, varying from process to process); a child's time leaking in would be >= 12 ms.
+        for phase in ("forward", "backward"):
+            own = abs(mods["block"][f"self_{phase}_ms"])
+            assert own < max(0.3, 0.01 * mods["block"][f"{phase}_ms"]), (phase, own, mods["block"][f"{phase}_ms"])
         # the checkpointed body re-ran once inside backward: recompute, not forward
         assert mods["ckpt.body"]["recompute_calls"] == 1 and mods["ckpt.body"]["calls"] == 1
         s = result["summary"]["phases_ms"]

@@ -171,12 +171,15 @@ class Synthetic(torch.nn.Module):
 
     def __init__(self, *, reentrant: bool = False, with_comm: bool = False, slow_rank_extra_ms: float = 0.0) -> None:
         super().__init__()
-        self.embed = Busy(10, 15)
-        self.block = Block(6, 8, Busy(12, 16), Busy(8, 10))
-        self.shared = Busy(6, 8)
-        self.ckpt = Checkpointed(Busy(10, 20), reentrant=reentrant)
-        self.comm = AllReduceBusy(6, 6, slow_rank_extra_ms) if with_comm else None
-        self.head = Busy(5, 6)
+        # Every wait is >= 10 ms: a module's backward also runs un-ledgered work (its proj Linear's two
+        # small matmuls, gradient accumulation, the hook nodes), 0.1-0.4 ms on a loaded 2-core machine,
+        # which made 6-8 ms waits brush the 5% bound (CI failed on head backward at 5.9% with 6 ms).
+        self.embed = Busy(20, 30)
+        self.block = Block(12, 16, Busy(24, 32), Busy(16, 20))
+        self.shared = Busy(12, 16)
+        self.ckpt = Checkpointed(Busy(20, 40), reentrant=reentrant)
+        self.comm = AllReduceBusy(12, 12, slow_rank_extra_ms) if with_comm else None
+        self.head = Busy(10, 12)
         name_busy_modules(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
