@@ -27,7 +27,7 @@ from trainprof.profiler.comm import CommTracer, comm_total_ms
 from trainprof.profiler.flops import FlopCounter, analytic_flops
 from trainprof.profiler.hooks import ModuleHooks
 from trainprof.profiler.log import REGION_CLOSE, REGION_OPEN, StepLog
-from trainprof.profiler.memory import PhaseMemory, model_state_bytes
+from trainprof.profiler.memory import PhaseMemory, SavedActivations, model_state_bytes
 from trainprof.profiler.ops import OpTracer, range_names, region_range_name
 from trainprof.profiler.patches import wrap_autograd_backward, wrap_optimizer_method
 from trainprof.profiler.result import profile_env, rank_profile
@@ -117,6 +117,8 @@ class Profiler:
         self.flops_running = False
         self._flops_paused = False  # FLOP counting suspended for the optimizer phase
         self._flop_counter: FlopCounter | None = None
+        self._activations: SavedActivations | None = None  # activation bytes, on the FLOP-counting step
+        self.activation_bytes: int | None = None
         self._seq_len: int | None = None
         self._undo: list[Any] = []  # callables that remove the call wrappers
         self._closed = False
@@ -272,6 +274,7 @@ class Profiler:
             self.hooks.range_names = self._range_names
         counter = None
         if flops_step:
+            self._activations = SavedActivations(self.model).__enter__()
             counter = self._flop_counter = FlopCounter(self._where)
             counter.__enter__()
             self.flops_running = True
@@ -290,6 +293,7 @@ class Profiler:
                     counter.__exit__(None, None, None)
                 self.flops_running = self._flops_paused = False
                 self._flop_counter = None
+                self._activations.__exit__(None, None, None)
             self._regions.clear()
             instrumented = []
             if flops_step:
@@ -304,6 +308,8 @@ class Profiler:
             self._finish_step(index, origin, end, warm=not measured, instrumented=instrumented)
             if counter is not None:
                 self._store_flops(counter)
+                self.activation_bytes = self._activations.max_bytes
+                self._activations = None
 
     def watch_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
         """Make DDP's gradient all-reduces visible: register DDP's own default Python hook
@@ -347,6 +353,8 @@ class Profiler:
         self.log.events.append((REGION_OPEN, label, self.timer.now()))
         if self.memory is not None:
             self.memory.begin(label)
+        if label == "backward" and self._activations is not None:
+            self._activations.backward_begins()
         if label == "optimizer" and self.flops_running:
             self.grads_bytes = max(self.grads_bytes or 0, model_state_bytes(self.model, self.optimizer)["grads"])
             # Adam is elementwise (0 FLOPs by the convention), and a dispatch mode around it would stop
@@ -367,6 +375,8 @@ class Profiler:
                 if handle is not None:
                     torch.ops.profiler._record_function_exit._RecordFunction(handle)
                 break
+        if label == "backward" and self._activations is not None:
+            self._activations.backward_ends()
         if label == "optimizer" and self._flops_paused:
             self._flop_counter.__enter__()
             self.flops_running = True

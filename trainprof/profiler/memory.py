@@ -193,3 +193,62 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any = None) -> dict[str
                    "weights, .grad and DeepSpeed gradient buffers, the torch optimizer's state (quantized "
                    "states as their codes, scales and code books) and fp32 master copies"),
     }
+
+
+ACTIVATION_METHOD = (
+    "bytes of the tensors autograd saved for backward during each micro batch's forward on the "
+    "FLOP-counting step (torch.autograd.graph.saved_tensors_hooks), each storage counted once, parameters "
+    "excluded; the max over micro batches. Under non-reentrant activation checkpointing the checkpointed "
+    "layers' inputs, which the checkpoint holds itself, are not included"
+)
+
+
+class SavedActivations:
+    """Activation memory of a forward: what autograd saves for backward, counted as it is saved.
+
+    Counts outside backward regions only: in backward, recomputation saves a layer's tensors again
+    for a moment, and reentrant checkpointing nests backward calls. The first backward of a micro
+    batch closes that micro batch's count.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._params = {id(p) for p in model.parameters()}
+        self._current: dict[int, int] = {}
+        self.max_bytes: int | None = None
+        self._backward_depth = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
+
+    def backward_begins(self) -> None:
+        if self._backward_depth == 0:
+            self.forward_done()
+        self._backward_depth += 1
+
+    def backward_ends(self) -> None:
+        self._backward_depth = max(self._backward_depth - 1, 0)
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+        self.forward_done()
+
+    def forward_done(self) -> None:
+        if self._current:
+            self.max_bytes = max(self.max_bytes or 0, sum(self._current.values()))
+        self._current.clear()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t  # a linear saves its weight as a transposed view
+        if self._backward_depth == 0 and id(base) not in self._params and t.device.type != "meta":
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage
+                return t
+            self._current[storage.data_ptr()] = storage.nbytes()
+        return t
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t

@@ -20,7 +20,7 @@ from trainprof.analysis.aggregate import (
 )
 from trainprof.env import collect_env
 from trainprof.profiler.flops import FLOPS_CONVENTION
-from trainprof.profiler.memory import model_state_bytes
+from trainprof.profiler.memory import ACTIVATION_METHOD, model_state_bytes
 from trainprof.profiler.peaks import dense_peak
 
 if TYPE_CHECKING:
@@ -61,6 +61,13 @@ def rank_profile(prof: Profiler) -> dict[str, Any]:
                         memory_method=prof.memory.method if prof.memory is not None else None,
                         peak=peak, peak_reason=reason)
     summary["steps_used_description"] = used_desc
+    summary["activation_bytes"] = prof.activation_bytes
+    if prof.activation_bytes is not None:
+        summary["activation_bytes_method"] = ACTIVATION_METHOD
+    else:
+        summary["activation_bytes_reason"] = ("FLOP counting is off (flops=False), and activations are counted on "
+                                              "the FLOP-counting step" if not prof.count_flops else
+                                              "no tensor was saved for backward on the FLOP-counting step")
     state = model_state_bytes(prof.model, prof.optimizer)
     if prof.grads_bytes is not None:  # grads read when the optimizer began, on the FLOP-counting step
         state["grads"] = max(state["grads"], prof.grads_bytes)
