@@ -38,14 +38,20 @@ def test_zero_recompute_attention_sweep(tmp_path):
 
     cfg = df["overrides"].str.extract(r"engine.zero_stage=(\d) model.recompute=(\w+) model.attention=(\w+)")
     df["zero"], df["recompute"], df["attention"] = cfg[0].astype(int), cfg[1] == "true", cfg[2]
-    mem = df.set_index(["zero", "recompute", "attention"])["peak_memory_mib"]
+    df = df.set_index(["zero", "recompute", "attention"])
+    act, mem = df["activation_mib"], df["peak_memory_mib"]
     for zero in (0, 2, 3):
         for attention in ("eager", "sdpa"):
-            # recomputation keeps one layer input instead of every layer's activations: at 4 layers x 8 x 512
-            # tokens that is 74-319 MiB less peak RSS on the CI machine (docs/sweeps.md)
-            assert mem[zero, True, attention] < mem[zero, False, attention] - 30, (zero, attention, mem.to_dict())
-        # SDPA's flash kernel never materialises the 512 x 512 attention matrices eager attention keeps
+            # recomputation keeps each layer's input instead of its activations: what autograd saves for
+            # backward (counted exactly) drops to the loss's share. Peak RSS falls too (74-319 MiB in
+            # docs/sweeps.md) but by as little as 20 MiB in one CI run: too noisy to assert.
+            assert act[zero, True, attention] < 0.6 * act[zero, False, attention], (zero, attention, act.to_dict())
+        # SDPA's flash kernel never materialises the 512 x 512 attention matrices eager attention keeps,
+        # in saved tensors and (by 250-340 MiB) in peak RSS
+        assert act[zero, False, "sdpa"] < 0.6 * act[zero, False, "eager"], (zero, act.to_dict())
         assert mem[zero, False, "sdpa"] < mem[zero, False, "eager"], (zero, mem.to_dict())
+    # activations do not depend on how ZeRO partitions the model states
+    assert act.groupby(level=["recompute", "attention"]).nunique().eq(1).all(), act.to_dict()
 
     # a second invocation finds every cell finished and runs none
     state = json.loads((out / "sweep.json").read_text())

@@ -287,6 +287,8 @@ def render_summary(profile: dict[str, Any], run_dir: Path) -> str:
         ("loss first -> last", f"{steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}"
          if steps and steps[0].get("loss") is not None else "n/a"),
         ("peak memory", f"{s['peak_memory_bytes_max'] / 2**20:,.0f} MiB ({s['memory_meter'].split(':')[0]})"),
+        ("activations (rank 0)", f"{s['activation_bytes'] / 2**20:,.1f} MiB saved for backward per micro batch"
+         if s.get("activation_bytes") is not None else "n/a"),
         ("model states (rank 0)", model_states_text(profile["model_state_bytes"])
          if profile.get("model_state_bytes") else "n/a"),
         ("params total / trainable", f"{profile['params']['total']:,} / {profile['params']['trainable']:,}"),

@@ -146,6 +146,9 @@ def render_markdown(profile: dict[str, Any]) -> str:
     lines += ["", "## Memory", "",
               f"- peak per phase: forward {_bytes(peaks.get('forward'))}, backward {_bytes(peaks.get('backward'))}, "
               f"optimizer {_bytes(peaks.get('optimizer'))} ({s.get('peak_memory_method')})"]
+    if "activation_bytes" in s:
+        lines.append(f"- activations saved for backward: {_bytes(s['activation_bytes'])} ("
+                     f"{s.get('activation_bytes_method') or s.get('activation_bytes_reason')})")
     state = profile.get("model_state_bytes")
     if state:
         lines.append(f"- model states on rank {profile.get('steps_rank', 0)}: {model_states_text(state)}")

@@ -91,6 +91,12 @@ def metrics_row(profile: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
         values[f"peak_{phase}_mib"] = None if v is None else v / 2**20
     if not per_phase:
         why["peak memory by phase"] = "profile.json has no summary.peak_memory_bytes per phase (step profiler off)"
+    act = s.get("activation_bytes")
+    values["activation_mib"] = None if act is None else act / 2**20
+    if act is None:
+        why["activation_mib"] = s.get("activation_bytes_reason") or "profile.json has no summary.activation_bytes"
+    else:
+        methods["activation_mib"] = s.get("activation_bytes_method") or "saved-tensor bytes"
     state = profile.get("model_state_bytes") or {}
     for key, field in (("model_states_mib", "total"), ("optimizer_states_mib", "optimizer_states")):
         values[key] = None if state.get(field) is None else state[field] / 2**20

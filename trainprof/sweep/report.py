@@ -23,6 +23,7 @@ COLUMNS = [
     Column("peak_forward_mib", "peak forward MiB", fmt_num(0)),
     Column("peak_backward_mib", "peak backward MiB", fmt_num(0)),
     Column("peak_optimizer_mib", "peak optimizer MiB", fmt_num(0)),
+    Column("activation_mib", "activations MiB", fmt_num(1)),
     Column("model_states_mib", "model states MiB", fmt_num(1)),
     Column("optimizer_states_mib", "optimizer states MiB", fmt_num(1)),
     Column("optimizer_states_quantized_frac", "states quantized", fmt_pct),
