@@ -127,7 +127,7 @@ def _state_bytes(recipe: Recipe, census: dict[str, Any]) -> tuple[float, float, 
     bits = recipe.optimizer.state_bits
     if bits == 32:
         return param_b, grad_b, opt_b, convention
-    from trainprof.engines.optim import TORCHAO_BLOCK_SIZE
+    from trainprof.engines.optim import TORCHAO_BLOCK_SIZE, TORCHAO_MIN_NUMEL
 
     block = TORCHAO_BLOCK_SIZE[bits]
     moment = bits / 8 + 4 / block  # codes + one fp32 scale per block
@@ -135,7 +135,7 @@ def _state_bytes(recipe: Recipe, census: dict[str, Any]) -> tuple[float, float, 
     return param_b, grad_b, opt_b, (
         f"{convention}; but the two Adam moments are torchao {bits}-bit block-quantized: {bits / 8:g} B + one "
         f"fp32 scale per {block} elements each ({2 * moment:g} B/param), assuming every state tensor qualifies "
-        f"(>= 4096 elements, a multiple of {block}); the run measures the real bytes"
+        f"(>= {TORCHAO_MIN_NUMEL} elements, a multiple of {block}); the run measures the real bytes"
     )
 
 

@@ -114,9 +114,8 @@ class Profiler:
         self.flops: dict[str, Any] | None = None
         self.ops_rows: list[list[dict[str, Any]]] = []
         self.grads_bytes: int | None = None
-        self.flops_running = False
-        self._flops_paused = False  # FLOP counting suspended for the optimizer phase
-        self._flop_counter: FlopCounter | None = None
+        self.flops_running = False  # False while the FLOP-counting step's optimizer phase runs uncounted
+        self._flop_counter: FlopCounter | None = None  # set on the FLOP-counting step
         self._activations: SavedActivations | None = None  # activation bytes, on the FLOP-counting step
         self.activation_bytes: int | None = None
         self._seq_len: int | None = None
@@ -289,9 +288,9 @@ class Profiler:
             end = self.timer.now()
             log.active = False
             if counter is not None:
-                if not self._flops_paused:  # else an optimizer phase left open by an exception holds it
+                if self.flops_running:  # else an optimizer phase left open by an exception holds it
                     counter.__exit__(None, None, None)
-                self.flops_running = self._flops_paused = False
+                self.flops_running = False
                 self._flop_counter = None
                 self._activations.__exit__(None, None, None)
             self._regions.clear()
@@ -361,7 +360,6 @@ class Profiler:
             # torch.compile'd optimizers (torchao's quantized AdamW) from compiling: count outside it.
             self._flop_counter.__exit__(None, None, None)
             self.flops_running = False
-            self._flops_paused = True
         tracing = self.hooks is not None and self.hooks.range_names is not None
         handle = torch.ops.profiler._record_function_enter_new(region_range_name(label), None) if tracing else None
         self._regions.append((label, handle))
@@ -377,10 +375,9 @@ class Profiler:
                 break
         if label == "backward" and self._activations is not None:
             self._activations.backward_ends()
-        if label == "optimizer" and self._flops_paused:
+        if label == "optimizer" and self._flop_counter is not None and not self.flops_running:
             self._flop_counter.__enter__()
             self.flops_running = True
-            self._flops_paused = False
         self.log.events.append((REGION_CLOSE, label, self.timer.now()))
         if self.memory is not None:
             self.memory.end(label)
