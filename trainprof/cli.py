@@ -8,6 +8,7 @@ import importlib
 import sys
 
 from trainprof.recipe import RecipeError
+from trainprof.report.rundir import RunDirError
 
 # subcommand modules, in --help order; each defines add_parser(subparsers) -> ArgumentParser whose
 # defaults include func(args) -> exit code
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_library_noise()
     try:
         return args.func(args)
-    except (RecipeError, UserError) as err:
+    except (RecipeError, RunDirError, UserError) as err:
         print(f"trainprof: {err}", file=sys.stderr)
         return 2
 

@@ -17,17 +17,13 @@ def _diff(args: argparse.Namespace) -> int:
     from trainprof.cli import UserError
     from trainprof.report.diff_report import FORMATS, run_diff, write_diff
     from trainprof.report.document import render_markdown
-    from trainprof.report.rundir import RunDirError
 
     formats = tuple(f.strip() for f in args.format.split(",") if f.strip())
     bad = [f for f in formats if f not in FORMATS]
     if bad:
         raise UserError(f"--format {','.join(bad)}: choose from {','.join(FORMATS)}")
-    try:
-        d, doc = run_diff(args.run_a, args.run_b, stat=args.stat, band=args.noise, min_ms=args.min_ms,
-                          repeat=args.repeat)
-    except RunDirError as err:
-        raise UserError(str(err)) from None
+    # a RunDirError is the CLI's one-line error, exit 2
+    d, doc = run_diff(args.run_a, args.run_b, stat=args.stat, band=args.noise, min_ms=args.min_ms, repeat=args.repeat)
     if args.out is None:
         print(render_markdown(doc))
         return 0

@@ -8,17 +8,12 @@ import time
 
 
 def _report(args: argparse.Namespace) -> int:
-    from trainprof.cli import UserError
-    from trainprof.report.rundir import RunDirError
     from trainprof.report.run_report import TRACE_SCAN_BYTES, write_reports
 
-    for run_dir in args.run_dirs:
+    for run_dir in args.run_dirs:  # a RunDirError is the CLI's one-line error, exit 2
         start = time.perf_counter()
-        try:
-            written = write_reports(run_dir, scalars=not args.no_scalars,
-                                    trace_scan_bytes=2**62 if args.scan_traces else TRACE_SCAN_BYTES)
-        except RunDirError as err:
-            raise UserError(str(err)) from None
+        written = write_reports(run_dir, scalars=not args.no_scalars,
+                                trace_scan_bytes=2**62 if args.scan_traces else TRACE_SCAN_BYTES)
         took = time.perf_counter() - start
         names = ", ".join(str(p) for k, p in written.items() if k in ("md", "html"))
         print(f"trainprof report: wrote {names} ({took:.1f} s)", file=sys.stderr)
