@@ -101,6 +101,8 @@ def _scale(args: argparse.Namespace) -> int:
     comms = comm_rows(points)
     notes = measurement_notes(points, mode) + null_notes
     paths = write_scale_report(out, rows, comms, notes, title=f"trainprof scale: {out.name}")
+    if not args.no_project:
+        paths += _projected(out, points, args.project_to)
     for r in rows:
         eff = "n/a" if r.get("efficiency") is None else f"{100 * r['efficiency']:.1f}%"
         tput = "n/a" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:,.0f}"
@@ -111,6 +113,22 @@ def _scale(args: argparse.Namespace) -> int:
         print("trainprof: scale interrupted; run the same command again to resume", file=sys.stderr)
         return 130
     return 0
+
+
+def _projected(out: Path, points: list[dict], extra: list[int]) -> list[Path]:
+    """The "projected" table beside the measured one: from the smallest N's run, every size."""
+    from trainprof.projection.views import project_scaling, write_scaling_projection
+
+    try:
+        rows, notes = project_scaling(points, extra)
+    except Exception as err:  # a projection problem must not lose the measured report
+        print(f"trainprof: projected section not written ({type(err).__name__}: {err})", file=sys.stderr)
+        return []
+    for r in rows:
+        got = "n/a" if r.get("predicted_tokens_per_s") is None else f"{r['predicted_tokens_per_s']:,.0f}"
+        err = f", error {r['step_error_pct']:+.1f}%" if r.get("step_error_pct") is not None else ""
+        print(f"  N={r['world_size']}: projected {got} tokens/s{err}", file=sys.stderr)
+    return write_scaling_projection(out, rows, notes, title=f"trainprof scale: {out.name}")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -132,5 +150,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=int, default=1800, help="seconds per world size (default 1800)")
     p.add_argument("--retry-failed", action="store_true", help="run failed world sizes again")
     p.add_argument("--out", help="output dir (default runs/scale/<recipe>-<weak|strong>)")
+    p.add_argument("--project-to", type=int_list, default=[], help="also project these world sizes from the "
+                   "smallest run (scaling_projected.*), e.g. 4,8")
+    p.add_argument("--no-project", action="store_true", help="skip the projected section")
     p.set_defaults(func=_scale)
     return p

@@ -370,8 +370,32 @@ def traces_section(doc: Document, run: RunData, scan_bytes: int = TRACE_SCAN_BYT
         sec.blocks.append(Missing("TensorBoard scalars", "no events file under tb/; `trainprof report` writes them"))
 
 
+def projection_section(doc: Document, run: RunData) -> None:
+    """Measured next to projected: what `trainprof project` predicted from this run (projection/)."""
+    from trainprof.projection.views import run_projection
+
+    sec = doc.section("Projected", id="projected")
+    proj = run_projection(run.path)
+    if proj is None:
+        sec.blocks.append(Missing("projection", f"no projection/projection.json; run `trainprof project {run.path} "
+                                  "--to h100-sxm,rtx4090` (or key=value changes) to add predictions here"))
+        return
+    src = proj["source"]
+    rows = [["measured (this run)", src["device"], src["world_size"], "none", src["step_ms"], src.get("tokens_per_s"),
+             None, _mib(src.get("peak_memory_bytes")), None]]
+    for p in proj["predictions"]:
+        rows.append([f"projected #{p['rank']}" if p.get("rank") else "projected", p["hardware"], p["world_size"],
+                     " ".join(p["overrides"]) or "none", p["step_ms"], p["tokens_per_s"], p.get("mfu"),
+                     _mib(p.get("memory_per_rank_bytes")), p.get("expected_error_pct")])
+    sec.blocks.append(Table(
+        ["", "hardware", "GPUs", "changes", "step ms", "tokens/s", "MFU", "memory/rank MiB", "expected error %"], rows,
+        method="projected by trainprof's step model from this run (projection/projection.json, which lists each "
+               "prediction's assumptions); expected error: the validated step-time MAPE for that kind of change, "
+               "n/a where not validated", id="projection-table"))
+
+
 SECTIONS = (facts_section, method_section, phases_section, modules_section, ops_section, comm_section,
-            memory_section, flops_section, ranks_section)
+            memory_section, flops_section, ranks_section, projection_section)
 
 
 def build_run_report(run: RunData, *, trace_scan_bytes: int = TRACE_SCAN_BYTES) -> Document:

@@ -1,0 +1,154 @@
+"""Validate `trainprof project` on this machine: measure a baseline, project a grid of changes from it,
+run each change for real, and print per-case and mean absolute percentage errors on step time and on
+peak memory. Goal: step time mean <= 5%, max <= 10%; memory within 10%.
+
+    python scripts/bench_projection.py                 # ~6 min on 2 cores
+    python scripts/bench_projection.py --write         # also store the table as the package's
+                                                       # validation.json (what expected_error_pct cites)
+
+Cases marked `tuned` are the ones the step model was developed against (and that tests/test_projection.py
+runs); the others were held out of that work. Every run is a real torchrun of trainprof.run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RECIPE = "recipes/quickstart_cpu.yaml"
+COMMON = ["train.steps=12", "train.warmup_steps=3", "profile.ops=false"]
+# (name, kinds, overrides of the target, nproc, threads, tuned)
+DS_CASES = [
+    ("micro_batch 4->8", ["micro_batch"], ["train.micro_batch_size=8"], 2, 1, True),
+    ("seq_len 256->128", ["seq_len"], ["data.seq_len=128"], 2, 1, False),
+    ("grad_accum 1->2", ["grad_accum"], ["train.grad_accum=2"], 2, 1, True),
+    ("recompute on", ["recompute"], ["model.recompute=true"], 2, 1, False),
+    ("attention sdpa->eager", ["attention"], ["model.attention=eager"], 2, 1, False),
+    ("ZeRO-3 -> ZeRO-2", ["zero_stage"], ["engine.zero_stage=2"], 2, 1, False),
+    ("2 ranks -> 1", ["world_size"], [], 1, 1, True),
+]
+TORCH_BASE = ["engine.kind=torch", "engine.zero_stage=0"]
+THREAD_CASES = [
+    ("1 -> 2 threads (a different CPU)", ["threads"], [], 1, 2, False),
+]
+
+
+def run(overrides: list[str], nproc: int, threads: int, out: Path) -> Path:
+    from trainprof.commands.run import torchrun_command
+
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    cmd = torchrun_command(RECIPE, [*COMMON, *overrides, f"output.dir={out}"], nproc)
+    log = out / "launch.log"
+    with log.open("w") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    found = sorted(out.glob("*/profile.json"))
+    if rc != 0 or not found:
+        raise SystemExit(f"bench_projection: run {overrides} nproc={nproc} failed (rc {rc}); see {log}")
+    return found[-1].parent
+
+
+def measured(run_dir: Path) -> tuple[float, int]:
+    from trainprof.projection.stepmodel import measured_from_profile
+
+    m = measured_from_profile(json.loads((run_dir / "profile.json").read_text()))
+    return m.step_ms, m.peak_memory_bytes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", action="store_true", help="store the table as trainprof/projection/validation.json")
+    parser.add_argument("--only-tuned", action="store_true", help="run only the cases the model was tuned on")
+    parser.add_argument("--out", default=None, help="where runs go (default: a temp dir)")
+    args = parser.parse_args(argv)
+    from tqdm import tqdm
+
+    from trainprof.env import quiet_library_noise
+    from trainprof.projection.project import project
+
+    quiet_library_noise()
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench_projection-"))
+    rows = []
+    groups = [("deepspeed", [], 2, 1, DS_CASES), ("torch", TORCH_BASE, 1, 1, THREAD_CASES)]
+    total = sum(len(g[4]) for g in groups)
+    bar = tqdm(total=total + len(groups), desc="bench_projection", unit="run", file=sys.stderr)
+    for label, base_overrides, base_nproc, base_threads, cases in groups:
+        cases = [c for c in cases if c[5] or not args.only_tuned]
+        base = run(base_overrides, base_nproc, base_threads, out / f"{label}-baseline")
+        bar.update()
+        base_step, base_mem = measured(base)
+        for name, kinds, overrides, nproc, threads, tuned in cases:
+            pred = project(base, overrides=[*base_overrides, *overrides], nproc=[nproc],
+                           threads=threads if threads != base_threads else None)["predictions"][0]
+            real = run([*base_overrides, *overrides], nproc, threads, out / f"{label}-{len(rows)}")
+            bar.update()
+            step, mem = measured(real)
+            rows.append({
+                "case": name, "kinds": kinds, "tuned": tuned, "baseline_step_ms": base_step,
+                "measured_step_ms": step, "predicted_step_ms": pred["step_ms"],
+                "step_error_pct": 100 * (pred["step_ms"] - step) / step if pred["step_ms"] else None,
+                "measured_memory_bytes": mem, "predicted_memory_bytes": pred["memory_per_rank_bytes"],
+                "memory_error_pct": (100 * (pred["memory_per_rank_bytes"] - mem) / mem
+                                     if pred["memory_per_rank_bytes"] else None),
+            })
+    bar.close()
+    print(f"\n{'case':<34} {'tuned':>5} {'base ms':>8} {'measured':>9} {'predicted':>9} {'err %':>7} "
+          f"{'mem MiB':>8} {'pred MiB':>8} {'err %':>6}")
+    for r in rows:
+        pe = f"{r['step_error_pct']:+.1f}" if r["step_error_pct"] is not None else "n/a"
+        me = f"{r['memory_error_pct']:+.1f}" if r["memory_error_pct"] is not None else "n/a"
+        pm = f"{r['predicted_memory_bytes'] / 2**20:.0f}" if r["predicted_memory_bytes"] else "n/a"
+        ps = f"{r['predicted_step_ms']:.1f}" if r["predicted_step_ms"] else "n/a"
+        print(f"{r['case']:<34} {'yes' if r['tuned'] else 'no':>5} {r['baseline_step_ms']:8.1f} "
+              f"{r['measured_step_ms']:9.1f} {ps:>9} {pe:>7} {r['measured_memory_bytes'] / 2**20:8.0f} {pm:>8} {me:>6}")
+    step_err = [abs(r["step_error_pct"]) for r in rows if r["step_error_pct"] is not None]
+    mem_err = [abs(r["memory_error_pct"]) for r in rows if r["memory_error_pct"] is not None]
+    held = [abs(r["step_error_pct"]) for r in rows if r["step_error_pct"] is not None and not r["tuned"]]
+    print(f"\nstep time: MAPE {statistics.fmean(step_err):.1f}%, max {max(step_err):.1f}% over {len(step_err)} cases"
+          + (f" (held-out only: MAPE {statistics.fmean(held):.1f}%, max {max(held):.1f}%)" if held else "")
+          + "   goal: mean <= 5%, max <= 10%")
+    print(f"peak memory: MAPE {statistics.fmean(mem_err):.1f}%, max {max(mem_err):.1f}%   goal: within 10%")
+    print("timer: host monotonic clock; step = slowest rank's median over 12 measured steps; memory = peak "
+          "process RSS (CPU)")
+    if args.write:
+        by_kind: dict[str, dict[str, float]] = {}
+        for r in rows:
+            for k in r["kinds"]:
+                if r["step_error_pct"] is None:
+                    continue
+                d = by_kind.setdefault(k, {"errors": []})
+                d["errors"].append(abs(r["step_error_pct"]))
+        for k, d in by_kind.items():
+            errs = d.pop("errors")
+            d.update(step_mape_pct=round(statistics.fmean(errs), 2), step_max_pct=round(max(errs), 2), cases=len(errs))
+        from trainprof.env import collect_env
+        from trainprof.io import atomic_write_json
+
+        import torch
+
+        atomic_write_json(ROOT / "trainprof" / "projection" / "validation.json", {
+            "measured_on": f"{collect_env(torch.device('cpu'), 1)['device']} CPU, {os.cpu_count()} cores, "
+                           f"{dt.date.today().isoformat()}",
+            "command": "python scripts/bench_projection.py --write",
+            "by_kind": by_kind,
+            "summary": {"step_mape_pct": round(statistics.fmean(step_err), 2), "step_max_pct": round(max(step_err), 2),
+                        "memory_mape_pct": round(statistics.fmean(mem_err), 2),
+                        "memory_max_pct": round(max(mem_err), 2)},
+            "cases": rows,
+        })
+        print("wrote trainprof/projection/validation.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

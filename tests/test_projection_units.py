@@ -1,0 +1,145 @@
+"""Projection pieces that need no training run: the catalog and prices, the α-β collective model, and
+the step model's arithmetic on hand-made measurements."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from trainprof.projection.calibrate import bus_factor, collective_ms, fit_alpha_beta
+from trainprof.projection.catalog import CatalogError, find_accelerator, load_catalog, load_prices
+from trainprof.projection.stepmodel import Change, Link, Machine, Measured, predict_phases
+
+from conftest import REPO
+
+
+def test_every_catalog_figure_has_a_source_and_names_resolve():
+    cat = load_catalog()
+    # the research's platforms and the common buys
+    for key in ("a800-80g", "rtx4090", "rtx3090", "h100-sxm", "h100-pcie", "h200", "b200", "a100-40g-sxm",
+                "a100-80g-sxm", "a100-40g-pcie", "a100-80g-pcie", "l40s", "a30", "mi300x", "gaudi2"):
+        target = cat.resolve(key)
+        assert target.figure("peak_bf16_dense_tflops") and target.figure("memory_gb") and target.figure("memory_gbps")
+        for name, fig in target.accelerator.items():
+            if isinstance(fig, dict):
+                assert fig["source"], (key, name)
+    for key in ("nvlink3", "nvlink4", "nvlink5", "pcie4", "pcie5", "pcie4-nvlink-bridge", "ib-hdr", "ib-ndr",
+                "roce-200", "roce-400"):
+        assert cat.links[key]["gbps_per_direction"]["source"]
+    node = cat.resolve("rtx3090-8x-nvlink")
+    assert node.gpus_per_node == 8 and node.intra_node_link["key"] == "pcie4-nvlink-bridge"
+    assert find_accelerator(cat, "NVIDIA H100 80GB HBM3") == "h100-sxm"
+    with pytest.raises(CatalogError, match="not in the catalog.*h100-sxm"):
+        cat.resolve("h1OO")
+
+
+def test_user_catalog_merges_and_figures_need_sources(tmp_path):
+    good = tmp_path / "mine.yaml"
+    good.write_text("accelerators:\n  my-gpu:\n    name: My GPU\n    match: []\n"
+                    "    peak_bf16_dense_tflops: {value: 100, source: 'my datasheet'}\n"
+                    "    memory_gb: {value: 16, source: 'my datasheet'}\n"
+                    "    memory_gbps: {value: 500, source: 'my datasheet'}\n    intra_node_link: pcie4\n")
+    cat = load_catalog(good)
+    assert cat.resolve("my-gpu").figure("memory_gb") == 16 and "h100-sxm" in cat.accelerators
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("accelerators:\n  x:\n    name: X\n    memory_gb: {value: 16}\n")
+    with pytest.raises(CatalogError, match="accelerators.x.memory_gb.*source"):
+        load_catalog(bad)
+
+
+def test_prices_need_source_and_date(tmp_path):
+    f = tmp_path / "prices.yaml"
+    f.write_text("prices:\n  h100-sxm: {usd_per_gpu_hour: 2.5, source: 'quote from vendor X', date: 2026-11-01}\n")
+    prices = load_prices(f, ["rtx4090=0.4"])
+    assert prices["h100-sxm"]["usd_per_gpu_hour"] == 2.5 and prices["rtx4090"]["source"].startswith("--price")
+    f.write_text("prices:\n  h100-sxm: {usd_per_gpu_hour: 2.5}\n")
+    with pytest.raises(CatalogError, match="source and a date"):
+        load_prices(f)
+    with pytest.raises(CatalogError, match="NAME=USD_PER_GPU_HOUR"):
+        load_prices(None, ["h100-sxm"])
+
+
+def test_alpha_beta_fit_recovers_a_known_line_and_bus_factors():
+    sizes = [2**12, 2**16, 2**20, 2**22]
+    alpha, bw = 0.05, 2.0  # ms, GB/s
+    ms = [alpha + s / (bw * 1e9) * 1e3 for s in sizes]
+    a, b = fit_alpha_beta(sizes, ms)
+    assert a == pytest.approx(alpha, rel=1e-6) and b == pytest.approx(bw, rel=1e-6)
+    assert bus_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
+    assert bus_factor("all_gather_into_tensor", 8) == pytest.approx(7 / 8)
+    assert collective_ms("all_reduce", 1e9, 1, {"alpha_ms": 1, "busbw_gbps": 1}) == 0.0
+    # nccl-tests: time = size * factor / busbw
+    assert collective_ms("all_reduce", 1e9, 2, {"alpha_ms": 0.0, "busbw_gbps": 100.0}) == pytest.approx(10.0)
+
+
+def _measured(**kw) -> Measured:
+    base = dict(step_ms=100.0, phases_ms={"data_wait": 1.0, "forward": 20.0, "backward": 40.0, "recompute": 0.0,
+                                           "optimizer": 10.0, "comm_exposed": 25.0, "other": 0.0},
+                unattributed_ms=4.0, flops_by_phase={"forward": 2e9, "backward": 4e9},
+                comm=[{"op": "all_gather_into_tensor", "phase": "forward", "calls": 2, "bytes": 2e6,
+                       "total_ms": 10.0, "exposed_ms": 5.0},
+                      {"op": "reduce_scatter_tensor", "phase": "optimizer", "calls": 1, "bytes": 4e6,
+                       "total_ms": 20.0, "exposed_ms": 20.0}],
+                world_size=2, grad_accum=1, optimizer_state_elements=1000, peak_memory_bytes=10**9,
+                forward_layers_ms=15.0)
+    base.update(kw)
+    return Measured(**base)
+
+
+def _change(**kw) -> Change:
+    base = dict(micro_batch=4, seq_len=256, grad_accum=1, recompute=False, attention="sdpa", zero_stage=3,
+                engine="deepspeed", world_size=2, state_elements_per_rank=500.0, source_state_elements_per_rank=500.0)
+    base.update(kw)
+    return Change(**base)
+
+
+def test_same_configuration_reproduces_the_measured_phases():
+    m = _measured()
+    phases, _ = predict_phases(m, _change(), probes=None, num_layers=2, source_machine=None, target_machine=None,
+                               link=None, source_zero_stage=3)
+    assert phases == m.phases_ms
+    assert sum(phases.values()) + m.unattributed_ms == pytest.approx(m.step_ms)
+
+
+def test_grad_accum_world_size_and_probes():
+    m = _measured()
+    phases, _ = predict_phases(m, _change(grad_accum=2), probes=None, num_layers=2, source_machine=None,
+                               target_machine=None, link=None, source_zero_stage=3)
+    assert (phases["forward"], phases["backward"], phases["optimizer"]) == (40.0, 80.0, 10.0)
+    assert phases["comm_exposed"] == pytest.approx(5.0 * 2 + 20.0)  # forward gathers repeat per micro batch
+    one, notes = predict_phases(m, _change(world_size=1, state_elements_per_rank=1000.0), probes=None, num_layers=2,
+                                source_machine=None, target_machine=None, link=None, source_zero_stage=3)
+    assert one["comm_exposed"] == 0.0 and one["optimizer"] == 20.0 and "one rank" in notes[-1]
+    probe_s = {"layer_forward_ms": 5.0, "layer_backward_ms": 10.0, "rest_forward_ms": 2.0, "rest_backward_ms": 4.0}
+    probe_t = {"layer_forward_ms": 9.0, "layer_backward_ms": 18.0, "rest_forward_ms": 3.0, "rest_backward_ms": 6.0}
+    big, _ = predict_phases(m, _change(micro_batch=8, recompute=True), probes=(probe_s, probe_t), num_layers=2,
+                            source_machine=None, target_machine=None, link=None, source_zero_stage=3)
+    assert big["forward"] == pytest.approx(20.0 + 2 * 4.0 + 1.0)
+    assert big["backward"] == pytest.approx(40.0 + 2 * 8.0 + 2.0)
+    kappa = 20.0 / (2 * 5.0 + 2.0)  # measured forward over the probed forward at the source shape
+    assert big["recompute"] == pytest.approx(kappa * 2 * 9.0)
+
+
+def test_cross_machine_scales_matmul_by_rate_and_the_rest_by_bandwidth():
+    m = _measured()
+    src = Machine(name="src", matmul_tflops=1.0, memory_gbps=10.0)  # forward: 2e9 FLOPs -> 2 ms of matmul
+    dst = Machine(name="dst", matmul_tflops=2.0, memory_gbps=40.0)
+    link = Link(alpha_ms=0.0, busbw_gbps=1.0, source="test link")
+    phases, _ = predict_phases(m, _change(), probes=None, num_layers=2, source_machine=src, target_machine=dst,
+                               link=link, source_zero_stage=3)
+    assert phases["forward"] == pytest.approx(2.0 / 2 + 18.0 / 4)
+    assert phases["backward"] == pytest.approx(4.0 / 2 + 36.0 / 4)
+    assert phases["optimizer"] == pytest.approx(10.0 / 4)
+    # α-β per call x calls x exposed fraction: gathers 2 x 1 MB x 1/2 / 1 GB/s x 0.5; scatter 4 MB x 1/2 x 1.0
+    assert phases["comm_exposed"] == pytest.approx(2 * 0.5 * 0.5 + 2.0 * 1.0)
+
+
+def test_hardware_command_and_one_line_errors():
+    out = subprocess.run([sys.executable, "-m", "trainprof", "hardware", "--sources"], capture_output=True,
+                         text=True, cwd=REPO)
+    assert out.returncode == 0 and "h100-sxm" in out.stdout and "datasheet" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "trainprof", "project", str(REPO / "nope")], capture_output=True,
+                         text=True, cwd=REPO)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "profile.json" in bad.stderr

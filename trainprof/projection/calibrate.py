@@ -1,0 +1,254 @@
+"""Calibration microbenchmarks: the machine's achievable matmul rate, memory bandwidth and collective
+α-β, measured in seconds and stored as calibration.json in a run dir, so that a run made elsewhere
+can be projected on another machine; and model probes, which time the recipe's own layers at a shape.
+
+Every figure is the median of repeated timed calls on the host monotonic clock (on CUDA, between
+synchronizations), after warm-up calls, with the thread count it ran with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+CALIBRATION_VERSION = 1
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# square GEMMs probed for the achievable matmul rate (the best one is this machine's MAMF-style figure)
+GEMM_SIZES = (256, 512, 1024)
+COPY_BYTES = 64 * 2**20  # large enough to leave the last-level cache of a server CPU
+COLLECTIVE_BYTES = (2**12, 2**16, 2**20, 2**22)
+COLLECTIVE_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, *, repeat: int = 7, warmup: int = 2,
+            budget_s: float = 2.0) -> float:
+    """Median wall ms of fn() over `repeat` calls after `warmup` (fewer when over `budget_s`)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    samples: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append((time.perf_counter() - t0) * 1e3)
+        if time.perf_counter() > deadline and len(samples) >= 3:
+            break
+    return statistics.median(samples)
+
+
+def matmul_rate(device: torch.device, dtype: str, sizes: tuple[int, ...] = GEMM_SIZES) -> dict[str, Any]:
+    """TFLOP/s of square GEMMs (2*n^3 FLOPs each) in `dtype`; the best is the achievable rate."""
+    rows = []
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
+        b = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
+        ms = time_ms(lambda: a @ b, device)
+        rows.append({"n": n, "ms": ms, "tflops": 2 * n**3 / (ms * 1e-3) / 1e12})
+    return {"dtype": dtype, "gemms": rows, "best_tflops": max(r["tflops"] for r in rows)}
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = COPY_BYTES) -> dict[str, Any]:
+    """GB/s of a device-to-device tensor copy (read + write counted, as STREAM's copy does)."""
+    src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device)
+    return {"bytes": nbytes, "ms": ms, "gbps": 2 * nbytes / (ms * 1e-3) / 1e9}
+
+
+def fit_alpha_beta(sizes: list[int], ms: list[float]) -> tuple[float, float]:
+    """Least-squares t = alpha + bytes / bw over the samples; returns (alpha_ms, bw_gbps)."""
+    n = len(sizes)
+    mx, my = sum(sizes) / n, sum(ms) / n
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, ms)) / sxx if sxx else 0.0
+    slope = max(slope, 1e-12)
+    alpha = max(my - slope * mx, 0.0)
+    return alpha, 1.0 / (slope * 1e-3) / 1e9  # slope: ms per byte -> GB/s
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus bandwidth factor (doc/PERFORMANCE.md): all_reduce 2(n-1)/n; all_gather and
+    reduce_scatter (n-1)/n; broadcast/reduce 1."""
+    if n <= 1:
+        return 0.0
+    if op in ("all_reduce",):
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor"):
+        return (n - 1) / n
+    return 1.0
+
+
+def collective_ms(op: str, nbytes: float, n: int, fit: dict[str, Any]) -> float:
+    """α-β time of one collective of nccl-tests size `nbytes` over n ranks from a fit
+    {alpha_ms, busbw_gbps}: alpha + bytes * bus_factor / busbw."""
+    if n <= 1:
+        return 0.0
+    return fit["alpha_ms"] + nbytes * bus_factor(op, n) / (fit["busbw_gbps"] * 1e9) * 1e3
+
+
+def _collective_worker(rank: int, world: int, port: int, queue: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out: dict[str, Any] = {}
+    for op in COLLECTIVE_OPS:
+        sizes, times = [], []
+        for nbytes in COLLECTIVE_BYTES:
+            numel = nbytes // 4
+            full = torch.ones(numel * (world if op == "reduce_scatter_tensor" else 1))
+            part = torch.ones(numel // world if op == "all_gather_into_tensor" else numel)
+            if op == "all_reduce":
+                fn = lambda: dist.all_reduce(full)  # noqa: E731
+            elif op == "all_gather_into_tensor":
+                gathered = torch.empty(part.numel() * world)
+                fn = lambda: dist.all_gather_into_tensor(gathered, part)  # noqa: E731
+            else:
+                fn = lambda: dist.reduce_scatter_tensor(part, full)  # noqa: E731
+            try:
+                dist.barrier()
+                ms = time_ms(fn, torch.device("cpu"), repeat=9, budget_s=1.0)
+            except RuntimeError:  # gloo lacks reduce_scatter_tensor in some builds: say so
+                sizes = []
+                break
+            sizes.append(nbytes)
+            times.append(ms)
+        if sizes:
+            alpha, bw = fit_alpha_beta(sizes, times)
+            # algbw fit -> busbw: multiply by the op's bus factor (nccl-tests' convention)
+            out[op] = {"alpha_ms": alpha, "busbw_gbps": bw * bus_factor(op, world),
+                       "samples": [{"bytes": s, "ms": t} for s, t in zip(sizes, times)]}
+        else:
+            out[op] = None
+    if rank == 0:
+        queue.put(out)
+    dist.destroy_process_group()
+
+
+def gloo_collectives(world: int = 2) -> dict[str, Any]:
+    """α-β fits of gloo collectives over `world` local processes (nccl-tests sizes and bus factors)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    return {"backend": "gloo", "world_size": world, "ops": result}
+
+
+def calibrate(device: torch.device | str = "cpu", *, dtype: str = "bf16", threads: int | None = None,
+              collectives_world: int = 0) -> dict[str, Any]:
+    """Run the microbenchmarks on this machine.
+
+    Args:
+        device: where to measure (a CUDA device on GPU machines).
+        dtype: the matmul dtype (the recipe's model dtype).
+        threads: torch intra-op threads to measure with (None: as set now); restored afterwards.
+        collectives_world: > 1 also fits gloo collectives over that many local processes (CPU).
+    Returns:
+        The calibration.json dict.
+    """
+    from trainprof.env import collect_env
+
+    device = torch.device(device)
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        t0 = time.perf_counter()
+        out = {
+            "calibration_version": CALIBRATION_VERSION,
+            "device": collect_env(device, 1)["device"],
+            "device_type": device.type,
+            "threads": torch.get_num_threads(),
+            "matmul": matmul_rate(device, dtype),
+            "memory": copy_bandwidth(device),
+            "collectives": gloo_collectives(collectives_world) if collectives_world > 1 else None,
+            "method": ("medians of repeated calls after warm-up, host monotonic clock (CUDA: between "
+                       "synchronizations); matmul: square GEMMs, 2n^3 FLOPs; memory: tensor copy, read+write "
+                       "bytes; collectives: α-β least squares over nccl-tests sizes, busbw with nccl-tests' "
+                       "bus factors"),
+        }
+        out["seconds"] = time.perf_counter() - t0
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model probes: the recipe's own layers, timed at a shape on this machine
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ProbeShape:
+    micro_batch: int
+    seq_len: int
+    attention: str
+    recompute: bool
+
+
+def probe_model(recipe: Any, shape: ProbeShape, *, threads: int | None = None) -> dict[str, float]:
+    """Forward and backward ms of the recipe's model with 1 and 2 decoder layers at a shape, so that
+    per-layer and the rest (embedding, final norm, LM head, loss) separate:
+    layer = T(2) - T(1), rest = T(1) - layer. Random init, no engine, no hooks.
+
+    Returns:
+        {layer_forward_ms, layer_backward_ms, rest_forward_ms, rest_backward_ms}
+    """
+    from trainprof.models import build_model, resolve_shape
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        timings = {}
+        for layers in (1, 2):
+            model_cfg = dataclasses.replace(recipe.model, num_layers=layers, attention=shape.attention,
+                                            recompute=False)
+            r = dataclasses.replace(recipe, model=model_cfg, task=dataclasses.replace(recipe.task, kind="pretrain"))
+            torch.manual_seed(0)
+            model = build_model(r)
+            model.train()
+            ids = torch.randint(0, resolve_shape(r.model).vocab_size, (shape.micro_batch, shape.seq_len))
+            batch = {"input_ids": ids, "labels": ids}
+            fwd, bwd = [], []
+            for i in range(6):
+                t0 = time.perf_counter()
+                loss = model(**batch).loss
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                model.zero_grad(set_to_none=True)
+                if i >= 2:
+                    fwd.append((t1 - t0) * 1e3)
+                    bwd.append((t2 - t1) * 1e3)
+            timings[layers] = (statistics.median(fwd), statistics.median(bwd))
+            del model
+        lf = max(timings[2][0] - timings[1][0], 0.0)
+        lb = max(timings[2][1] - timings[1][1], 0.0)
+        return {"layer_forward_ms": lf, "layer_backward_ms": lb,
+                "rest_forward_ms": max(timings[1][0] - lf, 0.0), "rest_backward_ms": max(timings[1][1] - lb, 0.0)}
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,550 @@
+"""Projection: one measured run -> predictions for other hardware, world sizes and recipe settings.
+
+    result = project(run_dir, targets=["h100-sxm", "rtx4090"], nodes=[1, 2], gpus_per_node=8,
+                     overrides=["train.micro_batch_size=8"], tokens=2e10)
+
+`result` is the projection.json dict: `source` (what was measured) and `predictions`, one per target
+and size, each with step_ms, tokens_per_s, mfu, scaling_efficiency, memory_per_rank_bytes, fits,
+time_to_train_s, cost_per_million_tokens_usd, expected_error_pct and its assumptions. A figure the
+calibration cannot support is null with a `*_reason`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from trainprof.projection.catalog import THIS, Catalog, CatalogError, Target, find_accelerator, load_catalog
+from trainprof.projection.stepmodel import (
+    PHASES,
+    Change,
+    Link,
+    Machine,
+    Measured,
+    measured_from_profile,
+    predict_phases,
+)
+
+PROJECTION_VERSION = 1
+VALIDATION_FILE = Path(__file__).with_name("validation.json")
+# probes build the model twice (1 and 2 layers); above this many parameters per layer on CPU they
+# would take longer than the projection is worth, and compute is scaled by FLOPs instead
+PROBE_MAX_LAYER_PARAMS = 60_000_000
+DATA_WAIT_DOMINATES = 0.2  # flag data wait above this share of the predicted step
+# recipe changes tried, in order, when a prediction does not fit the target's memory
+FIT_SUGGESTIONS = (["engine.zero_stage=3"], ["model.recompute=true"], ["engine.offload=optimizer"],
+                   ["engine.offload=optimizer+params", "engine.zero_stage=3"])
+
+
+class ProjectionError(ValueError):
+    """A projection the inputs cannot support: one line saying what is missing and what to do."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources: the run dir's profile, recipe and calibration
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(kw_only=True)
+class Source:
+    run_dir: Path
+    profile: dict[str, Any]
+    recipe: Any
+    measured: Measured
+    calibration: dict[str, Any] | None
+
+
+def load_source(run_dir: str | Path, overrides: list[str] | None = None) -> tuple[Source, Any]:
+    """The measured run and the target recipe (the run's recipe with `overrides` applied)."""
+    from trainprof.recipe import load_recipe
+    from trainprof.report.rundir import RunDirError
+
+    run_dir = Path(run_dir)
+    path = run_dir / "profile.json"
+    if not path.is_file():
+        raise RunDirError(f"'{run_dir}' has no profile.json; pass a run dir written by `trainprof run`")
+    profile = json.loads(path.read_text())
+    if profile.get("partial"):
+        raise ProjectionError(f"'{run_dir}' holds a partial profile (the run failed); project from a finished run")
+    recipe_path = run_dir / "recipe.yaml"
+    if not recipe_path.is_file():
+        raise RunDirError(f"'{run_dir}' has no recipe.yaml; pass a run dir written by `trainprof run`")
+    source_recipe = load_recipe(recipe_path, [])
+    target_recipe = load_recipe(recipe_path, overrides or [])
+    cal_path = run_dir / "calibration.json"
+    calibration = json.loads(cal_path.read_text()) if cal_path.is_file() else None
+    return Source(run_dir=run_dir, profile=profile, recipe=source_recipe, measured=measured_from_profile(profile),
+                  calibration=calibration), target_recipe
+
+
+def ensure_calibration(source: Source, *, force: bool = False) -> dict[str, Any] | None:
+    """The source's calibration: calibration.json from the run dir, or measured now when the source
+    ran on this kind of machine (then stored in the run dir). None when neither is possible."""
+    from trainprof.env import collect_env
+    from trainprof.io import atomic_write_json
+
+    if source.calibration is not None and not force:
+        return source.calibration
+    env = source.profile["env"]
+    here = collect_env(_torch_device(env), 1)
+    if here["device"] != env["device"]:
+        return None
+    from trainprof.projection.calibrate import calibrate
+
+    cal = calibrate(_torch_device(env), dtype=source.recipe.model.dtype, threads=int(env.get("cpu_threads") or 1),
+                    collectives_world=2 if env.get("device_type") == "cpu" else 0)
+    atomic_write_json(source.run_dir / "calibration.json", cal)
+    source.calibration = cal
+    return cal
+
+
+def _torch_device(env: dict[str, Any]):
+    import torch
+
+    return torch.device("cuda" if env.get("device_type") == "cuda" and torch.cuda.is_available() else "cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Expected error: what the validation (scripts/bench_projection.py) measured for each kind of change
+# ---------------------------------------------------------------------------------------------
+
+def change_kinds(source_recipe: Any, target_recipe: Any, source_world: int, world: int, machine: str) -> list[str]:
+    kinds = []
+    s, t = source_recipe, target_recipe
+    if s.train.micro_batch_size != t.train.micro_batch_size:
+        kinds.append("micro_batch")
+    if s.data.seq_len != t.data.seq_len:
+        kinds.append("seq_len")
+    if s.train.grad_accum != t.train.grad_accum:
+        kinds.append("grad_accum")
+    if s.model.recompute != t.model.recompute:
+        kinds.append("recompute")
+    if s.model.attention != t.model.attention:
+        kinds.append("attention")
+    if s.engine.zero_stage != t.engine.zero_stage:
+        kinds.append("zero_stage")
+    if source_world != world:
+        kinds.append("world_size")
+    if machine != THIS:
+        kinds.append("hardware")
+    return kinds or ["none"]
+
+
+def expected_error(kinds: list[str], validation: dict[str, Any] | None) -> tuple[float | None, str]:
+    """The largest validated mean absolute error among the kinds of change, or None with the reason."""
+    if validation is None:
+        return None, "no validation table (run scripts/bench_projection.py --write)"
+    by_kind = validation.get("by_kind", {})
+    missing = [k for k in kinds if k not in by_kind]
+    if missing:
+        return None, (f"not validated for {', '.join(missing)} changes"
+                      + ("; cross-accelerator predictions could not be validated (no GPU was available); the CPU "
+                         "thread-count proxy is under 'threads'" if "hardware" in missing else ""))
+    worst = max(by_kind[k]["step_mape_pct"] for k in kinds)
+    return worst, (f"largest step-time MAPE among {', '.join(kinds)} in {VALIDATION_FILE.name} "
+                   f"({validation.get('measured_on', '?')})")
+
+
+def load_validation() -> dict[str, Any] | None:
+    return json.loads(VALIDATION_FILE.read_text()) if VALIDATION_FILE.is_file() else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Machines and links
+# ---------------------------------------------------------------------------------------------
+
+def machine_from_calibration(cal: dict[str, Any], label: str) -> Machine:
+    return Machine(name=label, matmul_tflops=cal["matmul"]["best_tflops"], memory_gbps=cal["memory"]["gbps"],
+                   matmul_source=f"{label}: best measured GEMM {cal['matmul']['best_tflops']:.3g} TFLOP/s "
+                                 f"({cal['threads']} threads)",
+                   memory_source=f"{label}: measured copy {cal['memory']['gbps']:.3g} GB/s")
+
+
+def machine_from_target(target: Target, dtype: str) -> tuple[Machine, list[str]]:
+    notes = []
+    mamf = target.figure("mamf_bf16_tflops") if dtype in ("bf16", "fp16") else None
+    if mamf is not None:
+        rate, src = mamf, f"MAMF {mamf:g} TFLOP/s ({target.source('mamf_bf16_tflops')})"
+    else:
+        key = "peak_bf16_dense_tflops" if dtype in ("bf16", "fp16") else "peak_fp32_tflops"
+        rate = target.figure(key)
+        src = f"datasheet dense peak {rate:g} TFLOP/s ({target.source(key)})" if rate else "none"
+        notes.append(f"{target.key}: no published MAMF; the datasheet peak is used (optimistic)")
+    bw = target.figure("memory_gbps")
+    return Machine(name=target.key, matmul_tflops=rate, memory_gbps=bw, matmul_source=src,
+                   memory_source=f"{bw:g} GB/s ({target.source('memory_gbps')})" if bw else "none"), notes
+
+
+def _catalog_link(target: Target, world: int, gpus_per_node: int) -> Link | None:
+    if world <= 1:
+        return None
+    link = target.intra_node_link if world <= gpus_per_node else target.inter_node_link
+    if link is None:
+        return None
+    gbps = float(link["gbps_per_direction"]["value"])
+    return Link(alpha_ms=0.0, busbw_gbps=gbps,
+                source=f"{link['name']} at {gbps:g} GB/s per direction ({link['gbps_per_direction']['source']}); "
+                       "latency (alpha) not modelled")
+
+
+# ---------------------------------------------------------------------------------------------
+# One prediction
+# ---------------------------------------------------------------------------------------------
+
+def _state_elements_per_rank(recipe: Any, trainable: int, world: int) -> float:
+    partitioned = recipe.engine.kind == "deepspeed" and recipe.engine.zero_stage >= 1
+    return trainable / world if partitioned else float(trainable)
+
+
+def _plan_bytes(recipe: Any, world: int) -> int:
+    from trainprof.plan import estimate_plan
+
+    return int(estimate_plan(recipe, world)["gpu_total_per_rank"]["value"])
+
+
+def _plan_flops(recipe: Any, world: int) -> float:
+    from trainprof.plan import estimate_plan
+
+    return float(estimate_plan(recipe, world)["flops"]["per_step_6n"]["value"])
+
+
+class Projector:
+    """Holds the source, the catalog and caches (probes, calibrations) across predictions."""
+
+    def __init__(self, source: Source, catalog: Catalog, *, prices: dict[str, dict[str, Any]] | None = None,
+                 validation: dict[str, Any] | None = None, probe: bool = True) -> None:
+        self.source = source
+        self.catalog = catalog
+        self.prices = prices or {}
+        self.validation = validation
+        self.probe = probe
+        self._probes: dict[Any, dict[str, float]] = {}
+        self._calibrations: dict[int, dict[str, Any]] = {}
+        self._links: dict[int, Link | None] = {}
+        env = source.profile["env"]
+        self.source_threads = int(env.get("cpu_threads") or 1)
+
+    # -- caches ------------------------------------------------------------------------------------
+
+    def probe_at(self, recipe: Any, threads: int) -> dict[str, float]:
+        from trainprof.projection.calibrate import ProbeShape, probe_model
+
+        shape = ProbeShape(recipe.train.micro_batch_size, recipe.data.seq_len, recipe.model.attention, False)
+        key = (shape, threads)
+        if key not in self._probes:
+            self._probes[key] = probe_model(recipe, shape, threads=threads)
+        return self._probes[key]
+
+    def calibration_at(self, threads: int) -> dict[str, Any]:
+        from trainprof.projection.calibrate import calibrate
+
+        if threads not in self._calibrations:
+            self._calibrations[threads] = calibrate("cpu", dtype=self.source.recipe.model.dtype, threads=threads)
+        return self._calibrations[threads]
+
+    def gloo_link(self, world: int) -> Link | None:
+        from trainprof.projection.calibrate import gloo_collectives
+
+        if world not in self._links:
+            cal = self.source.calibration
+            fits = None
+            if cal and cal.get("collectives") and cal["collectives"]["world_size"] == world:
+                fits = cal["collectives"]["ops"]
+            else:
+                fits = gloo_collectives(world)["ops"]
+            usable = [f for f in fits.values() if f]
+            self._links[world] = Link(
+                alpha_ms=sorted(f["alpha_ms"] for f in usable)[len(usable) // 2],
+                busbw_gbps=sorted(f["busbw_gbps"] for f in usable)[len(usable) // 2],
+                source=f"gloo over {world} local processes, measured (median of {len(usable)} collective fits)")
+        return self._links[world]
+
+    # -- predictions -------------------------------------------------------------------------------
+
+    def predict(self, target_recipe: Any, *, machine: str = THIS, world: int | None = None, gpus_per_node: int = 8,
+                threads: int | None = None, tokens: float | None = None, overrides: list[str] | None = None
+                ) -> dict[str, Any]:
+        """One prediction dict (see the module docstring for its fields)."""
+        src = self.source
+        m = src.measured
+        world = world or m.world_size
+        trainable = int(src.profile["params"]["trainable"])
+        change = Change(
+            micro_batch=target_recipe.train.micro_batch_size, seq_len=target_recipe.data.seq_len,
+            grad_accum=target_recipe.train.grad_accum, recompute=target_recipe.model.recompute,
+            attention=target_recipe.model.attention, zero_stage=_zero(target_recipe), engine=target_recipe.engine.kind,
+            world_size=world, state_elements_per_rank=_state_elements_per_rank(target_recipe, trainable, world),
+            source_state_elements_per_rank=_state_elements_per_rank(src.recipe, trainable, m.world_size))
+        assumptions: list[str] = []
+        reasons: dict[str, str] = {}
+        target: Target | None = None
+        source_machine = target_machine = None
+        probes = None
+        link: Link | None = None
+        same_device = machine == THIS
+        if same_device:
+            from trainprof.models import resolve_shape
+
+            shape = resolve_shape(target_recipe.model)
+            layer_params = 4 * shape.hidden_size ** 2 + 3 * shape.hidden_size * shape.intermediate_size
+            probe_threads = self.source_threads
+            if self.probe and layer_params <= PROBE_MAX_LAYER_PARAMS and _same_machine_as_source(src):
+                probes = (self.probe_at(src.recipe, probe_threads), self.probe_at(target_recipe, probe_threads))
+            elif _shape_changed(src.recipe, target_recipe):
+                reasons["step_ms"] = ("the shape changed and the model cannot be probed here (another machine or a "
+                                      "model too large to probe on CPU); run on the source machine")
+            if threads and threads != self.source_threads:
+                source_machine = machine_from_calibration(self.calibration_at(self.source_threads),
+                                                          f"this machine, {self.source_threads} threads")
+                target_machine = machine_from_calibration(self.calibration_at(threads), f"this machine, {threads} threads")
+            if world != m.world_size and world > 1:
+                link = self.gloo_link(world)
+        else:
+            target = self.catalog.resolve(machine)
+            gpus_per_node = target.gpus_per_node or gpus_per_node
+            cal = ensure_calibration(src)
+            if cal is None:
+                reasons["step_ms"] = ("the source run has no calibration.json and was made on another machine; "
+                                      "run `trainprof project` once where the run was made, or copy its calibration")
+            else:
+                source_machine = machine_from_calibration(cal, "source")
+                target_machine, notes = machine_from_target(target, target_recipe.model.dtype)
+                assumptions.extend(notes)
+                if not (target_machine.matmul_tflops and target_machine.memory_gbps):
+                    reasons["step_ms"] = f"{machine} lacks a matmul rate or memory bandwidth in the catalog"
+            link = _catalog_link(target, world, gpus_per_node)
+            if _shape_changed(src.recipe, target_recipe):
+                assumptions.append("shape changes on another machine: compute scaled by the analytic FLOP ratio")
+        phases: dict[str, float] | None = None
+        if "step_ms" not in reasons:
+            try:
+                phases, notes = predict_phases(m, change, probes=probes, num_layers=_num_layers(target_recipe),
+                                               source_machine=source_machine, target_machine=target_machine,
+                                               link=link, source_zero_stage=_zero(src.recipe))
+                assumptions.extend(notes)
+                if not same_device and _shape_changed(src.recipe, target_recipe):
+                    ratio = _plan_flops(target_recipe, world) / world / (_plan_flops(src.recipe, m.world_size) / m.world_size)
+                    for ph in ("forward", "backward", "recompute"):
+                        phases[ph] *= ratio
+            except ValueError as err:
+                reasons["step_ms"] = str(err)
+        if phases is not None and any(math.isnan(v) for v in phases.values()):
+            reasons["step_ms"] = "; ".join(a for a in assumptions if a.startswith("comm:")) or "comm not predictable"
+            phases = None
+        step_ms = (sum(phases.values()) + m.unattributed_ms) if phases is not None else None
+        if step_ms is not None:
+            assumptions.append(f"unattributed {m.unattributed_ms:.2f} ms and other as measured")
+            if phases["data_wait"] > DATA_WAIT_DOMINATES * step_ms:
+                assumptions.append(f"data wait kept as measured is {100 * phases['data_wait'] / step_ms:.0f}% of the "
+                                   "predicted step: it would dominate; raise data.num_workers")
+        tokens_per_step = (target_recipe.train.micro_batch_size * target_recipe.train.grad_accum
+                           * target_recipe.data.seq_len * world)
+        tps = tokens_per_step / (step_ms / 1e3) if step_ms else None
+        memory, fits, fit_note = self._memory(target_recipe, world, target)
+        pred: dict[str, Any] = {
+            "hardware": machine if machine != THIS else f"this ({src.profile['env']['device']}"
+                                                        + (f", {threads} threads" if threads else "") + ")",
+            "nodes": max(1, math.ceil(world / gpus_per_node)) if target is not None else 1,
+            "gpus_per_node": gpus_per_node if target is not None else world,
+            "world_size": world,
+            "overrides": list(overrides or []),
+            "step_ms": step_ms,
+            "phases_ms": phases,
+            "tokens_per_step": tokens_per_step,
+            "tokens_per_s": tps,
+            "mfu": None,
+            "scaling_efficiency": None,
+            "memory_per_rank_bytes": memory,
+            "fits": fits,
+            "time_to_train_s": (tokens / tps) if (tokens and tps) else None,
+            "cost_per_million_tokens_usd": None,
+            "expected_error_pct": None,
+            "assumptions": assumptions,
+        }
+        if fit_note:
+            pred["fit_suggestion"] = fit_note
+        if reasons:
+            pred["reasons"] = reasons
+        if target is not None and tps:
+            peak = target.figure("peak_bf16_dense_tflops" if target_recipe.model.dtype in ("bf16", "fp16")
+                                 else "peak_fp32_tflops")
+            if peak:
+                model_flops = _plan_flops(target_recipe, world)
+                pred["mfu"] = model_flops / (step_ms / 1e3) / (world * peak * 1e12)
+                pred["mfu_convention"] = "PaLM 6N + 12LHQT model FLOPs (trainprof plan) over the datasheet dense peak"
+        elif target is None:
+            reasons["mfu"] = "no datasheet peak for this machine (CPU)"
+            pred["reasons"] = reasons
+        price = self.prices.get(machine)
+        if price and tps:
+            usd_per_s = price["usd_per_gpu_hour"] * world / 3600
+            pred["cost_per_million_tokens_usd"] = usd_per_s / tps * 1e6
+            pred["cost_to_train_usd"] = usd_per_s * pred["time_to_train_s"] if pred["time_to_train_s"] else None
+            pred["price"] = price
+        else:
+            reasons["cost_per_million_tokens_usd"] = (f"no price for '{machine}': pass --price {machine}=USD_PER_GPU_HOUR "
+                                                      "or --prices FILE (with source and date)")
+            pred["reasons"] = reasons
+        kinds = change_kinds(src.recipe, target_recipe, m.world_size, world, machine)
+        if threads and threads != self.source_threads:
+            kinds = [k for k in kinds if k != "none"] + ["threads"]
+        pred["change_kinds"] = kinds
+        err, why = expected_error(kinds, self.validation)
+        pred["expected_error_pct"] = err
+        pred["expected_error_source"] = why
+        return pred
+
+    def _memory(self, recipe: Any, world: int, target: Target | None) -> tuple[int | None, bool | None, list[str] | None]:
+        m, src = self.source.measured, self.source
+        planned = _plan_bytes(recipe, world)
+        if target is None:
+            if m.peak_memory_bytes is None:
+                return None, None, None
+            # measured + (plan(target) - plan(source)): the process's fixed part (libraries, CUDA context,
+            # allocator slack) stays as measured, what the formulas see moves with the recipe
+            return int(m.peak_memory_bytes + planned - _plan_bytes(src.recipe, m.world_size)), None, None
+        capacity = target.figure("memory_gb")
+        if capacity is None:
+            return planned, None, None
+        fits = planned <= capacity * 1e9
+        if fits:
+            return planned, True, None
+        for extra in FIT_SUGGESTIONS:
+            try:
+                from trainprof.recipe import load_recipe
+
+                candidate = load_recipe(src.run_dir / "recipe.yaml", [*_recipe_overrides(recipe), *extra])
+            except Exception:  # a suggestion the recipe rules refuse is skipped
+                continue
+            if _plan_bytes(candidate, world) <= capacity * 1e9:
+                return planned, False, extra
+        return planned, False, None
+
+
+def _recipe_overrides(recipe: Any) -> list[str]:
+    t, e, mdl = recipe.train, recipe.engine, recipe.model
+    return [f"train.micro_batch_size={t.micro_batch_size}", f"train.grad_accum={t.grad_accum}",
+            f"data.seq_len={recipe.data.seq_len}", f"model.recompute={str(mdl.recompute).lower()}",
+            f"engine.zero_stage={e.zero_stage}"]
+
+
+def _zero(recipe: Any) -> int:
+    return recipe.engine.zero_stage if recipe.engine.kind == "deepspeed" else 0
+
+
+def _num_layers(recipe: Any) -> int:
+    from trainprof.models import resolve_shape
+
+    return resolve_shape(recipe.model).num_layers
+
+
+def _shape_changed(a: Any, b: Any) -> bool:
+    return (a.train.micro_batch_size, a.data.seq_len, a.model.attention, a.model.recompute) != \
+           (b.train.micro_batch_size, b.data.seq_len, b.model.attention, b.model.recompute)
+
+
+def _same_machine_as_source(src: Source) -> bool:
+    from trainprof.env import collect_env
+
+    env = src.profile["env"]
+    return collect_env(_torch_device(env), 1)["device"] == env["device"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole projection
+# ---------------------------------------------------------------------------------------------
+
+def project(run_dir: str | Path, *, targets: list[str] | None = None, nodes: list[int] | None = None,
+            gpus_per_node: int = 8, nproc: list[int] | None = None, overrides: list[str] | None = None,
+            tokens: float | None = None, catalog_file: str | None = None, prices: dict[str, Any] | None = None,
+            threads: int | None = None, probe: bool = True, progress: bool = False) -> dict[str, Any]:
+    """Predictions for every target and size (see the module docstring).
+
+    Args:
+        run_dir: the measured run.
+        targets: catalog keys, or "this" (the source's machine; default).
+        nodes, gpus_per_node: sizes for catalog targets (world = nodes * gpus_per_node).
+        nproc: world sizes for "this" (default: the source's).
+        overrides: recipe key=value changes, as everywhere else.
+        tokens: tokens to train, for time and cost.
+        catalog_file: a user catalog merged over the package's.
+        prices: from catalog.load_prices.
+        threads: for "this", intra-op threads of the target (a different CPU, calibrated here).
+        probe: time the recipe's layers at both shapes on this machine for same-machine changes.
+        progress: a tqdm bar over predictions.
+    """
+    from tqdm import tqdm
+
+    source, target_recipe = load_source(run_dir, overrides)
+    catalog = load_catalog(catalog_file)
+    projector = Projector(source, catalog, prices=prices, validation=load_validation(), probe=probe)
+    targets = targets or [THIS]
+    jobs: list[tuple[str, int]] = []
+    for t in targets:
+        if t == THIS:
+            jobs.extend((t, n) for n in (nproc or [source.measured.world_size]))
+        else:
+            catalog.resolve(t)  # unknown names fail before any work
+            jobs.extend((t, n * gpus_per_node) for n in (nodes or [1]))
+    predictions = []
+    for machine, world in tqdm(jobs, desc="project", unit="prediction", disable=not progress):
+        predictions.append(projector.predict(target_recipe, machine=machine, world=world, gpus_per_node=gpus_per_node,
+                                             threads=threads if machine == THIS else None, tokens=tokens,
+                                             overrides=overrides))
+    _scaling_efficiency(projector, target_recipe, predictions, gpus_per_node, threads)
+    _rank(predictions)
+    m = source.measured
+    return {
+        "projection_version": PROJECTION_VERSION,
+        "source": {
+            "run_dir": str(source.run_dir), "device": source.profile["env"]["device"],
+            "world_size": m.world_size, "timer": source.profile["env"]["timer"],
+            "step_ms": m.step_ms, "phases_ms": m.phases_ms, "unattributed_ms": m.unattributed_ms,
+            "tokens_per_s": source.profile["summary"].get("tokens_per_s"),
+            "peak_memory_bytes": m.peak_memory_bytes, "calibration": source.calibration is not None,
+            "recipe": source.profile["recipe"],
+        },
+        "tokens": tokens,
+        "catalog": catalog.files,
+        "validation": {k: projector.validation.get(k) for k in ("measured_on", "command", "by_kind")}
+        if projector.validation else None,
+        "method": __import__("trainprof.projection.stepmodel", fromlist=["x"]).__doc__.strip(),
+        "predictions": predictions,
+    }
+
+
+def _scaling_efficiency(projector: Projector, recipe: Any, predictions: list[dict[str, Any]], gpus_per_node: int,
+                        threads: int | None) -> None:
+    """tput(N) / (N * tput(1)) per hardware, tput(1) predicted on the same hardware with one GPU."""
+    single: dict[str, float | None] = {}
+    for p in predictions:
+        machine = p["hardware"] if not p["hardware"].startswith("this") else THIS
+        if p["tokens_per_s"] is None:
+            continue
+        if p["world_size"] == 1:
+            single[machine] = p["tokens_per_s"]
+        if machine not in single:
+            one = projector.predict(recipe, machine=machine, world=1, gpus_per_node=gpus_per_node,
+                                    threads=threads if machine == THIS else None)
+            single[machine] = one["tokens_per_s"]
+        if single[machine]:
+            p["scaling_efficiency"] = p["tokens_per_s"] / (p["world_size"] * single[machine])
+
+
+def _rank(predictions: list[dict[str, Any]]) -> None:
+    """rank 1 = best: cheapest per million tokens when every fitting prediction has a price, else
+    the highest tokens/s; predictions that do not fit or cannot be predicted come last (rank null)."""
+    usable = [p for p in predictions if p["tokens_per_s"] and p["fits"] is not False]
+    priced = all(p["cost_per_million_tokens_usd"] is not None for p in usable)
+    key = (lambda p: p["cost_per_million_tokens_usd"]) if (usable and priced) else (lambda p: -p["tokens_per_s"])
+    for i, p in enumerate(sorted(usable, key=key), 1):
+        p["rank"] = i
+        p["ranked_by"] = "cost_per_million_tokens_usd" if priced else "tokens_per_s"
+    for p in predictions:
+        p.setdefault("rank", None)
+
+
+__all__ = ["project", "Projector", "load_source", "ProjectionError", "CatalogError", "PHASES",
+           "find_accelerator"]

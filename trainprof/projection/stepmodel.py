@@ -1,0 +1,218 @@
+"""The step model: a measured profile split into parts that scale differently, and re-derived for a
+changed recipe, world size or machine.
+
+A measured optimizer step (per rank, ms) is split as the profiler measured it:
+
+    step = data_wait + forward + backward + recompute + optimizer + comm_exposed + other + unattributed
+
+and each part is re-derived for the target:
+
+  * forward / backward / recompute, per micro batch (x grad_accum):
+      same machine: measured + (probe(target) - probe(source)), where probe times the recipe's own
+        decoder layer and the rest of the model (embedding, norm, LM head, loss) at each shape on this
+        machine (calibrate.probe_model); hooks, ZeRO-3 parameter hooks and engine work stay as measured.
+        Turning recomputation on adds one forward of every decoder layer, scaled by measured/probe.
+      other machine: matmul share = FLOPs of the phase / the source's achievable matmul rate, scaled
+        by source/target achievable matmul rate (the target's MAMF, else its datasheet peak); the rest
+        is taken as memory-bound and scaled by source/target memory bandwidth.
+  * optimizer: elementwise over the optimizer state this rank holds: scaled by state elements per rank
+    (ZeRO partitions over the world size) and by source/target memory bandwidth.
+  * comm_exposed: per collective of the profile, α-β time for its bytes over the target's link
+    (nccl-tests bus factors), times the exposed fraction measured at the source (exposed/total);
+    forward/backward collectives repeat per micro batch. A ZeRO stage change scales by the ZeRO paper's
+    volumes (stage 1/2: 2Ψ, stage 3: 3Ψ per step). One rank: none.
+  * data_wait: as measured, per micro batch. other and unattributed: as measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from trainprof.projection.calibrate import collective_ms
+
+PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other")
+# ZeRO paper (Rajbhandari et al. 2020, sec. 7): per-step communication volume per rank in units of Ψ
+# (parameters): DP/stage 1/2: reduce-scatter + all-gather = 2Ψ; stage 3 adds a forward gather: 3Ψ.
+ZERO_VOLUME = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
+
+
+@dataclasses.dataclass(kw_only=True)
+class Measured:
+    """What the step model reads from a profile (per rank, ms per optimizer step)."""
+
+    step_ms: float
+    phases_ms: dict[str, float]
+    unattributed_ms: float
+    flops_by_phase: dict[str, float]
+    comm: list[dict[str, Any]]
+    world_size: int
+    grad_accum: int
+    optimizer_state_elements: int | None
+    peak_memory_bytes: int | None
+    forward_layers_ms: float | None  # decoder layers' forward, summed (for turning recompute on)
+
+
+def measured_from_profile(profile: dict[str, Any]) -> Measured:
+    """The figures the step model needs, from a merged profile.json dict.
+
+    Step: the slowest rank's median step (what tokens/s divides by); phases: medians over ranks."""
+    s = profile["summary"]
+    across = s.get("across_ranks") or {}
+    step = across.get("step_ms_median", {}).get("max", s["step_ms"]["median"])
+    if across.get("phases_ms"):
+        phases = {k: float(v["median"]) for k, v in across["phases_ms"].items()}
+    else:
+        phases = {k: float(v or 0.0) for k, v in (s.get("phases_ms") or {}).items()}
+    phases = {k: phases.get(k, 0.0) for k in PHASES}
+    layers = [m for m in profile.get("modules") or [] if _is_decoder_layer(m["name"])]
+    states = profile.get("model_state_bytes") or {}
+    return Measured(
+        step_ms=float(step), phases_ms=phases, unattributed_ms=max(float(step) - sum(phases.values()), 0.0),
+        flops_by_phase={k: float(v) for k, v in (s.get("flops_by_phase") or {}).items()},
+        comm=list(profile.get("comm") or []), world_size=int(profile["env"]["world_size"]),
+        grad_accum=int(profile["recipe"]["train"]["grad_accum"]),
+        optimizer_state_elements=states.get("optimizer_state_elements"),
+        peak_memory_bytes=s.get("peak_memory_bytes_max"),
+        forward_layers_ms=sum(m["forward_ms"] for m in layers) if layers else None,
+    )
+
+
+def _is_decoder_layer(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] == "layers" and parts[-1].isdigit()
+
+
+@dataclasses.dataclass(kw_only=True)
+class Machine:
+    """Rates the step model scales by: achievable matmul TFLOP/s and memory GB/s, with sources."""
+
+    name: str
+    matmul_tflops: float | None
+    memory_gbps: float | None
+    matmul_source: str = ""
+    memory_source: str = ""
+
+
+@dataclasses.dataclass(kw_only=True)
+class Link:
+    """The collective fit for the target: {alpha_ms, busbw_gbps} and where it came from."""
+
+    alpha_ms: float
+    busbw_gbps: float
+    source: str
+
+
+@dataclasses.dataclass(kw_only=True)
+class Change:
+    """The target of one prediction, relative to the source."""
+
+    micro_batch: int
+    seq_len: int
+    grad_accum: int
+    recompute: bool
+    attention: str
+    zero_stage: int
+    engine: str
+    world_size: int
+    state_elements_per_rank: float | None  # optimizer state elements this rank would hold
+    source_state_elements_per_rank: float | None
+
+
+def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float], dict[str, float]] | None,
+                   num_layers: int, source_machine: Machine | None, target_machine: Machine | None,
+                   link: Link | None, source_zero_stage: int) -> tuple[dict[str, float], list[str]]:
+    """Predicted phases (ms per optimizer step, per rank) and the assumptions made.
+
+    Args:
+        m: the measured source.
+        change: the target configuration.
+        probes: (source shape, target shape) timings from calibrate.probe_model on this machine, for
+            same-machine predictions; None when the target is another machine.
+        num_layers: decoder layers of the model.
+        source_machine, target_machine: rates for a cross-machine prediction (None: same machine).
+        link: the collective fit for the target's world size (None: no collectives, or one rank).
+        source_zero_stage: the source's ZeRO stage (0 for the torch engine).
+    """
+    notes: list[str] = []
+    ga_s, ga_t = m.grad_accum, change.grad_accum
+    per_mb = {ph: m.phases_ms[ph] / ga_s for ph in ("forward", "backward", "recompute", "data_wait")}
+    out: dict[str, float] = {}
+    out["data_wait"] = per_mb["data_wait"] * ga_t
+    f, b, r = per_mb["forward"], per_mb["backward"], per_mb["recompute"]
+    if probes is not None:
+        ps, pt = probes
+        f_t = f + num_layers * (pt["layer_forward_ms"] - ps["layer_forward_ms"]) + pt["rest_forward_ms"] - ps["rest_forward_ms"]
+        b_t = b + num_layers * (pt["layer_backward_ms"] - ps["layer_backward_ms"]) + pt["rest_backward_ms"] - ps["rest_backward_ms"]
+        probe_fwd_s = num_layers * ps["layer_forward_ms"] + ps["rest_forward_ms"]
+        kappa = f / probe_fwd_s if probe_fwd_s > 0 else 1.0
+        if change.recompute and r > 0:
+            r_t = r + kappa * num_layers * (pt["layer_forward_ms"] - ps["layer_forward_ms"])
+        elif change.recompute:
+            r_t = kappa * num_layers * pt["layer_forward_ms"]
+            notes.append("recompute: one more forward of every decoder layer, at measured/probe = "
+                         f"{kappa:.2f} of the probed layer forward")
+        else:
+            r_t = 0.0
+        notes.append("compute: measured + (probe at target - probe at source): the recipe's decoder layer "
+                      "and model rest timed on this machine at both shapes; hook and engine costs as measured")
+        f, b, r = max(f_t, 0.0), max(b_t, 0.0), max(r_t, 0.0)
+    if target_machine is not None and source_machine is not None:
+        f, b, r = (_scale_compute(t, m.flops_by_phase.get(ph, 0.0) / ga_s, source_machine, target_machine)
+                   for t, ph in ((f, "forward"), (b, "backward"), (r, "recompute")))
+        notes.append(f"compute on {target_machine.name}: matmul share (FLOPs / {source_machine.matmul_tflops:.3g} "
+                     f"TFLOP/s measured at the source) scaled by {source_machine.matmul_source} -> "
+                     f"{target_machine.matmul_source}; the rest scaled as memory-bound by memory bandwidth")
+    out["forward"], out["backward"], out["recompute"] = f * ga_t, b * ga_t, r * ga_t
+    opt = m.phases_ms["optimizer"]
+    if change.state_elements_per_rank and change.source_state_elements_per_rank:
+        opt *= change.state_elements_per_rank / change.source_state_elements_per_rank
+    if target_machine is not None and source_machine is not None and source_machine.memory_gbps and target_machine.memory_gbps:
+        opt *= source_machine.memory_gbps / target_machine.memory_gbps
+    out["optimizer"] = opt
+    out["comm_exposed"], comm_notes = _comm(m, change, link, source_zero_stage)
+    notes.extend(comm_notes)
+    out["other"] = m.phases_ms["other"]
+    return out, notes
+
+
+def _scale_compute(ms: float, flops: float, src: Machine, dst: Machine) -> float:
+    if not (src.matmul_tflops and dst.matmul_tflops and src.memory_gbps and dst.memory_gbps):
+        raise ValueError("cross-machine compute needs matmul and memory rates for both machines")
+    matmul = min(flops / (src.matmul_tflops * 1e12) * 1e3, ms)
+    rest = ms - matmul
+    return matmul * src.matmul_tflops / dst.matmul_tflops + rest * src.memory_gbps / dst.memory_gbps
+
+
+def _comm(m: Measured, change: Change, link: Link | None, source_zero_stage: int) -> tuple[float, list[str]]:
+    n = change.world_size
+    if n <= 1:
+        return 0.0, ["one rank: no collectives"]
+    if link is None:
+        if m.world_size == n:
+            scale = ZERO_VOLUME[change.zero_stage] / ZERO_VOLUME[source_zero_stage]
+            per_mb = sum(c["exposed_ms"] for c in m.comm if c["phase"] in ("forward", "backward"))
+            rest = m.phases_ms["comm_exposed"] - per_mb
+            ms = (per_mb * change.grad_accum / m.grad_accum + rest) * scale
+            note = "comm: as measured (same world size and link); forward/backward collectives per micro batch"
+            if scale != 1.0:
+                note += f"; ZeRO stage {source_zero_stage} -> {change.zero_stage} volume x{scale:.2f} (ZeRO paper)"
+            return max(ms, 0.0), [note]
+        return float("nan"), ["comm: no collective calibration for this world size"]
+    total = 0.0
+    rows = [c for c in m.comm if c["calls"]]
+    if not rows:
+        return float("nan"), ["comm: the source recorded no collectives to re-time"]
+    for c in rows:
+        per_call_bytes = c["bytes"] / c["calls"] if c.get("bytes") else 0.0
+        t = c["calls"] * collective_ms(c["op"], per_call_bytes, n, {"alpha_ms": link.alpha_ms,
+                                                                    "busbw_gbps": link.busbw_gbps})
+        exposed_frac = (c["exposed_ms"] / c["total_ms"]) if (m.world_size > 1 and c.get("total_ms")) else 1.0
+        repeat = change.grad_accum / m.grad_accum if c["phase"] in ("forward", "backward") else 1.0
+        total += t * min(exposed_frac, 1.0) * repeat
+    scale = ZERO_VOLUME[change.zero_stage] / ZERO_VOLUME[source_zero_stage]
+    notes = [f"comm: each collective re-timed as alpha + bytes*busfactor/busbw over {link.source}, times the "
+             "exposed fraction measured at the source (1 when the source had one rank)"]
+    if scale != 1.0:
+        notes.append(f"comm: ZeRO stage {source_zero_stage} -> {change.zero_stage} volume x{scale:.2f} (ZeRO paper)")
+    return total * scale, notes

@@ -1,0 +1,76 @@
+"""Projected next to measured: the rows `trainprof scale` and the run report add beside their measured
+figures (the same step model as `trainprof project`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from trainprof.sweep.tables import Column, fmt_num, fmt_pct, fmt_text, write_tables
+
+SCALE_PROJECTED_COLUMNS = [
+    Column("world_size", "N", fmt_text),
+    Column("measured_step_ms", "measured step ms", fmt_num(1)),
+    Column("predicted_step_ms", "projected step ms", fmt_num(1)),
+    Column("step_error_pct", "error %", fmt_num(1)),
+    Column("measured_tokens_per_s", "measured tokens/s", fmt_num(0)),
+    Column("predicted_tokens_per_s", "projected tokens/s", fmt_num(0)),
+    Column("predicted_efficiency", "projected efficiency", fmt_pct),
+    Column("expected_error_pct", "expected error %", fmt_num(1)),
+]
+
+
+def project_scaling(points: list[dict[str, Any]], extra_sizes: list[int] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """From the smallest world size's run, the projected step and throughput at every measured size
+    (measured beside it, with the error) and at `extra_sizes` (projected only).
+
+    Returns:
+        (rows, notes); rows are empty with a note saying why when the projection cannot be made.
+    """
+    from trainprof.projection.catalog import load_catalog
+    from trainprof.projection.project import Projector, load_source, load_validation
+
+    pts = sorted(points, key=lambda p: p["world_size"])
+    ref = pts[0]
+    source, recipe = load_source(ref["run_dir"])
+    projector = Projector(source, load_catalog(), validation=load_validation())
+    sizes = sorted({p["world_size"] for p in pts} | set(extra_sizes or []))
+    measured = {p["world_size"]: p for p in pts}
+    rows: list[dict[str, Any]] = []
+    one = None
+    for n in sizes:
+        pred = projector.predict(recipe, world=n)
+        if n == 1 or one is None and n == sizes[0]:
+            one = (n, pred["tokens_per_s"])
+        row: dict[str, Any] = {"world_size": n, "predicted_step_ms": pred["step_ms"],
+                               "predicted_tokens_per_s": pred["tokens_per_s"],
+                               "expected_error_pct": pred["expected_error_pct"],
+                               "reason": (pred.get("reasons") or {}).get("step_ms")}
+        if one and one[1] and pred["tokens_per_s"]:
+            row["predicted_efficiency"] = pred["tokens_per_s"] * one[0] / (n * one[1])
+        if n in measured:
+            prof = measured[n]["profile"]
+            from trainprof.projection.stepmodel import measured_from_profile
+
+            m = measured_from_profile(prof)
+            row["measured_step_ms"] = m.step_ms
+            row["measured_tokens_per_s"] = (prof.get("summary") or {}).get("tokens_per_s")
+            if pred["step_ms"]:
+                row["step_error_pct"] = 100 * (pred["step_ms"] - m.step_ms) / m.step_ms
+        rows.append(row)
+    notes = [f"projected from {ref['run_dir']} (N={ref['world_size']}) by trainprof's step model; collectives "
+             "re-timed with the α-β fit measured on this machine; error % = (projected - measured) / measured"]
+    notes += [f"N={r['world_size']}: not projected: {r['reason']}" for r in rows if r.get("reason")]
+    return rows, notes
+
+
+def write_scaling_projection(out_dir: Path, rows: list[dict[str, Any]], notes: list[str], *, title: str) -> list[Path]:
+    return write_tables(out_dir / "scaling_projected", rows, SCALE_PROJECTED_COLUMNS, title=f"{title}: projected",
+                        notes=notes)
+
+
+def run_projection(run_dir: Path) -> dict[str, Any] | None:
+    """The projection `trainprof project` wrote for a run (RUN_DIR/projection/projection.json), if any."""
+    path = Path(run_dir) / "projection" / "projection.json"
+    return json.loads(path.read_text()) if path.is_file() else None
