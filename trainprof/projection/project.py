@@ -244,6 +244,14 @@ class Projector:
             self._calibrations[threads] = calibrate("cpu", dtype=self.source.recipe.model.dtype, threads=threads)
         return self._calibrations[threads]
 
+    def _memory_gbps(self, same_device: bool) -> float | None:
+        """The source machine's memory bandwidth: its calibration.json, or measured now on this machine."""
+        if self.source.calibration is not None:
+            return self.source.calibration["memory"]["gbps"]
+        if same_device and _same_machine_as_source(self.source):
+            return self.calibration_at(self.source_threads)["memory"]["gbps"]
+        return None
+
     def gloo_link(self, world: int) -> Link | None:
         from trainprof.projection.calibrate import gloo_collectives
 
@@ -322,7 +330,8 @@ class Projector:
             try:
                 phases, notes = predict_phases(m, change, probes=probes, num_layers=_num_layers(target_recipe),
                                                source_machine=source_machine, target_machine=target_machine,
-                                               link=link, source_zero_stage=_zero(src.recipe))
+                                               link=link, source_zero_stage=_zero(src.recipe),
+                                               memory_gbps=self._memory_gbps(same_device))
                 assumptions.extend(notes)
                 if not same_device and _shape_changed(src.recipe, target_recipe):
                     ratio = _plan_flops(target_recipe, world) / world / (_plan_flops(src.recipe, m.world_size) / m.world_size)

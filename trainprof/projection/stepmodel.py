@@ -15,8 +15,11 @@ and each part is re-derived for the target:
       other machine: matmul share = FLOPs of the phase / the source's achievable matmul rate, scaled
         by source/target achievable matmul rate (the target's MAMF, else its datasheet peak); the rest
         is taken as memory-bound and scaled by source/target memory bandwidth.
-  * optimizer: elementwise over the optimizer state this rank holds: scaled by state elements per rank
-    (ZeRO partitions over the world size) and by source/target memory bandwidth.
+  * optimizer: a fixed part (the engine's step machinery, launches, gradient clipping) plus Adam's
+    elementwise pass over the state this rank holds (ZeRO partitions it over the world size), priced at
+    7 fp32 accesses per element (read param, grad, m, v; write param, m, v) over the measured memory
+    bandwidth; the fixed part is what the source measured beyond that pass. Another machine: both
+    scaled by source/target memory bandwidth.
   * comm_exposed: per collective of the profile, α-β time for its bytes over the target's link
     (nccl-tests bus factors), times the exposed fraction measured at the source (exposed/total);
     forward/backward collectives repeat per micro batch. A ZeRO stage change scales by the ZeRO paper's
@@ -35,6 +38,7 @@ PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_ex
 # ZeRO paper (Rajbhandari et al. 2020, sec. 7): per-step communication volume per rank in units of Ψ
 # (parameters): DP/stage 1/2: reduce-scatter + all-gather = 2Ψ; stage 3 adds a forward gather: 3Ψ.
 ZERO_VOLUME = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
+ADAM_BYTES_PER_ELEMENT = 28  # fp32 Adam: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -54,21 +58,22 @@ class Measured:
 
 
 def measured_from_profile(profile: dict[str, Any]) -> Measured:
-    """The figures the step model needs, from a merged profile.json dict.
-
-    Step: the slowest rank's median step (what tokens/s divides by); phases: medians over ranks."""
+    """The figures the step model needs, from a merged profile.json dict: the slowest rank's median
+    step (what tokens/s divides by) and that rank's phase medians. `unattributed_ms` is the step minus
+    the phases, kept signed (a sum of per-phase medians need not equal the median step), so that the
+    parts add up to the measured step exactly."""
     s = profile["summary"]
-    across = s.get("across_ranks") or {}
-    step = across.get("step_ms_median", {}).get("max", s["step_ms"]["median"])
-    if across.get("phases_ms"):
-        phases = {k: float(v["median"]) for k, v in across["phases_ms"].items()}
+    ranks = [r for r in profile.get("ranks") or [] if r.get("phases_ms")]
+    if ranks:
+        slowest = max(ranks, key=lambda r: r["step_ms_median"])
+        step, phases = float(slowest["step_ms_median"]), dict(slowest["phases_ms"])
     else:
-        phases = {k: float(v or 0.0) for k, v in (s.get("phases_ms") or {}).items()}
-    phases = {k: phases.get(k, 0.0) for k in PHASES}
+        step, phases = float(s["step_ms"]["median"]), dict(s.get("phases_ms") or {})
+    phases = {k: float(phases.get(k) or 0.0) for k in PHASES}
     layers = [m for m in profile.get("modules") or [] if _is_decoder_layer(m["name"])]
     states = profile.get("model_state_bytes") or {}
     return Measured(
-        step_ms=float(step), phases_ms=phases, unattributed_ms=max(float(step) - sum(phases.values()), 0.0),
+        step_ms=step, phases_ms=phases, unattributed_ms=step - sum(phases.values()),
         flops_by_phase={k: float(v) for k, v in (s.get("flops_by_phase") or {}).items()},
         comm=list(profile.get("comm") or []), world_size=int(profile["env"]["world_size"]),
         grad_accum=int(profile["recipe"]["train"]["grad_accum"]),
@@ -121,7 +126,8 @@ class Change:
 
 def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float], dict[str, float]] | None,
                    num_layers: int, source_machine: Machine | None, target_machine: Machine | None,
-                   link: Link | None, source_zero_stage: int) -> tuple[dict[str, float], list[str]]:
+                   link: Link | None, source_zero_stage: int, memory_gbps: float | None = None
+                   ) -> tuple[dict[str, float], list[str]]:
     """Predicted phases (ms per optimizer step, per rank) and the assumptions made.
 
     Args:
@@ -133,6 +139,8 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
         source_machine, target_machine: rates for a cross-machine prediction (None: same machine).
         link: the collective fit for the target's world size (None: no collectives, or one rank).
         source_zero_stage: the source's ZeRO stage (0 for the torch engine).
+        memory_gbps: the source machine's measured memory bandwidth, for the optimizer's elementwise part
+            (None: the optimizer scales with state elements alone).
     """
     notes: list[str] = []
     ga_s, ga_t = m.grad_accum, change.grad_accum
@@ -165,8 +173,17 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
                      f"{target_machine.matmul_source}; the rest scaled as memory-bound by memory bandwidth")
     out["forward"], out["backward"], out["recompute"] = f * ga_t, b * ga_t, r * ga_t
     opt = m.phases_ms["optimizer"]
-    if change.state_elements_per_rank and change.source_state_elements_per_rank:
-        opt *= change.state_elements_per_rank / change.source_state_elements_per_rank
+    n_s, n_t = change.source_state_elements_per_rank, change.state_elements_per_rank
+    if n_s and n_t and n_s != n_t:
+        if memory_gbps:
+            pass_ms = lambda n: n * ADAM_BYTES_PER_ELEMENT / (memory_gbps * 1e9) * 1e3  # noqa: E731
+            fixed = max(opt - pass_ms(n_s), 0.0)
+            opt = fixed + pass_ms(n_t)
+            notes.append(f"optimizer: {fixed:.2f} ms fixed as measured + Adam's pass over {n_t:,.0f} state elements "
+                         f"per rank at {ADAM_BYTES_PER_ELEMENT} B each over {memory_gbps:.3g} GB/s")
+        else:
+            opt *= n_t / n_s
+            notes.append("optimizer: scaled by state elements per rank")
     if target_machine is not None and source_machine is not None and source_machine.memory_gbps and target_machine.memory_gbps:
         opt *= source_machine.memory_gbps / target_machine.memory_gbps
     out["optimizer"] = opt

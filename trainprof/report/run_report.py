@@ -377,8 +377,9 @@ def projection_section(doc: Document, run: RunData) -> None:
     sec = doc.section("Projected", id="projected")
     proj = run_projection(run.path)
     if proj is None:
-        sec.blocks.append(Missing("projection", f"no projection/projection.json; run `trainprof project {run.path} "
-                                  "--to h100-sxm,rtx4090` (or key=value changes) to add predictions here"))
+        sec.blocks.append(Para(f"Not projected yet: `trainprof project {run.path} --to h100-sxm,rtx4090` (or "
+                               "key=value changes) predicts other hardware and settings from this run and adds them "
+                               "here, beside the measurement."))
         return
     src = proj["source"]
     rows = [["measured (this run)", src["device"], src["world_size"], "none", src["step_ms"], src.get("tokens_per_s"),
