@@ -12,6 +12,7 @@ import dataclasses
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -138,24 +139,59 @@ def _collective_worker(rank: int, world: int, port: int, queue: Any) -> None:
     dist.destroy_process_group()
 
 
-def gloo_collectives(world: int = 2) -> dict[str, Any]:
-    """α-β fits of gloo collectives over `world` local processes (nccl-tests sizes and bus factors)."""
+def gloo_collectives(world: int = 2, timeout_s: float = 120.0) -> dict[str, Any]:
+    """α-β fits of gloo collectives over `world` local processes (nccl-tests sizes and bus factors).
+    The ranks are fresh interpreters (`python -m trainprof.projection.calibrate --collective-rank R`),
+    so this works from any caller, a REPL or a script read from stdin included."""
+    import json
     import socket
-
-    import torch.multiprocessing as mp
+    import subprocess
+    import sys
+    import tempfile
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
-    return {"backend": "gloo", "world_size": world, "ops": result}
+    with tempfile.TemporaryDirectory(prefix="trainprof-calibrate-") as tmp:
+        out = Path(tmp) / "collectives.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        procs = [subprocess.Popen([sys.executable, "-m", "trainprof.projection.calibrate", "--collective-rank", str(r),
+                                   "--world", str(world), "--port", str(port), "--out", str(out)],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for r in range(world)]
+        errors = []
+        for p in procs:
+            try:
+                _, err = p.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                err = f"timed out after {timeout_s:.0f} s"
+            if p.returncode:
+                errors.append((err or "").strip().splitlines()[-1:] or [f"exit {p.returncode}"])
+        if errors or not out.is_file():
+            raise RuntimeError(f"gloo collective calibration over {world} processes failed: {errors}")
+        return {"backend": "gloo", "world_size": world, "ops": json.loads(out.read_text())}
+
+
+def _collective_rank_main(argv: list[str]) -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description="one rank of the gloo collective calibration (internal)")
+    p.add_argument("--collective-rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+
+    class _Queue:
+        def put(self, obj: Any) -> None:
+            tmp = Path(a.out).with_suffix(".tmp")
+            tmp.write_text(json.dumps(obj))
+            os.replace(tmp, a.out)
+
+    _collective_worker(a.collective_rank, a.world, a.port, _Queue())
+    return 0
 
 
 def calibrate(device: torch.device | str = "cpu", *, dtype: str = "bf16", threads: int | None = None,
@@ -255,3 +291,9 @@ def probe_model(recipe: Any, shape: ProbeShape, *, threads: int | None = None) -
                 "rest_forward_ms": max(timings[1][0] - lf, 0.0), "rest_backward_ms": max(timings[1][1] - lb, 0.0)}
     finally:
         torch.set_num_threads(before)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_collective_rank_main(sys.argv[1:]))

@@ -55,6 +55,8 @@ class Measured:
     optimizer_state_elements: int | None
     peak_memory_bytes: int | None
     forward_layers_ms: float | None  # decoder layers' forward, summed (for turning recompute on)
+    step_std_ms: float = 0.0  # spread of the measured steps (for the wait on the slowest rank)
+    param_bytes: float = 0.0  # parameters x bytes per element of the model dtype (collective volumes)
 
 
 def measured_from_profile(profile: dict[str, Any]) -> Measured:
@@ -80,7 +82,33 @@ def measured_from_profile(profile: dict[str, Any]) -> Measured:
         optimizer_state_elements=states.get("optimizer_state_elements"),
         peak_memory_bytes=s.get("peak_memory_bytes_max"),
         forward_layers_ms=sum(m["forward_ms"] for m in layers) if layers else None,
+        step_std_ms=_step_std(profile),
+        param_bytes=float((profile.get("params") or {}).get("total", 0))
+        * {"bf16": 2, "fp16": 2, "fp32": 4}.get(profile["recipe"]["model"]["dtype"], 2),
     )
+
+
+def _step_std(profile: dict[str, Any]) -> float:
+    import statistics
+
+    walls = [s["wall_ms"] for s in profile.get("steps") or [] if not s.get("warmup") and not s.get("instrumented")]
+    return statistics.stdev(walls) if len(walls) >= 3 else 0.0
+
+
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normals] (0 for n = 1; 0.564 for 2; 1.424 for 8), by quadrature:
+    the expected lead of the slowest of n ranks whose step times vary independently."""
+    import math
+
+    if n <= 1:
+        return 0.0
+    h, total = 0.01, 0.0
+    for i in range(-800, 801):
+        x = i * h
+        pdf = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        total += x * n * pdf * cdf ** (n - 1) * h
+    return total
 
 
 def _is_decoder_layer(name: str) -> bool:
@@ -218,6 +246,15 @@ def _comm(m: Measured, change: Change, link: Link | None, source_zero_stage: int
         return float("nan"), ["comm: no collective calibration for this world size"]
     total = 0.0
     rows = [c for c in m.comm if c["calls"]]
+    notes: list[str] = []
+    if m.world_size == 1:
+        # one rank: DeepSpeed skips the parameter gathers; add them from the ZeRO paper's volumes (one call each)
+        gathers = {3: ("forward", "backward"), 2: ("optimizer",), 1: ("optimizer",)}.get(change.zero_stage, ())
+        rows += [{"op": "all_gather_into_tensor", "phase": ph, "calls": 1, "bytes": m.param_bytes, "total_ms": 0.0,
+                  "exposed_ms": 0.0} for ph in gathers]
+        if gathers:
+            notes.append(f"comm: parameter all-gathers in {', '.join(gathers)} added (ZeRO stage {change.zero_stage}; "
+                         "the one-rank source issued none), one call each")
     if not rows:
         return float("nan"), ["comm: the source recorded no collectives to re-time"]
     for c in rows:
@@ -227,8 +264,13 @@ def _comm(m: Measured, change: Change, link: Link | None, source_zero_stage: int
         exposed_frac = (c["exposed_ms"] / c["total_ms"]) if (m.world_size > 1 and c.get("total_ms")) else 1.0
         repeat = change.grad_accum / m.grad_accum if c["phase"] in ("forward", "backward") else 1.0
         total += t * min(exposed_frac, 1.0) * repeat
+    if m.world_size == 1 and m.step_std_ms:
+        wait = m.step_std_ms * expected_max_normal(n)
+        total += wait
+        notes.append(f"comm: + {wait:.2f} ms waiting for the slowest of {n} ranks (measured step spread "
+                     f"{m.step_std_ms:.2f} ms x E[max of {n} normals] = {expected_max_normal(n):.3f})")
     scale = ZERO_VOLUME[change.zero_stage] / ZERO_VOLUME[source_zero_stage]
-    notes = [f"comm: each collective re-timed as alpha + bytes*busfactor/busbw over {link.source}, times the "
+    notes += [f"comm: each collective re-timed as alpha + bytes*busfactor/busbw over {link.source}, times the "
              "exposed fraction measured at the source (1 when the source had one rank)"]
     if scale != 1.0:
         notes.append(f"comm: ZeRO stage {source_zero_stage} -> {change.zero_stage} volume x{scale:.2f} (ZeRO paper)")
