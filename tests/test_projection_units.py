@@ -112,12 +112,12 @@ def test_grad_accum_world_size_and_probes():
     one, notes = predict_phases(m, _change(world_size=1, state_elements_per_rank=1000.0), probes=None, num_layers=2,
                                 source_machine=None, target_machine=None, link=None, source_zero_stage=3)
     assert one["comm_exposed"] == 0.0 and one["optimizer"] == 20.0 and "one rank" in notes[-1]
-    probe_s = {"layer_forward_ms": 5.0, "layer_backward_ms": 10.0, "rest_forward_ms": 2.0, "rest_backward_ms": 4.0}
-    probe_t = {"layer_forward_ms": 9.0, "layer_backward_ms": 18.0, "rest_forward_ms": 3.0, "rest_backward_ms": 6.0}
+    probe_s = {"layer_forward_ms": 5.0, "layer_backward_ms": 10.0, "model_forward_ms": 12.0, "model_backward_ms": 24.0}
+    probe_t = {"layer_forward_ms": 9.0, "layer_backward_ms": 18.0, "model_forward_ms": 21.0, "model_backward_ms": 42.0}
     big, _ = predict_phases(m, _change(micro_batch=8, recompute=True), probes=(probe_s, probe_t), num_layers=2,
                             source_machine=None, target_machine=None, link=None, source_zero_stage=3)
-    assert big["forward"] == pytest.approx(20.0 + 2 * 4.0 + 1.0)
-    assert big["backward"] == pytest.approx(40.0 + 2 * 8.0 + 2.0)
+    assert big["forward"] == pytest.approx(20.0 * (2 * 9.0 + 3.0) / (2 * 5.0 + 2.0))
+    assert big["backward"] == pytest.approx(40.0 * (2 * 18.0 + 6.0) / (2 * 10.0 + 4.0))
     kappa = 20.0 / (2 * 5.0 + 2.0)  # measured forward over the probed forward at the source shape
     assert big["recompute"] == pytest.approx(kappa * 2 * 9.0)
 

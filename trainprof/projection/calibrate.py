@@ -245,14 +245,14 @@ class ProbeShape:
     recompute: bool
 
 
-def probe_model(recipe: Any, shape: ProbeShape, *, threads: int | None = None) -> dict[str, float]:
-    """Forward and backward ms of the recipe's model with 1 and 2 decoder layers at a shape, so that
-    per-layer and the rest (embedding, final norm, LM head, loss) separate:
-    layer = T(2) - T(1), rest = T(1) - layer. Random init, no engine, no hooks; the fastest of 8 calls
-    after 2 warm-up calls.
+def probe_model(recipe: Any, shape: ProbeShape, *, threads: int | None = None, rounds: int = 8) -> dict[str, float]:
+    """Forward and backward ms of the recipe's whole model (random init, no engine, no hooks) at a
+    shape, and of the same model with one decoder layer, so that one layer's share separates:
+    layer = (T(L) - T(1)) / (L - 1). The two models are called alternately (so drift in the machine's
+    speed hits both), the fastest of `rounds` calls after 2 warm-up rounds.
 
     Returns:
-        {layer_forward_ms, layer_backward_ms, rest_forward_ms, rest_backward_ms}
+        {model_forward_ms, model_backward_ms, layer_forward_ms, layer_backward_ms}
     """
     from trainprof.models import build_model, resolve_shape
 
@@ -260,38 +260,37 @@ def probe_model(recipe: Any, shape: ProbeShape, *, threads: int | None = None) -
     if threads:
         torch.set_num_threads(threads)
     try:
-        timings = {}
-        for layers in (1, 2):
-            model_cfg = dataclasses.replace(recipe.model, num_layers=layers, attention=shape.attention,
-                                            recompute=False)
+        full_layers = resolve_shape(recipe.model).num_layers
+        counts = sorted({full_layers, 1})
+        models, batches = {}, {}
+        for layers in counts:
+            model_cfg = dataclasses.replace(recipe.model, num_layers=layers, attention=shape.attention, recompute=False)
             r = dataclasses.replace(recipe, model=model_cfg, task=dataclasses.replace(recipe.task, kind="pretrain"))
             torch.manual_seed(0)
-            model = build_model(r)
-            model.train()
+            models[layers] = build_model(r).train()
             ids = torch.randint(0, resolve_shape(r.model).vocab_size, (shape.micro_batch, shape.seq_len))
-            batch = {"input_ids": ids, "labels": ids}
-            fwd, bwd = [], []
-            for i in range(10):
+            batches[layers] = {"input_ids": ids, "labels": ids}
+        fwd: dict[int, list[float]] = {n: [] for n in counts}
+        bwd: dict[int, list[float]] = {n: [] for n in counts}
+        for i in range(rounds + 2):
+            for n in counts:
                 t0 = time.perf_counter()
-                loss = model(**batch).loss
+                loss = models[n](**batches[n]).loss
                 t1 = time.perf_counter()
                 loss.backward()
                 t2 = time.perf_counter()
-                model.zero_grad(set_to_none=True)
+                models[n].zero_grad(set_to_none=True)
                 if i >= 2:
-                    fwd.append((t1 - t0) * 1e3)
-                    bwd.append((t2 - t1) * 1e3)
-            # the fastest call: what the layer costs when nothing else competes for the cores (the
-            # difference of two probes is what matters, and minima are the stable part of each)
-            timings[layers] = (min(fwd), min(bwd))
-            del model
-        lf = max(timings[2][0] - timings[1][0], 0.0)
-        lb = max(timings[2][1] - timings[1][1], 0.0)
-        return {"layer_forward_ms": lf, "layer_backward_ms": lb,
-                "rest_forward_ms": max(timings[1][0] - lf, 0.0), "rest_backward_ms": max(timings[1][1] - lb, 0.0)}
+                    fwd[n].append((t1 - t0) * 1e3)
+                    bwd[n].append((t2 - t1) * 1e3)
+        f = {n: min(v) for n, v in fwd.items()}
+        b = {n: min(v) for n, v in bwd.items()}
+        per = max(full_layers - 1, 1)
+        return {"model_forward_ms": f[full_layers], "model_backward_ms": b[full_layers],
+                "layer_forward_ms": max(f[full_layers] - f[1], 0.0) / per if full_layers > 1 else f[1],
+                "layer_backward_ms": max(b[full_layers] - b[1], 0.0) / per if full_layers > 1 else b[1]}
     finally:
         torch.set_num_threads(before)
-
 
 if __name__ == "__main__":
     import sys

@@ -8,10 +8,11 @@ A measured optimizer step (per rank, ms) is split as the profiler measured it:
 and each part is re-derived for the target:
 
   * forward / backward / recompute, per micro batch (x grad_accum):
-      same machine: measured + (probe(target) - probe(source)), where probe times the recipe's own
+      same machine: measured x probe(target) / probe(source), where probe times the recipe's own
         decoder layer and the rest of the model (embedding, norm, LM head, loss) at each shape on this
-        machine (calibrate.probe_model); hooks, ZeRO-3 parameter hooks and engine work stay as measured.
-        Turning recomputation on adds one forward of every decoder layer, scaled by measured/probe.
+        machine (calibrate.probe_model); what the run adds over the bare model (hooks, ZeRO-3 parameter
+        hooks, ranks sharing memory bandwidth) is taken to scale with the work. Turning recomputation on
+        adds one forward of every decoder layer at the same measured/probed ratio.
       other machine: matmul share = FLOPs of the phase / the source's achievable matmul rate, scaled
         by source/target achievable matmul rate (the target's MAMF, else its datasheet peak); the rest
         is taken as memory-bound and scaled by source/target memory bandwidth.
@@ -178,20 +179,22 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
     f, b, r = per_mb["forward"], per_mb["backward"], per_mb["recompute"]
     if probes is not None:
         ps, pt = probes
-        f_t = f + num_layers * (pt["layer_forward_ms"] - ps["layer_forward_ms"]) + pt["rest_forward_ms"] - ps["rest_forward_ms"]
-        b_t = b + num_layers * (pt["layer_backward_ms"] - ps["layer_backward_ms"]) + pt["rest_backward_ms"] - ps["rest_backward_ms"]
-        probe_fwd_s = num_layers * ps["layer_forward_ms"] + ps["rest_forward_ms"]
-        kappa = f / probe_fwd_s if probe_fwd_s > 0 else 1.0
+        probe_f = lambda p: p["model_forward_ms"]  # noqa: E731
+        probe_b = lambda p: p["model_backward_ms"]  # noqa: E731
+        kappa_f = f / probe_f(ps) if probe_f(ps) > 0 else 1.0
+        kappa_b = b / probe_b(ps) if probe_b(ps) > 0 else 1.0
+        f_t, b_t = kappa_f * probe_f(pt), kappa_b * probe_b(pt)
         if change.recompute and r > 0:
-            r_t = r + kappa * num_layers * (pt["layer_forward_ms"] - ps["layer_forward_ms"])
+            r_t = r * pt["layer_forward_ms"] / ps["layer_forward_ms"] if ps["layer_forward_ms"] > 0 else r
         elif change.recompute:
-            r_t = kappa * num_layers * pt["layer_forward_ms"]
-            notes.append("recompute: one more forward of every decoder layer, at measured/probe = "
-                         f"{kappa:.2f} of the probed layer forward")
+            r_t = kappa_f * num_layers * pt["layer_forward_ms"]
+            notes.append("recompute: one more forward of every decoder layer, at the measured/probed forward "
+                         f"ratio {kappa_f:.2f}")
         else:
             r_t = 0.0
-        notes.append("compute: measured + (probe at target - probe at source): the recipe's decoder layer "
-                      "and model rest timed on this machine at both shapes; hook and engine costs as measured")
+        notes.append(f"compute: measured x probe(target) / probe(source): the recipe's decoder layer and model rest "
+                     f"timed on this machine at both shapes (measured/probed: forward {kappa_f:.2f}, backward "
+                     f"{kappa_b:.2f}, i.e. hooks, engine and contention scale with the work)")
         f, b, r = max(f_t, 0.0), max(b_t, 0.0), max(r_t, 0.0)
     if target_machine is not None and source_machine is not None:
         f, b, r = (_scale_compute(t, m.flops_by_phase.get(ph, 0.0) / ga_s, source_machine, target_machine)
