@@ -8,6 +8,7 @@ synchronizations), after warm-up calls, with the thread count it ran with.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -245,11 +246,63 @@ class ProbeShape:
     recompute: bool
 
 
-def probe_model(recipe: Any, shape: ProbeShape, *, threads: int | None = None, rounds: int = 8) -> dict[str, float]:
+@contextlib.contextmanager
+def busy_neighbours(recipe: Any, shape: ProbeShape, count: int, threads: int):
+    """`count` other processes running the same model at the same shape while the probe times it: the
+    ranks of a CPU run share the machine's memory bandwidth and caches, and a probe alone would not."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import yaml
+
+    if count <= 0:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="trainprof-probe-") as tmp:
+        path = Path(tmp) / "recipe.yaml"
+        path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        ready = [Path(tmp) / f"ready{i}" for i in range(count)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        procs = [subprocess.Popen([sys.executable, "-m", "trainprof.projection.calibrate", "--busy", str(path),
+                                   str(shape.micro_batch), str(shape.seq_len), shape.attention, str(r)],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in ready]
+        try:
+            deadline = time.monotonic() + 120
+            while not all(r.exists() for r in ready) and time.monotonic() < deadline:
+                if any(p.poll() is not None for p in procs):
+                    break
+                time.sleep(0.1)
+            yield
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+
+
+def _busy_main(argv: list[str]) -> int:
+    from trainprof.models import build_model, resolve_shape
+    from trainprof.recipe import load_recipe
+
+    path, mbs, seq, attention, ready = argv
+    recipe = load_recipe(path, [])
+    model_cfg = dataclasses.replace(recipe.model, attention=attention, recompute=False)
+    r = dataclasses.replace(recipe, model=model_cfg, task=dataclasses.replace(recipe.task, kind="pretrain"))
+    model = build_model(r).train()
+    ids = torch.randint(0, resolve_shape(r.model).vocab_size, (int(mbs), int(seq)))
+    Path(ready).write_text("1")
+    while True:  # until the probe kills it
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+
+def probe_model(recipe: Any, shape: ProbeShape, *, threads: int | None = None, rounds: int = 8,
+                neighbours: int = 0) -> dict[str, float]:
     """Forward and backward ms of the recipe's whole model (random init, no engine, no hooks) at a
     shape, and of the same model with one decoder layer, so that one layer's share separates:
     layer = (T(L) - T(1)) / (L - 1). The two models are called alternately (so drift in the machine's
-    speed hits both), the fastest of `rounds` calls after 2 warm-up rounds.
+    speed hits both), the fastest of `rounds` calls after 2 warm-up rounds, with `neighbours` other
+    processes running the same model meanwhile (the other ranks of a CPU run on this machine).
 
     Returns:
         {model_forward_ms, model_backward_ms, layer_forward_ms, layer_backward_ms}
@@ -272,17 +325,8 @@ def probe_model(recipe: Any, shape: ProbeShape, *, threads: int | None = None, r
             batches[layers] = {"input_ids": ids, "labels": ids}
         fwd: dict[int, list[float]] = {n: [] for n in counts}
         bwd: dict[int, list[float]] = {n: [] for n in counts}
-        for i in range(rounds + 2):
-            for n in counts:
-                t0 = time.perf_counter()
-                loss = models[n](**batches[n]).loss
-                t1 = time.perf_counter()
-                loss.backward()
-                t2 = time.perf_counter()
-                models[n].zero_grad(set_to_none=True)
-                if i >= 2:
-                    fwd[n].append((t1 - t0) * 1e3)
-                    bwd[n].append((t2 - t1) * 1e3)
+        with busy_neighbours(recipe, shape, neighbours, torch.get_num_threads()):
+            _probe_rounds(models, batches, counts, rounds, fwd, bwd)
         f = {n: min(v) for n, v in fwd.items()}
         b = {n: min(v) for n, v in bwd.items()}
         per = max(full_layers - 1, 1)
@@ -292,7 +336,25 @@ def probe_model(recipe: Any, shape: ProbeShape, *, threads: int | None = None, r
     finally:
         torch.set_num_threads(before)
 
+
+def _probe_rounds(models: dict[int, Any], batches: dict[int, Any], counts: list[int], rounds: int,
+                  fwd: dict[int, list[float]], bwd: dict[int, list[float]]) -> None:
+    for i in range(rounds + 2):
+        for n in counts:
+            t0 = time.perf_counter()
+            loss = models[n](**batches[n]).loss
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            models[n].zero_grad(set_to_none=True)
+            if i >= 2:
+                fwd[n].append((t1 - t0) * 1e3)
+                bwd[n].append((t2 - t1) * 1e3)
+
+
 if __name__ == "__main__":
     import sys
 
+    if sys.argv[1:2] == ["--busy"]:
+        sys.exit(_busy_main(sys.argv[2:]))
     sys.exit(_collective_rank_main(sys.argv[1:]))

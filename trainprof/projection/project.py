@@ -234,7 +234,10 @@ class Projector:
         shape = ProbeShape(recipe.train.micro_batch_size, recipe.data.seq_len, recipe.model.attention, False)
         key = (shape, threads)
         if key not in self._probes:
-            self._probes[key] = probe_model(recipe, shape, threads=threads)
+            # on a CPU the source's other ranks shared this machine: probe with as many neighbours
+            env = self.source.profile["env"]
+            neighbours = env["world_size"] - 1 if env.get("device_type") == "cpu" else 0
+            self._probes[key] = probe_model(recipe, shape, threads=threads, neighbours=neighbours)
         return self._probes[key]
 
     def calibration_at(self, threads: int) -> dict[str, Any]:

@@ -8,11 +8,11 @@ A measured optimizer step (per rank, ms) is split as the profiler measured it:
 and each part is re-derived for the target:
 
   * forward / backward / recompute, per micro batch (x grad_accum):
-      same machine: measured x probe(target) / probe(source), where probe times the recipe's own
-        decoder layer and the rest of the model (embedding, norm, LM head, loss) at each shape on this
-        machine (calibrate.probe_model); what the run adds over the bare model (hooks, ZeRO-3 parameter
-        hooks, ranks sharing memory bandwidth) is taken to scale with the work. Turning recomputation on
-        adds one forward of every decoder layer at the same measured/probed ratio.
+      same machine: the profiled leaf modules' time (attention, MLP, norms, embedding, LM head: the
+        model's work, as the ranks ran it) x probe(target) / probe(source), where probe times the recipe's
+        whole model at each shape on this machine (calibrate.probe_model); what the parents add on top
+        (hooks, engine bookkeeping, the loss) stays as measured. Turning recomputation on adds one forward
+        of every decoder layer at the same measured/probed ratio.
       other machine: matmul share = FLOPs of the phase / the source's achievable matmul rate, scaled
         by source/target achievable matmul rate (the target's MAMF, else its datasheet peak); the rest
         is taken as memory-bound and scaled by source/target memory bandwidth.
@@ -57,6 +57,7 @@ class Measured:
     peak_memory_bytes: int | None
     forward_layers_ms: float | None  # decoder layers' forward, summed (for turning recompute on)
     step_std_ms: float = 0.0  # spread of the measured steps (for the wait on the slowest rank)
+    leaf_ms: tuple[float, float] | None = None  # (forward, backward) of the profiled leaf modules, summed
     param_bytes: float = 0.0  # parameters x bytes per element of the model dtype (collective volumes)
 
 
@@ -84,9 +85,22 @@ def measured_from_profile(profile: dict[str, Any]) -> Measured:
         peak_memory_bytes=s.get("peak_memory_bytes_max"),
         forward_layers_ms=sum(m["forward_ms"] for m in layers) if layers else None,
         step_std_ms=_step_std(profile),
+        leaf_ms=_leaf_ms(profile),
         param_bytes=float((profile.get("params") or {}).get("total", 0))
         * {"bf16": 2, "fp16": 2, "fp32": 4}.get(profile["recipe"]["model"]["dtype"], 2),
     )
+
+
+def _leaf_ms(profile: dict[str, Any]) -> tuple[float, float] | None:
+    """Forward and backward ms of the modules with no profiled children (attention, MLP, norms,
+    embedding, LM head at the default depth): the model's work; what their parents add on top
+    (hooks, engine bookkeeping, the loss) is the rest of the phase."""
+    modules = profile.get("modules") or []
+    parents = {m.get("parent") for m in modules}
+    leaves = [m for m in modules if m["name"] not in parents and m["name"]]
+    if not leaves:
+        return None
+    return sum(m["forward_ms"] for m in leaves), sum(m["backward_ms"] for m in leaves)
 
 
 def _step_std(profile: dict[str, Any]) -> float:
@@ -181,9 +195,13 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
         ps, pt = probes
         probe_f = lambda p: p["model_forward_ms"]  # noqa: E731
         probe_b = lambda p: p["model_backward_ms"]  # noqa: E731
-        kappa_f = f / probe_f(ps) if probe_f(ps) > 0 else 1.0
-        kappa_b = b / probe_b(ps) if probe_b(ps) > 0 else 1.0
-        f_t, b_t = kappa_f * probe_f(pt), kappa_b * probe_b(pt)
+        # the leaf modules' time is the model's work and scales with the probe; the rest of the phase
+        # (hooks, engine bookkeeping, the loss in the root's own time) stays as measured
+        leaf_f, leaf_b = (m.leaf_ms[0] / ga_s, m.leaf_ms[1] / ga_s) if m.leaf_ms else (f, b)
+        leaf_f, leaf_b = min(leaf_f, f), min(leaf_b, b)
+        kappa_f = leaf_f / probe_f(ps) if probe_f(ps) > 0 else 1.0
+        kappa_b = leaf_b / probe_b(ps) if probe_b(ps) > 0 else 1.0
+        f_t, b_t = f - leaf_f + kappa_f * probe_f(pt), b - leaf_b + kappa_b * probe_b(pt)
         if change.recompute and r > 0:
             r_t = r * pt["layer_forward_ms"] / ps["layer_forward_ms"] if ps["layer_forward_ms"] > 0 else r
         elif change.recompute:
@@ -192,9 +210,9 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
                          f"ratio {kappa_f:.2f}")
         else:
             r_t = 0.0
-        notes.append(f"compute: measured x probe(target) / probe(source): the recipe's decoder layer and model rest "
-                     f"timed on this machine at both shapes (measured/probed: forward {kappa_f:.2f}, backward "
-                     f"{kappa_b:.2f}, i.e. hooks, engine and contention scale with the work)")
+        notes.append(f"compute: the leaf modules' measured time x probe(target) / probe(source) (the recipe's model "
+                     f"timed on this machine at both shapes; measured/probed: forward {kappa_f:.2f}, backward "
+                     f"{kappa_b:.2f}); the rest of each phase (hooks, engine, loss) as measured")
         f, b, r = max(f_t, 0.0), max(b_t, 0.0), max(r_t, 0.0)
     if target_machine is not None and source_machine is not None:
         f, b, r = (_scale_compute(t, m.flops_by_phase.get(ph, 0.0) / ga_s, source_machine, target_machine)
@@ -234,7 +252,7 @@ def _scale_compute(ms: float, flops: float, src: Machine, dst: Machine) -> float
 
 def _comm(m: Measured, change: Change, link: Link | None, source_zero_stage: int) -> tuple[float, list[str]]:
     n = change.world_size
-    if n <= 1:
+    if n <= 1 and m.world_size > 1:
         return 0.0, ["one rank: no collectives"]
     if link is None:
         if m.world_size == n:
