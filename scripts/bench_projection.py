@@ -2,7 +2,7 @@
 run each change for real, and print per-case and mean absolute percentage errors on step time and on
 peak memory. Goal: step time mean <= 5%, max <= 10%; memory within 10%.
 
-    python scripts/bench_projection.py                 # ~6 min on 2 cores
+    python scripts/bench_projection.py                 # ~8 min on 2 cores (2 repeats)
     python scripts/bench_projection.py --write         # also store the table as the package's
                                                        # validation.json (what expected_error_pct cites)
 
@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="store the table as trainprof/projection/validation.json")
     parser.add_argument("--only-tuned", action="store_true", help="run only the cases the model was tuned on")
     parser.add_argument("--out", default=None, help="where runs go (default: a temp dir)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of every configuration, interleaved "
+                        "(measured = their median; the baseline's spread is the noise floor; default 2)")
     args = parser.parse_args(argv)
     from tqdm import tqdm
 
@@ -80,22 +82,36 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_projection-"))
     rows = []
     groups = [("deepspeed", [], 2, 1, DS_CASES), ("torch", TORCH_BASE, 1, 1, THREAD_CASES)]
-    total = sum(len(g[4]) for g in groups)
-    bar = tqdm(total=total + len(groups), desc="bench_projection", unit="run", file=sys.stderr)
+    groups = [(g[0], g[1], g[2], g[3], [c for c in g[4] if c[5] or not args.only_tuned]) for g in groups]
+    total = sum(len(g[4]) + 1 for g in groups) * args.repeats
+    bar = tqdm(total=total, desc="bench_projection", unit="run", file=sys.stderr)
+    noise = []
     for label, base_overrides, base_nproc, base_threads, cases in groups:
-        cases = [c for c in cases if c[5] or not args.only_tuned]
-        base = run(base_overrides, base_nproc, base_threads, out / f"{label}-baseline")
-        bar.update()
-        base_step, base_mem = measured(base)
-        for name, kinds, overrides, nproc, threads, tuned in cases:
+        # every configuration runs `repeats` times, interleaved (base, cases..., base, cases...), so that a
+        # slow spell of the machine hits all of them rather than one
+        steps: dict[int, list[float]] = {}
+        mems: dict[int, list[int]] = {}
+        base_dirs = []
+        configs = [([], base_nproc, base_threads)] + [(c[2], c[3], c[4]) for c in cases]
+        for rep in range(args.repeats):
+            for i, (overrides, nproc, threads) in enumerate(configs):
+                d = run([*base_overrides, *overrides], nproc, threads, out / f"{label}-{i}-r{rep}")
+                bar.update()
+                step, mem = measured(d)
+                steps.setdefault(i, []).append(step)
+                mems.setdefault(i, []).append(mem)
+                if i == 0:
+                    base_dirs.append((step, d))
+        base_steps = steps[0]
+        noise.append(100 * (max(base_steps) - min(base_steps)) / statistics.median(base_steps))
+        base = sorted(base_dirs)[len(base_dirs) // 2][1]  # project from the median baseline run
+        for i, (name, kinds, overrides, nproc, threads, tuned) in enumerate(cases, 1):
             pred = project(base, overrides=[*base_overrides, *overrides], nproc=[nproc],
                            threads=threads if threads != base_threads else None)["predictions"][0]
-            real = run([*base_overrides, *overrides], nproc, threads, out / f"{label}-{len(rows)}")
-            bar.update()
-            step, mem = measured(real)
+            step, mem = statistics.median(steps[i]), statistics.median(mems[i])
             rows.append({
-                "case": name, "kinds": kinds, "tuned": tuned, "baseline_step_ms": base_step,
-                "measured_step_ms": step, "predicted_step_ms": pred["step_ms"],
+                "case": name, "kinds": kinds, "tuned": tuned, "baseline_step_ms": statistics.median(base_steps),
+                "measured_step_ms": step, "measured_runs_ms": steps[i], "predicted_step_ms": pred["step_ms"],
                 "step_error_pct": 100 * (pred["step_ms"] - step) / step if pred["step_ms"] else None,
                 "measured_memory_bytes": mem, "predicted_memory_bytes": pred["memory_per_rank_bytes"],
                 "memory_error_pct": (100 * (pred["memory_per_rank_bytes"] - mem) / mem
@@ -118,8 +134,10 @@ def main(argv: list[str] | None = None) -> int:
           + (f" (held-out only: MAPE {statistics.fmean(held):.1f}%, max {max(held):.1f}%)" if held else "")
           + "   goal: mean <= 5%, max <= 10%")
     print(f"peak memory: MAPE {statistics.fmean(mem_err):.1f}%, max {max(mem_err):.1f}%   goal: within 10%")
-    print("timer: host monotonic clock; step = slowest rank's median over 12 measured steps; memory = peak "
-          "process RSS (CPU)")
+    print(f"noise floor: the baseline's runs differ by up to {max(noise):.1f}% of their median "
+          f"({args.repeats} runs each; no predictor can be validated below it here)")
+    print("timer: host monotonic clock; step = slowest rank's median over 12 measured steps, median over the "
+          "repeats; memory = peak process RSS (CPU)")
     if args.write:
         by_kind: dict[str, dict[str, float]] = {}
         for r in rows:
@@ -142,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python scripts/bench_projection.py --write",
             "by_kind": by_kind,
             "summary": {"step_mape_pct": round(statistics.fmean(step_err), 2), "step_max_pct": round(max(step_err), 2),
+                        "noise_floor_pct": round(max(noise), 2), "repeats": args.repeats,
                         "memory_mape_pct": round(statistics.fmean(mem_err), 2),
                         "memory_max_pct": round(max(mem_err), 2)},
             "cases": rows,

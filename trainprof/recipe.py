@@ -113,6 +113,7 @@ class ProfileConfig:
     record_shapes: bool = False  # operator input shapes (and per-operator FLOPs) in traces; larger traces
     with_stack: bool = False  # Python stack per operator in traces; much larger traces
     trace_gzip: bool = True  # traces as .pt.trace.json.gz (TensorBoard, Perfetto and HTA read them)
+    calibrate: bool = True  # after training: matmul, memory and collective microbenchmarks (seconds) -> calibration.json
 
 
 @dataclass(kw_only=True)

@@ -231,9 +231,21 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
         write_run_files(profile, run_dir)
         print(render_summary(profile, run_dir), file=sys.stderr)
     atomic_write_json(run_dir / f"profile.rank{ctx.rank}.json", prof.rank_result())
+    if recipe.profile.calibrate:
+        write_calibration(recipe, ctx, run_dir)
     if ctx.distributed:
         torch.distributed.barrier()
     return run_dir
+
+
+def write_calibration(recipe: Recipe, ctx, run_dir: Path) -> None:
+    """calibration.json for `trainprof project` (a collective: every rank measures the collectives)."""
+    from trainprof.io import atomic_write_json
+    from trainprof.projection.calibrate import calibrate_in_run
+
+    cal = calibrate_in_run(ctx, recipe.model.dtype)
+    if cal is not None:
+        atomic_write_json(run_dir / "calibration.json", cal)
 
 
 def write_run_files(profile: dict[str, Any], run_dir: Path) -> None:

@@ -122,7 +122,7 @@ def _collective_worker(rank: int, world: int, port: int, queue: Any) -> None:
                 fn = lambda: dist.reduce_scatter_tensor(part, full)  # noqa: E731
             try:
                 dist.barrier()
-                ms = time_ms(fn, torch.device("cpu"), repeat=9, budget_s=1.0)
+                ms = time_ms(fn, torch.device("cpu"), repeat=9, budget_s=float("inf"))
             except RuntimeError:  # gloo lacks reduce_scatter_tensor in some builds: say so
                 sizes = []
                 break
@@ -193,6 +193,49 @@ def _collective_rank_main(argv: list[str]) -> int:
 
     _collective_worker(a.collective_rank, a.world, a.port, _Queue())
     return 0
+
+
+def group_collectives(world: int, device: torch.device) -> dict[str, Any]:
+    """α-β fits of the collectives over the live default process group (the run's own backend: gloo
+    on CPU, NCCL on GPU). Every rank must call it."""
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    for op in COLLECTIVE_OPS:
+        sizes, times = [], []
+        for nbytes in COLLECTIVE_BYTES:
+            numel = nbytes // 4
+            full = torch.ones(numel * (world if op == "reduce_scatter_tensor" else 1), device=device)
+            part = torch.ones(numel // world if op == "all_gather_into_tensor" else numel, device=device)
+            if op == "all_reduce":
+                fn = lambda: dist.all_reduce(full)  # noqa: E731
+            elif op == "all_gather_into_tensor":
+                gathered = torch.empty(part.numel() * world, device=device)
+                fn = lambda: dist.all_gather_into_tensor(gathered, part)  # noqa: E731
+            else:
+                fn = lambda: dist.reduce_scatter_tensor(part, full)  # noqa: E731
+            dist.barrier()
+            sizes.append(nbytes)
+            times.append(time_ms(fn, device, repeat=9, budget_s=float("inf")))  # same calls on every rank
+        alpha, bw = fit_alpha_beta(sizes, times)
+        out[op] = {"alpha_ms": alpha, "busbw_gbps": bw * bus_factor(op, world),
+                   "samples": [{"bytes": s, "ms": t} for s, t in zip(sizes, times)]}
+    return {"backend": dist.get_backend(), "world_size": world, "ops": out}
+
+
+def calibrate_in_run(ctx: Any, dtype: str) -> dict[str, Any] | None:
+    """At the end of a run, on every rank: the collectives over the run's own group, and on rank 0 the
+    matmul and memory microbenchmarks. Returns the calibration.json dict on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    collectives = None
+    if ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
+        collectives = group_collectives(ctx.world_size, ctx.device)
+    if ctx.rank != 0:
+        return None
+    cal = calibrate(ctx.device, dtype=dtype)
+    cal["collectives"] = collectives
+    return cal
 
 
 def calibrate(device: torch.device | str = "cpu", *, dtype: str = "bf16", threads: int | None = None,

@@ -261,7 +261,8 @@ class Projector:
         if world not in self._links:
             cal = self.source.calibration
             fits = None
-            if cal and cal.get("collectives") and cal["collectives"]["world_size"] == world:
+            if cal and cal.get("collectives") and cal["collectives"]["world_size"] == world \
+                    and cal["collectives"].get("backend") == "gloo":
                 fits = cal["collectives"]["ops"]
             else:
                 fits = gloo_collectives(world)["ops"]
