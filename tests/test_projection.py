@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 
 from conftest import REPO, run_trainprof
+from helpers.checks import retry_on_noise
 
 # the validation goal is 5% mean / 10% max on a quiet machine (scripts/bench_projection.py); a test on a
 # shared 2-core CI machine gets a margin for the noise between two separate runs
@@ -53,13 +54,18 @@ def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_
     what_if = project(str(run_dir), "train.micro_batch_size=4", "--nproc", "1")["predictions"][0]
     assert what_if["phases_ms"]["comm_exposed"] == 0.0 and what_if["world_size"] == 1
     assert what_if["change_kinds"] == ["micro_batch", "world_size"]
-    _, real = run_trainprof(tmp_path, 1, "train.steps=8", "train.micro_batch_size=4")
     from trainprof.projection.stepmodel import measured_from_profile
 
-    m = measured_from_profile(real)
-    assert abs(what_if["step_ms"] - m.step_ms) / m.step_ms < STEP_TOLERANCE, (what_if["step_ms"], m.step_ms)
-    mem_err = abs(what_if["memory_per_rank_bytes"] - m.peak_memory_bytes) / m.peak_memory_bytes
-    assert mem_err < MEMORY_TOLERANCE, (what_if["memory_per_rank_bytes"], m.peak_memory_bytes)
+    attempt = iter(range(3))
+
+    def check() -> None:  # a slow spell of a shared machine during the real run is retried, a wrong model is not
+        _, real = run_trainprof(tmp_path / f"real{next(attempt)}", 1, "train.steps=8", "train.micro_batch_size=4")
+        m = measured_from_profile(real)
+        assert abs(what_if["step_ms"] - m.step_ms) / m.step_ms < STEP_TOLERANCE, (what_if["step_ms"], m.step_ms)
+        mem_err = abs(what_if["memory_per_rank_bytes"] - m.peak_memory_bytes) / m.peak_memory_bytes
+        assert mem_err < MEMORY_TOLERANCE, (what_if["memory_per_rank_bytes"], m.peak_memory_bytes)
+
+    retry_on_noise(check)
 
 
 @pytest.mark.slow
