@@ -28,7 +28,7 @@ def test_quickstart_loads_typed():
 
 def test_defaults():
     r = recipe_from_dict({})
-    assert r.data.seq_len == 350  # the seed research's sequence length
+    assert r.data.seq_len == 350  # Zhang et al.'s (arXiv 2311.03687) sequence length
     assert r.task.kind == "pretrain" and r.engine.kind == "deepspeed"
 
 

@@ -69,7 +69,7 @@ class DataConfig:
     source: Literal["synthetic", "file"] = "synthetic"  # synthetic tokens, or a local text file
     path: str | None = None  # local .txt or .jsonl (field "text") when source=file
     tokenizer: str | None = None  # local tokenizer dir when source=file
-    seq_len: int = 350  # tokens per sample; 350 is the length the seed research measured with
+    seq_len: int = 350  # tokens per sample; 350 is the length Zhang et al. (arXiv 2311.03687) measured with
     synthetic_pattern_len: int = 64  # synthetic data repeats a random pattern this long (learnable)
     num_workers: int = 0  # torch DataLoader workers
 
