@@ -303,7 +303,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
     data = read_yaml_file(path, what="recipe file", hint="pass the path of a YAML recipe (see recipes/)",
                           error=RecipeError)
-    return data or {}
+    if data is None:  # 0 bytes or only comments: almost surely the wrong file, not "all defaults"
+        raise RecipeError(f"recipe file '{path}' is empty; give the recipe's keys, or write {{}} in it "
+                          "to mean all defaults")
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe file '{path}' must hold a YAML mapping of keys (got {type(data).__name__})")
+    return data
 
 
 def recipe_from_dict(data: dict[str, Any]) -> Recipe:
