@@ -6,7 +6,8 @@ run, and the ratio of their median times is printed. Not a timed test.
     python scripts/bench_overhead.py --breakdown-only      # where the time of one hook goes
 
 Besides the ratio, it prints the cost per module call in microseconds: (profiled - unprofiled step
-time, median over pairs) / the number of module calls the hooks saw in one step, and a breakdown of a
+time, median over pairs) / the number of module calls the hooks saw in one step (an upper bound: the
+per-step analysis at step exit is in the difference too), and a breakdown of a
 hook's pieces, each timed over many invocations in a loop (timer stamp, log append, functools.partial
 creation, tensor-hook registration, a whole pre+post hook pair with and without grad).
 
@@ -123,7 +124,8 @@ def main() -> None:
         if name.startswith("module hooks"):
             extra_us = (statistics.median(ratios) - 1) * statistics.median(base) * 1e6
             print(f"{'':<38} cost per module call: {extra_us / calls:.1f} us "
-                  f"((median ratio - 1) x unprofiled step / {calls} calls)")
+                  f"((median ratio - 1) x unprofiled step / {calls} calls; includes the per-step "
+                  "analysis at step exit, so an upper bound on the hooks' own cost)")
 
 
 def _per_call_us(fn: Callable[[], object], n: int = 20000) -> float:
