@@ -76,7 +76,8 @@ def facts_section(doc: Document, run: RunData) -> None:
         mfu = "n/a" if s.get("mfu") is None else f"{100 * s['mfu']:.1f}%"
         items.append(("achieved TFLOP/s", f"{s['achieved_tflops']:.4g} per rank; MFU {mfu}"))
     if p.get("partial"):
-        items.append(("status", "partial: the run did not finish every step"))
+        reason = f" ({p['partial_reason']})" if p.get("partial_reason") else ""
+        items.append(("status", f"partial: the run did not finish every step{reason}"))
     for f in run.failures:
         items.append((f"failure on rank {f.get('rank')}", f"{f.get('kind')}: {f.get('message')}"))
     sec.blocks.append(Facts(items))
