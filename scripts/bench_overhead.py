@@ -1,8 +1,15 @@
 """Profiler overhead on the tiny Llama (CPU): profiled and unprofiled training steps alternate in one
 run, and the ratio of their median times is printed. Not a timed test.
 
-    python scripts/bench_overhead.py                       # module hooks every step (goal <= 1.02)
+    python scripts/bench_overhead.py --layers 4             # module hooks every step (goal <= 1.01)
     python scripts/bench_overhead.py --depth 5 --pairs 40  # deeper module level
+    python scripts/bench_overhead.py --breakdown-only      # where the time of one hook goes
+
+Besides the ratio, it prints the cost per module call in microseconds: (profiled - unprofiled step
+time, median over pairs) / the number of module calls the hooks saw in one step (an upper bound: the
+per-step analysis at step exit is in the difference too), and a breakdown of a
+hook's pieces, each timed over many invocations in a loop (timer stamp, log append, functools.partial
+creation, tensor-hook registration, a whole pre+post hook pair with and without grad).
 
 Each profiled step gets a fresh Profiler (hooks, collective wrappers, memory per phase; FLOP counting
 off) that is closed again before the next unprofiled step, so unprofiled steps run with no hooks at
@@ -35,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pairs", type=int, default=60, help="profiled/unprofiled step pairs (default 60)")
     p.add_argument("--depth", type=int, default=4, help="module_depth of the profiler (default 4, the recipe default)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of the tiny Llama (default 4)")
+    p.add_argument("--breakdown-only", action="store_true", help="print only the per-piece hook breakdown")
     p.add_argument("--seq", type=int, default=256, help="tokens per sample (default 256, the CPU quickstart's)")
     p.add_argument("--batch", type=int, default=4, help="micro batch size (default 4, the CPU quickstart's)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="model dtype (default bf16)")
@@ -52,6 +61,7 @@ def main() -> None:
     torch.manual_seed(0)
     recipe = Recipe()
     recipe.model.name, recipe.model.dtype = "llama2-tiny", args.dtype
+    recipe.model.num_layers = args.layers
     model = build_model(recipe)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq))
@@ -80,8 +90,17 @@ def main() -> None:
 
     for _ in range(5):
         train_step()
-    print(f"tiny Llama, batch {args.batch} x seq {args.seq}, {args.dtype}, {torch.get_num_threads()} threads, "
-          f"module_depth {args.depth}")
+    print(f"tiny Llama ({args.layers} layers), batch {args.batch} x seq {args.seq}, {args.dtype}, "
+          f"{torch.get_num_threads()} threads, module_depth {args.depth}")
+    hook_breakdown(model, args.depth)
+    if args.breakdown_only:
+        return
+    prof = Profiler(model, optimizer=opt, module_depth=args.depth, flops=False)
+    with prof.step():
+        train_step()
+    calls = prof.hooks.counter // 2  # the counter advances once in each pre and each post hook
+    prof.close()
+    print(f"module calls timed per step: {calls} (forward; each also gets backward tensor hooks)")
 
     rows = [
         ("module hooks, every step", profiled(flops=False), args.pairs),
@@ -102,6 +121,59 @@ def main() -> None:
         q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0], 0, ratios[0])
         print(f"{name:<38} {statistics.median(base) * 1e3:>14.2f} {statistics.median(prof_times) * 1e3:>12.2f} "
               f"{statistics.median(ratios):>7.3f}  {q1:>6.3f}-{q3:<6.3f}")
+        if name.startswith("module hooks"):
+            extra_us = (statistics.median(ratios) - 1) * statistics.median(base) * 1e6
+            print(f"{'':<38} cost per module call: {extra_us / calls:.1f} us "
+                  f"((median ratio - 1) x unprofiled step / {calls} calls; includes the per-step "
+                  "analysis at step exit, so an upper bound on the hooks' own cost)")
+
+
+def _per_call_us(fn: Callable[[], object], n: int = 20000) -> float:
+    """Median of 5 loops of n calls, microseconds per call (loop overhead included, ~0.02 us)."""
+    runs = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        runs.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(runs)
+
+
+def hook_breakdown(model: torch.nn.Module, depth: int) -> None:
+    """Time the pieces of one module call's hooks in isolation (a loop of many invocations each)."""
+    import functools
+
+    from trainprof.profiler.log import F_OPEN
+
+    prof = Profiler(model, optimizer=None, module_depth=depth, flops=False)
+    hooks, timer = prof.hooks, prof.timer
+    x = torch.zeros(2, 8, requires_grad=True)
+    x_nograd = torch.zeros(2, 8)
+    events: list = []
+    layer = model.model.layers[0].mlp
+    mi = next(i.index for i in hooks.modules if i.name.endswith("layers.0.mlp"))
+    noop = functools.partial(print)
+    pieces = [
+        ("timer stamp (timer.now)", timer.now),
+        ("log append (events.append of a tuple)", lambda: events.append((F_OPEN, 3, 0))),
+        ("functools.partial creation", lambda: functools.partial(hooks._backward_end, 1)),
+        ("tensor-hook registration (x.register_hook)", lambda: x.view_as(x).register_hook(noop)),
+        ("  (x.view_as(x) alone, to subtract)", lambda: x.view_as(x)),
+    ]
+    with prof.step():  # hooks act only inside a step
+        pieces += [
+            ("pre+post hook pair, input needs grad", lambda: (hooks._pre(mi, layer, (x,), {}),
+                                                              hooks._post(mi, layer, (x,), {}, x))),
+            ("pre+post hook pair, no grad tensors", lambda: (hooks._pre(mi, layer, (x_nograd,), {}),
+                                                             hooks._post(mi, layer, (x_nograd,), {}, x_nograd))),
+        ]
+        print("hook breakdown (us per invocation, median of 5 loops of 20000):")
+        for name, fn in pieces:
+            n = 2000 if "hook pair" in name else 20000
+            print(f"  {name:<46} {_per_call_us(fn, n):7.2f}")
+            events.clear()
+            prof.log.events.clear()
+    prof.close()
 
 
 if __name__ == "__main__":

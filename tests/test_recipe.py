@@ -28,7 +28,7 @@ def test_quickstart_loads_typed():
 
 def test_defaults():
     r = recipe_from_dict({})
-    assert r.data.seq_len == 350  # the seed research's sequence length
+    assert r.data.seq_len == 350  # Zhang et al.'s (arXiv 2311.03687) sequence length
     assert r.task.kind == "pretrain" and r.engine.kind == "deepspeed"
 
 
@@ -185,3 +185,27 @@ def test_cli_takes_overrides_after_options(tmp_path):
                            "train.micro_batch_size=3"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["tokens_per_step"]["value"] == 3 * 256 * 2
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n\n   \n"])
+def test_empty_recipe_file_refused(tmp_path, text):
+    """An empty file is a mistake (wrong file, lost content), not a request for the defaults."""
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(RecipeError, match=r"recipe file '.*empty\.yaml' is empty; .*\{\}"):
+        load_recipe(path)
+    proc = subprocess.run([sys.executable, "-m", "trainprof", "plan", str(path), "--nproc", "2"],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "is empty" in lines[0] and "empty.yaml" in lines[0]
+
+
+def test_explicit_empty_mapping_means_all_defaults(tmp_path):
+    path = tmp_path / "defaults.yaml"
+    path.write_text("{}\n")
+    r = load_recipe(path)
+    defaults = recipe_from_dict({})
+    defaults.output.name = "defaults"  # load_recipe names the run after the file
+    assert r == defaults
+    assert r.data.seq_len == 350 and r.output.name == "defaults"

@@ -95,13 +95,13 @@ def test_find_traces_and_absent_tb(tmp_path):
     assert T.find_traces(tmp_path) == []
 
 
-@pytest.mark.filterwarnings("ignore")  # HTA 0.5 calls pandas APIs that pandas 3 deprecates
+@pytest.mark.filterwarnings("ignore")  # HTA (0.5 and 0.6) calls pandas APIs that pandas 3 deprecates
 def test_holistic_trace_analysis_loads_the_two_rank_trace(tmp_path):
     """HTA parses both ranks (rank from distributedInfo) and finds the ProfilerStep iterations. Its
     GPU-kernel analyses need CUDA kernels, which a CPU-only trace does not have: they fail, and the
     test pins down how, so a change in that behaviour is noticed."""
-    hta = pytest.importorskip("hta.trace_analysis", reason="holistictraceanalysis is not installed "
-                              "(pip install holistictraceanalysis)")
+    # HTA is published as `traceinsight` (>= 0.6; `holistictraceanalysis` <= 0.5); both import as `hta`
+    hta = pytest.importorskip("hta.trace_analysis", reason="HTA is not installed (pip install traceinsight)")
     tb = tmp_path / "tb"
     shutil.copytree(RUN / "tb", tb)
     # HTA leaves out the last ProfilerStep by default (it may be incomplete): ask for both traced steps

@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
+from trainprof.shapes import DIM_KEYS, SHAPES, LlamaShape, shape_from_checkpoint
+
 Dtype = Literal["bf16", "fp16", "fp32"]
 
 
@@ -28,7 +30,7 @@ class RecipeError(ValueError):
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    name: str = "llama2-tiny"  # a shape from trainprof.models.SHAPES, or "custom" with every dim below
+    name: str = "llama2-tiny"  # a shape from trainprof.shapes.SHAPES, or "custom" with every dim below
     hidden_size: int | None = None  # explicit dims override the named shape
     intermediate_size: int | None = None  # MLP width
     num_layers: int | None = None  # decoder layers
@@ -69,7 +71,7 @@ class DataConfig:
     source: Literal["synthetic", "file"] = "synthetic"  # synthetic tokens, or a local text file
     path: str | None = None  # local .txt or .jsonl (field "text") when source=file
     tokenizer: str | None = None  # local tokenizer dir when source=file
-    seq_len: int = 350  # tokens per sample; 350 is the length the seed research measured with
+    seq_len: int = 350  # tokens per sample; 350 is the length Zhang et al. (arXiv 2311.03687) measured with
     synthetic_pattern_len: int = 64  # synthetic data repeats a random pattern this long (learnable)
     num_workers: int = 0  # torch DataLoader workers
 
@@ -304,7 +306,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
     data = read_yaml_file(path, what="recipe file", hint="pass the path of a YAML recipe (see recipes/)",
                           error=RecipeError)
-    return data or {}
+    if data is None:  # 0 bytes or only comments: almost surely the wrong file, not "all defaults"
+        raise RecipeError(f"recipe file '{path}' is empty; give the recipe's keys, or write {{}} in it "
+                          "to mean all defaults")
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe file '{path}' must hold a YAML mapping of keys (got {type(data).__name__})")
+    return data
 
 
 def recipe_from_dict(data: dict[str, Any]) -> Recipe:
@@ -336,6 +343,38 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def resolve_shape(cfg: ModelConfig) -> LlamaShape:
+    """The shape a model config asks for: a checkpoint's config.json, else a named shape with explicit
+    dims laid over it. Raises RecipeError for missing or inconsistent dims."""
+    if cfg.checkpoint is not None:
+        base = shape_from_checkpoint(cfg.checkpoint)
+    elif cfg.name == "custom":
+        missing = [k for k in DIM_KEYS[:5] if getattr(cfg, k) is None]
+        if missing:
+            raise RecipeError(
+                f"recipe key 'model.{missing[0]}' is required when model.name is 'custom'; set every dim "
+                f"({', '.join(DIM_KEYS[:5])}) or pick a named shape"
+            )
+        base = LlamaShape(name="custom", **{k: getattr(cfg, k) for k in DIM_KEYS[:5]})
+    else:
+        base = SHAPES[cfg.name]
+    explicit = {k: getattr(cfg, k) for k in DIM_KEYS if getattr(cfg, k) is not None}
+    shape = dataclasses.replace(base, **explicit)
+    for key in DIM_KEYS:
+        if getattr(shape, key) < 1:
+            raise RecipeError(f"recipe key 'model.{key}': {getattr(shape, key)} must be >= 1")
+    if shape.hidden_size % shape.num_heads:
+        raise RecipeError(
+            f"recipe key 'model.num_heads': {shape.num_heads} does not divide hidden_size {shape.hidden_size}"
+        )
+    if shape.num_heads % shape.num_kv_heads:
+        raise RecipeError(
+            f"recipe key 'model.num_kv_heads': {shape.num_kv_heads} does not divide num_heads {shape.num_heads}"
+        )
+    return shape
+
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise RecipeError(message)
@@ -343,8 +382,6 @@ def _require(cond: bool, message: str) -> None:
 
 def validate(recipe: Recipe) -> None:
     """Every rule that needs only the recipe (and local paths). Raises RecipeError."""
-    from trainprof.models import SHAPES, resolve_shape  # shapes live with the models
-
     m, t, d, tr, e, o = recipe.model, recipe.task, recipe.data, recipe.train, recipe.engine, recipe.optimizer
     _require(
         m.name in SHAPES or m.name == "custom",

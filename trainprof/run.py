@@ -208,9 +208,19 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", ms=f"{record['wall_ms']:.0f}")
                 bar.update()
             bar.close()
-    except BaseException:
+    except BaseException as err:
         # keep the steps that finished, marked partial (rank<N>.json is the name of a finished rank)
         atomic_write_json(run_dir / f"rank{ctx.rank}.partial.json", {"rank": ctx.rank, "partial": True, "steps": steps})
+        # and the profiler's breakdown of them: written once, here (an exception or torchrun's SIGTERM),
+        # so the finished run pays nothing for it; `trainprof report` merges these files
+        if recipe.profile.enabled and prof.steps:
+            reason = f"rank {ctx.rank} stopped after {len(prof.steps)} profiled steps: {type(err).__name__}: {err}"
+            try:
+                rank_doc = prof.rank_result()
+            except Exception:  # noqa: BLE001  the original error matters more than its partial profile
+                raise err from None
+            rank_doc.update(partial=True, partial_reason=reason.strip().splitlines()[0][:300])
+            atomic_write_json(run_dir / f"profile.rank{ctx.rank}.partial.json", rank_doc)
         raise
     # the runner's own per-step log (warm-up included), written before the collective merge so a
     # rank that dies there still leaves it

@@ -53,7 +53,7 @@ class DiffRow:
 
     @property
     def faster_by(self) -> float | None:
-        """(A - B) / A: "B is X% faster" in the seed research's sense (time saved)."""
+        """(A - B) / A: "B is X% faster" in Zhang et al.'s (arXiv 2311.03687) sense (time saved)."""
         c = self.change
         return None if c is None else -c
 

@@ -83,7 +83,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        description="Find the largest train.micro_batch_size that runs without running out of memory: "
                        "double from --start until a try fails, then bisect. Each try is a fresh torchrun process. "
                        "Give a recipe (with overrides) or a sweep file (one search per cell, one table, like the "
-                       "seed research's max-batch table). Resumable: tries already made are not run again.")
+                       "Zhang et al.'s (arXiv 2311.03687) max-batch table). Resumable: tries already made are not run again.")
     p.add_argument("target", help="recipe YAML, or a sweep YAML (recipes/sweeps/)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides (recipe only)")
     p.add_argument("--nproc", type=positive_int, default=1, help="ranks per try (recipe only; default 1)")

@@ -38,6 +38,7 @@ from trainprof.models import logical_numel
 from trainprof.profiler.log import B_CLOSE, B_OPEN, F_CLOSE, F_OPEN, R_CLOSE, R_OPEN, StepLog
 
 _graph_task_id = torch._C._current_graph_task_id
+_grad_enabled = torch.is_grad_enabled  # bound once: the hooks call these on every module call
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
@@ -84,6 +85,8 @@ def _grad_tensors(obj: Any) -> list[torch.Tensor]:
     tuple/list/dict (ModelOutput is a dict)."""
     if isinstance(obj, torch.Tensor):
         return [obj] if obj.requires_grad else []
+    if type(obj) is tuple and len(obj) == 1 and isinstance(obj[0], torch.Tensor):  # the common (x,) args
+        return [obj[0]] if obj[0].requires_grad else []
     found: list[torch.Tensor] = []
     items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
     for item in items:
@@ -190,30 +193,34 @@ class ModuleHooks:
             self._count_tokens(args, kwargs)
             if self.on_root is not None:
                 self.on_root("forward", True)
-        if torch.is_grad_enabled():
-            end = functools.partial(self._backward_end, k)
-            for x in _grad_tensors(args):
-                x.register_hook(end)
+        if _grad_enabled():
+            tensors = _grad_tensors(args)
             if kwargs:
-                for x in _grad_tensors(kwargs):
+                tensors += _grad_tensors(kwargs)
+            if tensors:  # no partial to build when nothing needs grad (frozen inputs, token ids)
+                end = functools.partial(self._backward_end, k)
+                for x in tensors:
                     x.register_hook(end)
         return None
 
     def _post(self, mi: int, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         log = self.log
-        if not log.active or not self.fstack or self.fstack[-1][0] != mi or len(self.fstack[-1]) != 4:
+        fstack = self.fstack
+        if not log.active or not fstack or fstack[-1][0] != mi or len(fstack[-1]) != 4:
             return None
         t = self.now()
-        _, k, recompute, rng = self.fstack.pop()
+        _, k, recompute, rng = fstack.pop()
         log.events.append((R_CLOSE if recompute else F_CLOSE, mi, t))
         if rng is not None:
             torch.ops.profiler._record_function_exit._RecordFunction(rng)
         post = self.counter
         self.counter = post + 1
-        if output is not None and torch.is_grad_enabled():
-            begin = functools.partial(self._backward_begin, mi, k, post)
-            for x in _grad_tensors(output):
-                x.register_hook(begin)
+        if output is not None and _grad_enabled():
+            tensors = _grad_tensors(output)
+            if tensors:
+                begin = functools.partial(self._backward_begin, mi, k, post)
+                for x in tensors:
+                    x.register_hook(begin)
         if mi == 0 and not recompute and self.on_root is not None:
             self.on_root("forward", False)
         return None

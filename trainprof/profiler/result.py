@@ -4,7 +4,7 @@ numbers; this module puts them under the profile.json field names and says how e
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -23,8 +23,29 @@ from trainprof.profiler.flops import FLOPS_CONVENTION
 from trainprof.profiler.memory import ACTIVATION_METHOD, model_state_bytes
 from trainprof.profiler.peaks import dense_peak
 
-if TYPE_CHECKING:
-    from trainprof.profiler.core import Profiler
+class Recorded(Protocol):
+    """What this module reads from a Profiler (trainprof.profiler.core implements it): the recorded
+    steps and how they were measured. Declared here so that data flows one way, core -> result."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: Any
+    recipe: dict[str, Any] | None
+    extra_env: dict[str, Any]
+    enabled: bool
+    timer: Any  # .kind, .description
+    hooks: Any  # ModuleHooks | None: .modules
+    memory: Any  # MemoryTracker | None: .method
+    steps: list[Any]  # StepRecord
+    flops: Any
+    count_flops: bool
+    ops: bool
+    ops_rows: list[dict[str, Any]]
+    module_depth: int
+    activation_bytes: int | None
+    grads_bytes: int | None
 
 
 def compute_dtype(model: torch.nn.Module) -> str:
@@ -40,7 +61,7 @@ def compute_dtype(model: torch.nn.Module) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
-def profile_env(prof: Profiler) -> dict[str, Any]:
+def profile_env(prof: Recorded) -> dict[str, Any]:
     """The `env` block: library versions, device, world size (trainprof.env.collect_env); the
     runner's fields laid over it; the timer is always the profiler's own."""
     env = collect_env(prof.device, prof.world_size)
@@ -50,7 +71,7 @@ def profile_env(prof: Profiler) -> dict[str, Any]:
     return env
 
 
-def rank_profile(prof: Profiler) -> dict[str, Any]:
+def rank_profile(prof: Recorded) -> dict[str, Any]:
     """This rank's profile: what profile.rank<r>.json holds (no collective)."""
     env = profile_env(prof)
     steps_used, used_desc = select_steps(prof.steps)
@@ -121,7 +142,7 @@ def mean_ops(per_step: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
-def measurement(prof: Profiler, used_desc: str) -> dict[str, str]:
+def measurement(prof: Recorded, used_desc: str) -> dict[str, str]:
     """How every figure was measured, in words, for the output."""
     return {
         "profiler": ("enabled" if prof.enabled else

@@ -73,7 +73,7 @@ def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff,
     sec = doc.section("Step and phases", id="phases")
     sec.blocks.append(_table([*d.steps, *d.phases], method, "phase-diff", "figure"))
     if d.parts:
-        sec = doc.section("Model parts (the seed research's table)", id="parts")
+        sec = doc.section("Model parts (Zhang et al.'s (arXiv 2311.03687) table)", id="parts")
         sec.blocks.append(_table(d.parts, method, "part-diff", "part"))
     sec = doc.section("Modules (matched by name)", id="modules")
     if d.modules:

@@ -76,7 +76,8 @@ def facts_section(doc: Document, run: RunData) -> None:
         mfu = "n/a" if s.get("mfu") is None else f"{100 * s['mfu']:.1f}%"
         items.append(("achieved TFLOP/s", f"{s['achieved_tflops']:.4g} per rank; MFU {mfu}"))
     if p.get("partial"):
-        items.append(("status", "partial: the run did not finish every step"))
+        reason = f" ({p['partial_reason']})" if p.get("partial_reason") else ""
+        items.append(("status", f"partial: the run did not finish every step{reason}"))
     for f in run.failures:
         items.append((f"failure on rank {f.get('rank')}", f"{f.get('kind')}: {f.get('message')}"))
     sec.blocks.append(Facts(items))
@@ -166,7 +167,7 @@ def modules_section(doc: Document, run: RunData) -> None:
             total = sum(v for v in (r["forward_ms"], r["backward_ms"], r["recompute_ms"], r["optimizer_ms"]) if v)
             rows.append([r["label"], "" if r["modules"] is None else (r["modules"] or "not profiled at this depth"),
                          r["forward_ms"], r["backward_ms"], r["recompute_ms"], r["optimizer_ms"], _pct(total, step_ms)])
-        sec.blocks.append(Para("By part of the model (the seed research's Llama2-7B table), ms per step, median:"))
+        sec.blocks.append(Para("By part of the model (Zhang et al.'s Llama2-7B table, arXiv 2311.03687), ms per step, median:"))
         sec.blocks.append(Table(["part", "modules", "forward ms", "backward ms", "recompute ms", "optimizer ms",
                                  "share of step"], rows, method=meas, id="categories-table"))
     except (KeyError, TypeError) as err:  # a profile without the fields the category table needs

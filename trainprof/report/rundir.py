@@ -105,6 +105,11 @@ def load_run(path: str | Path) -> RunData:
         from trainprof.analysis.merge import merge_rank_files
 
         profile, source = merge_rank_files(path), "profile.rank*.json (merged now: profile.json is missing)"
+        partial = sorted(path.glob("profile.rank*.partial.json"))
+        if partial:  # written by a rank that failed or was stopped: only its finished steps
+            reasons = [json.loads(f.read_text()).get("partial_reason") or f.name for f in partial]
+            profile.update(partial=True, partial_reason="; ".join(reasons))
+            source = f"profile.rank*.partial.json (partial: {len(partial)} rank(s) stopped early; merged now)"
     else:
         old = _old_rank_files(path)
         if old is not None:

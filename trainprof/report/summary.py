@@ -1,6 +1,6 @@
 """summary.md and the CSV tables (modules.csv, ops.csv, comm.csv) of a profile.
 
-The headline table is the one the seed research printed for Llama2-7B: time per step of the embedding,
+The headline table is the one Zhang et al. (arXiv 2311.03687) printed for Llama2-7B: time per step of the embedding,
 the decoder layers, attention, MLP, norms, the LM head and the optimizer, split into forward, backward
 and recompute, followed by the phase breakdown and its closure.
 """
@@ -21,7 +21,7 @@ OP_COLUMNS = ("name", "module", "phase", "calls", "self_ms", "self_cpu_ms", "flo
 COMM_COLUMNS = ("op", "phase", "group_size", "calls", "bytes", "total_ms", "exposed_ms", "algbw_gbps", "busbw_gbps")
 PHASE_ORDER = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other")
 
-# The seed research's Llama2-7B rows: (label, which modules belong to it)
+# Zhang et al.'s (arXiv 2311.03687) Llama2-7B rows: (label, which modules belong to it)
 CATEGORIES: list[tuple[str, Callable[[dict[str, Any]], bool]]] = [
     ("embedding", lambda m: m["type"] == "Embedding" or m["name"].endswith("embed_tokens")),
     ("decoder layers", lambda m: m["type"].endswith("DecoderLayer")),

@@ -1,0 +1,27 @@
+"""Every checked-in reference profile (profiles/*/profile.json) is valid profile.json and closes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO
+from trainprof.profiler.schema import validate_profile
+
+PROFILES = sorted((REPO / "profiles").glob("*/profile.json"))
+
+
+def test_there_is_a_reference_profile():
+    assert any(p.parent.name == "cpu-x86_64-quickstart_cpu" for p in PROFILES)
+
+
+@pytest.mark.parametrize("path", PROFILES, ids=[p.parent.name for p in PROFILES])
+def test_reference_profile_valid_and_closes(path):
+    doc = json.loads(path.read_text())
+    validate_profile(doc)
+    assert (path.parent / "summary.md").is_file()
+    assert not (path.parent / "tb").exists()  # no traces in profiles/
+    frac = doc["summary"]["unattributed_frac"]
+    assert frac is not None and 0 <= abs(frac) <= 0.02, f"{path}: unattributed_frac {frac} > 2%"
+    assert doc["modules"] and doc["steps"]
