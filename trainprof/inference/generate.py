@@ -29,7 +29,7 @@ METRICS_METHOD = (
     "Metric definitions follow vLLM's benchmark_serving (vllm/benchmarks/serve.py; docs.vllm.ai benchmarks): "
     "TTFT = first output token stamp - request start; E2EL = request end (generate returned) - request start; "
     "TPOT = (E2EL - TTFT) / (output tokens - 1) per request; ITL = gaps between consecutive output token stamps "
-    "(all gaps of all requests pooled); p50/p90/p99 with numpy.percentile (linear). Requests of a batch start "
+    "(all gaps of all requests pooled); p50/p90/p99 with numpy.percentile (linear), plus the mean. Requests of a batch start "
     "together (static batching, one generate call) so they share their stamps. output_tokens_per_s = output "
     "tokens of all measured requests / the measured calls' summed E2EL; requests_per_s likewise."
 )
@@ -101,7 +101,9 @@ def run_request(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int
     if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter_ns()
-    with torch.inference_mode():
+    # no_grad (generate's own default), not inference_mode: under inference_mode composite ops such as
+    # aten::linear reach a TorchDispatchMode undecomposed and the FLOP counter would miss them
+    with torch.no_grad():
         out = model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids),
             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, num_beams=1,
@@ -122,7 +124,7 @@ def run_request(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int
 
 def percentiles(values: list[float]) -> dict[str, float]:
     arr = np.asarray(values, dtype=float)
-    return {f"p{q}": float(np.percentile(arr, q)) for q in (50, 90, 99)}
+    return {**{f"p{q}": float(np.percentile(arr, q)) for q in (50, 90, 99)}, "mean": float(arr.mean())}
 
 
 def serving_metrics(timings: list[RequestTiming]) -> dict[str, Any]:
