@@ -166,3 +166,30 @@ def test_cli_help_and_bad_arguments() -> None:
     assert long.returncode == 2
     lines = [ln for ln in long.stderr.splitlines() if ln.startswith("trainprof:")]
     assert len(lines) == 1 and "max_position_embeddings 1024" in lines[0], long.stderr
+
+
+def test_lora_adapters_are_merged() -> None:
+    """A LoRA recipe serves one plain Llama whose weights include the adapters' update."""
+    recipe = load_recipe(REPO / "recipes" / "llama13b_lora.yaml", ["model.name=llama2-tiny", "model.dtype=fp32",
+                                                                    "engine.kind=torch", "engine.zero_stage=0"])
+    model = load_inference_model(recipe, torch.device("cpu"))
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert not [n for n, _ in model.named_modules() if "lora" in n.lower()]
+    assert model.config.use_cache and not model.training
+
+
+@pytest.mark.gpu
+def test_infer_on_gpu(tmp_path) -> None:
+    """On CUDA: the same run, with the allocator peak and (for a catalogued GPU) bandwidth utilization."""
+    recipe = load_recipe(RECIPE, [f"output.dir={tmp_path}"])
+    run_dir = infer(recipe, InferSettings(batch_sizes=[1, 8], prompt_len=64, new_tokens=16, requests=3, warmup=1),
+                    progress=False)
+    doc = json.loads((run_dir / "inference.json").read_text())
+    validate_inference(doc)
+    assert doc["env"]["device_type"] == "cuda" and doc["env"]["timer"] == "host_after_cuda_synchronize"
+    for r in doc["results"]:
+        n = r["output_tokens"]
+        assert r["ttft_ms"]["p50"] + (n - 1) * r["tpot_ms"]["p50"] == pytest.approx(r["e2el_ms"]["p50"], rel=0.1)
+        assert r["peak_memory_bytes"] >= r["kv_cache_bytes"]
+        if doc["memory_bandwidth"] is not None:
+            assert 0 < r["decode"]["bandwidth_utilization"] < 1
