@@ -24,14 +24,17 @@ TIMER_DESCRIPTION = {
             "token from a StoppingCriteria that generate calls right after appending each token",
 }
 
-# vLLM's benchmark_serving metric definitions (vllm/benchmarks/serve.py, docs.vllm.ai "Benchmark Suites")
+# vLLM's benchmark_serving metric definitions (vllm/benchmarks/serve.py calculate_metrics; formerly
+# benchmarks/benchmark_serving.py): tpot = (latency - ttft) / (output_len - 1), itls pooled over requests
 METRICS_METHOD = (
-    "Metric definitions follow vLLM's benchmark_serving (vllm/benchmarks/serve.py; docs.vllm.ai benchmarks): "
+    "Metric definitions follow vLLM's benchmark_serving (calculate_metrics in vllm/benchmarks/serve.py, formerly "
+    "benchmarks/benchmark_serving.py; docs.vllm.ai 'Benchmark CLI'): "
     "TTFT = first output token stamp - request start; E2EL = request end (generate returned) - request start; "
     "TPOT = (E2EL - TTFT) / (output tokens - 1) per request; ITL = gaps between consecutive output token stamps "
     "(all gaps of all requests pooled); p50/p90/p99 with numpy.percentile (linear), plus the mean. Requests of a batch start "
     "together (static batching, one generate call) so they share their stamps. output_tokens_per_s = output "
-    "tokens of all measured requests / the measured calls' summed E2EL; requests_per_s likewise."
+    "tokens of all measured requests / the measured calls' summed E2EL (vLLM divides by the benchmark duration; "
+    "calls here run back to back, so the two differ by the loop's gaps only); requests_per_s likewise."
 )
 
 
