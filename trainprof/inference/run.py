@@ -102,7 +102,8 @@ def infer(recipe: Recipe, settings: InferSettings, *, progress: bool = True) -> 
     bandwidth, bandwidth_reason = memory_bandwidth(name, device.type)
     weight_bytes = _weight_bytes(model)
 
-    total = len(settings.batch_sizes) * (settings.warmup + settings.requests + 2)
+    # per batch size: warm-up + measured calls, the hooked call, the FLOP-counting call; then one traced call
+    total = len(settings.batch_sizes) * (settings.warmup + settings.requests + 2) + int(settings.ops)
     bar = tqdm(total=total, desc=f"{recipe.output.name} infer", unit="call", file=sys.stderr, disable=not progress)
     results: list[dict[str, Any]] = []
     for b in settings.batch_sizes:
@@ -147,7 +148,7 @@ def infer(recipe: Recipe, settings: InferSettings, *, progress: bool = True) -> 
         b = max(settings.batch_sizes)
         ids = make_prompt(b, settings.prompt_len, vocab, recipe.train.seed, device)
         ops = operator_breakdown(model, ids, settings.new_tokens, recipe.profile.module_depth, run_dir / "tb")
-    bar.update(bar.total - bar.n)
+        bar.update()
     bar.close()
 
     doc = {
