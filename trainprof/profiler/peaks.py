@@ -1,6 +1,6 @@
-"""Dense hardware peaks for MFU, read from trainprof/profiles/accelerators.yaml (every figure cites its
-datasheet there). An unknown device gets no peak and a reason; there is never a fallback to another
-device's figure."""
+"""Hardware peaks from trainprof/profiles/accelerators.yaml (every figure cites its datasheet there): dense
+compute for MFU and memory bandwidth for decode. An unknown device gets no figure and a reason; there is
+never a fallback to another device's figure."""
 
 from __future__ import annotations
 
@@ -45,3 +45,25 @@ def dense_peak(device_name: str, device_type: str, dtype: str) -> tuple[dict[str
                     "accelerator": entry["name"]}, ""
     return None, (f"device '{device_name}' is not in {PEAKS_FILE.name}; add its dense {dtype} peak with a "
                   "datasheet source to get MFU")
+
+
+def memory_bandwidth(device_name: str, device_type: str) -> tuple[dict[str, Any] | None, str]:
+    """The device memory bandwidth (HBM) for a device, for decode bandwidth utilization.
+
+    Args:
+        device_name: torch.cuda.get_device_name() on GPU, the processor name on CPU.
+        device_type: "cuda" or "cpu".
+    Returns:
+        ({gbps, source, accelerator} or None, reason when None else ""); gbps is 1e9 bytes/s.
+    """
+    if device_type != "cuda":
+        return None, (f"no memory bandwidth is known for the CPU '{device_name}' (it depends on the DIMMs, "
+                      "channels and sockets); achieved GB/s is reported instead")
+    for entry in _table():
+        if device_name in entry.get("match", []):
+            figure = entry.get("hbm_gbps")
+            if figure is None:
+                return None, f"{entry['name']} has no hbm_gbps figure in {PEAKS_FILE.name}"
+            return {"gbps": float(figure["value"]), "source": figure["source"], "accelerator": entry["name"]}, ""
+    return None, (f"device '{device_name}' is not in {PEAKS_FILE.name}; add its hbm_gbps with a datasheet "
+                  "source to get bandwidth utilization")

@@ -1,0 +1,65 @@
+"""`trainprof infer RECIPE [key=value ...] --batch 1,4,16`: serving metrics and a prefill/decode breakdown."""
+
+from __future__ import annotations
+
+import argparse
+
+from trainprof.commands.run import positive_int
+from trainprof.recipe import load_recipe
+
+
+def batch_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,4,16, got '{text}'") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be integers >= 1, got '{text}'")
+    return sorted(set(values))
+
+
+def _infer(args: argparse.Namespace) -> int:
+    from trainprof.cli import UserError
+    from trainprof.inference.report import stdout_table
+    from trainprof.inference.run import InferSettings, infer
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.output_dir is not None:
+        recipe.output.dir = args.output_dir
+    if recipe.task.kind == "qlora":
+        raise UserError(f"{args.recipe}: task.kind=qlora is not supported by infer (4-bit weights cannot be "
+                        "merged with LoRA); pass task.kind=lora or pretrain")
+    from trainprof.models import resolve_shape
+
+    max_len = resolve_shape(recipe.model).max_position_embeddings
+    if args.prompt_len + args.new_tokens > max_len:
+        raise UserError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} exceeds the model's "
+                        f"max_position_embeddings {max_len}; shorten them")
+    settings = InferSettings(batch_sizes=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                             requests=args.requests, warmup=args.warmup, ops=not args.no_ops)
+    run_dir = infer(recipe, settings)
+    import json
+
+    print(stdout_table(json.loads((run_dir / "inference.json").read_text())))
+    print(f"run dir: {run_dir}  (inference.json, inference.md, inference.html; tensorboard --logdir {run_dir}/tb)")
+    return 0
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("infer", help="serving metrics (TTFT, TPOT, ITL, throughput) and a prefill/decode breakdown",
+                       description="Serve the recipe's model with Hugging Face generate (static KV cache, greedy, "
+                       "fixed output length) at several batch sizes; report vLLM-defined latency metrics, KV-cache "
+                       "bytes, peak memory, prefill MFU, decode bandwidth, and per-module / per-operator prefill and "
+                       "decode times. Writes <output.dir>/<recipe>-infer-<UTC timestamp>/.")
+    p.add_argument("recipe", help="recipe YAML file (its model; LoRA adapters are merged)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.dtype=fp32")
+    p.add_argument("--batch", type=batch_list, default=[1, 4, 16], help="batch sizes, comma-separated (default 1,4,16)")
+    p.add_argument("--prompt-len", type=positive_int, default=512, help="prompt tokens per request (default 512)")
+    p.add_argument("--new-tokens", type=positive_int, default=128,
+                   help="output tokens per request, fixed: eos disabled (default 128; >= 2 for TPOT)")
+    p.add_argument("--requests", type=positive_int, default=5, help="measured generate calls per batch size (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured generate calls per batch size first (default 2)")
+    p.add_argument("--output-dir", default=None, help="parent of the run dir (default: the recipe's output.dir)")
+    p.add_argument("--no-ops", action="store_true", help="skip the operator-level trace (torch.profiler)")
+    p.set_defaults(func=_infer)
+    return p

@@ -1,0 +1,1 @@
+"""Inference profiling (`trainprof infer`): serving metrics and a prefill/decode breakdown of HF generate."""

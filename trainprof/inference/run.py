@@ -1,0 +1,193 @@
+"""`trainprof infer`: the recipe's model served with HF generate over several batch sizes; serving
+metrics, KV-cache bytes, peak memory, prefill MFU, decode bandwidth utilization and the prefill/decode
+breakdown, written to runs/<recipe>-infer-<UTC timestamp>/inference.json plus a report and TensorBoard."""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainprof.env import collect_env, device_name, memory_meter, peak_memory_bytes, reset_peak_memory
+from trainprof.inference.breakdown import module_breakdown, operator_breakdown
+from trainprof.inference.generate import METRICS_METHOD, TIMER_DESCRIPTION, make_prompt, run_request, serving_metrics
+from trainprof.io import atomic_write_json, atomic_write_text
+from trainprof.profiler.flops import FlopCounter
+from trainprof.profiler.peaks import dense_peak, memory_bandwidth
+from trainprof.recipe import Recipe
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(kw_only=True)
+class InferSettings:
+    batch_sizes: list[int]
+    prompt_len: int = 512  # prompt tokens per request (synthetic ids)
+    new_tokens: int = 128  # output tokens per request, fixed (eos disabled)
+    requests: int = 5  # measured generate calls per batch size
+    warmup: int = 2  # unmeasured generate calls per batch size first
+    ops: bool = True  # operator-level trace of one request (the largest batch size)
+
+
+def load_inference_model(recipe: Recipe, device: torch.device) -> torch.nn.Module:
+    """The recipe's model for serving: built as for training, LoRA adapters merged into the base weights
+    (peft merge_and_unload), eval mode, KV cache on."""
+    from trainprof.models import build_model
+
+    torch.manual_seed(recipe.train.seed)
+    model = build_model(recipe, device=device)
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    model.eval()
+    model.config.use_cache = True
+    model.generation_config.use_cache = True
+    return model
+
+
+def make_infer_dir(recipe: Recipe) -> Path:
+    """<output.dir>/<name>-infer-<UTC timestamp>/ (a suffix -2, -3... when it exists)."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    base = Path(recipe.output.dir) / f"{recipe.output.name}-infer-{stamp}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    path.mkdir(parents=True)
+    return path
+
+
+def _prefill_flops(model: torch.nn.Module, input_ids: torch.Tensor) -> int:
+    """FLOPs of one prefill as generate runs it (counted with torch.utils.flop_counter formulas on a
+    1-token generate: the prompt forward, logits for the last position only)."""
+    counter = FlopCounter(lambda: (-1, "prefill"))
+    with counter:
+        run_request(model, input_ids, 1)
+    return sum(counter.counts.values())
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a decode step reads: every parameter except the input embedding, of which a
+    step gathers only one row per sequence."""
+    emb = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in emb)
+
+
+def _dtype_key(model: torch.nn.Module) -> str:
+    dt_ = next(model.parameters()).dtype
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dt_, "tf32" if torch.backends.cuda.matmul.allow_tf32
+                                                               else "fp32")
+
+
+def infer(recipe: Recipe, settings: InferSettings, *, progress: bool = True) -> Path:
+    """Run the inference profile and write the run dir.
+
+    Returns:
+        the run directory.
+    """
+    from tqdm import tqdm
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    model = load_inference_model(recipe, device)
+    run_dir = make_infer_dir(recipe)
+    vocab = model.config.vocab_size
+    env = collect_env(device, world_size=1)
+    env["timer"] = "host_after_cuda_synchronize" if cuda else "host"
+    name = device_name(device)
+    peak, peak_reason = dense_peak(name, device.type, _dtype_key(model))
+    bandwidth, bandwidth_reason = memory_bandwidth(name, device.type)
+    weight_bytes = _weight_bytes(model)
+
+    # per batch size: warm-up + measured calls, the hooked call, the FLOP-counting call; then one traced call
+    total = len(settings.batch_sizes) * (settings.warmup + settings.requests + 2) + int(settings.ops)
+    bar = tqdm(total=total, desc=f"{recipe.output.name} infer", unit="call", file=sys.stderr, disable=not progress)
+    results: list[dict[str, Any]] = []
+    for b in settings.batch_sizes:
+        ids = make_prompt(b, settings.prompt_len, vocab, recipe.train.seed, device)
+        reset_peak_memory(device)
+        for _ in range(settings.warmup):
+            run_request(model, ids, settings.new_tokens)
+            bar.update()
+        timings = []
+        for _ in range(settings.requests):
+            timings.append(run_request(model, ids, settings.new_tokens))
+            bar.update()
+        peak_mem = peak_memory_bytes(device)
+        metrics = serving_metrics(timings)
+        breakdown = module_breakdown(model, ids, settings.new_tokens, recipe.profile.module_depth)
+        bar.update()
+        flops = _prefill_flops(model, ids)
+        bar.update()
+        kv_bytes = timings[0].cache_bytes
+        prefill_s = metrics["ttft_ms"]["p50"] / 1e3
+        tflops = flops / prefill_s / 1e12
+        tpot = metrics["tpot_ms"]["p50"] if metrics["tpot_ms"] else None
+        bytes_per_step = weight_bytes + kv_bytes
+        gbps = bytes_per_step / (tpot / 1e3) / 1e9 if tpot else None
+        results.append({
+            "batch_size": b,
+            **metrics,
+            "modules": [{"name": m["name"], "prefill_ms": m["prefill_ms"], "decode_ms": m["decode_ms"]}
+                        for m in breakdown["modules"]],
+            "closure": breakdown["closure"],
+            "kv_cache_bytes": kv_bytes,
+            "peak_memory_bytes": peak_mem,
+            "prefill": {"flops": flops, "achieved_tflops": tflops,
+                        "mfu": tflops / peak["tflops"] if peak else None, "mfu_reason": None if peak else peak_reason},
+            "decode": {"bytes_per_step": bytes_per_step, "weight_bytes": weight_bytes, "kv_cache_bytes_read": kv_bytes,
+                       "achieved_gbps": gbps,
+                       "bandwidth_utilization": gbps / bandwidth["gbps"] if bandwidth and gbps else None,
+                       "bandwidth_reason": None if bandwidth else bandwidth_reason},
+        })
+    ops = None
+    if settings.ops:
+        b = max(settings.batch_sizes)
+        ids = make_prompt(b, settings.prompt_len, vocab, recipe.train.seed, device)
+        ops = operator_breakdown(model, ids, settings.new_tokens, recipe.profile.module_depth, run_dir / "tb")
+        bar.update()
+    bar.close()
+
+    doc = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "inference",
+        "recipe": recipe.to_dict(),
+        "settings": {"batch_sizes": settings.batch_sizes, "prompt_len": settings.prompt_len,
+                     "new_tokens": settings.new_tokens, "requests": settings.requests, "warmup": settings.warmup,
+                     "generate": "HF generate: cache_implementation='static', greedy (do_sample=False, num_beams=1), "
+                                 "min_new_tokens = max_new_tokens, eos disabled, eager (disable_compile=True), "
+                                 "synthetic prompt ids without padding; one generate call = batch_size requests"},
+        "env": env,
+        "method": {
+            "metrics": METRICS_METHOD,
+            "timer": TIMER_DESCRIPTION[device.type],
+            "modules": "one extra generate call per batch size with the profiler's module hooks "
+                       f"({'CUDA events' if cuda else 'host clock'}); prefill = the model's first forward, decode_ms = "
+                       "mean per decode step (per output token after the first); windows inclusive of children",
+            "kv_cache_bytes": "bytes of the key/value tensors of the StaticCache generate allocated (all layers, "
+                              "max_cache_len = prompt + new tokens - 1, whole batch)",
+            "peak_memory_bytes": memory_meter(device) + " (window: warm-up and measured calls of the batch size)",
+            "prefill_mfu": "prefill FLOPs (torch.utils.flop_counter formulas on one prompt forward as generate runs "
+                           "it, lm_head on the last position only) / TTFT p50 / the device's dense peak "
+                           + (f"({peak['key']}: {peak['source']})" if peak else "(none known)"),
+            "decode_bandwidth": "bytes read per decode step = weights (all parameters but the input embedding) + "
+                                "the whole static KV cache (attention reads all max_cache_len slots, masked) / TPOT p50; "
+                                "utilization = that / the device's memory bandwidth "
+                                + (f"({bandwidth['source']})" if bandwidth else "(none known)"),
+        },
+        "peak": peak, "peak_reason": peak_reason or None,
+        "memory_bandwidth": bandwidth, "memory_bandwidth_reason": bandwidth_reason or None,
+        "results": results,
+        "ops": ops,
+    }
+    from trainprof.inference.report import write_reports
+    from trainprof.inference.schema import validate_inference
+
+    validate_inference(doc)
+    atomic_write_json(run_dir / "inference.json", doc)
+    atomic_write_text(run_dir / "recipe.yaml", __import__("yaml").safe_dump(recipe.to_dict(), sort_keys=False))
+    write_reports(doc, run_dir)
+    return run_dir
