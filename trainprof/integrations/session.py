@@ -149,7 +149,10 @@ class ProfileSession:
             return None
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.run_dir = shared_run_dir(self.output_dir, self.name)
-        profile = prof.result(env=collect_env(prof.device, prof.world_size))
+        env = collect_env(prof.device, prof.world_size)
+        if prof.device.type == "cuda":  # the capacity the advisor's memory-headroom rule needs
+            env["device_memory_bytes"] = torch.cuda.get_device_properties(prof.device).total_memory
+        profile = prof.result(env=env)
         profile.update(partial=False, engine={"kind": self.framework, "config": self.engine_config},
                        params=count_params(self.model))
         profile["summary"]["memory_meter"] = memory_meter(prof.device)
