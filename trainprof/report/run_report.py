@@ -118,7 +118,7 @@ def answer_section(doc: Document, run: RunData) -> None:
         return
     rows = [[a["title"], a["trigger"]["text"], a["trigger"]["threshold"], a["action"], a["gain"]["text"],
              overrides_text(a["overrides"]) or "-",
-             a["predicted_gain"] if a["predicted_gain"] is not None else a["predicted_gain_reason"]]
+             a["predicted_gain"] if a["predicted_gain"] is not None else "n/a: no projection of the overrides yet"]
             for a in result["advice"]]
     sec.blocks.append(Table(["advice", "measured trigger", "fires at", "what to do", "what it can gain (bound)",
                              "overrides", "predicted gain"], rows, id="advice-table", numeric=[False] * 7,
