@@ -128,3 +128,16 @@ def test_lightning_callback_in_a_script(tmp_path):
     profile = json.loads((callback.run_dir / "profile.json").read_text())
     assert len([s for s in profile["steps"] if not s.get("warmup")]) == 6 - 2
     assert profile["summary"]["unattributed_frac"] <= 0.02
+
+
+@pytest.mark.slow
+def test_wrap_hf_trainer_with_its_deepspeed_integration_two_ranks(tmp_path):
+    """The Trainer builds a ZeRO-2 engine through accelerate: the engine's backward and step are phases,
+    the callback marks the steps (one profiled step per optimizer step, not per micro batch)."""
+    proc, out = wrap(tmp_path, "hf_trainer.py", str(tmp_path / "hf"), "--steps", str(STEPS), "--zero", "2", nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir, profile = the_run(out, "hf_trainer")
+    assert_profiled(run_dir, profile, tokens_per_step=2 * 2 * 32, kind="hf+deepspeed")
+    assert profile["env"]["world_size"] == 2
+    assert profile["summary"]["phases_ms"]["comm_exposed"] > 0 and profile["comm"]
+    assert all(abs(s["loss"] - math.log(256)) < 0.5 for s in profile["steps"])

@@ -37,43 +37,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs a patch right after a named module is first imported (or at once if it already is), so
     the script's own `import deepspeed` / `from transformers import Trainer` sees the patched objects
-    and nothing is imported that the script does not import itself."""
+    and nothing is imported that the script does not import itself. (`importlib.util.find_spec`, which
+    libraries call to probe for a package, reaches this finder too: only executing the module patches.)"""
 
     def __init__(self, patches: dict[str, Callable[[Any], None]]) -> None:
         self.patches = dict(patches)
-        self._loaders: dict[str, Any] = {}
+        self._busy: set[str] = set()
         for name in list(self.patches):
             if name in sys.modules:
                 self.patches.pop(name)(sys.modules[name])
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name not in self.patches or name in self._loaders:
+        if name not in self.patches or name in self._busy:
             return None
-        self._loaders[name] = None  # find the real spec without finding ourselves
+        self._busy.add(name)  # find the real spec without finding ourselves
         try:
             spec = importlib.util.find_spec(name)
         finally:
-            del self._loaders[name]
+            self._busy.discard(name)
         if spec is None or spec.loader is None:
             return None
-        self._loaders[name] = spec.loader
-        spec.loader = self
+        spec.loader = _PatchingLoader(spec.loader, lambda module: self._patch(name, module))
         return spec
 
-    def create_module(self, spec: Any) -> Any:
-        return self._loaders[spec.name].create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        name = module.__spec__.name
-        loader = self._loaders.pop(name)
-        module.__spec__.loader = module.__loader__ = loader
-        loader.exec_module(module)
+    def _patch(self, name: str, module: Any) -> None:
         patch = self.patches.pop(name, None)
         if patch is not None:
             patch(module)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """The module's own loader, then the patch."""
+
+    def __init__(self, loader: Any, after: Callable[[Any], None]) -> None:
+        self.loader, self.after = loader, after
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__.loader = module.__loader__ = self.loader
+        self.loader.exec_module(module)
+        self.after(module)
 
 
 def _wrap_init(cls: type, before: Callable[[dict], None] | None = None,

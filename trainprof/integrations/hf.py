@@ -55,7 +55,10 @@ class TrainprofCallback(TrainerCallback):
             "dataloader_num_workers": args.dataloader_num_workers,
             "dataloader_pin_memory": args.dataloader_pin_memory,
         }
-        self._accum = args.gradient_accumulation_steps
+        # the Trainer divides each micro batch's loss by the tokens of the whole step, summed over ranks when
+        # average_tokens_across_devices (it multiplies the world size back in compute_loss): undo both
+        ranks = args.world_size if getattr(args, "average_tokens_across_devices", False) and args.world_size > 1 else 1
+        self._loss_scale = args.gradient_accumulation_steps * ranks
         self._hook = model.register_forward_hook(self._record_loss, with_kwargs=True)
 
     def _record_loss(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
@@ -63,9 +66,7 @@ class TrainprofCallback(TrainerCallback):
 
         loss = _loss_of(output)
         if loss is not None and kwargs.get("num_items_in_batch") is not None:
-            # the model divided by the tokens of all micro batches of the step: the micro losses sum to the
-            # step's loss, so scale each by the accumulation steps for their mean to be that sum
-            loss = loss.detach() * self._accum
+            loss = loss.detach() * self._loss_scale  # the mean over micro batches is then the step's loss
         self.session.record(loss=loss)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
