@@ -141,3 +141,16 @@ def test_wrap_hf_trainer_with_its_deepspeed_integration_two_ranks(tmp_path):
     assert profile["env"]["world_size"] == 2
     assert profile["summary"]["phases_ms"]["comm_exposed"] > 0 and profile["comm"]
     assert all(abs(s["loss"] - math.log(256)) < 0.5 for s in profile["steps"])
+
+
+@pytest.mark.slow
+def test_wrap_lightning_ddp_two_ranks(tmp_path):
+    """Lightning DDP under torchrun: merged on rank 0; DDP's gradient all-reduce is recorded, once per
+    optimizer step (Lightning skips the sync on the accumulating micro batch)."""
+    proc, out = wrap(tmp_path, "lightning_module.py", "--steps", str(STEPS), nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir, profile = the_run(out, "lightning_module")
+    assert_profiled(run_dir, profile, tokens_per_step=2 * 2 * 32, kind="lightning")
+    assert profile["env"]["world_size"] == 2
+    (allreduce,) = [c for c in profile["comm"] if c["op"] == "all_reduce"]
+    assert allreduce["calls"] == 1 and allreduce["phase"] == "backward"

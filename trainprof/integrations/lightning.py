@@ -44,7 +44,12 @@ class TrainprofCallback(Callback):
         self._batch_end = None  # stamp of the last micro batch's end inside a step
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        import torch
+
         self.session.attach(pl_module, None)  # optimizer.step(closure) holds forward and backward: not hooked
+        ddp = getattr(trainer.strategy, "model", None)
+        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and self.session.prof.hooks is not None:
+            self.session.prof.watch_ddp(ddp)  # DDP's gradient all-reduces through torch.distributed: recorded
         self.session.engine_config = {
             "accumulate_grad_batches": trainer.accumulate_grad_batches,
             "strategy": type(trainer.strategy).__name__,

@@ -2,9 +2,11 @@
 `python -m trainprof.wrap`): tiny random-init Llama, synthetic tokens, accumulate_grad_batches 2, CPU.
 
     python lightning_module.py --steps 5
+    torchrun --nproc_per_node 2 lightning_module.py --steps 5     # DDP on 2 CPU ranks (gloo)
 """
 
 import argparse
+import os
 
 import lightning as L
 import torch
@@ -34,7 +36,9 @@ class TinyLlama(L.LightningModule):
 
 data = torch.randint(0, 256, (64, 32), generator=torch.Generator().manual_seed(0))
 loader = torch.utils.data.DataLoader(data, batch_size=2)
-trainer = L.Trainer(max_steps=args.steps, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
+world_size = int(os.environ.get("WORLD_SIZE", 1))  # under torchrun: DDP over its ranks
+trainer = L.Trainer(max_steps=args.steps, accumulate_grad_batches=2, accelerator="cpu", devices=world_size,
+                    strategy="ddp" if world_size > 1 else "auto", logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 trainer.fit(TinyLlama(), loader)
 print(f"lightning done: {trainer.global_step} optimizer steps")
