@@ -154,3 +154,29 @@ def test_wrap_lightning_ddp_two_ranks(tmp_path):
     assert profile["env"]["world_size"] == 2
     (allreduce,) = [c for c in profile["comm"] if c["op"] == "all_reduce"]
     assert allreduce["calls"] == 1 and allreduce["phase"] == "backward"
+
+
+def test_hf_callback_in_a_script(tmp_path):
+    """The public HF callback, given to a Trainer by hand (no wrap): gradient accumulation 3 makes one
+    profiled step of 3 micro batches."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from trainprof.integrations.hf import TrainprofCallback
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=128,
+                                         max_position_embeddings=32))
+    ids = torch.randint(0, 128, (48, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    callback = TrainprofCallback(output_dir=tmp_path / "runs", name="hf-tiny", warmup_steps=2)
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=5, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=3, report_to=[], save_strategy="no", use_cpu=True,
+                             disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    assert callback.run_dir is not None and callback.run_dir.name.startswith("hf-tiny-")
+    profile = json.loads((callback.run_dir / "profile.json").read_text())
+    measured = [s for s in profile["steps"] if not s.get("warmup")]
+    assert len(measured) == 5 - 2 and all(s["tokens"] == 3 * 2 * 16 for s in measured)
+    assert profile["summary"]["unattributed_frac"] <= 0.02
