@@ -14,7 +14,7 @@ from trainprof.report.rundir import RunDirError
 # defaults include func(args) -> exit code
 COMMANDS = ["trainprof.commands.run", "trainprof.commands.plan", "trainprof.commands.sweep",
             "trainprof.commands.maxbatch", "trainprof.commands.scale", "trainprof.commands.report",
-            "trainprof.commands.diff", "trainprof.commands.tb"]
+            "trainprof.commands.diff", "trainprof.commands.tb", "trainprof.commands.wrap"]
 
 
 class UserError(Exception):
