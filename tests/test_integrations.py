@@ -90,7 +90,7 @@ def test_wrap_deepspeed_zero2_two_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"ds_zero2 done: {STEPS} optimizer steps" in proc.stdout
     run_dir, profile = the_run(out, "ds_zero2")
-    assert_profiled(run_dir, profile, tokens_per_step=2 * 2 * 64, kind="deepspeed")
+    assert_profiled(run_dir, profile, tokens_per_step=2 * 2 * 128, kind="deepspeed")
     assert profile["env"]["world_size"] == 2 and len(profile["ranks"]) == 2
     assert sorted(p.name for p in run_dir.glob("profile.rank*.json")) == ["profile.rank0.json", "profile.rank1.json"]
     assert profile["engine"]["config"]["zero_optimization"]["stage"] == 2

@@ -90,7 +90,7 @@ def _wrap_init(cls: type, before: Callable[[dict], None] | None = None,
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        if before is not None and type(self) is not None:
+        if before is not None:
             before(kwargs)
         original(self, *args, **kwargs)
         if after is not None:
@@ -140,14 +140,16 @@ class Wrapper:
         package = module.__name__.split(".")[0]
 
         def add_callback(kwargs: dict) -> None:
-            if package == "lightning":
-                from trainprof.integrations.lightning import TrainprofCallback
-            else:
-                raise RuntimeError("trainprof.wrap: pytorch_lightning scripts need `import lightning` as well; "
-                                   "use lightning.pytorch")
+            from trainprof.integrations import lightning
+
+            if lightning.Callback.__module__.split(".")[0] != package:  # a callback of the other package is refused
+                print(f"trainprof: this {package} Trainer is not profiled: trainprof's callback is a "
+                      f"{lightning.Callback.__module__.split('.')[0]} Callback; add it by hand or use lightning.pytorch",
+                      file=sys.stderr)
+                return
             callbacks = kwargs.get("callbacks")
             callbacks = [callbacks] if callbacks is not None and not isinstance(callbacks, list) else list(callbacks or [])
-            kwargs["callbacks"] = callbacks + [TrainprofCallback(session=self.new_session("lightning"))]
+            kwargs["callbacks"] = callbacks + [lightning.TrainprofCallback(session=self.new_session("lightning"))]
 
         _wrap_init(module.Trainer, before=add_callback)
 

@@ -18,8 +18,8 @@ args = parser.parse_args()
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
-config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=4, vocab_size=256, max_position_embeddings=64)
+config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4, vocab_size=256, max_position_embeddings=128)
 model = LlamaForCausalLM(config)
 ds_config = {
     "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
@@ -30,7 +30,7 @@ ds_config = {
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 g = torch.Generator().manual_seed(dist.get_rank())
 for step in range(args.steps * 2):
-    ids = torch.randint(0, 256, (2, 64), generator=g)
+    ids = torch.randint(0, 256, (2, 128), generator=g)
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
     engine.step()
