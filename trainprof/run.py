@@ -317,7 +317,13 @@ def render_summary(profile: dict[str, Any], run_dir: Path) -> str:
         ("trace per step", trace_size_text(profile)),
     ]
     width = max(len(k) for k, _ in rows)
-    return "\n".join(["", "trainprof run summary", *(f"  {k:<{width}}  {v}" for k, v in rows)])
+    from trainprof.report.advisor import advise
+
+    advice = advise(profile)["advice"]
+    changes = [f"  - {a['title']}: {a['trigger']['text']}; gain: {a['gain']['text']}" for a in advice] \
+        or ["  nothing triggered (checks listed in summary.md)"]
+    return "\n".join(["", "trainprof run summary", "what to change:", *changes,
+                      *(f"  {k:<{width}}  {v}" for k, v in rows)])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,8 @@ def wrap_optimizer_method(optimizer: torch.optim.Optimizer, method: str, phase: 
         with phase("optimizer"):
             return original(*args, **kwargs)
 
+    if hasattr(original, "_wrapped_by_lr_sched"):  # an LR scheduler wrapped it first: keep its mark, or
+        wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # it warns of a misordered step()
     bound = types.MethodType(wrapper, optimizer)
     setattr(optimizer, method, bound)
 

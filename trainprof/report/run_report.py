@@ -93,6 +93,40 @@ def facts_section(doc: Document, run: RunData) -> None:
         sec.blocks.append(Missing("recipe", "no recipe.yaml and no recipe in profile.json"))
 
 
+def answer_section(doc: Document, run: RunData) -> None:
+    """The answer for a decision maker first: throughput, time of a step, the bottleneck phase and
+    what to change (trainprof.report.advisor); the method details follow in later sections."""
+    from trainprof.report.advisor import advise, bottleneck, checks_text, overrides_text
+
+    p = run.profile or {}
+    s = p.get("summary") or {}
+    sec = doc.section("The answer", id="answer")
+    neck = bottleneck(p)
+    sec.blocks.append(Facts([
+        ("throughput", f"{fmt(s.get('tokens_per_s'), 0)} tokens/s "
+                       f"({s.get('tokens_per_s_scope') or 'scope not recorded'})"),
+        ("time of a step", f"{fmt(_get(s, 'step_ms', 'median'))} ms (median over "
+                           f"{s.get('steps_used', len(run.measured_steps))} measured steps)"),
+        ("bottleneck", f"{neck[0]}: {100 * neck[1]:.1f}% of the step (the largest median phase)" if neck
+         else "n/a (no phases measured)"),
+        ("closure", f"{100 * s['unattributed_frac']:.2f}% of the step unattributed"
+         if s.get("unattributed_frac") is not None else "n/a"),
+    ]))
+    result = advise(p)
+    sec = doc.section("What to change", id="advice")
+    if not result["advice"]:
+        sec.blocks.append(Para(f"Nothing triggered. Checks: {checks_text(result['checks'])}."))
+        return
+    rows = [[a["title"], a["trigger"]["text"], a["trigger"]["threshold"], a["action"], a["gain"]["text"],
+             overrides_text(a["overrides"]) or "-",
+             a["predicted_gain"] if a["predicted_gain"] is not None else "n/a: no projection of the overrides yet"]
+            for a in result["advice"]]
+    sec.blocks.append(Table(["advice", "measured trigger", "fires at", "what to do", "what it can gain (bound)",
+                             "overrides", "predicted gain"], rows, id="advice-table", numeric=[False] * 7,
+                            method="each rule reads this run's profile.json; gains are upper bounds derived from the "
+                                   "measured figure, not predictions"))
+
+
 def method_section(doc: Document, run: RunData) -> None:
     p = run.profile or {}
     s = p.get("summary") or {}
@@ -396,8 +430,8 @@ def projection_section(doc: Document, run: RunData) -> None:
                "n/a where not validated", id="projection-table"))
 
 
-SECTIONS = (facts_section, method_section, phases_section, modules_section, ops_section, comm_section,
-            memory_section, flops_section, ranks_section, projection_section)
+SECTIONS = (answer_section, facts_section, method_section, phases_section, modules_section, ops_section,
+            comm_section, memory_section, flops_section, ranks_section, projection_section)
 
 
 def build_run_report(run: RunData, *, trace_scan_bytes: int = TRACE_SCAN_BYTES) -> Document:

@@ -79,7 +79,10 @@ def render_markdown(profile: dict[str, Any]) -> str:
     """summary.md for a merged (or single-rank) profile."""
     s, env, meas = profile["summary"], profile["env"], profile.get("measurement", {})
     step = s["step_ms"]["median"]
-    lines = ["# trainprof profile", ""]
+    from trainprof.report.advisor import advise, markdown_lines
+
+    lines = ["# trainprof profile", "", "## What to change", "", *markdown_lines(advise(profile)), "",
+             "## Measurements", ""]
     lines.append(f"- device: {env.get('device')} x {env.get('world_size')} ranks; timer: {env.get('timer')} "
                  f"({env.get('timer_description', '')})")
     lines.append(f"- step ms (min / median / max): {_ms(s['step_ms']['min'])} / {_ms(step)} / "

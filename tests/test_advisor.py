@@ -1,0 +1,127 @@
+"""The advisor: each rule fires on a hand-made profile whose figure crosses its threshold, stays silent
+just below it, cites the figure that fired it and bounds the gain by that figure; plus one real run dir."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from trainprof.report.advisor import advise, markdown_lines
+
+DATA = Path(__file__).parent / "data"
+
+
+def quiet_profile() -> dict:
+    """A run where nothing should fire: 100 ms steps, compute-bound, micro batch 4, no offload, one rank."""
+    return {
+        "recipe": {"data": {"num_workers": 0}, "train": {"micro_batch_size": 4, "memory_cap_gb": None},
+                   "engine": {"kind": "deepspeed", "zero_stage": 2, "offload": "none"}},
+        "engine": {"kind": "deepspeed", "config": {}},
+        "env": {"device": "cpu", "world_size": 1},
+        "summary": {"step_ms": {"min": 99.0, "median": 100.0, "max": 101.0},
+                    "phases_ms": {"data_wait": 1.0, "forward": 30.0, "backward": 55.0, "recompute": 0.0,
+                                  "optimizer": 10.0, "comm_exposed": 2.0, "other": 1.0},
+                    "unattributed_ms": 1.0, "mfu": None, "peak_memory_bytes": {"forward": 2**30}},
+        "straggler": None,
+    }
+
+
+def fired(profile: dict) -> dict[str, dict]:
+    return {a["rule"]: a for a in advise(profile)["advice"]}
+
+
+def test_nothing_fires_on_a_quiet_run_and_says_which_checks_ran():
+    result = advise(quiet_profile())
+    assert result["advice"] == []
+    assert {c["rule"] for c in result["checks"]} == {"data_wait", "comm_exposed", "small_batch", "optimizer_offload",
+                                                     "straggler", "memory_headroom"}
+    (line,) = markdown_lines(result)
+    assert line.startswith("Nothing triggered.") and "data_wait (phases_ms.data_wait / step_ms = 1.0%" in line
+
+
+def _with(**changes) -> dict:
+    p = copy.deepcopy(quiet_profile())
+    for path, value in changes.items():
+        *keys, last = path.split("__")
+        d = p
+        for k in keys:
+            d = d[k]
+        d[last] = value
+    return p
+
+
+@pytest.mark.parametrize("rule,trigger,below", [
+    ("data_wait", {"summary__phases_ms__data_wait": 12.0}, {"summary__phases_ms__data_wait": 2.9}),
+    ("comm_exposed", {"summary__phases_ms__comm_exposed": 25.0}, {"summary__phases_ms__comm_exposed": 9.9}),
+    ("small_batch", {"recipe__train__micro_batch_size": 1, "summary__unattributed_ms": 4.0,
+                     "summary__phases_ms__other": 4.0},
+     {"recipe__train__micro_batch_size": 1, "summary__unattributed_ms": 2.0, "summary__phases_ms__other": 2.0}),
+    ("optimizer_offload", {"recipe__engine__offload": "optimizer", "summary__phases_ms__optimizer": 35.0},
+     {"recipe__engine__offload": "none", "summary__phases_ms__optimizer": 35.0}),
+    ("straggler", {"straggler": {"rank": 1, "slower_by_frac": 0.25, "metric": "busy_ms_median"}},
+     {"straggler": {"rank": 1, "slower_by_frac": 0.04, "metric": "busy_ms_median"}}),
+    ("memory_headroom", {"recipe__train__memory_cap_gb": 4.0}, {"recipe__train__memory_cap_gb": 1.5}),
+])
+def test_each_rule_fires_only_on_its_measured_trigger(rule, trigger, below):
+    hit = fired(_with(**trigger))
+    assert set(hit) == {rule}, set(hit)
+    assert rule not in fired(_with(**below))
+    a = hit[rule]
+    assert a["trigger"]["value"] is not None and a["trigger"]["threshold"] and a["trigger"]["text"]
+    assert a["predicted_gain"] is None and a["predicted_gain_reason"] == "projection not available"
+    assert isinstance(a["overrides"], dict)
+
+
+def test_gain_bounds_come_from_the_measured_figure():
+    a = fired(_with(summary__phases_ms__data_wait=12.0))["data_wait"]
+    assert a["trigger"]["value"] == pytest.approx(0.12) and a["gain"]["upper_bound_step_frac"] == pytest.approx(0.12)
+    assert "data_wait is 12.0% of the step" in a["trigger"]["text"] and "at most 12.0%" in a["gain"]["text"]
+    assert a["overrides"] == {"data.num_workers": 2}
+    comm = fired(_with(summary__phases_ms__comm_exposed=30.0, recipe__engine__zero_stage=3))["comm_exposed"]
+    assert comm["gain"]["upper_bound_step_frac"] == pytest.approx(0.30) and comm["overrides"] == {"engine.zero_stage": 2}
+    st = fired(_with(straggler={"rank": 1, "slower_by_frac": 0.25, "metric": "busy_ms_median"}))["straggler"]
+    assert st["gain"]["upper_bound_step_frac"] == pytest.approx(0.25 / 1.25)  # the step shrinks to the others' pace
+    mem = fired(_with(recipe__train__memory_cap_gb=4.0, summary__activation_bytes=2**29))["memory_headroom"]
+    assert mem["trigger"]["value"] == pytest.approx(0.25)
+    assert mem["overrides"] == {"train.micro_batch_size": 4 + 6}  # 3 GiB free / 0.5 GiB of activations per batch
+    # the ranking puts the largest bound first
+    both = advise(_with(summary__phases_ms__data_wait=5.0, summary__phases_ms__comm_exposed=20.0))["advice"]
+    assert [a["rule"] for a in both] == ["comm_exposed", "data_wait"]
+
+
+def test_memory_headroom_needs_a_known_capacity():
+    check = {c["rule"]: c for c in advise(quiet_profile())["checks"]}["memory_headroom"]
+    assert not check["triggered"] and "capacity unknown" in check["note"]
+    gpu = _with(env={"device": "NVIDIA H100", "world_size": 1, "device_memory_bytes": 80 * 2**30})
+    assert "memory_headroom" in fired(gpu)
+
+
+def test_advice_on_a_real_run_dir(tmp_path):
+    """The recorded 2-rank ZeRO-3 run: exposed communication and the straggler fire, with the run's own
+    figures; the report and summary open with them."""
+    run = tmp_path / "zero3_2rank"
+    shutil.copytree(DATA / "zero3_2rank", run)
+    profile = json.loads((run / "profile.json").read_text())
+    s = profile["summary"]
+    hit = fired(profile)
+    assert set(hit) == {"comm_exposed", "straggler"}
+    assert hit["comm_exposed"]["trigger"]["value"] == pytest.approx(s["phases_ms"]["comm_exposed"] / s["step_ms"]["median"])
+    assert hit["comm_exposed"]["overrides"] == {"engine.zero_stage": 2}  # the run is ZeRO-3
+    assert hit["straggler"]["trigger"]["value"] == profile["straggler"]["slower_by_frac"]
+
+    from trainprof.report.run_report import write_reports
+    from trainprof.report.summary import write_report
+
+    write_report(profile, run)
+    written = write_reports(run, scalars=False)
+    md, html = written["md"].read_text(), written["html"].read_text()
+    assert md.index("## The answer") < md.index("## What to change") < md.index("## Run facts")
+    assert "Hide communication behind compute" in md and 'id="advice-table"' in html
+    assert f"{100 * s['phases_ms']['comm_exposed'] / s['step_ms']['median']:.1f}% of the step" in md
+    assert "comm_exposed" in md.split("## What to change")[0]  # the bottleneck line names the largest phase
+    summary = (run / "summary.md").read_text()
+    assert summary.index("## What to change") < summary.index("## Where a step goes")

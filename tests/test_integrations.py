@@ -1,0 +1,182 @@
+"""`python -m trainprof.wrap` on unmodified scripts with the real libraries on CPU: an HF Trainer script,
+a Lightning script and a plain DeepSpeed ZeRO-2 script on 2 ranks (gloo); exit codes pass through."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+SCRIPTS = REPO / "tests" / "data" / "scripts"
+STEPS, WARMUP = 5, 1  # the scripts' optimizer steps; trainprof.wrap's default warm-up
+
+
+def wrap(tmp_path: Path, script: str, *args: str, nproc: int = 0, timeout: int = 240) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / "runs"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRAINPROF_OUTPUT_DIR": str(out),
+           "PYTHONPATH": str(REPO)}
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m"] if nproc
+                else [sys.executable, "-m"])
+    proc = subprocess.run([*launcher, "trainprof.wrap", str(SCRIPTS / script), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=tmp_path, env=env)
+    return proc, out
+
+
+def the_run(out: Path, stem: str) -> tuple[Path, dict]:
+    (run_dir,) = list(out.iterdir())
+    assert run_dir.name.startswith(f"{stem}-")
+    return run_dir, json.loads((run_dir / "profile.json").read_text())
+
+
+def assert_profiled(run_dir: Path, profile: dict, tokens_per_step: int, kind: str) -> None:
+    measured = [s for s in profile["steps"] if not s.get("warmup")]
+    assert len(measured) == STEPS - WARMUP  # one optimizer step (2 micro batches) = one profiled step
+    assert all(s["tokens"] == tokens_per_step for s in measured), [s["tokens"] for s in measured]
+    assert all(math.isfinite(s["loss"]) for s in measured)
+    s = profile["summary"]
+    assert s["unattributed_frac"] <= 0.02, s["unattributed_frac"]
+    for phase in ("data_wait", "forward", "backward", "optimizer"):
+        assert s["phases_ms"][phase] > 0, (phase, s["phases_ms"])
+    assert profile["engine"]["kind"] == kind
+    for name in ("summary.md", "modules.csv", "report.md", "report.html"):
+        assert (run_dir / name).is_file(), name
+    assert list((run_dir / "tb").rglob("events.out.tfevents.*"))
+    report = (run_dir / "report.md").read_text()
+    assert report.index("## The answer") < report.index("## What to change") < report.index("## Run facts")
+    assert (run_dir / "summary.md").read_text().startswith("# trainprof profile\n\n## What to change")
+
+
+def test_wrap_passes_output_and_exit_code(tmp_path):
+    proc, out = wrap(tmp_path, "exit3.py", "a", "--b")
+    assert proc.returncode == 3
+    assert "exit3 says hello ['a', '--b']" in proc.stdout
+    assert not out.exists()  # nothing was trained, so no run dir
+    proc, _ = wrap(tmp_path, "raises.py")
+    assert proc.returncode == 1
+    assert "raises is about to fail" in proc.stdout and "RuntimeError: boom from the wrapped script" in proc.stderr
+
+
+def test_wrap_hf_trainer(tmp_path):
+    proc, out = wrap(tmp_path, "hf_trainer.py", str(tmp_path / "hf"), "--steps", str(STEPS))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"hf_trainer done: {STEPS} optimizer steps" in proc.stdout
+    run_dir, profile = the_run(out, "hf_trainer")
+    assert_profiled(run_dir, profile, tokens_per_step=2 * 2 * 32, kind="hf")
+    assert profile["engine"]["config"]["gradient_accumulation_steps"] == 2
+    # the Trainer divides each micro batch's loss by the step's tokens: the recorded loss is the step's
+    # (random init over a 256-token vocab: about ln 256 = 5.55)
+    assert all(abs(s["loss"] - math.log(256)) < 0.5 for s in profile["steps"])
+
+
+def test_wrap_lightning(tmp_path):
+    proc, out = wrap(tmp_path, "lightning_module.py", "--steps", str(STEPS))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"lightning done: {STEPS} optimizer steps" in proc.stdout
+    run_dir, profile = the_run(out, "lightning_module")
+    assert_profiled(run_dir, profile, tokens_per_step=2 * 2 * 32, kind="lightning")
+    assert profile["engine"]["config"]["accumulate_grad_batches"] == 2
+
+
+@pytest.mark.slow
+def test_wrap_deepspeed_zero2_two_ranks(tmp_path):
+    proc, out = wrap(tmp_path, "ds_zero2.py", "--steps", str(STEPS), nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"ds_zero2 done: {STEPS} optimizer steps" in proc.stdout
+    run_dir, profile = the_run(out, "ds_zero2")
+    assert_profiled(run_dir, profile, tokens_per_step=2 * 2 * 128, kind="deepspeed")
+    assert profile["env"]["world_size"] == 2 and len(profile["ranks"]) == 2
+    assert sorted(p.name for p in run_dir.glob("profile.rank*.json")) == ["profile.rank0.json", "profile.rank1.json"]
+    assert profile["engine"]["config"]["zero_optimization"]["stage"] == 2
+    assert any(c["op"] in ("all_reduce", "reduce_scatter", "reduce") or "reduce" in c["op"] for c in profile["comm"]), \
+        profile["comm"]
+
+
+def test_lightning_callback_in_a_script(tmp_path):
+    """The public callback, given to a Lightning Trainer by hand (no wrap)."""
+    import lightning as L
+    import torch
+
+    from trainprof.integrations.lightning import TrainprofCallback
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 1, generator=g))
+    callback = TrainprofCallback(output_dir=tmp_path / "runs", name="tiny", warmup_steps=2)
+    trainer = L.Trainer(max_steps=6, accumulate_grad_batches=3, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[callback])
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=4))
+    assert callback.run_dir is not None and callback.run_dir.parent == tmp_path / "runs"
+    profile = json.loads((callback.run_dir / "profile.json").read_text())
+    assert len([s for s in profile["steps"] if not s.get("warmup")]) == 6 - 2
+    assert profile["summary"]["unattributed_frac"] <= 0.02
+
+
+@pytest.mark.slow
+def test_wrap_hf_trainer_with_its_deepspeed_integration_two_ranks(tmp_path):
+    """The Trainer builds a ZeRO-2 engine through accelerate: the engine's backward and step are phases,
+    the callback marks the steps (one profiled step per optimizer step, not per micro batch)."""
+    proc, out = wrap(tmp_path, "hf_trainer.py", str(tmp_path / "hf"), "--steps", str(STEPS), "--zero", "2", nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir, profile = the_run(out, "hf_trainer")
+    assert_profiled(run_dir, profile, tokens_per_step=2 * 2 * 32, kind="hf+deepspeed")
+    assert profile["env"]["world_size"] == 2
+    assert profile["summary"]["phases_ms"]["comm_exposed"] > 0 and profile["comm"]
+    assert all(abs(s["loss"] - math.log(256)) < 0.5 for s in profile["steps"])
+
+
+@pytest.mark.slow
+def test_wrap_lightning_ddp_two_ranks(tmp_path):
+    """Lightning DDP under torchrun: merged on rank 0; DDP's gradient all-reduce is recorded, once per
+    optimizer step (Lightning skips the sync on the accumulating micro batch)."""
+    proc, out = wrap(tmp_path, "lightning_module.py", "--steps", str(STEPS), nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir, profile = the_run(out, "lightning_module")
+    assert_profiled(run_dir, profile, tokens_per_step=2 * 2 * 32, kind="lightning")
+    assert profile["env"]["world_size"] == 2
+    (allreduce,) = [c for c in profile["comm"] if c["op"] == "all_reduce"]
+    assert allreduce["calls"] == 1 and allreduce["phase"] == "backward"
+
+
+def test_hf_callback_in_a_script(tmp_path):
+    """The public HF callback, given to a Trainer by hand (no wrap): gradient accumulation 3 makes one
+    profiled step of 3 micro batches."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from trainprof.integrations.hf import TrainprofCallback
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=128,
+                                         max_position_embeddings=32))
+    ids = torch.randint(0, 128, (48, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    callback = TrainprofCallback(output_dir=tmp_path / "runs", name="hf-tiny", warmup_steps=2)
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=5, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=3, report_to=[], save_strategy="no", use_cpu=True,
+                             disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    assert callback.run_dir is not None and callback.run_dir.name.startswith("hf-tiny-")
+    profile = json.loads((callback.run_dir / "profile.json").read_text())
+    measured = [s for s in profile["steps"] if not s.get("warmup")]
+    assert len(measured) == 5 - 2 and all(s["tokens"] == 3 * 2 * 16 for s in measured)
+    assert profile["summary"]["unattributed_frac"] <= 0.02

@@ -1,0 +1,307 @@
+"""The advisor: "What to change", rules grounded in one run's own figures (profile.json). Each rule
+has a measured trigger (the figure, its value and the threshold it crossed), an action, an upper
+bound on what the action can gain derived from the measured figure, and the recipe overrides that
+would implement it, so a projector can evaluate them (`predicted_gain` stays null until one does).
+No trigger, no advice; every check is listed with its figure whether it fired or not.
+
+    from trainprof.report.advisor import advise
+    result = advise(profile)        # {"advice": [...], "checks": [...]}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+# Thresholds, as fractions of the median step unless named otherwise. Each is where the upper bound
+# of the gain is worth a change of settings, not a property of any hardware.
+DATA_WAIT_FRAC = 0.03  # "a few percent" of the step spent waiting for the loader
+COMM_EXPOSED_FRAC = 0.10  # communication that compute did not hide
+IDLE_FRAC_SMALL_BATCH = 0.05  # idle/unattributed time at micro batch 1 (the research: 5-10% idle at batch 1)
+MFU_SMALL_BATCH = 0.30  # achieved / peak FLOP rate below this at micro batch 1 (only where MFU is known)
+OPTIMIZER_FRAC_OFFLOAD = 0.20  # optimizer share of the step with ZeRO-Offload
+STRAGGLER_FRAC = 0.05  # the slowest rank's median step over the others'
+MEMORY_HEADROOM_FRAC = 0.5  # peak memory at most this share of the known capacity
+NO_PROJECTION = "projection not available"
+
+
+def _get(d: Any, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+class RunFigures:
+    """The figures the rules read, from profile.json, with where each came from."""
+
+    def __init__(self, profile: dict[str, Any]) -> None:
+        self.profile = profile
+        s = profile.get("summary") or {}
+        self.step_ms = _get(s, "step_ms", "median")
+        self.phases = s.get("phases_ms") or {}
+        self.unattributed_ms = s.get("unattributed_ms")
+        self.mfu = s.get("mfu")
+        self.recipe = profile.get("recipe") or {}
+        self.engine = profile.get("engine") or {}
+        self.config = self.engine.get("config") or {}
+
+    def frac(self, phase: str) -> float | None:
+        v = self.phases.get(phase)
+        return None if v is None or not self.step_ms else v / self.step_ms
+
+    @property
+    def micro_batch(self) -> int | None:
+        return (_get(self.recipe, "train", "micro_batch_size") or self.config.get("train_micro_batch_size_per_gpu")
+                or self.config.get("per_device_train_batch_size"))
+
+    @property
+    def zero_stage(self) -> int | None:
+        stage = _get(self.recipe, "engine", "zero_stage")
+        return stage if stage is not None else _get(self.config, "zero_optimization", "stage")
+
+    @property
+    def offload(self) -> str | None:
+        offload = _get(self.recipe, "engine", "offload")
+        if offload:
+            return offload
+        zero = self.config.get("zero_optimization") or {}
+        if _get(zero, "offload_optimizer", "device") in ("cpu", "nvme"):
+            return "optimizer+params" if _get(zero, "offload_param", "device") in ("cpu", "nvme") else "optimizer"
+        return None
+
+    @property
+    def num_workers(self) -> int | None:
+        n = _get(self.recipe, "data", "num_workers")
+        return n if n is not None else self.config.get("dataloader_num_workers")
+
+    def memory_capacity(self) -> tuple[int | None, str]:
+        cap = _get(self.recipe, "train", "memory_cap_gb")
+        if cap:
+            return int(cap * 2**30), f"train.memory_cap_gb={cap}"
+        total = _get(self.profile, "env", "device_memory_bytes")
+        if total:
+            return int(total), f"device memory of {_get(self.profile, 'env', 'device')}"
+        return None, "capacity unknown (no GPU memory recorded and no train.memory_cap_gb)"
+
+    def peak_memory(self) -> int | None:
+        s = self.profile.get("summary") or {}
+        if s.get("peak_memory_bytes_max"):
+            return int(s["peak_memory_bytes_max"])
+        peaks = [v for v in (s.get("peak_memory_bytes") or {}).values() if v]
+        return int(max(peaks)) if peaks else None
+
+
+def _advice(rule: str, title: str, figure: str, value: float, threshold: str, trigger_text: str, action: str,
+            gain_bound: float | None, gain_text: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "rule": rule, "title": title,
+        "trigger": {"figure": figure, "value": value, "threshold": threshold, "text": trigger_text},
+        "action": action,
+        "gain": {"upper_bound_step_frac": gain_bound, "text": gain_text},
+        "overrides": overrides,
+        "predicted_gain": None, "predicted_gain_reason": NO_PROJECTION,
+    }
+
+
+# -- rules: each returns (check row, advice or None) --------------------------------------------------
+
+Check = dict[str, Any]
+Rule = Callable[[RunFigures], tuple[Check, "dict[str, Any] | None"]]
+
+
+def _check(rule: str, figure: str, value: Any, threshold: str, triggered: bool, note: str = "") -> Check:
+    return {"rule": rule, "figure": figure, "value": value, "threshold": threshold, "triggered": triggered,
+            "note": note}
+
+
+def rule_data_wait(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
+    frac = f.frac("data_wait")
+    check = _check("data_wait", "phases_ms.data_wait / step_ms", frac, f"> {_pct(DATA_WAIT_FRAC)}",
+                   frac is not None and frac > DATA_WAIT_FRAC, "" if frac is not None else "no step time measured")
+    if not check["triggered"]:
+        return check, None
+    workers = f.num_workers
+    target = max(2, 2 * workers) if workers is not None else 2
+    return check, _advice(
+        "data_wait", "Feed the GPU faster: more data-loader workers, pinned memory",
+        "phases_ms.data_wait / step_ms", frac, f"> {_pct(DATA_WAIT_FRAC)}",
+        f"data_wait is {_pct(frac)} of the step ({f.phases['data_wait']:.2f} of {f.step_ms:.2f} ms, median)",
+        f"raise data.num_workers ({workers if workers is not None else 'unknown'} -> {target}), pin memory "
+        "(DataLoader pin_memory=True) and prefetch, so batches are ready when a step starts",
+        frac, f"at most {_pct(frac)} less step time, if loading is hidden entirely behind compute",
+        {"data.num_workers": target})
+
+
+def rule_comm_exposed(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
+    frac = f.frac("comm_exposed")
+    check = _check("comm_exposed", "phases_ms.comm_exposed / step_ms", frac, f"> {_pct(COMM_EXPOSED_FRAC)}",
+                   frac is not None and frac > COMM_EXPOSED_FRAC)
+    if not check["triggered"]:
+        return check, None
+    stage = f.zero_stage
+    overrides: dict[str, Any] = {"deepspeed.zero_optimization.overlap_comm": True}
+    action = ("overlap communication with compute (zero_optimization.overlap_comm), use larger buckets "
+              "(reduce_bucket_size, allgather_bucket_size) so fewer, bigger collectives run")
+    if stage == 3:
+        action += "; ZeRO-2 gathers no parameters (ZeRO-3 moves 1.5x ZeRO-2's bytes) if its memory fits"
+        overrides = {"engine.zero_stage": 2}
+    return check, _advice(
+        "comm_exposed", "Hide communication behind compute",
+        "phases_ms.comm_exposed / step_ms", frac, f"> {_pct(COMM_EXPOSED_FRAC)}",
+        f"exposed communication is {_pct(frac)} of the step ({f.phases['comm_exposed']:.2f} ms, median; "
+        f"ZeRO stage {stage if stage is not None else 'unknown'})",
+        action, frac, f"at most {_pct(frac)} less step time, if every collective overlaps compute", overrides)
+
+
+def rule_small_batch(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
+    mb = f.micro_batch
+    idle_ms = (f.unattributed_ms or 0.0) + (f.phases.get("other") or 0.0)
+    idle = idle_ms / f.step_ms if f.step_ms else None
+    low_mfu = f.mfu is not None and f.mfu < MFU_SMALL_BATCH
+    threshold = f"micro batch 1 and (idle > {_pct(IDLE_FRAC_SMALL_BATCH)} or MFU < {_pct(MFU_SMALL_BATCH)})"
+    fired = mb == 1 and idle is not None and (idle > IDLE_FRAC_SMALL_BATCH or low_mfu)
+    note = "" if mb is not None else "micro batch size not recorded"
+    check = _check("small_batch", "(phases_ms.other + unattributed_ms) / step_ms at micro batch 1", idle, threshold,
+                   fired, note)
+    if not fired:
+        return check, None
+    why = f"idle (other + unattributed) is {_pct(idle)} of the step at micro batch 1"
+    if low_mfu:
+        why += f"; MFU {_pct(f.mfu)}"
+    bound = idle if idle > IDLE_FRAC_SMALL_BATCH else None
+    gain = (f"at most {_pct(idle)} less time per sample from the idle share; a larger batch also raises the "
+            "FLOP rate of each kernel, which this run cannot bound" if bound is not None else
+            f"MFU {_pct(f.mfu)}: at most {1 / f.mfu:.1f}x the FLOP rate at full utilization (an upper bound)")
+    return check, _advice(
+        "small_batch", "Use a larger micro batch (activation recomputation makes room)",
+        "(phases_ms.other + unattributed_ms) / step_ms", idle, threshold, why,
+        "raise train.micro_batch_size to 2 or more; turn on model.recompute if memory does not allow it",
+        bound, gain, {"train.micro_batch_size": 2, "model.recompute": True})
+
+
+def rule_optimizer_offload(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
+    frac = f.frac("optimizer")
+    offload = f.offload
+    fired = bool(offload) and offload != "none" and frac is not None and frac > OPTIMIZER_FRAC_OFFLOAD
+    check = _check("optimizer_offload", "phases_ms.optimizer / step_ms with offload", frac,
+                   f"offload on and > {_pct(OPTIMIZER_FRAC_OFFLOAD)}", fired,
+                   "" if offload and offload != "none" else "no optimizer offload in this run")
+    if not fired:
+        return check, None
+    return check, _advice(
+        "optimizer_offload", "The offloaded optimizer step is a large share: bring it back or speed it up",
+        "phases_ms.optimizer / step_ms", frac, f"offload on and > {_pct(OPTIMIZER_FRAC_OFFLOAD)}",
+        f"optimizer is {_pct(frac)} of the step ({f.phases['optimizer']:.2f} ms) with offload={offload}",
+        "turn offload off where GPU memory allows (engine.offload=none), else give DeepSpeed's CPU Adam more "
+        "CPU cores per rank and pinned memory",
+        frac, f"at most {_pct(frac)} less step time, if the optimizer step took no time", {"engine.offload": "none"})
+
+
+def rule_straggler(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
+    st = f.profile.get("straggler")
+    slower = st.get("slower_by_frac") if st else None
+    fired = slower is not None and slower > STRAGGLER_FRAC
+    check = _check("straggler", "straggler.slower_by_frac", slower, f"> {_pct(STRAGGLER_FRAC)}", fired,
+                   "" if st else "no straggler recorded (one rank, or ranks within the merge's tolerance)")
+    if not fired:
+        return check, None
+    bound = slower / (1 + slower)  # the others wait for it: the step shrinks to the others' pace at best
+    return check, _advice(
+        "straggler", f"Rank {st['rank']} is a straggler",
+        "straggler.slower_by_frac", slower, f"> {_pct(STRAGGLER_FRAC)}",
+        f"rank {st['rank']} is {_pct(slower)} slower than the others ({st.get('metric', 'median step')})",
+        f"check rank {st['rank']}'s host and device (clocks, thermal throttling, other processes, its data shard)",
+        bound, f"at most {_pct(bound)} less step time, if it ran at the other ranks' pace", {})
+
+
+def rule_memory_headroom(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
+    capacity, source = f.memory_capacity()
+    peak = f.peak_memory()
+    frac = peak / capacity if (capacity and peak) else None
+    fired = frac is not None and frac < MEMORY_HEADROOM_FRAC and f.micro_batch is not None
+    note = "" if capacity else source
+    check = _check("memory_headroom", "peak memory / capacity", frac, f"< {_pct(MEMORY_HEADROOM_FRAC)}", fired, note)
+    if not fired:
+        return check, None
+    mb = f.micro_batch
+    act = _get(f.profile, "summary", "activation_bytes")
+    if act:  # activations grow with the micro batch; the rest (model states) does not
+        fits = max(mb, int(mb + (capacity - peak) // act))
+        how = f"{fits} (peak + {act / 2**20:,.0f} MiB of activations per extra sample-batch, measured)"
+    else:
+        fits = 2 * mb
+        how = f"{fits} (doubling; activation bytes not measured)"
+    return check, _advice(
+        "memory_headroom", "Memory headroom allows a larger micro batch",
+        "peak memory / capacity", frac, f"< {_pct(MEMORY_HEADROOM_FRAC)}",
+        f"peak memory {peak / 2**30:.2f} GiB is {_pct(frac)} of {capacity / 2**30:.2f} GiB ({source})",
+        f"raise train.micro_batch_size from {mb} toward {how}; check with `trainprof maxbatch`",
+        None, "throughput gain not bounded by this run (it needs a run at the larger batch); memory allows it",
+        {"train.micro_batch_size": fits})
+
+
+RULES: tuple[Rule, ...] = (rule_data_wait, rule_comm_exposed, rule_small_batch, rule_optimizer_offload,
+                           rule_straggler, rule_memory_headroom)
+
+
+def advise(profile: dict[str, Any]) -> dict[str, Any]:
+    """Run every rule on a merged profile.
+
+    Args:
+        profile: the content of profile.json.
+    Returns:
+        {"advice": triggered advice, largest gain bound first, "checks": every rule's figure and outcome}.
+    """
+    figures = RunFigures(profile)
+    checks, advice = [], []
+    for rule in RULES:
+        check, item = rule(figures)
+        checks.append(check)
+        if item is not None:
+            advice.append(item)
+    advice.sort(key=lambda a: -(a["gain"]["upper_bound_step_frac"] or 0.0))
+    return {"advice": advice, "checks": checks}
+
+
+def bottleneck(profile: dict[str, Any]) -> tuple[str, float] | None:
+    """The phase with the largest median share of the step, and that share."""
+    s = profile.get("summary") or {}
+    step, phases = _get(s, "step_ms", "median"), s.get("phases_ms") or {}
+    if not step or not phases:
+        return None
+    name = max(phases, key=lambda k: phases[k] or 0.0)
+    return name, (phases[name] or 0.0) / step
+
+
+def checks_text(checks: list[Check]) -> str:
+    """One line listing the checks that ran (for "nothing triggered")."""
+    parts = []
+    for c in checks:
+        value = "n/a" if c["value"] is None else (_pct(c["value"]) if isinstance(c["value"], float) else str(c["value"]))
+        parts.append(f"{c['rule']} ({c['figure']} = {value}, fires at {c['threshold']})")
+    return "; ".join(parts)
+
+
+def markdown_lines(result: dict[str, Any]) -> list[str]:
+    """"What to change" as Markdown bullet lines (summary.md)."""
+    if not result["advice"]:
+        return [f"Nothing triggered. Checks: {checks_text(result['checks'])}."]
+    lines = []
+    for a in result["advice"]:
+        lines.append(f"- **{a['title']}**: {a['trigger']['text']} (fires at {a['trigger']['threshold']}). "
+                     f"{a['action'][0].upper() + a['action'][1:]}. Gain: {a['gain']['text']}."
+                     + (f" Overrides: `{overrides_text(a['overrides'])}`." if a["overrides"] else ""))
+    return lines
+
+
+def overrides_text(overrides: dict[str, Any]) -> str:
+    """Overrides as the `key=value` arguments `trainprof run` takes."""
+    def value(v: Any) -> str:
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    return " ".join(f"{k}={value(v)}" for k, v in overrides.items())

@@ -1,0 +1,225 @@
+"""`python -m trainprof.wrap SCRIPT [ARGS...]` (also `torchrun ... -m trainprof.wrap SCRIPT ARGS`):
+run an unmodified training script with trainprof attached to what it builds: engines returned by
+`deepspeed.initialize`, HF `transformers.Trainer` (and its DeepSpeed integration) and Lightning
+`Trainer`. The script's output and exit code pass through; the run dir
+($TRAINPROF_OUTPUT_DIR or runs/)/<script stem>-<UTC timestamp>/ is written when the script ends (or
+when it calls torch.distributed.destroy_process_group, while the process group is still alive)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.abc
+import importlib.util
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from trainprof.integrations.session import DEFAULT_MODULE_DEPTH, DEFAULT_WARMUP_STEPS, ProfileSession, default_output_dir
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainprof.wrap",
+        description="Profile an unmodified training script (DeepSpeed engines, HF Trainer, Lightning Trainer); "
+        "run dirs go to $TRAINPROF_OUTPUT_DIR (default runs/). Under torchrun: "
+        "`torchrun --nproc_per_node 2 -m trainprof.wrap train.py --lr 1e-4`.",
+    )
+    parser.add_argument("--warmup-steps", type=int, default=DEFAULT_WARMUP_STEPS,
+                        help=f"optimizer steps not measured (default {DEFAULT_WARMUP_STEPS})")
+    parser.add_argument("--module-depth", type=int, default=DEFAULT_MODULE_DEPTH,
+                        help=f"deepest module level timed (default {DEFAULT_MODULE_DEPTH})")
+    parser.add_argument("script", help="the training script, run as __main__")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments, passed through")
+    return parser.parse_args(argv)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a patch right after a named module is first imported (or at once if it already is), so
+    the script's own `import deepspeed` / `from transformers import Trainer` sees the patched objects
+    and nothing is imported that the script does not import itself. (`importlib.util.find_spec`, which
+    libraries call to probe for a package, reaches this finder too: only executing the module patches.)"""
+
+    def __init__(self, patches: dict[str, Callable[[Any], None]]) -> None:
+        self.patches = dict(patches)
+        self._busy: set[str] = set()
+        for name in list(self.patches):
+            if name in sys.modules:
+                self.patches.pop(name)(sys.modules[name])
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name not in self.patches or name in self._busy:
+            return None
+        self._busy.add(name)  # find the real spec without finding ourselves
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._busy.discard(name)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _PatchingLoader(spec.loader, lambda module: self._patch(name, module))
+        return spec
+
+    def _patch(self, name: str, module: Any) -> None:
+        patch = self.patches.pop(name, None)
+        if patch is not None:
+            patch(module)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """The module's own loader, then the patch."""
+
+    def __init__(self, loader: Any, after: Callable[[Any], None]) -> None:
+        self.loader, self.after = loader, after
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__.loader = module.__loader__ = self.loader
+        self.loader.exec_module(module)
+        self.after(module)
+
+
+def _wrap_init(cls: type, before: Callable[[dict], None] | None = None,
+               after: Callable[[Any], None] | None = None) -> None:
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if before is not None:
+            before(kwargs)
+        original(self, *args, **kwargs)
+        if after is not None:
+            after(self)
+
+    cls.__init__ = __init__
+
+
+class Wrapper:
+    """The patches one wrapped script gets, and the sessions they create."""
+
+    def __init__(self, name: str, output_dir: str, warmup_steps: int, module_depth: int) -> None:
+        self.name, self.output_dir = name, output_dir
+        self.warmup_steps, self.module_depth = warmup_steps, module_depth
+        self.sessions: list[ProfileSession] = []
+
+    def new_session(self, framework: str) -> ProfileSession:
+        session = ProfileSession(self.output_dir, name=self.name, warmup_steps=self.warmup_steps,
+                                 module_depth=self.module_depth, framework=framework,
+                                 loop_code_as_other=framework != "deepspeed")
+        self.sessions.append(session)
+        return session
+
+    def patches(self) -> dict[str, Callable[[Any], None]]:
+        return {
+            "deepspeed": self.patch_deepspeed,
+            "transformers.trainer": self.patch_hf,
+            "lightning.pytorch.trainer.trainer": self.patch_lightning,
+            "pytorch_lightning.trainer.trainer": self.patch_lightning,
+            "torch.distributed": self.patch_destroy,
+        }
+
+    def patch_deepspeed(self, module: Any) -> None:
+        from trainprof.integrations.deepspeed import patch_initialize
+
+        patch_initialize(lambda: self.new_session("deepspeed"), [])
+
+    def patch_hf(self, module: Any) -> None:
+        def add_callback(trainer: Any) -> None:
+            from trainprof.integrations.hf import TrainprofCallback
+
+            trainer.add_callback(TrainprofCallback(session=self.new_session("hf")))
+
+        _wrap_init(module.Trainer, after=add_callback)
+
+    def patch_lightning(self, module: Any) -> None:
+        package = module.__name__.split(".")[0]
+
+        def add_callback(kwargs: dict) -> None:
+            from trainprof.integrations import lightning
+
+            if lightning.Callback.__module__.split(".")[0] != package:  # a callback of the other package is refused
+                print(f"trainprof: this {package} Trainer is not profiled: trainprof's callback is a "
+                      f"{lightning.Callback.__module__.split('.')[0]} Callback; add it by hand or use lightning.pytorch",
+                      file=sys.stderr)
+                return
+            callbacks = kwargs.get("callbacks")
+            callbacks = [callbacks] if callbacks is not None and not isinstance(callbacks, list) else list(callbacks or [])
+            kwargs["callbacks"] = callbacks + [lightning.TrainprofCallback(session=self.new_session("lightning"))]
+
+        _wrap_init(module.Trainer, before=add_callback)
+
+    def patch_destroy(self, module: Any) -> None:
+        original = module.destroy_process_group
+
+        @functools.wraps(original)
+        def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+            self.finish()  # a collective: while the group is alive
+            return original(*args, **kwargs)
+
+        module.destroy_process_group = destroy_process_group
+
+    def finish(self) -> None:
+        for session in self.sessions:
+            try:
+                session.finish()
+            except Exception:  # the script's outcome stands; say why no profile was written
+                print(f"trainprof: profile not written for the {session.framework} run:", file=sys.stderr)
+                traceback.print_exc()
+
+
+def exit_code(err: SystemExit) -> int:
+    """What the interpreter would exit with for sys.exit(code)."""
+    if err.code is None:
+        return 0
+    if isinstance(err.code, int):
+        return err.code
+    print(err.code, file=sys.stderr)
+    return 1
+
+
+def run_script(script: str, args: list[str], wrapper: Wrapper) -> int:
+    """Run `script` as __main__ with sys.argv = [script, *args]; finish the profile; its exit code."""
+    path = Path(script)
+    if not path.is_file():
+        print(f"trainprof: script '{script}' not found; pass the path of a Python training script", file=sys.stderr)
+        return 2
+    finder = _AfterImport(wrapper.patches())
+    sys.meta_path.insert(0, finder)
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(path.resolve().parent))
+    failed = False
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+        code = 0
+    except SystemExit as err:
+        code = exit_code(err)
+    except BaseException:
+        traceback.print_exc()
+        code, failed = 1, True
+    finally:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+    import torch
+
+    dist = "torch.distributed" in sys.modules and torch.distributed.is_initialized()
+    if not failed or not dist:  # after an exception another rank may never join the collective
+        wrapper.finish()
+    elif any(s.prof is not None and not s.finished for s in wrapper.sessions):
+        print("trainprof: the script failed; no merged profile written (other ranks may not reach the merge)",
+              file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    wrapper = Wrapper(Path(args.script).stem, default_output_dir(), args.warmup_steps, args.module_depth)
+    return run_script(args.script, args.args, wrapper)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
