@@ -10,7 +10,7 @@ import pytest
 
 from trainprof.projection.calibrate import bus_factor, collective_ms, fit_alpha_beta
 from trainprof.projection.catalog import CatalogError, find_accelerator, load_catalog, load_prices
-from trainprof.projection.stepmodel import Change, Link, Machine, Measured, predict_phases
+from trainprof.projection.stepmodel import Change, Link, Machine, Measured, predict_phases, residual_ms
 
 from conftest import REPO
 
@@ -134,6 +134,15 @@ def test_cross_machine_scales_matmul_by_rate_and_the_rest_by_bandwidth():
     assert phases["optimizer"] == pytest.approx(10.0 / 4)
     # α-β per call x calls x exposed fraction: gathers 2 x 1 MB x 1/2 / 1 GB/s x 0.5; scatter 4 MB x 1/2 x 1.0
     assert phases["comm_exposed"] == pytest.approx(2 * 0.5 * 0.5 + 2.0 * 1.0)
+
+
+def test_the_residual_scales_with_the_phases_so_a_faster_target_keeps_a_positive_step():
+    # the median step (90 ms) is below the sum of per-phase medians (96 ms): a -6 ms residual
+    m = _measured(step_ms=90.0, unattributed_ms=-6.0)
+    assert residual_ms(m, dict(m.phases_ms)) == -6.0  # same phases: the measured step exactly
+    fast = {k: v / 1000 for k, v in m.phases_ms.items()}  # a target 1000x faster in every phase
+    assert residual_ms(m, fast) == pytest.approx(-0.006)
+    assert sum(fast.values()) + residual_ms(m, fast) == pytest.approx(0.090)
 
 
 def test_hardware_command_and_one_line_errors():

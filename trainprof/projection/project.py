@@ -26,6 +26,7 @@ from trainprof.projection.stepmodel import (
     Measured,
     measured_from_profile,
     predict_phases,
+    residual_ms,
 )
 
 PROJECTION_VERSION = 1
@@ -346,16 +347,19 @@ class Projector:
         if phases is not None and any(math.isnan(v) for v in phases.values()):
             reasons["step_ms"] = "; ".join(a for a in assumptions if a.startswith("comm:")) or "comm not predictable"
             phases = None
-        step_ms = (sum(phases.values()) + m.unattributed_ms) if phases is not None else None
-        if step_ms is not None:
-            assumptions.append(f"unattributed {m.unattributed_ms:.2f} ms and other as measured")
+        step_ms = None
+        if phases is not None:
+            residual = residual_ms(m, phases)
+            step_ms = sum(phases.values()) + residual
+            assumptions.append(f"unattributed {residual:.2f} ms (the source's {m.unattributed_ms:.2f} ms, the median "
+                               "step minus the per-phase medians, scaled with the phases); other as measured")
             if phases["data_wait"] > DATA_WAIT_DOMINATES * step_ms:
                 assumptions.append(f"data wait kept as measured is {100 * phases['data_wait'] / step_ms:.0f}% of the "
                                    "predicted step: it would dominate; raise data.num_workers")
         tokens_per_step = (target_recipe.train.micro_batch_size * target_recipe.train.grad_accum
                            * target_recipe.data.seq_len * world)
         tps = tokens_per_step / (step_ms / 1e3) if step_ms else None
-        memory, fits, fit_note = self._memory(target_recipe, world, target)
+        memory, fits, fit_note = self._memory(target_recipe, world, target, overrides or [])
         pred: dict[str, Any] = {
             "hardware": machine if machine != THIS else f"this ({src.profile['env']['device']}"
                                                         + (f", {threads} threads" if threads else "") + ")",
@@ -409,7 +413,8 @@ class Projector:
         pred["expected_error_source"] = why
         return pred
 
-    def _memory(self, recipe: Any, world: int, target: Target | None) -> tuple[int | None, bool | None, list[str] | None]:
+    def _memory(self, recipe: Any, world: int, target: Target | None, overrides: list[str]
+                ) -> tuple[int | None, bool | None, list[str] | None]:
         m, src = self.source.measured, self.source
         planned = _plan_bytes(recipe, world)
         if target is None:
@@ -424,23 +429,16 @@ class Projector:
         fits = planned <= capacity * 1e9
         if fits:
             return planned, True, None
-        for extra in FIT_SUGGESTIONS:
-            try:
-                from trainprof.recipe import load_recipe
+        from trainprof.recipe import load_recipe
 
-                candidate = load_recipe(src.run_dir / "recipe.yaml", [*_recipe_overrides(recipe), *extra])
+        for extra in FIT_SUGGESTIONS:  # the target recipe (the run's, with the user's overrides) plus one change
+            try:
+                candidate = load_recipe(src.run_dir / "recipe.yaml", [*overrides, *extra])
             except Exception:  # a suggestion the recipe rules refuse is skipped
                 continue
             if _plan_bytes(candidate, world) <= capacity * 1e9:
                 return planned, False, extra
         return planned, False, None
-
-
-def _recipe_overrides(recipe: Any) -> list[str]:
-    t, e, mdl = recipe.train, recipe.engine, recipe.model
-    return [f"train.micro_batch_size={t.micro_batch_size}", f"train.grad_accum={t.grad_accum}",
-            f"data.seq_len={recipe.data.seq_len}", f"model.recompute={str(mdl.recompute).lower()}",
-            f"engine.zero_stage={e.zero_stage}"]
 
 
 def _zero(recipe: Any) -> int:

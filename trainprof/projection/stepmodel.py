@@ -25,7 +25,10 @@ and each part is re-derived for the target:
     (nccl-tests bus factors), times the exposed fraction measured at the source (exposed/total);
     forward/backward collectives repeat per micro batch. A ZeRO stage change scales by the ZeRO paper's
     volumes (stage 1/2: 2Ψ, stage 3: 3Ψ per step). One rank: none.
-  * data_wait: as measured, per micro batch. other and unattributed: as measured.
+  * data_wait: as measured, per micro batch. other: as measured.
+  * unattributed: per step it is small and >= 0 (the profiler's closure), but the source's figure is the
+    median step minus the sum of per-phase medians, a signed difference of statistics; it is scaled with
+    the phases' sum (residual_ms), so that a faster target does not inherit the source's ms.
 """
 
 from __future__ import annotations
@@ -240,6 +243,14 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
     notes.extend(comm_notes)
     out["other"] = m.phases_ms["other"]
     return out, notes
+
+
+def residual_ms(m: Measured, phases: dict[str, float]) -> float:
+    """The unattributed part of a predicted step: the source's (signed) residual scaled by predicted /
+    measured phase sum. Same phases: exactly the source's residual, so the same recipe reproduces the
+    measured step."""
+    measured = sum(m.phases_ms.values())
+    return m.unattributed_ms * sum(phases.values()) / measured if measured > 0 else m.unattributed_ms
 
 
 def _scale_compute(ms: float, flops: float, src: Machine, dst: Machine) -> float:
