@@ -15,7 +15,10 @@ Each profiled step gets a fresh Profiler (hooks, collective wrappers, memory per
 off) that is closed again before the next unprofiled step, so unprofiled steps run with no hooks at
 all. The time of a profiled step includes the profiler's per-step analysis after the step. Steps run in
 ABBA order; the ratio is the median over pairs of (profiled / unprofiled) of neighbouring steps, with
-its interquartile range, which cancels the drift of a shared machine. Operator-level tracing
+its interquartile range and a bootstrap 95% interval, which cancels the drift of a shared machine.
+An A/A row (unprofiled against unprofiled) shows the noise floor. The runner keeps one Profiler for a
+run; the row "one Profiler (as a run)" measures that, "a fresh Profiler a step" adds what a new
+Profiler pays on its first step. Operator-level tracing
 (torch.profiler) and the FLOP-counting step are measured the same way and reported separately.
 """
 
@@ -40,7 +43,9 @@ from trainprof.recipe import Recipe  # noqa: E402
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--pairs", type=int, default=60, help="profiled/unprofiled step pairs (default 60)")
+    p.add_argument("--pairs", type=int, default=200,
+                   help="profiled/unprofiled step pairs (default 200: the median ratio's 95%% CI is then about "
+                        "+-1%% on a shared 2-core machine)")
     p.add_argument("--depth", type=int, default=4, help="module_depth of the profiler (default 4, the recipe default)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the tiny Llama (default 4)")
     p.add_argument("--breakdown-only", action="store_true", help="print only the per-piece hook breakdown")
@@ -78,6 +83,7 @@ def main() -> None:
         return time.perf_counter() - t0
 
     def profiled(**kwargs: object) -> Callable[[], float]:
+        """A fresh Profiler per step, closed after it: its unprofiled neighbours run with no hooks at all."""
         def run() -> float:
             prof = Profiler(model, optimizer=opt, module_depth=args.depth, **kwargs)
             t0 = time.perf_counter()
@@ -86,6 +92,16 @@ def main() -> None:
             elapsed = time.perf_counter() - t0  # includes the profiler's analysis at step exit
             prof.close()
             return elapsed
+        return run
+
+    def in_a_run(prof: Profiler) -> Callable[[], float]:
+        """One Profiler for every step, as in `trainprof run`; between its steps the hooks stay
+        installed and return at once."""
+        def run() -> float:
+            t0 = time.perf_counter()
+            with prof.step():
+                train_step()
+            return time.perf_counter() - t0
         return run
 
     for _ in range(5):
@@ -101,13 +117,17 @@ def main() -> None:
     calls = prof.hooks.counter // 2  # the counter advances once in each pre and each post hook
     prof.close()
     print(f"module calls timed per step: {calls} (forward; each also gets backward tensor hooks)")
+    journal_cost(prof)
 
+    kept = Profiler(model, optimizer=opt, module_depth=args.depth, flops=False)
     rows = [
-        ("module hooks, every step", profiled(flops=False), args.pairs),
+        ("A/A control: unprofiled vs unprofiled", plain, args.pairs),
+        ("module hooks, one Profiler (as a run)", in_a_run(kept), args.pairs),
+        ("module hooks, a fresh Profiler a step", profiled(flops=False), args.pairs),
         ("+ operator level (torch.profiler)", profiled(flops=False, ops=True, ops_steps=1), args.ops_pairs),
         ("+ FLOP counting (one step per run)", profiled(flops=True), args.ops_pairs),
     ]
-    print(f"{'mode':<38} {'unprofiled ms':>14} {'profiled ms':>12} {'ratio':>7}  {'ratio IQR':>13}")
+    print(f"{'mode':<40} {'unprofiled ms':>14} {'profiled ms':>12} {'ratio':>7}  {'ratio IQR':>13}  {'95% CI of ratio':>15}")
     for name, run, pairs in rows:
         base, prof_times, ratios = [], [], []
         for i in range(pairs):
@@ -119,13 +139,46 @@ def main() -> None:
             prof_times.append(p)
             ratios.append(p / b)
         q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0], 0, ratios[0])
-        print(f"{name:<38} {statistics.median(base) * 1e3:>14.2f} {statistics.median(prof_times) * 1e3:>12.2f} "
-              f"{statistics.median(ratios):>7.3f}  {q1:>6.3f}-{q3:<6.3f}")
-        if name.startswith("module hooks"):
+        lo, hi = median_ci(ratios)
+        print(f"{name:<40} {statistics.median(base) * 1e3:>14.2f} {statistics.median(prof_times) * 1e3:>12.2f} "
+              f"{statistics.median(ratios):>7.3f}  {q1:>6.3f}-{q3:<6.3f}  {lo:>7.3f}-{hi:<7.3f}")
+        if name.startswith("module hooks, one"):
             extra_us = (statistics.median(ratios) - 1) * statistics.median(base) * 1e6
-            print(f"{'':<38} cost per module call: {extra_us / calls:.1f} us "
+            print(f"{'':<40} cost per module call: {extra_us / calls:.1f} us "
                   f"((median ratio - 1) x unprofiled step / {calls} calls; includes the per-step "
                   "analysis at step exit, so an upper bound on the hooks' own cost)")
+    kept.close()
+    print("ratio: median over ABBA pairs of profiled / unprofiled wall time (time.perf_counter); 95% CI: "
+          "bootstrap of that median (2000 resamples). The A/A row times the same unprofiled step on both "
+          "sides: its distance from 1 and its CI are this machine's noise floor for the rows below.")
+
+
+def median_ci(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the median of `values`."""
+    import random
+
+    if len(values) < 2:
+        return values[0], values[0]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def journal_cost(prof: Profiler) -> None:
+    """The runner's journal (profile.rank<N>.journal.jsonl): one recorded step serialized, appended and
+    flushed, as after every step of a run; the header, written once after the first step, is excluded."""
+    import tempfile
+
+    from trainprof.profiler.journal import Journal
+
+    with tempfile.TemporaryDirectory() as tmp:
+        journal = Journal(Path(tmp) / "journal.jsonl")
+        journal.write(prof)  # header + facts + the step
+        us = _per_call_us(lambda: journal.write(prof), n=200)
+        journal.discard()
+    wall = prof.steps[-1].breakdown.wall_ms
+    print(f"journal append per step: {us:.0f} us ({us / 1e3 / wall:.2%} of the profiled step's {wall:.0f} ms; "
+          "after the step's end stamp, so outside its measured time)")
 
 
 def _per_call_us(fn: Callable[[], object], n: int = 20000) -> float:

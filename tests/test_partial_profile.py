@@ -1,6 +1,8 @@
-"""A 2-rank run whose rank 1 is killed mid-run: torchrun stops rank 0 with SIGTERM, rank 0 writes its
-profiler breakdown of the finished steps (profile.rank0.partial.json) when it fails (gloo error) or is stopped (SIGTERM), and `trainprof report` renders a
-module x phase profile from it, marked partial."""
+"""A 2-rank run whose rank 1 is SIGKILLed mid-run: rank 0 writes its profiler breakdown of the finished
+steps (profile.rank0.partial.json) when it fails (gloo error) or is stopped (torchrun's SIGTERM); rank 1,
+which runs no handler, leaves its journal, which `trainprof report` rebuilds into
+profile.rank1.partial.json; the report renders a module x phase profile, marked partial. And the
+journal, replayed, gives the document the live profiler gives."""
 
 from __future__ import annotations
 
@@ -42,9 +44,57 @@ def test_killed_rank_leaves_a_partial_profile_that_report_renders(tmp_path):
     # rank 0 sees its peer vanish in a gloo collective (RuntimeError) or gets torchrun's SIGTERM
     assert doc["partial"] and doc["partial_reason"].startswith("rank 0 stopped after")
     assert len(doc["steps"]) >= 2 and doc["modules"]
+    assert not (run_dir / "profile.rank0.journal.jsonl").exists()  # superseded by the partial profile
+    # rank 1 ran no handler (SIGKILL): its journal holds its finished steps, and the report rebuilds them
+    assert (run_dir / "profile.rank1.journal.jsonl").is_file() and not (run_dir / "profile.rank1.partial.json").exists()
     report = subprocess.run([sys.executable, "-m", "trainprof", "report", str(run_dir)],
                             capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert report.returncode == 0, report.stderr[-2000:]
     text = "\n".join(p.read_text() for p in run_dir.glob("report*.md")) + report.stdout
     assert "partial" in text and "rank 0 stopped after" in text
     assert "model.layers.0" in text  # module rows of the breakdown
+    killed = json.loads((run_dir / "profile.rank1.partial.json").read_text())
+    assert killed["rank"] == 1 and killed["partial_reason"].startswith("rank 1 left no profile")
+    assert len([s for s in killed["steps"] if not s["warmup"]]) >= 2 and killed["modules"]
+    assert {s["step"] for s in killed["steps"]} <= {s["step"] for s in doc["steps"]} | {max(s["step"] for s in doc["steps"]) + 1}
+    assert "rebuilt from its journal" in text
+
+
+def test_the_journal_replays_to_the_live_rank_document(tmp_path):
+    """Every finished step is in the journal as the run goes, and replaying it gives the document the
+    live profiler gives: steps, module rows, phases, operators, comm and model states."""
+    import torch
+
+    from trainprof.models import build_model
+    from trainprof.profiler import Profiler
+    from trainprof.profiler.journal import journal_path, read_journal, replay
+    from trainprof.profiler.schema import validate_profile
+    from trainprof.recipe import Recipe
+
+    recipe = Recipe()
+    recipe.model.dtype = "fp32"
+    torch.manual_seed(0)
+    model = build_model(recipe)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, model.config.vocab_size, (2, 64))
+    path = journal_path(tmp_path, 0)
+    with Profiler(model, optimizer=opt, warmup_steps=1, module_depth=4, ops=True, trace_dir=tmp_path / "tb",
+                  journal_dir=tmp_path, rank=0, world_size=1) as prof:
+        for step, batch in enumerate(prof.wrap_loader([{"input_ids": ids, "labels": ids}] * 4)):
+            with prof.step():
+                loss = model(**batch).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                prof.record(loss=loss)
+            _, lines = read_journal(path)  # flushed as the run goes, not at the end
+            assert sum(line["kind"] == "step" for line in lines) == step + 1
+    live, replayed = prof.rank_result(), replay(path)
+    validate_profile(replayed)
+    assert replayed["partial"] and "rebuilt from its journal" in replayed["partial_reason"]
+    assert replayed["partial_reason"].startswith("rank 0 left no profile") and "after 3 measured steps" in replayed["partial_reason"]
+    for key in ("steps", "modules", "summary", "ops", "comm", "model_state_bytes", "ranks", "measurement"):
+        assert replayed[key] == live[key], key
+    assert replayed["modules"] and replayed["ops"] and replayed["steps"][1]["modules_ms"]
+    prof.discard_journal()
+    assert not path.exists()

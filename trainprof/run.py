@@ -209,6 +209,8 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
                 bar.update()
             bar.close()
     except BaseException as err:
+        # already stopping: a second SIGTERM must not cut the partial files short (torchrun SIGKILLs later)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # keep the steps that finished, marked partial (rank<N>.json is the name of a finished rank)
         atomic_write_json(run_dir / f"rank{ctx.rank}.partial.json", {"rank": ctx.rank, "partial": True, "steps": steps})
         # and the profiler's breakdown of them: written once, here (an exception or torchrun's SIGTERM),
@@ -217,10 +219,13 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
             reason = f"rank {ctx.rank} stopped after {len(prof.steps)} profiled steps: {type(err).__name__}: {err}"
             try:
                 rank_doc = prof.rank_result()
-            except Exception:  # noqa: BLE001  the original error matters more than its partial profile
+            except Exception as why:  # noqa: BLE001  the original error matters more than its partial profile
+                print(f"trainprof: rank {ctx.rank}: partial profile not written ({type(why).__name__}: {why}); "
+                      "its journal keeps the finished steps and `trainprof report` rebuilds them", file=sys.stderr)
                 raise err from None
             rank_doc.update(partial=True, partial_reason=reason.strip().splitlines()[0][:300])
             atomic_write_json(run_dir / f"profile.rank{ctx.rank}.partial.json", rank_doc)
+            prof.discard_journal()
         raise
     # the runner's own per-step log (warm-up included), written before the collective merge so a
     # rank that dies there still leaves it
@@ -241,6 +246,7 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
         write_run_files(profile, run_dir)
         print(render_summary(profile, run_dir), file=sys.stderr)
     atomic_write_json(run_dir / f"profile.rank{ctx.rank}.json", prof.rank_result())
+    prof.discard_journal()
     if recipe.profile.calibrate:
         write_calibration(recipe, ctx, run_dir)
     if ctx.distributed:

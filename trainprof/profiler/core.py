@@ -26,6 +26,7 @@ from trainprof.analysis.breakdown import CommEvent, analyze_step
 from trainprof.profiler.comm import CommTracer, comm_total_ms
 from trainprof.profiler.flops import FlopCounter, analytic_flops
 from trainprof.profiler.hooks import ModuleHooks
+from trainprof.profiler.journal import Journal, journal_path
 from trainprof.profiler.log import REGION_CLOSE, REGION_OPEN, StepLog
 from trainprof.profiler.memory import PhaseMemory, SavedActivations, model_state_bytes
 from trainprof.profiler.ops import OpTracer, range_names, region_range_name
@@ -87,7 +88,7 @@ class Profiler:
                  memory: bool = True, comm: bool = True,
                  device: torch.device | str | None = None, rank: int | None = None,
                  world_size: int | None = None, recipe: dict[str, Any] | None = None,
-                 env: dict[str, Any] | None = None) -> None:
+                 env: dict[str, Any] | None = None, journal_dir: str | Path | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.module_depth = module_depth
@@ -128,6 +129,8 @@ class Profiler:
                                    world_size=self.world_size, wait=trace_wait, warmup=trace_warmup,
                                    active=ops_steps, record_shapes=record_shapes, with_stack=with_stack,
                                    gzip=trace_gzip)
+        # profile.rank<N>.journal.jsonl: each finished step appended as the run goes (a killed rank keeps them)
+        self.journal = Journal(journal_path(journal_dir, self.rank)) if (journal_dir is not None and enabled) else None
         if not enabled:
             return
         self.hooks = ModuleHooks(model, module_depth, self.log, self.timer.now,
@@ -156,7 +159,7 @@ class Profiler:
             model: the module the loop calls (engine.module).
             optimizer: the engine's optimizer.
             recipe: a trainprof.recipe.Recipe.
-            run_dir: the run directory (for traces).
+            run_dir: the run directory (for traces and the journal, profile.rank<N>.journal.jsonl).
             overrides: any constructor keyword, applied last.
         """
         p, t = recipe.profile, recipe.train
@@ -168,7 +171,7 @@ class Profiler:
             warmup_steps=t.warmup_steps, active_steps=t.steps, recipe=recipe.to_dict(),
             trace_dir=(Path(run_dir) / "tb") if (run_dir is not None and p.ops) else None,
             trace_wait=p.trace_wait, trace_warmup=p.trace_warmup, record_shapes=p.record_shapes,
-            with_stack=p.with_stack, trace_gzip=p.trace_gzip,
+            with_stack=p.with_stack, trace_gzip=p.trace_gzip, journal_dir=run_dir,
         )
         kwargs.update(overrides)
         return cls(model, optimizer, **kwargs)
@@ -309,6 +312,8 @@ class Profiler:
                 self._store_flops(counter)
                 self.activation_bytes = self._activations.max_bytes
                 self._activations = None
+            if self.journal is not None:
+                self.journal.write(self)
 
     def watch_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
         """Make DDP's gradient all-reduces visible: register DDP's own default Python hook
@@ -463,19 +468,14 @@ class Profiler:
         """The `env` block: library versions, device, world size and the timer used."""
         return profile_env(self)
 
-    def rank_result(self) -> dict[str, Any]:
-        """This rank's profile (what profile.rank<r>.json holds); no collective. Beyond the medians,
-        each step carries its own module times (`modules_ms`: name -> [forward, backward, recompute]
-        ms, modules that ran), for per-step series (TensorBoard) and the run-to-run diff's noise."""
-        from trainprof.analysis.aggregate import module_tree_step
+    def discard_journal(self) -> None:
+        """This rank's profile is written (finished or partial): its journal is no longer needed."""
+        if self.journal is not None:
+            self.journal.discard()
 
+    def rank_result(self) -> dict[str, Any]:
+        """This rank's profile (what profile.rank<r>.json holds); no collective."""
         out = rank_profile(self)
-        if self.hooks is not None:
-            infos = self.hooks.modules
-            for entry, record in zip(out["steps"], self.steps):
-                rows = module_tree_step(infos, record.breakdown.modules)
-                entry["modules_ms"] = {infos[i].name: [r["forward_ms"], r["backward_ms"], r["recompute_ms"]]
-                                       for i, r in rows.items()}
         if self.ops:
             out["ops_info"].update(self._op_tracer.info())
         return out
@@ -516,6 +516,7 @@ class Profiler:
         run_dir.mkdir(parents=True, exist_ok=True)
         merged = self.result(recipe=recipe, env=env)
         atomic_write_json(run_dir / f"profile.rank{self.rank}.json", self.rank_result())
+        self.discard_journal()
         if self.rank == 0:
             atomic_write_json(run_dir / "profile.json", merged)
             write_report(merged, run_dir)

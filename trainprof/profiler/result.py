@@ -13,6 +13,7 @@ from trainprof.analysis.aggregate import (
     comm_rows,
     flops_by_module,
     module_rows,
+    module_tree_step,
     rank_entry,
     select_steps,
     step_entries,
@@ -73,11 +74,28 @@ def profile_env(prof: Recorded) -> dict[str, Any]:
 
 def rank_profile(prof: Recorded) -> dict[str, Any]:
     """This rank's profile: what profile.rank<r>.json holds (no collective)."""
-    env = profile_env(prof)
+    return compose_rank_profile(prof, env=profile_env(prof), state=state_bytes(prof),
+                                device_type=prof.device.type, dtype=compute_dtype(prof.model))
+
+
+def state_bytes(prof: Recorded) -> dict[str, Any]:
+    """Model state bytes (params, grads, optimizer states), with the grads read on the FLOP-counting step."""
+    state = model_state_bytes(prof.model, prof.optimizer)
+    if prof.grads_bytes is not None:  # grads read when the optimizer began, on the FLOP-counting step
+        state["grads"] = max(state["grads"], prof.grads_bytes)
+        state["total"] = state["params"] + state["grads"] + state["optimizer_states"] + state["master_params"]
+    return state
+
+
+def compose_rank_profile(prof: Any, *, env: dict[str, Any], state: dict[str, Any], device_type: str,
+                         dtype: str) -> dict[str, Any]:
+    """The rank document from what was recorded (prof: the Recorded fields other than model, optimizer,
+    device and extra_env) and the facts read from the live process (env, model state bytes, device
+    type, compute dtype); trainprof.profiler.journal replays a killed rank through it."""
     steps_used, used_desc = select_steps(prof.steps)
     infos = prof.hooks.modules if prof.hooks is not None else []
     flops = prof.flops
-    peak, reason = dense_peak(env["device"], prof.device.type, compute_dtype(prof.model))
+    peak, reason = dense_peak(env["device"], device_type, dtype)
     summary = summarize(steps_used, prof.steps, flops=flops, flops_convention=FLOPS_CONVENTION,
                         memory_method=prof.memory.method if prof.memory is not None else None,
                         peak=peak, peak_reason=reason)
@@ -89,10 +107,6 @@ def rank_profile(prof: Recorded) -> dict[str, Any]:
         summary["activation_bytes_reason"] = ("FLOP counting is off (flops=False), and activations are counted on "
                                               "the FLOP-counting step" if not prof.count_flops else
                                               "no tensor was saved for backward on the FLOP-counting step")
-    state = model_state_bytes(prof.model, prof.optimizer)
-    if prof.grads_bytes is not None:  # grads read when the optimizer began, on the FLOP-counting step
-        state["grads"] = max(state["grads"], prof.grads_bytes)
-        state["total"] = state["params"] + state["grads"] + state["optimizer_states"] + state["master_params"]
     op_steps = [s for s in prof.steps if "ops" in s.instrumented]
     ops_cost = None
     if op_steps and summary["step_ms"]["median"]:
@@ -104,7 +118,7 @@ def rank_profile(prof: Recorded) -> dict[str, Any]:
         "recipe": prof.recipe,
         "env": env,
         "measurement": measurement(prof, used_desc),
-        "steps": step_entries(prof.steps),
+        "steps": step_entries_with_modules(prof.steps, infos),
         "summary": summary,
         "modules": module_rows(infos, steps_used, flops_by_module(infos, flops["counts"]) if flops else None),
         "ops": mean_ops(prof.ops_rows),
@@ -116,6 +130,19 @@ def rank_profile(prof: Recorded) -> dict[str, Any]:
         "ranks": [rank_entry(prof.rank, steps_used)],
         "straggler": None,
     }
+
+
+def step_entries_with_modules(steps: list[Any], infos: list[Any]) -> list[dict[str, Any]]:
+    """Each step's entry; beyond the medians, each carries its own module times (`modules_ms`: name ->
+    [forward, backward, recompute] ms, modules that ran), for per-step series (TensorBoard) and the
+    run-to-run diff's noise."""
+    out = step_entries(steps)
+    if infos:
+        for entry, record in zip(out, steps):
+            rows = module_tree_step(infos, record.breakdown.modules)
+            entry["modules_ms"] = {infos[i].name: [r["forward_ms"], r["backward_ms"], r["recompute_ms"]]
+                                   for i, r in rows.items()}
+    return out
 
 
 def mean_ops(per_step: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -99,6 +99,11 @@ def load_run(path: str | Path) -> RunData:
     if not path.is_dir():
         raise RunDirError(f"run dir '{path}' does not exist or is not a directory; pass runs/<run>/")
     profile, source = None, "none"
+    recovered = []
+    if not (path / "profile.json").is_file() and list(path.glob("profile.rank*.journal.jsonl")):
+        from trainprof.profiler.journal import recover_journals  # imports torch: only for a killed run
+
+        recovered = recover_journals(path)
     if (path / "profile.json").is_file():
         profile, source = json.loads((path / "profile.json").read_text()), "profile.json"
     elif list(path.glob("profile.rank*.json")):
@@ -110,6 +115,8 @@ def load_run(path: str | Path) -> RunData:
             reasons = [json.loads(f.read_text()).get("partial_reason") or f.name for f in partial]
             profile.update(partial=True, partial_reason="; ".join(reasons))
             source = f"profile.rank*.partial.json (partial: {len(partial)} rank(s) stopped early; merged now)"
+            if recovered:
+                source += f"; {', '.join(f.name for f in recovered)} rebuilt from the killed ranks' journals"
     else:
         old = _old_rank_files(path)
         if old is not None:

@@ -1,0 +1,207 @@
+"""The profiler's journal: what a rank recorded, one JSON line per finished step, appended and flushed
+as the run goes, so that a rank killed without running any handler (SIGKILL, the kernel's OOM killer,
+a lost node) still leaves the module x phase breakdown of its finished steps.
+
+    profile.rank<N>.journal.jsonl
+      {"kind": "header", ...}   the facts read from the live process once, after the first step
+      {"kind": "facts", ...}    FLOP counts, activation and gradient bytes, operator rows, when they change
+      {"kind": "step", ...}     one StepRecord per recorded step
+
+A flushed line is in the kernel's page cache and survives the process; a line cut short by the kill
+is skipped on replay. `replay` rebuilds the rank document (what profile.rank<N>.json holds) through
+the same composition as a live rank, marked partial; `recover_journals` does that for every rank of a
+run dir that left a journal and no profile (`trainprof report` calls it). A rank that writes its
+profile, finished or partial, removes its journal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, TextIO
+
+from trainprof.analysis.aggregate import StepRecord
+from trainprof.analysis.breakdown import ModuleStep, StepBreakdown
+from trainprof.analysis.records import ModuleInfo
+
+JOURNAL_VERSION = 1
+JOURNAL_GLOB = "profile.rank*.journal.jsonl"
+
+
+def journal_path(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / f"profile.rank{rank}.journal.jsonl"
+
+
+class Journal:
+    """Appends a profiler's records to its journal file (opened on the first write)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file: TextIO | None = None
+        self._facts: tuple[Any, ...] | None = None
+        self._ops_written = 0
+
+    def write(self, prof: Any) -> None:
+        """Append what `prof` (a Profiler) recorded since the last call: its newest step, and the
+        facts when they changed. One write and one flush per step."""
+        lines = []
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115  open for the run's lifetime
+            lines.append(_header(prof))
+        facts = (id(prof.flops), prof.activation_bytes, prof.grads_bytes, len(prof.ops_rows))
+        if facts != self._facts:
+            lines.append({"kind": "facts", "flops": _flops_json(prof.flops), "activation_bytes": prof.activation_bytes,
+                          "grads_bytes": prof.grads_bytes, "new_ops_rows": prof.ops_rows[self._ops_written:]})
+            self._facts, self._ops_written = facts, len(prof.ops_rows)
+        if prof.steps:
+            lines.append({"kind": "step", **_step_json(prof.steps[-1])})
+        self._file.write("".join(json.dumps(line, separators=(",", ":"), default=str) + "\n" for line in lines))
+        self._file.flush()
+
+    def discard(self) -> None:
+        """The rank wrote its profile: the journal is redundant."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self.path.unlink(missing_ok=True)
+
+
+def _header(prof: Any) -> dict[str, Any]:
+    from trainprof.profiler.result import compute_dtype, profile_env, state_bytes
+
+    return {
+        "kind": "header", "journal_version": JOURNAL_VERSION, "pid": os.getpid(), "host": socket.gethostname(),
+        "rank": prof.rank, "world_size": prof.world_size, "recipe": prof.recipe, "env": profile_env(prof),
+        "state": state_bytes(prof), "device_type": prof.device.type, "dtype": compute_dtype(prof.model),
+        "timer": {"kind": prof.timer.kind, "description": prof.timer.description},
+        "memory_method": prof.memory.method if prof.memory is not None else None,
+        "modules": [dataclasses.asdict(m) for m in prof.hooks.modules] if prof.hooks is not None else None,
+        "module_depth": prof.module_depth, "enabled": prof.enabled, "count_flops": prof.count_flops, "ops": prof.ops,
+    }
+
+
+def _flops_json(flops: dict[str, Any] | None) -> dict[str, Any] | None:
+    """FLOP counts are keyed by (module index, phase): as [[module, phase, count], ...] in JSON."""
+    if flops is None:
+        return None
+    return {**flops, "counts": [[m, ph, n] for (m, ph), n in flops["counts"].items()]}
+
+
+def _flops_from_json(flops: dict[str, Any] | None) -> dict[str, Any] | None:
+    if flops is None:
+        return None
+    return {**flops, "counts": {(m, ph): n for m, ph, n in flops["counts"]}}
+
+
+def _step_json(record: StepRecord) -> dict[str, Any]:
+    b = record.breakdown
+    breakdown = {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
+    breakdown["modules"] = {i: vars(m) for i, m in b.modules.items()}
+    out = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+    out["breakdown"] = breakdown
+    return out
+
+
+def _step_record(line: dict[str, Any]) -> StepRecord:
+    b = dict(line["breakdown"])
+    b["modules"] = {int(i): ModuleStep(**m) for i, m in b["modules"].items()}
+    fields = {f.name for f in dataclasses.fields(StepRecord)}
+    return StepRecord(**{k: v for k, v in line.items() if k in fields and k != "breakdown"},
+                      breakdown=StepBreakdown(**b))
+
+
+def read_journal(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(header, the other lines in order); a last line cut short by the kill is dropped.
+
+    Raises:
+        ValueError: no header (the rank was killed before its first step ended) or an unknown version.
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    lines = []
+    for raw in text.splitlines():
+        try:
+            lines.append(json.loads(raw))
+        except json.JSONDecodeError:
+            break  # the line being written when the process died; nothing after it was flushed
+    if not lines or lines[0].get("kind") != "header":
+        raise ValueError(f"{path} holds no complete header: the rank stopped before its first step ended")
+    if lines[0].get("journal_version") != JOURNAL_VERSION:
+        raise ValueError(f"{path} is journal version {lines[0].get('journal_version')}; this trainprof reads "
+                         f"{JOURNAL_VERSION}")
+    return lines[0], lines[1:]
+
+
+def replay(path: str | Path) -> dict[str, Any]:
+    """The rank document a journal records, marked partial (see the module docstring)."""
+    from trainprof.profiler.result import compose_rank_profile
+
+    header, lines = read_journal(path)
+    facts: dict[str, Any] = {"flops": None, "activation_bytes": None, "grads_bytes": None}
+    ops_rows: list[Any] = []
+    steps: list[StepRecord] = []
+    for line in lines:
+        if line["kind"] == "facts":
+            facts.update({k: line[k] for k in facts}, flops=_flops_from_json(line["flops"]))
+            ops_rows.extend(line["new_ops_rows"])
+        elif line["kind"] == "step":
+            steps.append(_step_record(line))
+    modules = [ModuleInfo(**m) for m in header["modules"]] if header["modules"] is not None else None
+    recorded = SimpleNamespace(
+        rank=header["rank"], world_size=header["world_size"], recipe=header["recipe"], steps=steps,
+        hooks=SimpleNamespace(modules=modules) if modules is not None else None,
+        timer=SimpleNamespace(**header["timer"]),
+        memory=SimpleNamespace(method=header["memory_method"]) if header["memory_method"] else None,
+        module_depth=header["module_depth"], enabled=header["enabled"], count_flops=header["count_flops"],
+        ops=header["ops"], ops_rows=ops_rows, **facts,
+    )
+    state = dict(header["state"])
+    if facts["grads_bytes"] is not None:
+        state["grads"] = max(state["grads"], facts["grads_bytes"])
+        state["total"] = state["params"] + state["grads"] + state["optimizer_states"] + state["master_params"]
+    doc = compose_rank_profile(recorded, env=header["env"], state=state, device_type=header["device_type"],
+                               dtype=header["dtype"])
+    measured = sum(1 for s in steps if not s.warmup)
+    doc.update(partial=True, partial_reason=(
+        f"rank {header['rank']} left no profile (killed with no chance to write one: SIGKILL, the OOM killer "
+        f"or a lost node) after {measured} measured steps; rebuilt from its journal"))
+    return doc
+
+
+def _writer_alive(header: dict[str, Any]) -> bool:
+    if header.get("host") != socket.gethostname():
+        return False  # another machine's run, copied here: its ranks are not running here
+    try:
+        os.kill(int(header["pid"]), 0)
+    except (ProcessLookupError, ValueError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover_journals(run_dir: str | Path) -> list[Path]:
+    """Write profile.rank<N>.partial.json for each rank of `run_dir` that left a journal and no
+    profile and whose process is gone; the journals stay (no data is lost). Returns the files written."""
+    from trainprof.io import atomic_write_json
+
+    run_dir = Path(run_dir)
+    written = []
+    for path in sorted(run_dir.glob(JOURNAL_GLOB)):
+        rank = path.name[len("profile.rank"):-len(".journal.jsonl")]
+        if (run_dir / f"profile.rank{rank}.json").exists() or (run_dir / f"profile.rank{rank}.partial.json").exists():
+            continue
+        try:
+            header, _ = read_journal(path)
+        except ValueError:
+            continue  # killed before its first step ended: nothing to rebuild
+        if _writer_alive(header):
+            continue  # still running: `trainprof report` on a live run reads what is finished
+        out = run_dir / f"profile.rank{rank}.partial.json"
+        atomic_write_json(out, replay(path))
+        written.append(out)
+    return written
