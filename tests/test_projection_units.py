@@ -122,6 +122,15 @@ def test_grad_accum_world_size_and_probes():
     assert big["recompute"] == pytest.approx(kappa * 2 * 9.0)
 
 
+def test_an_engine_change_scales_the_whole_compute_phases_by_the_probed_engine_ratio():
+    m = _measured()
+    probe = {"layer_forward_ms": 5.0, "layer_backward_ms": 10.0, "model_forward_ms": 12.0, "model_backward_ms": 24.0}
+    phases, notes = predict_phases(m, _change(zero_stage=2), probes=(probe, probe), num_layers=2, source_machine=None,
+                                   target_machine=None, link=None, source_zero_stage=3, engine_factor=(0.75, 0.9))
+    assert (phases["forward"], phases["backward"]) == pytest.approx((20.0 * 0.75, 40.0 * 0.9))
+    assert any(n.startswith("engine change: forward x0.75, backward x0.90") for n in notes)
+
+
 def test_cross_machine_scales_matmul_by_rate_and_the_rest_by_bandwidth():
     m = _measured()
     src = Machine(name="src", matmul_tflops=1.0, memory_gbps=10.0)  # forward: 2e9 FLOPs -> 2 ms of matmul

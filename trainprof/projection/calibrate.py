@@ -380,6 +380,85 @@ def probe_model(recipe: Any, shape: ProbeShape, *, threads: int | None = None, r
         torch.set_num_threads(before)
 
 
+def probe_engines(recipes: list[Any], *, threads: int, rounds: int = 8, neighbours: int = 0) -> list[dict[str, float]]:
+    """Forward and backward ms of one micro batch through each recipe's own engine (DeepSpeed at its
+    ZeRO stage and offload, or plain torch), all built in one fresh process in a group of one and
+    called alternately (drift hits all of them), the fastest of `rounds` after 2 warm-up rounds, with
+    `neighbours` busy processes as in probe_model. What an engine adds around the model (ZeRO-3's
+    parameter fetch and release at every module, gradient bucketing, the optimizer wrapper) is in
+    these times; communication at world size 1 is not.
+
+    Returns:
+        per recipe: {engine_forward_ms, engine_backward_ms}
+    Raises:
+        ValueError: the probe process failed (its last error line).
+    """
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    import yaml
+
+    from trainprof.run import _free_port
+
+    shape = ProbeShape(recipes[0].train.micro_batch_size, recipes[0].data.seq_len, recipes[0].model.attention,
+                       False)
+    with tempfile.TemporaryDirectory(prefix="trainprof-engine-probe-") as tmp:
+        paths = []
+        for i, recipe in enumerate(recipes):
+            paths.append(Path(tmp) / f"recipe{i}.yaml")
+            paths[-1].write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        out = Path(tmp) / "probe.json"
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        with busy_neighbours(recipes[0], shape, neighbours, threads):
+            proc = subprocess.run([sys.executable, "-m", "trainprof.projection.calibrate", "--probe-engines",
+                                   str(rounds), str(out), *map(str, paths)], env=env, capture_output=True, text=True,
+                                  timeout=600)
+        if proc.returncode != 0 or not out.is_file():
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ValueError(f"the engine probe failed ({last[:200]})")
+        return json.loads(out.read_text())
+
+
+def _probe_engines_main(argv: list[str]) -> int:
+    import json
+
+    from trainprof.engines import DistContext, build_engine
+    from trainprof.models import resolve_shape
+    from trainprof.recipe import load_recipe
+    from trainprof.run import init_distributed, seed_everything
+
+    rounds, out, *paths = argv
+    recipes = [load_recipe(p, ["train.grad_accum=1"]) for p in paths]  # every micro batch a boundary
+    ctx = DistContext.from_env()
+    init_distributed(recipes[0], ctx)
+    engines, batches = [], []
+    for recipe in recipes:
+        seed_everything(recipe.train.seed)
+        engines.append(build_engine(recipe, ctx))
+        ids = torch.randint(0, resolve_shape(recipe.model).vocab_size,
+                            (recipe.train.micro_batch_size, recipe.data.seq_len))
+        batches.append({"input_ids": ids, "labels": ids})
+    fwd: list[list[float]] = [[] for _ in recipes]
+    bwd: list[list[float]] = [[] for _ in recipes]
+    for i in range(int(rounds) + 2):
+        for k, engine in enumerate(engines):
+            t0 = time.perf_counter()
+            loss = engine.forward(batches[k])
+            t1 = time.perf_counter()
+            engine.backward(loss)
+            t2 = time.perf_counter()
+            engine.step()
+            if i >= 2:
+                fwd[k].append((t1 - t0) * 1e3)
+                bwd[k].append((t2 - t1) * 1e3)
+    Path(out).write_text(json.dumps([{"engine_forward_ms": min(f), "engine_backward_ms": min(b)}
+                                     for f, b in zip(fwd, bwd)]))
+    return 0
+
+
 def _probe_rounds(models: dict[int, Any], batches: dict[int, Any], counts: list[int], rounds: int,
                   fwd: dict[int, list[float]], bwd: dict[int, list[float]]) -> None:
     for i in range(rounds + 2):
@@ -400,4 +479,6 @@ if __name__ == "__main__":
 
     if sys.argv[1:2] == ["--busy"]:
         sys.exit(_busy_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["--probe-engines"]:
+        sys.exit(_probe_engines_main(sys.argv[2:]))
     sys.exit(_collective_rank_main(sys.argv[1:]))

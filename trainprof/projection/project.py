@@ -222,6 +222,7 @@ class Projector:
         self.validation = validation
         self.probe = probe
         self._probes: dict[Any, dict[str, float]] = {}
+        self._engine_probes: dict[Any, tuple[float, float]] = {}
         self._calibrations: dict[int, dict[str, Any]] = {}
         self._links: dict[int, Link | None] = {}
         env = source.profile["env"]
@@ -240,6 +241,22 @@ class Projector:
             neighbours = env["world_size"] - 1 if env.get("device_type") == "cpu" else 0
             self._probes[key] = probe_model(recipe, shape, threads=threads, neighbours=neighbours)
         return self._probes[key]
+
+    def engine_factors(self, target_recipe: Any, threads: int) -> tuple[float, float]:
+        """(forward, backward) time of the target's engine over the source's, both probed at the
+        source's shape in one process (calibrate.probe_engines), with the source's CPU neighbours."""
+        src = self.source.recipe
+        target_engine = dataclasses.replace(src, engine=target_recipe.engine)
+        key = (_engine_key(src), _engine_key(target_recipe), threads)
+        if key not in self._engine_probes:
+            from trainprof.projection.calibrate import probe_engines
+
+            env = self.source.profile["env"]
+            neighbours = env["world_size"] - 1 if env.get("device_type") == "cpu" else 0
+            s, t = probe_engines([src, target_engine], threads=threads, neighbours=neighbours)
+            self._engine_probes[key] = (t["engine_forward_ms"] / s["engine_forward_ms"],
+                                        t["engine_backward_ms"] / s["engine_backward_ms"])
+        return self._engine_probes[key]
 
     def calibration_at(self, threads: int) -> dict[str, Any]:
         from trainprof.projection.calibrate import calibrate
@@ -295,6 +312,7 @@ class Projector:
         target: Target | None = None
         source_machine = target_machine = None
         probes = None
+        engine_factor: tuple[float, float] | None = None
         link: Link | None = None
         same_device = machine == THIS
         if same_device:
@@ -305,6 +323,11 @@ class Projector:
             probe_threads = self.source_threads
             if self.probe and layer_params <= PROBE_MAX_LAYER_PARAMS and _same_machine_as_source(src):
                 probes = (self.probe_at(src.recipe, probe_threads), self.probe_at(target_recipe, probe_threads))
+                if _engine_key(src.recipe) != _engine_key(target_recipe):
+                    try:
+                        engine_factor = self.engine_factors(target_recipe, probe_threads or 1)
+                    except ValueError as err:
+                        reasons["step_ms"] = f"the engine change could not be probed: {err}"
             elif _shape_changed(src.recipe, target_recipe):
                 reasons["step_ms"] = ("the shape changed and the model cannot be probed here (another machine or a "
                                       "model too large to probe on CPU); run on the source machine")
@@ -330,13 +353,16 @@ class Projector:
             link = _catalog_link(target, world, gpus_per_node)
             if _shape_changed(src.recipe, target_recipe):
                 assumptions.append("shape changes on another machine: compute scaled by the analytic FLOP ratio")
+            if _engine_key(src.recipe) != _engine_key(target_recipe):
+                assumptions.append("engine change on another machine not modelled: compute as under the source's "
+                                   "engine (probe it on the source machine with --to this)")
         phases: dict[str, float] | None = None
         if "step_ms" not in reasons:
             try:
                 phases, notes = predict_phases(m, change, probes=probes, num_layers=_num_layers(target_recipe),
                                                source_machine=source_machine, target_machine=target_machine,
                                                link=link, source_zero_stage=_zero(src.recipe),
-                                               memory_gbps=self._memory_gbps(same_device))
+                                               memory_gbps=self._memory_gbps(same_device), engine_factor=engine_factor)
                 assumptions.extend(notes)
                 if not same_device and _shape_changed(src.recipe, target_recipe):
                     ratio = _plan_flops(target_recipe, world) / world / (_plan_flops(src.recipe, m.world_size) / m.world_size)
@@ -439,6 +465,11 @@ class Projector:
             if _plan_bytes(candidate, world) <= capacity * 1e9:
                 return planned, False, extra
         return planned, False, None
+
+
+def _engine_key(recipe: Any) -> tuple[str, int, str]:
+    e = recipe.engine
+    return (e.kind, e.zero_stage if e.kind == "deepspeed" else 0, e.offload if e.kind == "deepspeed" else "none")
 
 
 def _zero(recipe: Any) -> int:

@@ -7,7 +7,8 @@ A measured optimizer step (per rank, ms) is split as the profiler measured it:
 
 and each part is re-derived for the target:
 
-  * forward / backward / recompute, per micro batch (x grad_accum):
+  * forward / backward / recompute, per micro batch (x grad_accum); an engine change (ZeRO stage,
+    offload, DeepSpeed <-> torch) scales them by probe_engines(target) / probe_engines(source):
       same machine: the profiled leaf modules' time (attention, MLP, norms, embedding, LM head: the
         model's work, as the ranks ran it) x probe(target) / probe(source), where probe times the recipe's
         whole model at each shape on this machine (calibrate.probe_model); what the parents add on top
@@ -172,8 +173,8 @@ class Change:
 
 def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float], dict[str, float]] | None,
                    num_layers: int, source_machine: Machine | None, target_machine: Machine | None,
-                   link: Link | None, source_zero_stage: int, memory_gbps: float | None = None
-                   ) -> tuple[dict[str, float], list[str]]:
+                   link: Link | None, source_zero_stage: int, memory_gbps: float | None = None,
+                   engine_factor: tuple[float, float] | None = None) -> tuple[dict[str, float], list[str]]:
     """Predicted phases (ms per optimizer step, per rank) and the assumptions made.
 
     Args:
@@ -187,6 +188,9 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
         source_zero_stage: the source's ZeRO stage (0 for the torch engine).
         memory_gbps: the source machine's measured memory bandwidth, for the optimizer's elementwise part
             (None: the optimizer scales with state elements alone).
+        engine_factor: (forward, backward) time of the target's engine over the source's at the same
+            shape (calibrate.probe_engines), for an engine change (ZeRO stage, offload, DeepSpeed/torch);
+            None: the engine is unchanged.
     """
     notes: list[str] = []
     ga_s, ga_t = m.grad_accum, change.grad_accum
@@ -217,6 +221,12 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
                      f"timed on this machine at both shapes; measured/probed: forward {kappa_f:.2f}, backward "
                      f"{kappa_b:.2f}); the rest of each phase (hooks, engine, loss) as measured")
         f, b, r = max(f_t, 0.0), max(b_t, 0.0), max(r_t, 0.0)
+    if engine_factor is not None:
+        # what the engine adds around the model lands in leaves and parents alike (ZeRO-3 fetches and
+        # releases parameters in module hooks): the whole phase scales; a recompute re-runs forwards
+        f, b, r = f * engine_factor[0], b * engine_factor[1], r * engine_factor[0]
+        notes.append(f"engine change: forward x{engine_factor[0]:.2f}, backward x{engine_factor[1]:.2f} (both engines "
+                     "probed at the source's shape in one process, a group of one, called alternately)")
     if target_machine is not None and source_machine is not None:
         f, b, r = (_scale_compute(t, m.flops_by_phase.get(ph, 0.0) / ga_s, source_machine, target_machine)
                    for t, ph in ((f, "forward"), (b, "backward"), (r, "recompute")))
