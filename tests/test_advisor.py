@@ -72,7 +72,7 @@ def test_each_rule_fires_only_on_its_measured_trigger(rule, trigger, below):
     assert rule not in fired(_with(**below))
     a = hit[rule]
     assert a["trigger"]["value"] is not None and a["trigger"]["threshold"] and a["trigger"]["text"]
-    assert a["predicted_gain"] is None and a["predicted_gain_reason"] == "projection not available"
+    assert a["predicted_gain"] is None and a["predicted_gain_reason"].startswith("projection not available")
     assert isinstance(a["overrides"], dict)
 
 
@@ -91,6 +91,20 @@ def test_gain_bounds_come_from_the_measured_figure():
     # the ranking puts the largest bound first
     both = advise(_with(summary__phases_ms__data_wait=5.0, summary__phases_ms__comm_exposed=20.0))["advice"]
     assert [a["rule"] for a in both] == ["comm_exposed", "data_wait"]
+
+
+def test_projected_gains_attach_to_their_advice_only():
+    profile = _with(summary__phases_ms__data_wait=5.0, summary__phases_ms__comm_exposed=20.0,
+                    recipe__engine__zero_stage=3)
+    rows = [{"rule": "comm_exposed", "overrides": ["engine.zero_stage=2"], "predicted_gain": 0.12,
+             "expected_error_pct": 9.0},
+            {"rule": "data_wait", "overrides": ["data.num_workers=2"], "predicted_gain": None,
+             "reason": "the step model does not model data.num_workers"}]
+    got = {a["rule"]: a for a in advise(profile, rows)["advice"]}
+    assert got["comm_exposed"]["predicted_gain"] == 0.12 and "expected step error 9%" in got["comm_exposed"]["predicted_gain_source"]
+    assert got["data_wait"]["predicted_gain"] is None and "does not model data.num_workers" in got["data_wait"]["predicted_gain_reason"]
+    stale = advise(profile, [{**rows[0], "overrides": ["engine.zero_stage=1"]}])["advice"]
+    assert all(a["predicted_gain"] is None for a in stale)  # a projection of other overrides is not this advice's
 
 
 def test_memory_headroom_needs_a_known_capacity():

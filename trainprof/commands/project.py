@@ -37,6 +37,8 @@ def _project(args: argparse.Namespace) -> int:
     from trainprof.projection.project import ProjectionError, project
     from trainprof.projection.report import render_short, write_projection
 
+    if args.advice:
+        return _advice(args)
     targets = [t.strip() for t in args.to.split(",") if t.strip()]
     try:
         prices = load_prices(args.prices, args.price)
@@ -55,6 +57,38 @@ def _project(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2, default=str))
     else:
         print(render_short(result))
+        print(f"\nwrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    return 0
+
+
+def _advice(args: argparse.Namespace) -> int:
+    """`--advice`: project each of the advisor's recipe changes; RUN_DIR/projection/advice.json, which
+    the run report's "What to change" table reads for its predicted gains."""
+    from trainprof.cli import UserError
+    from trainprof.io import atomic_write_json
+    from trainprof.projection.project import ProjectionError, project_advice
+
+    if args.overrides or args.to != "this":
+        raise UserError("--advice projects the advisor's own changes on the run's machine; drop the overrides and --to")
+    try:
+        rows = project_advice(args.run_dir, probe=not args.no_probe, progress=not args.json)
+    except ProjectionError as err:
+        raise UserError(str(err)) from None
+    out_dir = Path(args.out) if args.out else Path(args.run_dir) / "projection"
+    atomic_write_json(out_dir / "advice.json", {"advice": rows})
+    paths = [out_dir / "advice.json"]
+    if not args.out:
+        from trainprof.report.run_report import write_reports
+
+        paths.append(write_reports(args.run_dir, scalars=False)["html"])
+    if args.json:
+        print(json.dumps({"advice": rows}, indent=2, default=str))
+    else:
+        for r in rows:
+            gain = f"{100 * r['predicted_gain']:+.1f}% tokens/s" if r["predicted_gain"] is not None else r.get("reason")
+            print(f"{r['rule']:<22} {' '.join(r['overrides']) or '-':<50} {gain}")
+        if not rows:
+            print("nothing triggered: no advice to project")
         print(f"\nwrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
     return 0
 
@@ -116,6 +150,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--catalog", default=None, help="your own catalog YAML, merged over the shipped one")
     p.add_argument("--out", default=None, help="output dir (default RUN_DIR/projection)")
     p.add_argument("--no-probe", action="store_true", help="do not time the model's layers on this machine")
+    p.add_argument("--advice", action="store_true",
+                   help="project the advisor's recipe changes (report's 'What to change') on this machine: "
+                        "RUN_DIR/projection/advice.json, and predicted gains in report.html")
     p.add_argument("--json", action="store_true", help="print projection.json to stdout")
     p.set_defaults(func=_project)
 

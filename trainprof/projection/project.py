@@ -557,6 +557,52 @@ def project(run_dir: str | Path, *, targets: list[str] | None = None, nodes: lis
     }
 
 
+# recipe keys the step model re-derives; an advice that changes another key cannot be projected
+MODELLED_KEYS = ("train.micro_batch_size", "data.seq_len", "train.grad_accum", "model.recompute", "model.attention",
+                 "engine.zero_stage", "engine.offload", "engine.kind")
+
+
+def project_advice(run_dir: str | Path, *, probe: bool = True, progress: bool = False) -> list[dict[str, Any]]:
+    """The advisor's advice for a run (trainprof.report.advisor), each with its recipe overrides projected
+    on the run's own machine: predicted step and tokens/s, and the gain over the same-settings
+    prediction (which reproduces the measured step), or null with the reason."""
+    from tqdm import tqdm
+
+    from trainprof.report.advisor import advise
+
+    source, recipe = load_source(run_dir)
+    projector = Projector(source, load_catalog(), validation=load_validation(), probe=probe)
+    base = projector.predict(recipe)
+    out = []
+    for a in tqdm(advise(source.profile)["advice"], desc="advice", unit="advice", disable=not progress):
+        overrides = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in a["overrides"].items()]
+        row: dict[str, Any] = {"rule": a["rule"], "overrides": overrides, "predicted_step_ms": None,
+                               "predicted_tokens_per_s": None, "predicted_gain": None, "expected_error_pct": None}
+        unmodelled = [k for k in a["overrides"] if k not in MODELLED_KEYS]
+        if not overrides:
+            row["reason"] = "the advice changes no recipe key"
+        elif unmodelled:
+            row["reason"] = f"the step model does not model {', '.join(unmodelled)}"
+        else:
+            try:
+                _, target = load_source(run_dir, overrides)
+            except Exception as err:  # noqa: BLE001  a recipe rule refusing the combination is the answer
+                row["reason"] = f"the recipe refuses {' '.join(overrides)}: {str(err).splitlines()[0]}"
+            else:
+                pred = projector.predict(target, overrides=overrides)
+                row.update(predicted_step_ms=pred["step_ms"], predicted_tokens_per_s=pred["tokens_per_s"],
+                           expected_error_pct=pred["expected_error_pct"],
+                           expected_error_source=pred["expected_error_source"], phases_ms=pred["phases_ms"],
+                           assumptions=pred["assumptions"])
+                if pred["tokens_per_s"] and base["tokens_per_s"]:
+                    row["predicted_gain"] = pred["tokens_per_s"] / base["tokens_per_s"] - 1
+                    row["predicted_gain_convention"] = "predicted tokens/s over the same-settings prediction, minus 1"
+                else:
+                    row["reason"] = (pred.get("reasons") or {}).get("step_ms", "no step time predicted")
+        out.append(row)
+    return out
+
+
 def _scaling_efficiency(projector: Projector, recipe: Any, predictions: list[dict[str, Any]], gpus_per_node: int,
                         threads: int | None) -> None:
     """tput(N) / (N * tput(1)) per hardware, tput(1) predicted on the same hardware with one GPU."""

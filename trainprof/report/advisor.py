@@ -1,7 +1,8 @@
 """The advisor: "What to change", rules grounded in one run's own figures (profile.json). Each rule
 has a measured trigger (the figure, its value and the threshold it crossed), an action, an upper
 bound on what the action can gain derived from the measured figure, and the recipe overrides that
-would implement it, so a projector can evaluate them (`predicted_gain` stays null until one does).
+would implement it; `trainprof project RUN --advice` projects those overrides and `advise(profile,
+predicted)` attaches the predicted gain (null with the reason where the step model cannot).
 No trigger, no advice; every check is listed with its figure whether it fired or not.
 
     from trainprof.report.advisor import advise
@@ -249,11 +250,13 @@ RULES: tuple[Rule, ...] = (rule_data_wait, rule_comm_exposed, rule_small_batch, 
                            rule_straggler, rule_memory_headroom)
 
 
-def advise(profile: dict[str, Any]) -> dict[str, Any]:
+def advise(profile: dict[str, Any], predicted: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Run every rule on a merged profile.
 
     Args:
         profile: the content of profile.json.
+        predicted: `trainprof project RUN --advice` rows (projection.json "advice"): each advice whose
+            rule and overrides match gets predicted_gain (a fraction of tokens/s) and its source.
     Returns:
         {"advice": triggered advice, largest gain bound first, "checks": every rule's figure and outcome}.
     """
@@ -264,8 +267,29 @@ def advise(profile: dict[str, Any]) -> dict[str, Any]:
         checks.append(check)
         if item is not None:
             advice.append(item)
+    for item in advice:
+        _attach_prediction(item, predicted)
     advice.sort(key=lambda a: -(a["gain"]["upper_bound_step_frac"] or 0.0))
     return {"advice": advice, "checks": checks}
+
+
+def _attach_prediction(item: dict[str, Any], predicted: list[dict[str, Any]] | None) -> None:
+    if predicted is None:
+        item["predicted_gain_reason"] = NO_PROJECTION + ": run `trainprof project RUN_DIR --advice`"
+        return
+    wanted = sorted(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in item["overrides"].items())
+    row = next((r for r in predicted if r["rule"] == item["rule"] and sorted(r["overrides"]) == wanted), None)
+    if row is None:
+        item["predicted_gain_reason"] = NO_PROJECTION + " for these overrides (projected before this advice changed)"
+    elif row["predicted_gain"] is None:
+        item["predicted_gain_reason"] = row.get("reason") or NO_PROJECTION
+    else:
+        err = row.get("expected_error_pct")
+        item["predicted_gain"] = row["predicted_gain"]
+        item["predicted_gain_reason"] = None
+        item["predicted_gain_source"] = ("trainprof project --advice: predicted tokens/s over the same-settings "
+                                         "prediction" + (f", expected step error {err:.0f}%" if err is not None
+                                                         else f"; {row.get('expected_error_source') or 'error not validated'}"))
 
 
 def bottleneck(profile: dict[str, Any]) -> tuple[str, float] | None:

@@ -6,6 +6,7 @@ beside it); what a run dir lacks is named in the report. Imports neither torch n
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -112,19 +113,22 @@ def answer_section(doc: Document, run: RunData) -> None:
         ("closure", f"{100 * s['unattributed_frac']:.2f}% of the step unattributed"
          if s.get("unattributed_frac") is not None else "n/a"),
     ]))
-    result = advise(p)
+    projected = run.path / "projection" / "advice.json"  # `trainprof project RUN --advice`
+    result = advise(p, json.loads(projected.read_text())["advice"] if projected.is_file() else None)
     sec = doc.section("What to change", id="advice")
     if not result["advice"]:
         sec.blocks.append(Para(f"Nothing triggered. Checks: {checks_text(result['checks'])}."))
         return
     rows = [[a["title"], a["trigger"]["text"], a["trigger"]["threshold"], a["action"], a["gain"]["text"],
              overrides_text(a["overrides"]) or "-",
-             a["predicted_gain"] if a["predicted_gain"] is not None else "n/a: no projection of the overrides yet"]
+             f"{100 * a['predicted_gain']:+.1f}% tokens/s ({a['predicted_gain_source']})" if a["predicted_gain"] is not None
+             else f"n/a: {a['predicted_gain_reason']}"]
             for a in result["advice"]]
     sec.blocks.append(Table(["advice", "measured trigger", "fires at", "what to do", "what it can gain (bound)",
                              "overrides", "predicted gain"], rows, id="advice-table", numeric=[False] * 7,
-                            method="each rule reads this run's profile.json; gains are upper bounds derived from the "
-                                   "measured figure, not predictions"))
+                            method="each rule reads this run's profile.json; 'what it can gain' is an upper bound derived "
+                                   "from the measured figure; 'predicted gain' is the step model's projection of the "
+                                   "overrides (trainprof project RUN_DIR --advice)"))
 
 
 def method_section(doc: Document, run: RunData) -> None:
