@@ -93,6 +93,7 @@ class EngineConfig:
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"  # ZeRO-Offload to CPU
     pipeline_stages: int = 1  # > 1: one pipeline stage per rank (torch.distributed.pipelining, engine.kind torch); must equal the number of ranks
     pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"  # pipeline schedule over train.grad_accum micro batches
+    pipeline_layers: list[int] | None = None  # decoder layers per stage, e.g. [3, 1]; None = even split, extra layers to the first stages
 
 
 @dataclass(kw_only=True)
@@ -553,6 +554,13 @@ def _validate_pipeline(recipe: Recipe, shape: LlamaShape) -> None:
         f"recipe key 'model.dtype': fp16 with engine.pipeline_stages={p} is not supported (no loss scaling "
         "across stages); use model.dtype=bf16 or fp32",
     )
+    if e.pipeline_layers is not None:
+        _require(
+            len(e.pipeline_layers) == p and all(n >= 1 for n in e.pipeline_layers)
+            and sum(e.pipeline_layers) == shape.num_layers,
+            f"recipe key 'engine.pipeline_layers': {e.pipeline_layers} must list {p} counts >= 1 (one per stage) "
+            f"that add up to the model's {shape.num_layers} decoder layers; fix the list or remove it for an even split",
+        )
     if e.pipeline_schedule == "1f1b":
         _require(
             tr.grad_accum >= p,

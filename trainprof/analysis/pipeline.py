@@ -84,15 +84,16 @@ class PipelineInfo:
                 "micro_batches": self.micro_batches, "prev_rank": self.prev_rank, "next_rank": self.next_rank}
 
 
-def step_timeline(events: list[tuple[int, Any, float]], bubbles: list[tuple[float, float, str]]) -> list[list[Any]]:
+def step_timeline(events: list[tuple[int, Any, float]], waits: list[tuple[float, float, str]]) -> list[list[Any]]:
     """One step's intervals on this stage, sorted: [kind, micro batch or None, t0 ms, t1 ms] with kind
-    forward | backward (a micro batch's action) | bubble_forward | bubble_backward (waiting for the
-    neighbour's activations / gradients) | optimizer.
+    forward | backward (a micro batch's action) | bubble_forward | bubble_backward (blocked on a
+    transfer of activations / gradients with a neighbour) | optimizer | comm_exposed (blocked in a
+    collective, e.g. the gradient-norm all-reduce across stages inside the optimizer).
 
     Args:
         events: the step's events in ms (codes from analysis.records; pipeline actions are
             (ACTION_OPEN | ACTION_CLOSE, (kind, micro batch), ms)).
-        bubbles: (t0, t1, phase) of the receive waits.
+        waits: (t0, t1, kind) of the blocked intervals, kind bubble_forward | bubble_backward | comm_exposed.
     """
     from trainprof.analysis.records import ACTION_CLOSE, ACTION_OPEN
 
@@ -111,7 +112,7 @@ def step_timeline(events: list[tuple[int, Any, float]], bubbles: list[tuple[floa
             t0 = open_optimizer.pop()
             if not open_optimizer:
                 out.append(["optimizer", None, t0, t])
-    out.extend([f"bubble_{phase}", None, a, b] for a, b, phase in bubbles)
+    out.extend([kind, None, a, b] for a, b, kind in waits if b > a)
     out.sort(key=lambda r: (r[2], r[3]))
     return [[k, mb, round(a, 4), round(b, 4)] for k, mb, a, b in out]
 

@@ -73,7 +73,7 @@ class PipelineEngine:
         for p in full.parameters():  # then keeps its part: the same weights as the unsplit model
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()  # fp32 master weights + autocast, as the torch engine
-        self.module = LlamaStage(full, self.stage_index, self.num_stages,
+        self.module = LlamaStage(full, self.stage_index, self.num_stages, layers=e.pipeline_layers,
                                  autocast_dtype=None if dtype == torch.float32 else dtype)
         del full
         self.loop_module = self.module

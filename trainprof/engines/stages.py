@@ -18,20 +18,23 @@ import torch
 from torch import nn
 
 
-def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
-    """Contiguous decoder layers per stage; the first `num_layers % num_stages` stages get one more
-    (the last stage also runs the LM head and the loss, so it should not get the extra layer).
+def stage_layer_ranges(num_layers: int, num_stages: int, counts: list[int] | None = None) -> list[range]:
+    """Contiguous decoder layers per stage: `counts` (engine.pipeline_layers), or an even split where
+    the first `num_layers % num_stages` stages get one more (the last stage also runs the LM head and
+    the loss, so it should not get the extra layer).
 
     Args:
         num_layers: decoder layers in the model.
         num_stages: pipeline stages (<= num_layers).
+        counts: layers per stage (validated by the recipe: num_stages entries >= 1 adding up to num_layers).
     Returns:
         One range of global layer indices per stage.
     """
-    base, extra = divmod(num_layers, num_stages)
+    if counts is None:
+        base, extra = divmod(num_layers, num_stages)
+        counts = [base + (1 if s < extra else 0) for s in range(num_stages)]
     out, start = [], 0
-    for s in range(num_stages):
-        n = base + (1 if s < extra else 0)
+    for n in counts:
         out.append(range(start, start + n))
         start += n
     return out
@@ -84,10 +87,10 @@ class LlamaStage(nn.Module):
     analytic FLOP estimate reads it).
     """
 
-    def __init__(self, causal_lm: nn.Module, stage: int, num_stages: int, *,
+    def __init__(self, causal_lm: nn.Module, stage: int, num_stages: int, *, layers: list[int] | None = None,
                  autocast_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        ranges = stage_layer_ranges(causal_lm.config.num_hidden_layers, num_stages)
+        ranges = stage_layer_ranges(causal_lm.config.num_hidden_layers, num_stages, layers)
         self.stage, self.num_stages = stage, num_stages
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.layer_range = ranges[stage]

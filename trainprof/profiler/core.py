@@ -463,8 +463,9 @@ class Profiler:
                                  parents=[m.parent for m in self.hooks.modules] if self.hooks is not None else None)
         pipeline = None
         if self.pipeline is not None:
-            bubbles = [(a, b, c.phase) for c in comms if c.exposed_as == "pipeline_bubble" for a, b in c.exposed_intervals()]
-            pipeline = {"origin_unix_ns": self._origin_unix_ns, "timeline": step_timeline(events, bubbles)}
+            waits = [(a, b, f"bubble_{c.phase}" if c.exposed_as == "pipeline_bubble" else "comm_exposed")
+                     for c in comms for a, b in c.exposed_intervals()]
+            pipeline = {"origin_unix_ns": self._origin_unix_ns, "timeline": step_timeline(events, waits)}
         losses = [float(x) for x in self._step_loss]
         self.steps.append(StepRecord(
             step=index - self.warmup_steps,

@@ -15,7 +15,8 @@ from trainprof.io import atomic_write_text
 from trainprof.report import plots
 from trainprof.report.document import Details, Document, Facts, Figure, Missing, Para, Table, fmt
 from trainprof.report.document import render_html, render_markdown
-from trainprof.report.rundir import PHASES, RunData, load_run, module_time, recipe_of, step_peak_memory, top_modules
+from trainprof.report.pipeline import pipeline_section
+from trainprof.report.rundir import RunData, load_run, module_time, recipe_of, report_phases, step_peak_memory, top_modules
 
 PLOTS_DIR = "report_plots"  # PNGs for report.md, beside it
 TOP_MODULES = 15
@@ -164,18 +165,19 @@ def phases_section(doc: Document, run: RunData) -> None:
                                 [[st["step"], st.get("wall_ms"), st.get("loss"), st.get("tokens")] for st in steps],
                                 id="steps-table"))
         return
-    sec.blocks.append(Figure(plots.phase_bars(steps, PHASES),
+    shown = report_phases(p)
+    sec.blocks.append(Figure(plots.phase_bars(steps, shown),
                              "Phases per measured step on rank " + str(p.get("steps_rank", 0)) + " (ms, stacked; "
                              "together they add up to the step's wall time)", f"{PLOTS_DIR}/phases.png",
                              id="fig-phases"))
     step_ms = _get(s, "step_ms", "median")
     phases = s.get("phases_ms") or {}
-    rows = [[ph, phases.get(ph), _pct(phases.get(ph), step_ms)] for ph in PHASES]
+    rows = [[ph, phases.get(ph), _pct(phases.get(ph), step_ms)] for ph in shown]
     rows.append(["unattributed (closure error)", s.get("unattributed_ms"), _pct(s.get("unattributed_ms"), step_ms)])
     sec.blocks.append(Table(["phase", "ms per step (median)", "share of step"], rows, method=method,
                             id="phases-table"))
-    cols = ["step", "wall ms", *PHASES, "unattributed", "instrumented"]
-    sec.blocks.append(Table(cols, [[st["step"], st["wall_ms"], *(st["phases_ms"].get(ph) for ph in PHASES),
+    cols = ["step", "wall ms", *shown, "unattributed", "instrumented"]
+    sec.blocks.append(Table(cols, [[st["step"], st["wall_ms"], *(st["phases_ms"].get(ph) for ph in shown),
                                     st.get("unattributed_ms"), ", ".join(st.get("instrumented") or []) or "-"]
                                    for st in steps], id="steps-table", method=_get(p, "measurement", "timer")))
 
@@ -347,9 +349,10 @@ def ranks_section(doc: Document, run: RunData) -> None:
     if len(ranks) < 2:
         return
     sec = doc.section("Ranks", id="ranks")
-    sec.blocks.append(Table(["rank", "step ms", "busy ms", *PHASES],
+    shown = report_phases(p)
+    sec.blocks.append(Table(["rank", "step ms", "busy ms", *shown],
                             [[r["rank"], r.get("step_ms_median"), r.get("busy_ms_median"),
-                              *(r["phases_ms"].get(ph) for ph in PHASES)] for r in ranks],
+                              *(r["phases_ms"].get(ph) for ph in shown)] for r in ranks],
                             method="medians over each rank's measured steps; busy = step minus exposed communication "
                                    "and data wait (what a straggler is judged by)", id="ranks-table"))
 
@@ -430,8 +433,8 @@ def projection_section(doc: Document, run: RunData) -> None:
                "n/a where not validated", id="projection-table"))
 
 
-SECTIONS = (answer_section, facts_section, method_section, phases_section, modules_section, ops_section,
-            comm_section, memory_section, flops_section, ranks_section, projection_section)
+SECTIONS = (answer_section, facts_section, method_section, phases_section, pipeline_section, modules_section,
+            ops_section, comm_section, memory_section, flops_section, ranks_section, projection_section)
 
 
 def build_run_report(run: RunData, *, trace_scan_bytes: int = TRACE_SCAN_BYTES) -> Document:

@@ -1,0 +1,88 @@
+"""The report's pipeline section: one step's per-stage timeline (the classic pipeline diagram, from
+measured intervals), bubble measured beside analytic, point-to-point volume, stage imbalance and which
+stage to rebalance. Figures come from profile.json `pipeline` (trainprof/analysis/pipeline.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainprof.report import plots
+from trainprof.report.document import Document, Figure, Para, Table, fmt
+from trainprof.report.rundir import RunData
+
+PLOTS_DIR = "report_plots"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def timeline_text(stages: list[dict[str, Any]], width: int = 72) -> str:
+    """The timeline as text, one line per stage: F / B for a micro batch's forward / backward (its
+    index after the letter where there is room), '.' waiting for a neighbour, 'o' optimizer, 'c'
+    blocked in a collective, ' ' anything else (for summary.md and terminals)."""
+    end = max((st["offset_ms"] + iv[3] for st in stages for iv in st["intervals"]), default=0.0)
+    if end <= 0:
+        return ""
+    scale = width / end
+    lines = []
+    for st in stages:
+        row = [" "] * width
+        for kind, mb, t0, t1 in st["intervals"]:
+            a = int((st["offset_ms"] + t0) * scale)
+            b = max(a + 1, int((st["offset_ms"] + t1) * scale))
+            char = {"forward": "F", "backward": "B", "optimizer": "o", "comm_exposed": "c"}.get(kind, ".")
+            for i in range(a, min(b, width)):
+                row[i] = char
+            if kind in ("forward", "backward") and mb is not None and b - a >= 2:
+                row[min(a + 1, width - 1)] = str(mb % 10)
+        lines.append(f"stage {st['stage']} |{''.join(row)}|")
+    lines.append(f"{'':8}0{'':{width - len(f'{end:.1f} ms')}}{end:.1f} ms")
+    return "\n".join(lines)
+
+
+def pipeline_section(doc: Document, run: RunData) -> None:
+    p = run.profile or {}
+    pl = p.get("pipeline")
+    if not pl or "stages" not in pl:
+        return
+    sec = doc.section("Pipeline stages", id="pipeline")
+    m, n = pl["micro_batches"], pl["num_stages"]
+    sec.blocks.append(Para(
+        f"{n} stages, {pl['schedule']} schedule, {m} micro batches per step. Bubble (time a stage waited for a "
+        f"neighbour), measured: {_pct(pl.get('bubble_frac_measured_mean'))} of the schedule (mean over stages); "
+        f"analytic GPipe (p-1)/(m+p-1): {_pct(pl['bubble_frac_analytic'])} (assumes equal stage times and free "
+        "transfers)."))
+    tl = pl.get("timeline")
+    if tl:
+        sec.blocks.append(Figure(plots.pipeline_timeline(tl["stages"]),
+                                 f"Step {tl['step']} per stage, from measured intervals (F<i>/B<i>: micro batch i's "
+                                 f"forward/backward; hatched: waiting for a neighbour). {tl['alignment']}",
+                                 f"{PLOTS_DIR}/pipeline_timeline.png", id="fig-pipeline-timeline"))
+    method = (pl["stages"][0].get("method") or {}) if pl["stages"] else {}
+    rows = []
+    for st in pl["stages"]:
+        b = st.get("p2p_bytes_per_step") or {}
+        rows.append([st["stage"], st.get("rank"), st.get("busy_ms"), st.get("bubble_ms"), st.get("schedule_ms"),
+                     _pct(st.get("bubble_frac_measured")), _pct(st.get("bubble_frac_analytic")),
+                     (b.get("activations_sent_bytes", 0) + b.get("gradients_sent_bytes", 0)) / 2**20,
+                     (b.get("activations_received_bytes", 0) + b.get("gradients_received_bytes", 0)) / 2**20])
+    sec.blocks.append(Table(
+        ["stage", "rank", "busy ms", "bubble ms", "schedule ms", "bubble measured", "bubble analytic (GPipe)",
+         "p2p sent MiB", "p2p received MiB"], rows, id="pipeline-stages-table",
+        method=f"busy: {method.get('busy_ms', '')}; bubble: {method.get('bubble', '')}; measured fraction: "
+               f"{method.get('bubble_frac_measured', '')}; analytic: {method.get('bubble_frac_analytic', '')}; "
+               "p2p: bytes of the point-to-point ops with the neighbouring stages per step (median)"))
+    mb_rows = [[st["stage"], r["micro_batch"], r.get("forward_ms"), r.get("backward_ms")]
+               for st in pl["stages"] for r in st.get("micro_batches_ms") or []]
+    if mb_rows:
+        sec.blocks.append(Table(["stage", "micro batch", "forward ms", "backward ms"], mb_rows,
+                                id="pipeline-microbatch-table", method=method.get("micro_batches_ms")))
+    bal = pl.get("balance") or {}
+    text = (f"Stage imbalance: {_pct(bal.get('imbalance'))} (slowest stage {bal.get('slowest_stage')}, busy ms per "
+            f"stage {', '.join(fmt(x) for x in bal.get('busy_ms') or [])}). ")
+    if bal.get("suggestion"):
+        text += "To rebalance: " + bal["suggestion"]["text"] + "."
+    elif bal.get("suggestion_none"):
+        text += bal["suggestion_none"] + "."
+    sec.blocks.append(Para(text + f" ({bal.get('method', '')})"))
