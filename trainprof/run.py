@@ -326,6 +326,19 @@ def render_summary(profile: dict[str, Any], run_dir: Path) -> str:
         ("params total / trainable", f"{profile['params']['total']:,} / {profile['params']['trainable']:,}"),
         ("trace per step", trace_size_text(profile)),
     ]
+    pl = profile.get("pipeline")
+    timeline: list[str] = []
+    if pl and "stages" in pl:
+        from trainprof.report.pipeline import bubble_text, timeline_text
+
+        bal = pl.get("balance") or {}
+        rows.append(("pipeline bubble", bubble_text(pl)))
+        rows.append(("stage imbalance", f"{100 * bal['imbalance']:.1f}% (slowest stage {bal['slowest_stage']})"
+                     if bal.get("imbalance") is not None else "n/a"))
+        if pl.get("timeline"):
+            timeline = [f"  stage timeline, step {pl['timeline']['step']} (F/B forward/backward, . waiting for a "
+                        "neighbour, c collective, o optimizer):",
+                        *("    " + line for line in timeline_text(pl["timeline"]["stages"], width=60).splitlines())]
     width = max(len(k) for k, _ in rows)
     from trainprof.report.advisor import advise
 
@@ -333,7 +346,7 @@ def render_summary(profile: dict[str, Any], run_dir: Path) -> str:
     changes = [f"  - {a['title']}: {a['trigger']['text']}; gain: {a['gain']['text']}" for a in advice] \
         or ["  nothing triggered (checks listed in summary.md)"]
     return "\n".join(["", "trainprof run summary", "what to change:", *changes,
-                      *(f"  {k:<{width}}  {v}" for k, v in rows)])
+                      *(f"  {k:<{width}}  {v}" for k, v in rows), *timeline])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,3 +86,38 @@ def pipeline_section(doc: Document, run: RunData) -> None:
     elif bal.get("suggestion_none"):
         text += bal["suggestion_none"] + "."
     sec.blocks.append(Para(text + f" ({bal.get('method', '')})"))
+
+
+def bubble_text(pl: dict[str, Any]) -> str:
+    """Measured bubble beside the analytic one, labelled, in one line."""
+    return (f"measured {_pct(pl.get('bubble_frac_measured_mean'))} of the schedule (mean over {pl['num_stages']} "
+            f"stages; time blocked on transfers with a neighbour) vs analytic GPipe {_pct(pl['bubble_frac_analytic'])} "
+            f"((p-1)/(m+p-1), p={pl['num_stages']}, m={pl['micro_batches']}; equal stages, free transfers)")
+
+
+def pipeline_summary_lines(profile: dict[str, Any]) -> list[str]:
+    """summary.md's pipeline part: bubble measured vs analytic, per stage, the text timeline, balance."""
+    pl = profile.get("pipeline")
+    if not pl or "stages" not in pl:
+        return []
+    lines = ["", "## Pipeline stages", "", f"- {pl['num_stages']} stages, {pl['schedule']}, {pl['micro_batches']} "
+             f"micro batches; bubble: {bubble_text(pl)}", "",
+             "| stage | busy ms | bubble ms | bubble measured | bubble analytic | p2p sent MiB | p2p received MiB |",
+             "|---|---|---|---|---|---|---|"]
+    for st in pl["stages"]:
+        b = st.get("p2p_bytes_per_step") or {}
+        sent = (b.get("activations_sent_bytes", 0) + b.get("gradients_sent_bytes", 0)) / 2**20
+        received = (b.get("activations_received_bytes", 0) + b.get("gradients_received_bytes", 0)) / 2**20
+        lines.append(f"| {st['stage']} | {fmt(st.get('busy_ms'))} | {fmt(st.get('bubble_ms'))} | "
+                     f"{_pct(st.get('bubble_frac_measured'))} | {_pct(st.get('bubble_frac_analytic'))} | "
+                     f"{sent:.3f} | {received:.3f} |")
+    tl = pl.get("timeline")
+    if tl:
+        lines += ["", f"Step {tl['step']}, measured (F/B: a micro batch's forward/backward, '.': waiting for a "
+                  "neighbour, 'c': blocked in a collective, 'o': optimizer):", "", "```",
+                  timeline_text(tl["stages"]), "```"]
+    bal = pl.get("balance") or {}
+    advice = (bal.get("suggestion") or {}).get("text") or bal.get("suggestion_none") or "-"
+    lines += ["", f"- imbalance: {_pct(bal.get('imbalance'))} (slowest stage {bal.get('slowest_stage')}); "
+              f"rebalance: {advice}"]
+    return lines
