@@ -271,17 +271,24 @@ def merge_pipeline(profiles: list[dict[str, Any]]) -> dict[str, Any] | None:
         }
     costs = [_layer_costs(by_stage[b["stage"]].get("modules") or []) for b in blocks]
     measured = [b["bubble_frac_measured"] for b in blocks if b["bubble_frac_measured"] is not None]
+    balance = rebalance(blocks, costs)
+    pace = blocks[balance["slowest_stage"]]
     return {
         "num_stages": first["num_stages"],
         "schedule": first["schedule"],
         "micro_batches": first["micro_batches"],
         "bubble_frac_analytic": first["bubble_frac_analytic"],
         "bubble_frac_analytic_formula": ANALYTIC_FORMULA,
+        "bubble_frac_measured": pace["bubble_frac_measured"],
+        "bubble_frac_measured_stage": pace["stage"],
         "bubble_frac_measured_mean": statistics.fmean(measured) if measured else None,
-        "bubble_frac_measured_method": FRACTION_METHOD + "; mean over stages",
+        "bubble_frac_measured_method": (FRACTION_METHOD + "; of the stage that sets the pace (the most busy one): "
+                                        "it waits only to fill and drain the pipeline, what the analytic fraction "
+                                        "models; a faster stage also waits for the slower one on every micro batch "
+                                        "(imbalance), so the mean over stages is given beside it"),
         "stages": stages,
         "timeline": timeline,
-        "balance": rebalance(blocks, costs),
+        "balance": balance,
     }
 
 

@@ -48,11 +48,8 @@ def pipeline_section(doc: Document, run: RunData) -> None:
         return
     sec = doc.section("Pipeline stages", id="pipeline")
     m, n = pl["micro_batches"], pl["num_stages"]
-    sec.blocks.append(Para(
-        f"{n} stages, {pl['schedule']} schedule, {m} micro batches per step. Bubble (time a stage waited for a "
-        f"neighbour), measured: {_pct(pl.get('bubble_frac_measured_mean'))} of the schedule (mean over stages); "
-        f"analytic GPipe (p-1)/(m+p-1): {_pct(pl['bubble_frac_analytic'])} (assumes equal stage times and free "
-        "transfers)."))
+    sec.blocks.append(Para(f"{n} stages, {pl['schedule']} schedule, {m} micro batches per step. Bubble: "
+                           f"{bubble_text(pl)}. {pl.get('bubble_frac_measured_method', '')}."))
     tl = pl.get("timeline")
     if tl:
         sec.blocks.append(Figure(plots.pipeline_timeline(tl["stages"]),
@@ -90,9 +87,11 @@ def pipeline_section(doc: Document, run: RunData) -> None:
 
 def bubble_text(pl: dict[str, Any]) -> str:
     """Measured bubble beside the analytic one, labelled, in one line."""
-    return (f"measured {_pct(pl.get('bubble_frac_measured_mean'))} of the schedule (mean over {pl['num_stages']} "
-            f"stages; time blocked on transfers with a neighbour) vs analytic GPipe {_pct(pl['bubble_frac_analytic'])} "
-            f"((p-1)/(m+p-1), p={pl['num_stages']}, m={pl['micro_batches']}; equal stages, free transfers)")
+    return (f"measured {_pct(pl.get('bubble_frac_measured'))} of the schedule on stage "
+            f"{pl.get('bubble_frac_measured_stage')}, which sets the pace (mean over {pl['num_stages']} stages "
+            f"{_pct(pl.get('bubble_frac_measured_mean'))}; time blocked on transfers with a neighbour) vs analytic "
+            f"GPipe {_pct(pl['bubble_frac_analytic'])} ((p-1)/(m+p-1), p={pl['num_stages']}, m={pl['micro_batches']}; "
+            "equal stages, free transfers)")
 
 
 def pipeline_summary_lines(profile: dict[str, Any]) -> list[str]:
