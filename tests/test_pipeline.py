@@ -82,6 +82,11 @@ def test_p2p_bytes_are_boundary_activations_times_micro_batches(runs, name, m):
     assert first["pipeline"]["p2p_bytes_per_step"] == {
         "activations_sent_bytes": expected, "activations_received_bytes": 0,
         "gradients_sent_bytes": 0, "gradients_received_bytes": expected}
+    transfers = runs[name][1]["pipeline"]["transfers"]  # timed across both ranks on the aligned clock
+    assert [(t["from_stage"], t["to_stage"], t["carries"], t["bytes"]) for t in transfers] == [
+        (0, 1, "activations", BOUNDARY), (1, 0, "gradients", BOUNDARY)]
+    timed = [t for t in transfers if t["samples"]]
+    assert timed and all(0 < t["transfer_ms"] < 50 and t["gbps"] > 0 for t in timed), transfers
 
 
 @pytest.mark.slow

@@ -79,7 +79,7 @@ class DataConfig:
 @dataclass(kw_only=True)
 class TrainConfig:
     micro_batch_size: int = 1  # samples per rank per forward
-    grad_accum: int = 1  # micro batches per optimizer step
+    grad_accum: int = 1  # micro batches per optimizer step (pipeline stages: the micro batches the schedule runs)
     steps: int = 10  # measured optimizer steps
     warmup_steps: int = 2  # optimizer steps run before measuring
     seed: int = 1234  # seeds Python, NumPy and torch on every rank (model init, data)

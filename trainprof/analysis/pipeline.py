@@ -157,7 +157,7 @@ def rank_block(info: PipelineInfo, steps_used: list[Any], all_steps: list[Any]) 
         micro.append({"micro_batch": mb, "forward_ms": _median(per_mb.get(("forward", mb), [])),
                       "backward_ms": _median(per_mb.get(("backward", mb), []))})
     timelines = [{"step": s.step, "origin_unix_ns": s.pipeline["origin_unix_ns"], "wall_ms": s.breakdown.wall_ms,
-                  "intervals": s.pipeline["timeline"]}
+                  "intervals": s.pipeline["timeline"], "transfers": s.pipeline.get("transfers", [])}
                  for s in all_steps if not s.warmup and s.pipeline is not None]
     return {
         **info.to_dict(),
@@ -239,6 +239,40 @@ def rebalance(stages: list[dict[str, Any]], layer_costs: list[dict[int, float]])
     return out
 
 
+TRANSFER_METHOD = ("sends and receives of one stage boundary and direction paired in order across the two ranks "
+                   "(aligned clock, see timeline.alignment); transfer = the receive's wait end - max(send issue, "
+                   "receive posted), only where the receiver was already waiting then (otherwise the data may have "
+                   "arrived before it looked); median over pairs and measured steps; bandwidth = bytes / transfer")
+
+
+def _transfers(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each stage boundary's activation and gradient transfers timed across the two ranks."""
+    out = []
+    for a, b in zip(blocks, blocks[1:]):
+        for carries, sender, receiver, phase in (("activations", a, b, "forward"), ("gradients", b, a, "backward")):
+            times, nbytes = [], None
+            steps = {t["step"]: t for t in receiver["timelines"]}
+            for ts in sender["timelines"]:
+                tr = steps.get(ts["step"])
+                if tr is None:
+                    continue
+                shift_s, shift_r = ts["origin_unix_ns"] / 1e6, tr["origin_unix_ns"] / 1e6
+                sends = [x for x in ts["transfers"] if x[0] in ("send", "isend") and x[1] == phase]
+                recvs = [x for x in tr["transfers"] if x[0] in ("recv", "irecv") and x[1] == phase]
+                for s, r in zip(sends, recvs):
+                    nbytes = s[3]
+                    start = max(shift_s + s[4], shift_r + r[4])
+                    if r[5] is None or r[6] is None or shift_r + r[5] > start + 0.05:
+                        continue  # the receiver looked only after the data could have arrived
+                    times.append(shift_r + r[6] - start)
+            ms = statistics.median(times) if times else None
+            out.append({"from_stage": sender["stage"], "to_stage": receiver["stage"], "carries": carries,
+                        "bytes": nbytes, "transfer_ms": ms, "samples": len(times),
+                        "gbps": (nbytes / (ms / 1e3) / 1e9) if (ms and nbytes) else None,
+                        **({} if times else {"reason": "no transfer found the receiver already waiting"})})
+    return out
+
+
 def merge_pipeline(profiles: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The merged `pipeline` block: stages, one aligned timeline, imbalance and the rebalance advice.
 
@@ -288,6 +322,8 @@ def merge_pipeline(profiles: list[dict[str, Any]]) -> dict[str, Any] | None:
                                         "(imbalance), so the mean over stages is given beside it"),
         "stages": stages,
         "timeline": timeline,
+        "transfers": _transfers(blocks),
+        "transfers_method": TRANSFER_METHOD,
         "balance": balance,
     }
 

@@ -465,7 +465,10 @@ class Profiler:
         if self.pipeline is not None:
             waits = [(a, b, f"bubble_{c.phase}" if c.exposed_as == "pipeline_bubble" else "comm_exposed")
                      for c in comms for a, b in c.exposed_intervals()]
-            pipeline = {"origin_unix_ns": self._origin_unix_ns, "timeline": step_timeline(events, waits)}
+            pipeline = {"origin_unix_ns": self._origin_unix_ns, "timeline": step_timeline(events, waits),
+                        "transfers": [[c.op, c.phase, c.peer, c.nbytes, c.issue, c.waits[0][0] if c.waits else None,
+                                       c.waits[-1][1] if c.waits else None]
+                                      for c in comms if c.exposed_as == "pipeline_bubble"]}
         losses = [float(x) for x in self._step_loss]
         self.steps.append(StepRecord(
             step=index - self.warmup_steps,

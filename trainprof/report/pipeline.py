@@ -70,6 +70,12 @@ def pipeline_section(doc: Document, run: RunData) -> None:
         method=f"busy: {method.get('busy_ms', '')}; bubble: {method.get('bubble', '')}; measured fraction: "
                f"{method.get('bubble_frac_measured', '')}; analytic: {method.get('bubble_frac_analytic', '')}; "
                "p2p: bytes of the point-to-point ops with the neighbouring stages per step (median)"))
+    transfers = pl.get("transfers") or []
+    if transfers:
+        sec.blocks.append(Table(
+            ["from stage", "to stage", "carries", "KiB per transfer", "transfer ms (median)", "GB/s", "pairs timed"],
+            [[t["from_stage"], t["to_stage"], t["carries"], (t["bytes"] or 0) / 1024, t["transfer_ms"], t["gbps"],
+              t["samples"]] for t in transfers], id="pipeline-transfers-table", method=pl.get("transfers_method")))
     mb_rows = [[st["stage"], r["micro_batch"], r.get("forward_ms"), r.get("backward_ms")]
                for st in pl["stages"] for r in st.get("micro_batches_ms") or []]
     if mb_rows:
@@ -115,6 +121,11 @@ def pipeline_summary_lines(profile: dict[str, Any]) -> list[str]:
         lines += ["", f"Step {tl['step']}, measured (F/B: a micro batch's forward/backward, '.': waiting for a "
                   "neighbour, 'c': blocked in a collective, 'o': optimizer):", "", "```",
                   timeline_text(tl["stages"]), "```"]
+    for t in pl.get("transfers") or []:
+        timed = (f"{t['transfer_ms']:.3f} ms, {t['gbps']:.3f} GB/s (median of {t['samples']} timed on both ranks)"
+                 if t["transfer_ms"] is not None and t["gbps"] is not None else f"not timed ({t.get('reason')})")
+        lines.append(f"- {t['carries']} stage {t['from_stage']} -> {t['to_stage']}: {(t['bytes'] or 0) / 1024:.0f} KiB "
+                     f"per micro batch, {timed}")
     bal = pl.get("balance") or {}
     advice = (bal.get("suggestion") or {}).get("text") or bal.get("suggestion_none") or "-"
     lines += ["", f"- imbalance: {_pct(bal.get('imbalance'))} (slowest stage {bal.get('slowest_stage')}); "
