@@ -35,8 +35,10 @@ QUICK = REPO / "recipes" / "quickstart_cpu.yaml"
 # seq_len 256 (not conftest.FAST's 64): a micro batch takes tens of ms, so that a shared 2-core machine's
 # scheduling delays at each hand-over between the stages (a few ms) stay small beside fill and drain
 SEQ = 256
-MODEL = ["model.num_layers=3", f"data.seq_len={SEQ}", "engine.kind=torch", "engine.zero_stage=0", "profile.ops=false",
-         "profile.calibrate=false"]
+# fp32: the split and the unsplit model then agree to ~1e-5 (bf16 autocast rounds differently enough
+# that they drift apart by ~1e-3 within a few steps at this learning rate; docs/pipeline.md)
+MODEL = ["model.num_layers=3", "model.dtype=fp32", f"data.seq_len={SEQ}", "engine.kind=torch", "engine.zero_stage=0",
+         "profile.ops=false", "profile.calibrate=false"]
 PIPE = [*MODEL, "engine.pipeline_stages=2", "engine.pipeline_layers=[2,1]"]
 MICRO, HIDDEN = 2, 128  # conftest.FAST's micro batch; llama2-tiny's hidden size
 BOUNDARY = MICRO * SEQ * HIDDEN * 4  # fp32 residual stream between the stages
@@ -106,7 +108,7 @@ def test_bubble_measured_beside_analytic_and_shrinks_with_micro_batches(runs):
 def test_losses_match_the_unsplit_model_and_across_schedules(runs):
     split, one_f_one_b, unsplit = (losses(runs[k][1]) for k in ("gpipe2", "1f1b2", "unsplit2"))
     assert len(split) == len(unsplit) and all(x is not None for x in split)
-    assert split == pytest.approx(unsplit, rel=2e-3), (split, unsplit)
+    assert split == pytest.approx(unsplit, rel=1e-4), (split, unsplit)
     assert split == pytest.approx(one_f_one_b, rel=1e-5), (split, one_f_one_b)
     assert split[-1] < split[0]  # it trains
 
@@ -160,8 +162,9 @@ def test_project_swaps_the_bubble_and_scales_p2p(runs):
     from trainprof.projection.project import project
 
     run_dir, source = runs["gpipe2"]
-    same = project(run_dir, probe=False)["predictions"][0]  # nothing changed: the measurement back
-    measured_two = max(r["step_ms_median"] for r in source["ranks"])
+    same = project(run_dir, probe=False)["predictions"][0]  # nothing changed: the pace stage's step back
+    pace_rank = source["pipeline"]["stages"][source["pipeline"]["balance"]["slowest_stage"]]["rank"]
+    measured_two = next(r["step_ms_median"] for r in source["ranks"] if r["rank"] == pace_rank)
     assert same["step_ms"] == pytest.approx(measured_two, rel=1e-6)
     assert same["pipeline"]["bubble_ms"] == pytest.approx(same["pipeline"]["bubble_ms_measured"])
     assert same["pipeline"]["bubble_ms"] > 0
@@ -169,7 +172,7 @@ def test_project_swaps_the_bubble_and_scales_p2p(runs):
     assert six["pipeline"]["p2p_bytes_per_step_per_boundary"]["activations"] == 6 * BOUNDARY
     assert six["tokens_per_step"] == 6 * MICRO * SEQ  # one pipeline: the stages share their tokens
     measured_six = max(r["step_ms_median"] for r in runs["gpipe6"][1]["ranks"])
-    assert six["step_ms"] == pytest.approx(measured_six, rel=0.5), (six["step_ms"], measured_six)
+    assert six["step_ms"] == pytest.approx(measured_six, rel=0.3), (six["step_ms"], measured_six)
     assert any(a.startswith("pipeline:") for a in six["assumptions"])
     from trainprof.projection.pipeline import check_world
 

@@ -170,4 +170,8 @@ def measurement(prof: Recorded, used_desc: str) -> dict[str, str]:
         "memory": prof.memory.method if prof.memory is not None else "not measured",
         "pipeline_bubble": (BUBBLE_METHOD if prof.pipeline is not None else
                             "0: not a pipeline stage (no engine.pipeline_stages > 1)"),
+        **({"p2p": ("point-to-point rows: phase = what they carry (forward activations, backward gradients); "
+                    "total = issue to the end of this rank's last wait on it, so it includes waiting for the "
+                    "neighbour and the bandwidth is a lower bound; the link time per transfer is "
+                    "pipeline.transfers of the merged profile")} if prof.pipeline is not None else {}),
     }

@@ -1,10 +1,10 @@
 """`trainprof project` for pipeline runs: the bubble and the point-to-point volume of the target, as
-a term beside the step model (trainprof/projection/stepmodel.py), which sees a pipeline run as its
-slowest stage's phases without the bubble.
+a term beside the step model (trainprof/projection/stepmodel.py), which reads a pipeline run as the
+phases of the stage that sets the pace (the busiest one) without the bubble.
 
 Bubble: a stage's fill-and-drain wait is (p - 1) micro-batch times of its neighbours (GPipe, Huang et
 al. 2019: bubble time (p - 1)(t_f + t_b), fraction (p - 1)/(m + p - 1)), so it does not grow with the
-number of micro batches m but with the time of one micro batch. The slowest stage's measured bubble is
+number of micro batches m but with the time of one micro batch. The pace-setting stage's measured bubble is
 scaled by its predicted compute per micro batch over the measured one (forward + backward + recompute
 per micro batch). Transfers are inside that wait; their volume per step and boundary,
 m x micro_batch_size x seq_len x hidden x 4 B each way, is reported beside it (and re-timed over the
@@ -22,6 +22,14 @@ P2P_OPS = ("send", "recv", "isend", "irecv")
 
 def is_pipeline(profile: dict[str, Any]) -> bool:
     return bool((profile.get("pipeline") or {}).get("stages"))
+
+
+def pace_view(profile: dict[str, Any]) -> dict[str, Any]:
+    """The profile as the step model should read it: its ranks narrowed to the stage that sets the
+    pace (the busiest; every stage's wall time is about the same, so the slowest step says little)."""
+    stage = profile["pipeline"]["balance"]["slowest_stage"]
+    rank = next(s["rank"] for s in profile["pipeline"]["stages"] if s["stage"] == stage)
+    return {**profile, "ranks": [r for r in profile.get("ranks") or [] if r["rank"] == rank]}
 
 
 def without_p2p(comm: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -44,7 +52,7 @@ def pipeline_term(profile: dict[str, Any], measured_phases: dict[str, float], pr
 
     Args:
         profile: the merged source profile (with `pipeline` and `ranks`).
-        measured_phases: the step model's measured phases of the slowest rank (ms per step).
+        measured_phases: the step model's measured phases of the pace-setting stage (ms per step).
         predicted: the step model's predicted phases for the target (ms per step).
         target_recipe: the target recipe (grad_accum, micro batch, seq_len).
         link: the target's point-to-point fit (alpha_ms, busbw_gbps), or None.
@@ -52,9 +60,8 @@ def pipeline_term(profile: dict[str, Any], measured_phases: dict[str, float], pr
     from trainprof.models import resolve_shape
 
     pl = profile["pipeline"]
-    ranks = [r for r in profile.get("ranks") or [] if r.get("phases_ms")]
-    slowest = max(ranks, key=lambda r: r["step_ms_median"])
-    bubble_src = float(slowest["phases_ms"].get("pipeline_bubble") or 0.0)
+    (pace,) = [r for r in pace_view(profile)["ranks"] if r.get("phases_ms")]
+    bubble_src = float(pace["phases_ms"].get("pipeline_bubble") or 0.0)
     m_s = int(profile["recipe"]["train"]["grad_accum"])
     t = target_recipe.train
     m_t = t.grad_accum
@@ -65,7 +72,8 @@ def pipeline_term(profile: dict[str, Any], measured_phases: dict[str, float], pr
     p = pl["num_stages"]
     boundary = boundary_bytes(t.micro_batch_size, target_recipe.data.seq_len, resolve_shape(target_recipe.model).hidden_size)
     volume = p2p_bytes_per_step(m_t, boundary)
-    notes = [f"pipeline: the slowest stage's measured bubble {bubble_src:.2f} ms x its predicted / measured compute "
+    notes = [f"pipeline: stage {pl['balance']['slowest_stage']} sets the pace (the busiest); its measured bubble "
+             f"{bubble_src:.2f} ms x its predicted / measured compute "
              f"per micro batch ({per_mb_t:.2f} / {per_mb_s:.2f} ms): fill and drain take (p - 1) micro-batch times "
              "whatever the number of micro batches"]
     block: dict[str, Any] = {

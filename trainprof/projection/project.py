@@ -76,9 +76,11 @@ def load_source(run_dir: str | Path, overrides: list[str] | None = None) -> tupl
     target_recipe = load_recipe(recipe_path, overrides or [])
     cal_path = run_dir / "calibration.json"
     calibration = json.loads(cal_path.read_text()) if cal_path.is_file() else None
-    measured = measured_from_profile(profile)
-    if pipeline.is_pipeline(profile):  # its transfers are the bubble term's, not collectives to re-time
+    if pipeline.is_pipeline(profile):  # the stage that sets the pace; its transfers are the bubble term's
+        measured = measured_from_profile(pipeline.pace_view(profile))
         measured.comm = pipeline.without_p2p(measured.comm)
+    else:
+        measured = measured_from_profile(profile)
     return Source(run_dir=run_dir, profile=profile, recipe=source_recipe, measured=measured,
                   calibration=calibration), target_recipe
 
