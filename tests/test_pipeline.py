@@ -102,6 +102,10 @@ def test_bubble_measured_beside_analytic_and_shrinks_with_micro_batches(runs):
     assert six["bubble_frac_measured"] < two["bubble_frac_measured"], (two["stages"], six["stages"])
     summary = (runs["gpipe2"][0] / "summary.md").read_text()
     assert "vs analytic GPipe 33.3%" in summary and "which sets the pace" in summary
+    from trainprof.report.advisor import advise
+
+    fired = {a["rule"]: a for a in advise(runs["gpipe2"][1])["advice"]}  # 33% analytic at m=2: it fires
+    assert fired["pipeline_bubble"]["overrides"] == {"train.micro_batch_size": 1, "train.grad_accum": 4}
 
 
 @pytest.mark.slow
