@@ -121,13 +121,13 @@ def _median(values: list[float]) -> float | None:
     return float(statistics.median(values)) if values else None
 
 
-def rank_block(info: PipelineInfo, steps_used: list[Any], all_steps: list[Any]) -> dict[str, Any]:
+def rank_block(info: PipelineInfo, steps_used: list[Any]) -> dict[str, Any]:
     """This rank's `pipeline` block in profile.rank<r>.json.
 
     Args:
         info: the rank's place in the pipeline.
-        steps_used: the StepRecords the medians use.
-        all_steps: every recorded step (timelines of every measured step are kept for the merge).
+        steps_used: the StepRecords the medians use (measured steps without FLOP counting or operator
+            tracing where there are any); their timelines and transfers are kept for the merge.
     """
     bubble, schedule_ms, fracs, busy = [], [], [], []
     per_mb: dict[tuple[str, int], list[float]] = defaultdict(list)
@@ -158,7 +158,7 @@ def rank_block(info: PipelineInfo, steps_used: list[Any], all_steps: list[Any]) 
                       "backward_ms": _median(per_mb.get(("backward", mb), []))})
     timelines = [{"step": s.step, "origin_unix_ns": s.pipeline["origin_unix_ns"], "wall_ms": s.breakdown.wall_ms,
                   "intervals": s.pipeline["timeline"], "transfers": s.pipeline.get("transfers", [])}
-                 for s in all_steps if not s.warmup and s.pipeline is not None]
+                 for s in steps_used if s.pipeline is not None]
     return {
         **info.to_dict(),
         "bubble_ms": _median(bubble),

@@ -117,7 +117,7 @@ def rank_profile(prof: Recorded) -> dict[str, Any]:
         "model_state_bytes": state,
         "ranks": [rank_entry(prof.rank, steps_used)],
         "straggler": None,
-        **({"pipeline": rank_block(prof.pipeline, steps_used, prof.steps)} if prof.pipeline is not None else {}),
+        **({"pipeline": rank_block(prof.pipeline, steps_used)} if prof.pipeline is not None else {}),
     }
 
 
