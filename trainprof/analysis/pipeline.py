@@ -117,6 +117,23 @@ def step_timeline(events: list[tuple[int, Any, float]], waits: list[tuple[float,
     return [[k, mb, round(a, 4), round(b, 4)] for k, mb, a, b in out]
 
 
+def step_pipeline(events: list[tuple[int, Any, float]], comms: list[Any], origin_unix_ns: int | None) -> dict[str, Any]:
+    """What a pipeline stage keeps of one step (StepRecord.pipeline): its timeline, its transfers with
+    the neighbours as [op, phase, peer, bytes, issued, first wait began, last wait ended] (ms since the
+    step began), and where the step began on the system clock.
+
+    Args:
+        events: the step's events in ms.
+        comms: the step's CommEvents, pipeline transfers marked (exposed_as "pipeline_bubble").
+        origin_unix_ns: time.time_ns() of the step's start.
+    """
+    waits = [(a, b, f"bubble_{c.phase}" if c.exposed_as == "pipeline_bubble" else "comm_exposed")
+             for c in comms for a, b in c.exposed_intervals()]
+    transfers = [[c.op, c.phase, c.peer, c.nbytes, c.issue, c.waits[0][0] if c.waits else None,
+                  c.waits[-1][1] if c.waits else None] for c in comms if c.exposed_as == "pipeline_bubble"]
+    return {"origin_unix_ns": origin_unix_ns, "timeline": step_timeline(events, waits), "transfers": transfers}
+
+
 def _median(values: list[float]) -> float | None:
     return float(statistics.median(values)) if values else None
 
@@ -329,4 +346,4 @@ def merge_pipeline(profiles: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 __all__ = ["PipelineInfo", "gpipe_bubble_fraction", "boundary_bytes", "p2p_bytes_per_step", "step_timeline",
-           "rank_block", "merge_pipeline", "rebalance"]
+           "step_pipeline", "rank_block", "merge_pipeline", "rebalance"]

@@ -24,7 +24,7 @@ import torch
 
 from trainprof.analysis.aggregate import StepRecord
 from trainprof.analysis.breakdown import CommEvent, analyze_step
-from trainprof.analysis.pipeline import PipelineInfo, step_timeline
+from trainprof.analysis.pipeline import PipelineInfo, step_pipeline
 from trainprof.profiler.comm import CommTracer, comm_total_ms
 from trainprof.profiler.flops import FlopCounter, analytic_flops
 from trainprof.profiler.hooks import ModuleHooks
@@ -329,9 +329,9 @@ class Profiler:
     def watch_pipeline(self, *, stage: int, num_stages: int, schedule: str, micro_batches: int,
                        prev_rank: int | None, next_rank: int | None) -> None:
         """Profile this rank as one stage of a pipeline: point-to-point ops with `prev_rank` /
-        `next_rank` become activation (forward) and gradient (backward) transfers, the time blocked
-        receiving them the `pipeline_bubble` phase; `pipeline_action` marks each micro batch's forward
-        and backward for the stage timeline. See trainprof/analysis/pipeline.py."""
+        `next_rank` become activation (forward) and gradient (backward) transfers, the time blocked in
+        them the `pipeline_bubble` phase; `pipeline_action` marks each micro batch's forward and
+        backward for the stage timeline. See trainprof/analysis/pipeline.py."""
         self.pipeline = PipelineInfo(stage=stage, num_stages=num_stages, schedule=schedule,
                                      micro_batches=micro_batches, prev_rank=prev_rank, next_rank=next_rank)
 
@@ -461,14 +461,7 @@ class Profiler:
         self.timer.release()
         breakdown = analyze_step(events, comms, wall_ms,
                                  parents=[m.parent for m in self.hooks.modules] if self.hooks is not None else None)
-        pipeline = None
-        if self.pipeline is not None:
-            waits = [(a, b, f"bubble_{c.phase}" if c.exposed_as == "pipeline_bubble" else "comm_exposed")
-                     for c in comms for a, b in c.exposed_intervals()]
-            pipeline = {"origin_unix_ns": self._origin_unix_ns, "timeline": step_timeline(events, waits),
-                        "transfers": [[c.op, c.phase, c.peer, c.nbytes, c.issue, c.waits[0][0] if c.waits else None,
-                                       c.waits[-1][1] if c.waits else None]
-                                      for c in comms if c.exposed_as == "pipeline_bubble"]}
+        pipeline = step_pipeline(events, comms, self._origin_unix_ns) if self.pipeline is not None else None
         losses = [float(x) for x in self._step_loss]
         self.steps.append(StepRecord(
             step=index - self.warmup_steps,
