@@ -535,8 +535,8 @@ def _validate_pipeline(recipe: Recipe, shape: LlamaShape) -> None:
     p = e.pipeline_stages
     _require(
         e.kind == "torch",
-        f"recipe key 'engine.pipeline_stages': {p} stages run on torch.distributed.pipelining, not DeepSpeed "
-        "ZeRO (ZeRO-2/3 shard what pipeline stages already split); set engine.kind=torch and engine.zero_stage=0, "
+        f"recipe key 'engine.pipeline_stages': {p} stages run on torch.distributed.pipelining (engine.kind torch), "
+        "which trainprof does not combine with DeepSpeed or ZeRO; set engine.kind=torch and engine.zero_stage=0, "
         "or engine.pipeline_stages=1",
     )
     _require(
@@ -576,8 +576,8 @@ def check_world_size(recipe: Recipe, world_size: int) -> None:
         _require(
             world_size == p,
             f"recipe key 'engine.pipeline_stages': {p} stages need exactly {p} ranks (one stage per rank, no "
-            f"data parallelism across pipelines), got {world_size}; run with --nproc_per_node {p} or set "
-            f"engine.pipeline_stages={world_size}",
+            f"data parallelism across pipelines), got {world_size}; run {p} ranks (trainprof run --nproc {p}, "
+            f"torchrun --nproc_per_node {p}) or set engine.pipeline_stages={world_size}",
         )
 
 
