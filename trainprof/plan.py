@@ -376,7 +376,8 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
     census = _census(build_model(dataclasses.replace(recipe, model=meta_model), meta=True), recipe)
     analytic = analytic_params(shape, recipe)
     train, engine = recipe.train, recipe.engine
-    tokens_per_step = train.micro_batch_size * train.grad_accum * recipe.data.seq_len * world_size
+    data_parallel = 1 if engine.pipeline_stages > 1 else world_size  # a pipeline's stages share their samples
+    tokens_per_step = train.micro_batch_size * train.grad_accum * recipe.data.seq_len * data_parallel
     states = _model_states(recipe, census, world_size)
     activations = _activations(recipe, shape)
     used = activations["used"]
@@ -403,6 +404,14 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
         notes.append(f"DeepSpeed's estimator assumes fp32 Adam states; the optimizer row counts the "
                      f"{recipe.optimizer.state_bits}-bit ones.")
     model = recipe.model
+    pipeline = None
+    if engine.pipeline_stages > 1:
+        from trainprof.plan_pipeline import pipeline_plan
+
+        pipeline = pipeline_plan(recipe, shape, census, states["per_rank"]["total"]["gpu_bytes"]
+                                 + states["per_rank"]["total"]["cpu_bytes"], activations)
+        notes.append(f"Pipeline: {engine.pipeline_stages} stages, one per rank and no data parallelism; the per-rank "
+                     "rows above are the unsplit model's, the 'pipeline' rows are per stage.")
     return {
         "schema_version": PLAN_SCHEMA_VERSION,
         "estimate": True,
@@ -411,6 +420,7 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
             "recompute": model.recompute, "engine": engine.kind, "zero_stage": engine.zero_stage,
             "offload": engine.offload, "seq_len": recipe.data.seq_len,
             "micro_batch_size": train.micro_batch_size, "grad_accum": train.grad_accum,
+            "pipeline_stages": engine.pipeline_stages, "pipeline_schedule": engine.pipeline_schedule,
         },
         "world_size": world_size,
         "shape": {**dataclasses.asdict(shape), "head_dim": shape.head_dim},
@@ -425,9 +435,10 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
         "activations": activations,
         "gpu_total_per_rank": _figure(
             int(gpu_total), f"model states on GPU + HF Llama activations ({used}) + logits/loss", "bytes"),
-        "tokens_per_step": _figure(tokens_per_step, "micro_batch_size * grad_accum * seq_len * world_size", "tokens"),
+        "tokens_per_step": _figure(tokens_per_step, "micro_batch_size * grad_accum * seq_len * data-parallel ranks (1 for a pipeline)", "tokens"),
         "flops": _flops(recipe, shape, census, tokens_per_step),
         "notes": notes,
+        **({"pipeline": pipeline} if pipeline is not None else {}),
     }
 
 
@@ -495,5 +506,9 @@ def render_plan(plan: dict[str, Any]) -> str:
         if key in fl:
             lines.append(f"  {label:<28}{fl[key]['value']:>16.3e}  {fl[key]['source']}")
     lines.append(f"  convention: {fl['convention']}")
+    if plan.get("pipeline"):
+        from trainprof.plan_pipeline import render_pipeline
+
+        lines += render_pipeline(plan["pipeline"])
     lines += ["", "Notes"] + [f"  - {n}" for n in plan["notes"]]
     return "\n".join(lines)

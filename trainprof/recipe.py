@@ -79,7 +79,7 @@ class DataConfig:
 @dataclass(kw_only=True)
 class TrainConfig:
     micro_batch_size: int = 1  # samples per rank per forward
-    grad_accum: int = 1  # micro batches per optimizer step
+    grad_accum: int = 1  # micro batches per optimizer step (pipeline stages: the micro batches the schedule runs)
     steps: int = 10  # measured optimizer steps
     warmup_steps: int = 2  # optimizer steps run before measuring
     seed: int = 1234  # seeds Python, NumPy and torch on every rank (model init, data)
@@ -91,6 +91,9 @@ class EngineConfig:
     kind: Literal["deepspeed", "torch"] = "deepspeed"  # torch = single process or DDP
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"  # ZeRO-Offload to CPU
+    pipeline_stages: int = 1  # > 1: one pipeline stage per rank (torch.distributed.pipelining, engine.kind torch); must equal the number of ranks
+    pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"  # pipeline schedule over train.grad_accum micro batches
+    pipeline_layers: list[int] | None = None  # decoder layers per stage, e.g. [3, 1]; None = even split, extra layers to the first stages
 
 
 @dataclass(kw_only=True)
@@ -482,6 +485,7 @@ def validate(recipe: Recipe) -> None:
             "recipe key 'engine.offload': parameter offload needs ZeRO stage 3; "
             "set engine.zero_stage=3 or engine.offload=optimizer",
         )
+    _validate_pipeline(recipe, shape)
     if t.kind in ("lora", "qlora"):
         lo = t.lora
         _require(lo.r >= 1, f"recipe key 'task.lora.r': {lo.r} must be >= 1")
@@ -518,6 +522,63 @@ def validate(recipe: Recipe) -> None:
         recipe.output.name is None or ("/" not in recipe.output.name and recipe.output.name.strip() != ""),
         f"recipe key 'output.name': {recipe.output.name!r} must be a plain name without '/'",
     )
+
+
+def _validate_pipeline(recipe: Recipe, shape: LlamaShape) -> None:
+    """Pipeline parallelism (engine.pipeline_stages > 1): what torch.distributed.pipelining and
+    trainprof's stage split can run. The rank count is checked by `check_world_size`."""
+    e, tr = recipe.engine, recipe.train
+    _require(e.pipeline_stages >= 1,
+             f"recipe key 'engine.pipeline_stages': {e.pipeline_stages} is out of range; it must be >= 1")
+    if e.pipeline_stages == 1:
+        return
+    p = e.pipeline_stages
+    _require(
+        e.kind == "torch",
+        f"recipe key 'engine.pipeline_stages': {p} stages run on torch.distributed.pipelining (engine.kind torch), "
+        "which trainprof does not combine with DeepSpeed or ZeRO; set engine.kind=torch and engine.zero_stage=0, "
+        "or engine.pipeline_stages=1",
+    )
+    _require(
+        shape.num_layers >= p,
+        f"recipe key 'engine.pipeline_stages': {p} stages need at least {p} decoder layers (the model has "
+        f"{shape.num_layers}); lower engine.pipeline_stages or raise model.num_layers",
+    )
+    _require(
+        recipe.task.kind == "pretrain",
+        f"recipe key 'task.kind': {recipe.task.kind} with engine.pipeline_stages={p} is not supported (the "
+        "stage split handles the plain Llama, not peft's wrapper); set task.kind=pretrain or engine.pipeline_stages=1",
+    )
+    _require(
+        recipe.model.dtype != "fp16",
+        f"recipe key 'model.dtype': fp16 with engine.pipeline_stages={p} is not supported (no loss scaling "
+        "across stages); use model.dtype=bf16 or fp32",
+    )
+    if e.pipeline_layers is not None:
+        _require(
+            len(e.pipeline_layers) == p and all(n >= 1 for n in e.pipeline_layers)
+            and sum(e.pipeline_layers) == shape.num_layers,
+            f"recipe key 'engine.pipeline_layers': {e.pipeline_layers} must list {p} counts >= 1 (one per stage) "
+            f"that add up to the model's {shape.num_layers} decoder layers; fix the list or remove it for an even split",
+        )
+    if e.pipeline_schedule == "1f1b":
+        _require(
+            tr.grad_accum >= p,
+            f"recipe key 'train.grad_accum': 1F1B needs at least as many micro batches as stages "
+            f"({tr.grad_accum} < {p}); raise train.grad_accum to >= {p} or use engine.pipeline_schedule=gpipe",
+        )
+
+
+def check_world_size(recipe: Recipe, world_size: int) -> None:
+    """Rules that need the number of ranks. Raises RecipeError."""
+    p = recipe.engine.pipeline_stages
+    if p > 1:
+        _require(
+            world_size == p,
+            f"recipe key 'engine.pipeline_stages': {p} stages need exactly {p} ranks (one stage per rank, no "
+            f"data parallelism across pipelines), got {world_size}; run {p} ranks (trainprof run --nproc {p}, "
+            f"torchrun --nproc_per_node {p}) or set engine.pipeline_stages={world_size}",
+        )
 
 
 # ZeRO stages under which bitsandbytes 4-bit base weights train with LoRA: stage 3 would partition

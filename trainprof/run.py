@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainprof.recipe import Recipe, RecipeError, check_environment, load_recipe
+from trainprof.recipe import Recipe, RecipeError, check_environment, check_world_size, load_recipe
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -83,13 +83,16 @@ def make_run_dir(recipe: Recipe, ctx) -> Path:
     return Path(name[0])
 
 
-def train_step(engine, batches, grad_accum: int, prof=None) -> float:
+def train_step(engine, batches, grad_accum: int, prof=None) -> float | None:
     """One optimizer step: grad_accum micro batches of forward, backward, step(); the mean loss.
     With a Profiler, backward and the engine's step are marked as phases (so ZeRO's post-backward
     reduction counts as backward and DeepSpeed's optimizer as optimizer) and each micro batch's loss
-    and tokens are recorded."""
+    and tokens are recorded. A pipeline stage returns None except on the last stage (which computes
+    the loss)."""
     import torch
 
+    if getattr(engine, "name", None) == "pipeline":  # the schedule runs all micro batches of the step
+        return engine.train_step(batches, prof)
     phase = prof.phase if prof is not None else (lambda label: contextlib.nullcontext())
     losses = []
     for _ in range(grad_accum):
@@ -187,9 +190,15 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
     engine = build_engine(recipe, ctx)
     check_memory_cap(ctx.device, recipe.train.memory_cap_gb)
 
-    loader = build_loader(recipe, vocab_size=resolve_shape(recipe.model).vocab_size, rank=ctx.rank,
-                          world_size=ctx.world_size)
+    pipeline = engine.name == "pipeline"  # every stage reads the same samples (no data parallelism)
+    loader = build_loader(recipe, vocab_size=resolve_shape(recipe.model).vocab_size,
+                          rank=0 if pipeline else ctx.rank, world_size=1 if pipeline else ctx.world_size)
     prof = Profiler.for_recipe(engine.loop_module, engine.optimizer, recipe, run_dir=run_dir, device=ctx.device)
+    if pipeline and recipe.profile.enabled:
+        prof.watch_pipeline(stage=engine.stage_index, num_stages=engine.num_stages,
+                            schedule=recipe.engine.pipeline_schedule, micro_batches=recipe.train.grad_accum,
+                            prev_rank=engine.prev_rank, next_rank=engine.next_rank)
+        engine.set_action_callback(prof.pipeline_action)
     if isinstance(engine.loop_module, torch.nn.parallel.DistributedDataParallel) and recipe.profile.enabled:
         prof.watch_ddp(engine.loop_module)
     t = recipe.train
@@ -205,7 +214,8 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
                 record.update(step=step - t.warmup_steps, warmup=step < t.warmup_steps)
                 steps.append(record)
                 check_memory_cap(ctx.device, t.memory_cap_gb)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", ms=f"{record['wall_ms']:.0f}")
+                bar.set_postfix(loss=f"{record['loss']:.3f}" if record["loss"] is not None else "n/a",
+                                ms=f"{record['wall_ms']:.0f}")
                 bar.update()
             bar.close()
     except BaseException as err:
@@ -322,6 +332,19 @@ def render_summary(profile: dict[str, Any], run_dir: Path) -> str:
         ("params total / trainable", f"{profile['params']['total']:,} / {profile['params']['trainable']:,}"),
         ("trace per step", trace_size_text(profile)),
     ]
+    pl = profile.get("pipeline")
+    timeline: list[str] = []
+    if pl and "stages" in pl:
+        from trainprof.report.pipeline import bubble_text, timeline_text
+
+        bal = pl.get("balance") or {}
+        rows.append(("pipeline bubble", bubble_text(pl)))
+        rows.append(("stage imbalance", f"{100 * bal['imbalance']:.1f}% (slowest stage {bal['slowest_stage']})"
+                     if bal.get("imbalance") is not None else "n/a"))
+        if pl.get("timeline"):
+            timeline = [f"  stage timeline, step {pl['timeline']['step']} (F/B forward/backward, . waiting for a "
+                        "neighbour, c collective, o optimizer):",
+                        *("    " + line for line in timeline_text(pl["timeline"]["stages"], width=60).splitlines())]
     width = max(len(k) for k, _ in rows)
     from trainprof.report.advisor import advise
 
@@ -329,7 +352,7 @@ def render_summary(profile: dict[str, Any], run_dir: Path) -> str:
     changes = [f"  - {a['title']}: {a['trigger']['text']}; gain: {a['gain']['text']}" for a in advice] \
         or ["  nothing triggered (checks listed in summary.md)"]
     return "\n".join(["", "trainprof run summary", "what to change:", *changes,
-                      *(f"  {k:<{width}}  {v}" for k, v in rows)])
+                      *(f"  {k:<{width}}  {v}" for k, v in rows), *timeline])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         check_environment(recipe, cuda_available=torch.cuda.is_available())
+        check_world_size(recipe, int(os.environ.get("WORLD_SIZE", 1)))
     except RecipeError as err:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"trainprof: {err}", file=sys.stderr)

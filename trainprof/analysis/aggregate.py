@@ -34,6 +34,7 @@ class StepRecord:
     memory: dict[str, int] = field(default_factory=dict)
     instrumented: list[str] = field(default_factory=list)  # "flops", "ops"
     warmup: bool = False
+    pipeline: dict[str, Any] | None = None  # pipeline stage: this step's timeline (analysis/pipeline.py)
 
 
 def _median(values: list[float]) -> float:
@@ -150,6 +151,7 @@ def comm_rows(steps: list[StepRecord]) -> list[dict[str, Any]]:
         total = None if any(t is None for t in totals) else _median(totals + [0.0] * missing)
         nbytes = _median([r["bytes"] for r in present] + [0] * missing)
         algbw, busbw = bandwidth_gbps(op, nbytes, total / 1e3 if total else None, group_size)
+        peers = {r["peer"] for r in present if r.get("peer") is not None}
         out.append({
             "op": op, "phase": phase, "group_size": group_size,
             "calls": int(round(_median([r["calls"] for r in present] + [0] * missing))),
@@ -158,6 +160,7 @@ def comm_rows(steps: list[StepRecord]) -> list[dict[str, Any]]:
             "exposed_ms": _median([r["exposed_ms"] for r in present] + [0.0] * missing),
             "algbw_gbps": algbw,
             "busbw_gbps": busbw,
+            **({"peer": min(peers)} if len(peers) == 1 else {}),
         })
     return out
 
@@ -262,10 +265,11 @@ def step_entries(steps: list[StepRecord]) -> list[dict[str, Any]]:
 
 def rank_entry(rank: int, steps_used: list[StepRecord]) -> dict[str, Any]:
     """Per-rank medians used by the merge and the straggler test. `busy_ms` is the step minus the time
-    spent blocked in collectives and waiting for data: the rank's own work."""
+    spent blocked in collectives, waiting for data and (pipeline stages) waiting for a neighbour: the
+    rank's own work."""
     walls = [s.breakdown.wall_ms for s in steps_used]
     busy = [s.breakdown.wall_ms - s.breakdown.phases_ms["comm_exposed"] - s.breakdown.phases_ms["data_wait"]
-            for s in steps_used]
+            - s.breakdown.phases_ms.get("pipeline_bubble", 0.0) for s in steps_used]
     return {
         "rank": rank,
         "step_ms_median": _median(walls),

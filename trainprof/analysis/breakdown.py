@@ -2,10 +2,12 @@
 and the collectives, from the events the hooks recorded (times already in ms since the step began).
 
 Phase partition: every instant of the step gets one label, the highest-priority one covering it:
-comm_exposed > recompute > data_wait > optimizer > backward = forward > other. forward / backward /
+pipeline_bubble = comm_exposed > recompute > data_wait > optimizer > backward = forward > other. forward / backward /
 recompute are the module windows (any profiled module, so the union is the model's time) and the
 explicit regions a runner marks with `Profiler.phase`; optimizer is the optimizer's step (hooked or
-marked); data_wait the loader's `next()`; comm_exposed the time a collective blocked this rank. Time
+marked); data_wait the loader's `next()`; comm_exposed the time a collective blocked this rank;
+pipeline_bubble the time a pipeline stage blocked waiting to receive its neighbour's activations or
+gradients (see analysis/pipeline.py; 0 without pipeline parallelism). Time
 no label covers (the loop's own code between them) is `unattributed_ms`, so
     sum(phases_ms) + unattributed_ms == wall_ms
 holds exactly and the size of unattributed_ms is the closure error.
@@ -31,9 +33,9 @@ from typing import Any
 from trainprof.analysis.intervals import IntervalSet, label_timeline
 from trainprof.analysis.records import MODULE_CLOSE, MODULE_OPEN, R_CLOSE, R_OPEN, REGION_CLOSE, REGION_OPEN
 
-PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other")
+PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "pipeline_bubble", "other")
 PRIORITY = {"other": 1, "forward": 2, "backward": 2, "optimizer": 3, "data_wait": 4, "recompute": 5,
-            "comm_exposed": 6}
+            "comm_exposed": 6, "pipeline_bubble": 6}  # one thread cannot wait on both at once
 MODULE_KINDS = ("forward", "backward", "recompute")
 
 
@@ -50,10 +52,18 @@ class CommEvent:
     ret: float
     waits: list[tuple[float, float]] = field(default_factory=list)
     total_ms: float | None = None
+    peer: int | None = None  # point-to-point: the other rank
+    phase: str | None = None  # set for pipeline transfers: what they carry (forward activations / backward gradients)
+    exposed_as: str = "comm_exposed"  # the phase its blocking time counts as (pipeline receives: pipeline_bubble)
 
     def exposed_intervals(self) -> list[tuple[float, float]]:
-        """Where this rank was blocked: the whole call if synchronous, the waits if async."""
-        return list(self.waits) if self.is_async else [(self.issue, self.ret)]
+        """Where this rank was blocked: the whole call if synchronous, the waits if async; for an async
+        point-to-point op the call too (gloo can hold the caller in isend/irecv)."""
+        if not self.is_async:
+            return [(self.issue, self.ret)]
+        if self.peer is not None:
+            return [(self.issue, self.ret), *self.waits]
+        return list(self.waits)
 
 
 @dataclass
@@ -168,6 +178,7 @@ def analyze_step(events: list[tuple[int, Any, float]], comms: list[CommEvent], w
     windows, regions = _pair_windows(events, wall_ms)
     bursts = recompute_bursts(events)
     exposed = [iv for c in comms for iv in c.exposed_intervals()]
+    exposed_labeled = [(a, b, c.exposed_as) for c in comms for a, b in c.exposed_intervals()]
     comm_set = IntervalSet(exposed)
     recompute_or_comm = IntervalSet([(a, b) for a, b, _ in bursts] + exposed)
 
@@ -194,7 +205,7 @@ def analyze_step(events: list[tuple[int, Any, float]], comms: list[CommEvent], w
     labeled = ([(a, b, kind) for kind in ("forward", "backward") for _, a, b in windows[kind]]
                + [(a, b, "recompute") for a, b, _ in bursts] + list(regions))
     without_comm = label_timeline(labeled, PRIORITY, 0.0, wall_ms)
-    segments = label_timeline(labeled + [(a, b, "comm_exposed") for a, b in exposed], PRIORITY, 0.0, wall_ms)
+    segments = label_timeline(labeled + exposed_labeled, PRIORITY, 0.0, wall_ms)
     phases = {p: 0.0 for p in PHASES}
     for a, b, label in segments:
         phases[label] += b - a
@@ -205,9 +216,12 @@ def analyze_step(events: list[tuple[int, Any, float]], comms: list[CommEvent], w
     for c in comms:
         i = bisect.bisect_right(starts, c.issue) - 1
         phase = without_comm[i][2] if i >= 0 and c.issue < without_comm[i][1] else "other"
+        phase = c.phase or phase
         exposed_ms = sum(b - a for a, b in c.exposed_intervals())
         row = comm_rows.setdefault((c.op, phase), {"op": c.op, "phase": phase, "calls": 0, "bytes": 0,
                                                    "total_ms": 0.0, "exposed_ms": 0.0, "group_size": c.group_size})
+        if c.peer is not None:
+            row["peer"] = c.peer
         row["calls"] += 1
         row["bytes"] += c.nbytes
         row["exposed_ms"] += exposed_ms

@@ -204,7 +204,8 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
                                 (sa.get("step_ms") or {}).get("median"), (sb.get("step_ms") or {}).get("median")))
     has_phases = all(s and "phases_ms" in s[0] for s in (steps_a, steps_b))
     if has_phases:
-        for phase in PHASES:
+        pipeline = a.get("pipeline") or b.get("pipeline")  # the bubble is a phase of pipeline runs only
+        for phase in (*PHASES, "pipeline_bubble") if pipeline else PHASES:
             out.phases.append(series_row("phase", phase, phase, lambda s, p=phase: s["phases_ms"].get(p),
                                          (sa.get("phases_ms") or {}).get(phase),
                                          (sb.get("phases_ms") or {}).get(phase)))

@@ -7,6 +7,10 @@ kept beside it, and summarises phases per rank in `ranks` and `summary.across_ra
 Straggler: synchronous collectives make every rank's wall time equal to the slowest one's, so ranks
 are compared by their busy time, the step minus the time spent blocked in collectives and waiting for
 data. A rank whose median busy time exceeds the median of the other ranks by more than 5% is named.
+
+Pipeline stages (profiles with a `pipeline` block) run different modules: their module rows are
+concatenated with a `stage` field instead of taken as medians, and `pipeline` holds the per-stage
+figures, one step's aligned timeline and the imbalance (analysis/pipeline.py).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import json
 import statistics
 from pathlib import Path
 from typing import Any
+
+from trainprof.analysis.pipeline import merge_pipeline
 
 STRAGGLER_THRESHOLD = 0.05  # a rank more than 5% slower than the others is named
 _MODULE_SPREAD = ("forward_ms", "backward_ms", "recompute_ms", "self_forward_ms", "self_backward_ms",
@@ -69,6 +75,11 @@ def merge_ranks(profiles: list[dict[str, Any]]) -> dict[str, Any]:
     merged["ranks"] = ranks
     merged["straggler"] = find_straggler(ranks)
 
+    pipeline = merge_pipeline(profiles)
+    if pipeline is not None:
+        _merge_pipeline_stages(merged, profiles, pipeline)
+        return merged
+
     by_name = [{m["name"]: m for m in p["modules"]} for p in profiles]
     for module in merged["modules"]:
         spread = {}
@@ -78,6 +89,14 @@ def merge_ranks(profiles: list[dict[str, Any]]) -> dict[str, Any]:
             module[key] = spread[key]["median"]
         module["ranks_spread"] = spread
 
+    _merge_summary(merged, profiles, ranks)
+    return merged
+
+
+def _merge_summary(merged: dict[str, Any], profiles: list[dict[str, Any]], ranks: list[dict[str, Any]],
+                   pipeline: bool = False) -> None:
+    """summary.across_ranks, tokens/s and all-rank TFLOP/s. The stages of a pipeline process the same
+    tokens, so its tokens/s counts them once."""
     summary = merged["summary"]
     phases = ranks[0]["phases_ms"].keys()
     summary["across_ranks"] = {
@@ -88,13 +107,38 @@ def merge_ranks(profiles: list[dict[str, Any]]) -> dict[str, Any]:
     step_s = max(r["step_ms_median"] for r in ranks) / 1e3
     tokens = [p["summary"].get("tokens_per_step") for p in profiles]
     if step_s > 0 and all(t for t in tokens):
-        summary["tokens_per_s"] = sum(tokens) / step_s
-        summary["tokens_per_s_scope"] = "all ranks: sum of per-rank tokens per step / slowest rank's median step"
+        if pipeline:
+            summary["tokens_per_s"] = tokens[0] / step_s
+            summary["tokens_per_s_scope"] = ("one pipeline: tokens per step (every stage processes the same "
+                                             "tokens) / slowest stage's median step")
+        else:
+            summary["tokens_per_s"] = sum(tokens) / step_s
+            summary["tokens_per_s_scope"] = "all ranks: sum of per-rank tokens per step / slowest rank's median step"
     flops = [p["summary"].get("flops_per_step") for p in profiles]
     if step_s > 0 and all(f for f in flops):
         summary["achieved_tflops_all_ranks"] = sum(flops) / step_s / 1e12
     summary["achieved_tflops_scope"] = "per rank (rank 0's FLOPs over its median step)"
-    return merged
+
+
+def _merge_pipeline_stages(merged: dict[str, Any], profiles: list[dict[str, Any]], pipeline: dict[str, Any]) -> None:
+    """A pipeline's ranks run different modules: the merged module table is every stage's rows, each
+    with its `stage` (names are the unsplit model's, so a layer appears once); the loss of each step
+    is the last stage's (the only one that computes it)."""
+    merged["pipeline"] = pipeline
+    merged["straggler"] = None  # stages differ by design: their imbalance is pipeline.balance
+    modules = []
+    for p in profiles:
+        stage = p["pipeline"]["stage"]
+        for m in p["modules"]:
+            modules.append({**m, "stage": stage})
+    merged["modules"] = modules
+    last = max(profiles, key=lambda p: p["pipeline"]["stage"])
+    loss_by_step = {s["step"]: s.get("loss") for s in last["steps"]}
+    for step in merged["steps"]:
+        if step.get("loss") is None:
+            step["loss"] = loss_by_step.get(step["step"])
+    merged["steps_loss_rank"] = last["rank"]
+    _merge_summary(merged, profiles, merged["ranks"], pipeline=True)
 
 
 def merge_rank_files(run_dir: str | Path) -> dict[str, Any]:

@@ -11,6 +11,8 @@ R_OPEN, R_CLOSE = 2, 3  # forward call re-run inside backward: activation recomp
 B_OPEN, B_CLOSE = 4, 5  # backward of one module call (see profiler/hooks.py for how begin and end are found)
 # Phase regions: (code, label, stamp); labels are profile.json phase names
 REGION_OPEN, REGION_CLOSE = 6, 7
+# Pipeline micro-batch actions: (code, (kind, micro batch), stamp), kind forward | backward
+ACTION_OPEN, ACTION_CLOSE = 8, 9
 
 MODULE_OPEN = {F_OPEN: "forward", R_OPEN: "recompute", B_OPEN: "backward"}
 MODULE_CLOSE = {F_CLOSE: "forward", R_CLOSE: "recompute", B_CLOSE: "backward"}

@@ -6,14 +6,17 @@ import argparse
 import json
 
 from trainprof.commands.run import positive_int
-from trainprof.recipe import load_recipe
+from trainprof.recipe import check_world_size, load_recipe
 
 
 def _plan(args: argparse.Namespace) -> int:
     from trainprof.plan import estimate_plan, render_plan
 
     recipe = load_recipe(args.recipe, args.overrides)
-    plan = estimate_plan(recipe, world_size=args.nproc)
+    stages = recipe.engine.pipeline_stages
+    nproc = args.nproc if args.nproc is not None else (stages if stages > 1 else 8)
+    check_world_size(recipe, nproc)
+    plan = estimate_plan(recipe, world_size=nproc)
     print(json.dumps(plan, indent=2) if args.json else render_plan(plan))
     return 0
 
@@ -24,7 +27,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        "Every figure is an estimate and names its formula.")
     p.add_argument("recipe", help="recipe YAML file")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    p.add_argument("--nproc", type=positive_int, default=8, help="data-parallel ranks to plan for (default 8)")
+    p.add_argument("--nproc", type=positive_int, default=None,
+                   help="ranks to plan for (default 8 data-parallel ranks; engine.pipeline_stages with pipelines)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
     return p

@@ -6,7 +6,7 @@ import argparse
 import subprocess
 import sys
 
-from trainprof.recipe import check_environment, load_recipe
+from trainprof.recipe import check_environment, check_world_size, load_recipe
 
 
 def positive_int(text: str) -> int:
@@ -27,6 +27,7 @@ def _run(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)
     check_environment(recipe, cuda_available=torch.cuda.is_available())
+    check_world_size(recipe, args.nproc)
     cmd = torchrun_command(args.recipe, args.overrides, args.nproc)
     print("+ " + " ".join(cmd), file=sys.stderr)
     return subprocess.call(cmd)

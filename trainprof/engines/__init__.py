@@ -1,4 +1,5 @@
-"""Training engines behind one small interface (`Engine`): DeepSpeed and plain PyTorch (DDP)."""
+"""Training engines behind one small interface (`Engine`): DeepSpeed, plain PyTorch (DDP), and pipeline
+stages on torch.distributed.pipelining."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from trainprof.recipe import Recipe
 
 def build_engine(recipe: Recipe, ctx: DistContext) -> Engine:
     """Build the recipe's model and wrap it in its engine; the caller has seeded the RNGs."""
+    if recipe.engine.pipeline_stages > 1:
+        from trainprof.engines.pipeline_engine import PipelineEngine
+
+        return PipelineEngine(recipe, ctx)
     if recipe.engine.kind == "deepspeed":
         from trainprof.engines.deepspeed_engine import DeepSpeedEngine
 

@@ -34,7 +34,9 @@ class DistContext:
 class Engine(Protocol):
     """One training engine. The runner calls, per optimizer step, for each of grad_accum micro
     batches: `loss = forward(batch)`, `backward(loss)`, `step()`; `step()` runs the optimizer only at
-    the accumulation boundary (the last micro batch), as DeepSpeed's engine does."""
+    the accumulation boundary (the last micro batch), as DeepSpeed's engine does. A pipeline stage
+    (engines/pipeline_engine.py, name "pipeline") runs all micro batches of a step in its schedule
+    instead: the runner calls its `train_step(batches, prof)`."""
 
     module: torch.nn.Module  # the model itself (peft-wrapped if LoRA)
     loop_module: torch.nn.Module  # what forward() calls: the model, or its DDP wrapper (profiler target)

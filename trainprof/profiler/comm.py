@@ -19,6 +19,8 @@ Overlap assumption (what "exposed" means):
 
 Bytes are the collective's size S as nccl-tests counts it (all_reduce: the buffer; all_gather: the
 gathered output; reduce_scatter: the input); bandwidth is computed in analysis/bandwidth.py.
+Point-to-point ops (send, recv, isend, irecv: what torch.distributed.pipelining's stages call) also
+record their peer's global rank, so a pipeline stage can tell activations from gradients.
 """
 
 from __future__ import annotations
@@ -151,6 +153,8 @@ class CommTracer:
             return params.index(name) if name in params else None
 
         i_size, i_group, i_async = position(spec.size_arg), position("group"), position("async_op")
+        peer_args = [(position(name), name, name.startswith("group_")) for name in ("dst", "src", "group_dst", "group_src")
+                     if name in params]
         local = self._local
 
         def get(args: tuple, kwargs: dict, i: int | None, name: str | None) -> Any:
@@ -169,6 +173,11 @@ class CommTracer:
             nbytes = _nbytes(get(args, kwargs, i_size, spec.size_arg)) * (n if spec.times_group else 1)
             mi, _ = self.current_module()
             rec = CommRecord(op=op, nbytes=nbytes, group_size=n, module=mi, is_async=is_async, issue=self.now())
+            for i, name, in_group in peer_args:
+                peer = get(args, kwargs, i, name)
+                if peer is not None:
+                    rec.peer = dist.get_global_rank(group, peer) if in_group and group is not None else peer
+                    break
             local.depth = 1
             try:
                 out = fn(*args, **kwargs)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -23,11 +24,12 @@ import torch
 
 from trainprof.analysis.aggregate import StepRecord
 from trainprof.analysis.breakdown import CommEvent, analyze_step
+from trainprof.analysis.pipeline import PipelineInfo, step_pipeline
 from trainprof.profiler.comm import CommTracer, comm_total_ms
 from trainprof.profiler.flops import FlopCounter, analytic_flops
 from trainprof.profiler.hooks import ModuleHooks
 from trainprof.profiler.journal import Journal, journal_path
-from trainprof.profiler.log import REGION_CLOSE, REGION_OPEN, StepLog
+from trainprof.profiler.log import ACTION_CLOSE, ACTION_OPEN, REGION_CLOSE, REGION_OPEN, StepLog
 from trainprof.profiler.memory import PhaseMemory, SavedActivations, model_state_bytes
 from trainprof.profiler.ops import OpTracer, range_names, region_range_name
 from trainprof.profiler.patches import wrap_autograd_backward, wrap_optimizer_method
@@ -120,6 +122,8 @@ class Profiler:
         self._activations: SavedActivations | None = None  # activation bytes, on the FLOP-counting step
         self.activation_bytes: int | None = None
         self._seq_len: int | None = None
+        self.pipeline: PipelineInfo | None = None  # set by watch_pipeline on a pipeline stage
+        self._origin_unix_ns: int | None = None
         self._undo: list[Any] = []  # callables that remove the call wrappers
         self._closed = False
         self.memory = PhaseMemory(self.device) if (memory and enabled) else None
@@ -281,6 +285,8 @@ class Profiler:
             counter.__enter__()
             self.flops_running = True
         origin = pending[0] if pending is not None else self.timer.now()
+        if self.pipeline is not None:  # places this rank's step beside the other stages' (analysis/pipeline.py)
+            self._origin_unix_ns = time.time_ns() - (time.perf_counter_ns() - origin if self.timer.kind == "host" else 0)
         if pending is not None:
             log.events.append((REGION_OPEN, "data_wait", pending[0]))
             log.events.append((REGION_CLOSE, "data_wait", pending[1]))
@@ -324,6 +330,31 @@ class Profiler:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         ddp_model.register_comm_hook(None, default_hooks.allreduce_hook)
+
+    def watch_pipeline(self, *, stage: int, num_stages: int, schedule: str, micro_batches: int,
+                       prev_rank: int | None, next_rank: int | None) -> None:
+        """Profile this rank as one stage of a pipeline: point-to-point ops with `prev_rank` /
+        `next_rank` become activation (forward) and gradient (backward) transfers, the time blocked in
+        them the `pipeline_bubble` phase; `pipeline_action` marks each micro batch's forward and
+        backward for the stage timeline. See trainprof/analysis/pipeline.py."""
+        self.pipeline = PipelineInfo(stage=stage, num_stages=num_stages, schedule=schedule,
+                                     micro_batches=micro_batches, prev_rank=prev_rank, next_rank=next_rank)
+
+    @contextlib.contextmanager
+    def pipeline_action(self, kind: str, micro_batch: int) -> Iterator[None]:
+        """One micro batch's forward or backward on this stage: a phase region of that kind and an
+        interval of the stage timeline."""
+        log = self.log
+        if not log.active:
+            yield
+            return
+        log.events.append((ACTION_OPEN, (kind, micro_batch), self.timer.now()))
+        self._region_open(kind)
+        try:
+            yield
+        finally:
+            self._region_close(kind)
+            log.events.append((ACTION_CLOSE, (kind, micro_batch), self.timer.now()))
 
     def phase(self, label: str) -> contextlib.AbstractContextManager[None]:
         """Mark a region of the step as a phase: "optimizer" (e.g. around DeepSpeed's engine.step()),
@@ -424,13 +455,18 @@ class Profiler:
             issue, ret = next(ms), next(ms)
             waits = [(next(ms), next(ms)) for _ in c.waits]
             done = next(ms) if c.done is not None else None
-            comms.append(CommEvent(op=c.op, nbytes=c.nbytes, group_size=c.group_size, module=c.module,
-                                   is_async=c.is_async, issue=issue, ret=ret, waits=waits,
-                                   total_ms=comm_total_ms(c, issue, ret, waits, done)))
+            event = CommEvent(op=c.op, nbytes=c.nbytes, group_size=c.group_size, module=c.module,
+                              is_async=c.is_async, issue=issue, ret=ret, waits=waits,
+                              total_ms=comm_total_ms(c, issue, ret, waits, done), peer=c.peer)
+            role = self.pipeline.classify(c.op, c.peer) if self.pipeline is not None else None
+            if role is not None:
+                event.phase, event.exposed_as = role
+            comms.append(event)
         wall_ms = next(ms)
         self.timer.release()
         breakdown = analyze_step(events, comms, wall_ms,
                                  parents=[m.parent for m in self.hooks.modules] if self.hooks is not None else None)
+        pipeline = step_pipeline(events, comms, self._origin_unix_ns) if self.pipeline is not None else None
         losses = [float(x) for x in self._step_loss]
         self.steps.append(StepRecord(
             step=index - self.warmup_steps,
@@ -440,6 +476,7 @@ class Profiler:
             memory=dict(self.memory.peaks) if self.memory is not None else {},
             instrumented=instrumented,
             warmup=warm,
+            pipeline=pipeline,
         ))
         self._seq_len = log.seq_len
         log.clear()

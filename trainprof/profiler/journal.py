@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 from trainprof.analysis.aggregate import StepRecord
 from trainprof.analysis.breakdown import ModuleStep, StepBreakdown
+from trainprof.analysis.pipeline import PipelineInfo
 from trainprof.analysis.records import ModuleInfo
 
 JOURNAL_VERSION = 1
@@ -82,6 +83,7 @@ def _header(prof: Any) -> dict[str, Any]:
         "memory_method": prof.memory.method if prof.memory is not None else None,
         "modules": [dataclasses.asdict(m) for m in prof.hooks.modules] if prof.hooks is not None else None,
         "module_depth": prof.module_depth, "enabled": prof.enabled, "count_flops": prof.count_flops, "ops": prof.ops,
+        "pipeline": dataclasses.asdict(prof.pipeline) if prof.pipeline is not None else None,
     }
 
 
@@ -158,6 +160,7 @@ def replay(path: str | Path) -> dict[str, Any]:
         memory=SimpleNamespace(method=header["memory_method"]) if header["memory_method"] else None,
         module_depth=header["module_depth"], enabled=header["enabled"], count_flops=header["count_flops"],
         ops=header["ops"], ops_rows=ops_rows, **facts,
+        pipeline=PipelineInfo(**header["pipeline"]) if header.get("pipeline") else None,
     )
     state = dict(header["state"])
     if facts["grads_bytes"] is not None:

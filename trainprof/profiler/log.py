@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainprof.analysis.records import (  # noqa: F401  (re-exported for the hooks)
+    ACTION_CLOSE,
+    ACTION_OPEN,
     B_CLOSE,
     B_OPEN,
     F_CLOSE,
@@ -38,6 +40,7 @@ class CommRecord:
     waits: list[tuple[Any, Any]] = field(default_factory=list)
     done: Any = None
     work: Any = None  # the c10d Work, kept on GPU to read its NCCL duration after the step
+    peer: int | None = None  # point-to-point ops: the other rank (global)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from trainprof.analysis.aggregate import (
     step_entries,
     summarize,
 )
+from trainprof.analysis.pipeline import BUBBLE_METHOD, rank_block
 from trainprof.env import collect_env
 from trainprof.profiler.flops import FLOPS_CONVENTION
 from trainprof.profiler.memory import ACTIVATION_METHOD, model_state_bytes
@@ -47,6 +48,7 @@ class Recorded(Protocol):
     module_depth: int
     activation_bytes: int | None
     grads_bytes: int | None
+    pipeline: Any  # PipelineInfo | None (a pipeline stage)
 
 
 def compute_dtype(model: torch.nn.Module) -> str:
@@ -129,6 +131,7 @@ def compose_rank_profile(prof: Any, *, env: dict[str, Any], state: dict[str, Any
         "model_state_bytes": state,
         "ranks": [rank_entry(prof.rank, steps_used)],
         "straggler": None,
+        **({"pipeline": rank_block(prof.pipeline, steps_used)} if prof.pipeline is not None else {}),
     }
 
 
@@ -184,7 +187,7 @@ def measurement(prof: Recorded, used_desc: str) -> dict[str, str]:
                          "per-module values are medians over steps of per-step sums over calls"),
         "recompute": ("forward hooks firing inside an autograd graph task (activation checkpointing re-runs); "
                       "back-to-back re-runs of children are one re-run of their common ancestor"),
-        "phases": ("each instant labeled once, priority comm_exposed > recompute > data_wait > optimizer > "
+        "phases": ("each instant labeled once, priority pipeline_bubble = comm_exposed > recompute > data_wait > optimizer > "
                    "backward = forward > other; unattributed = wall - sum(phases)"),
         "comm_exposed": ("host timer: time the issuing thread blocked in a synchronous collective or in "
                          "Work.wait(); CUDA events: compute-stream time across the call / wait"),
@@ -192,4 +195,10 @@ def measurement(prof: Recorded, used_desc: str) -> dict[str, str]:
                            "*(n-1)/n for all_gather/reduce_scatter/all_to_all, *1 for broadcast/reduce; "
                            "t = issue-to-completion, which includes waiting for slower ranks"),
         "memory": prof.memory.method if prof.memory is not None else "not measured",
+        "pipeline_bubble": (BUBBLE_METHOD if prof.pipeline is not None else
+                            "0: not a pipeline stage (no engine.pipeline_stages > 1)"),
+        **({"p2p": ("point-to-point rows: phase = what they carry (forward activations, backward gradients); "
+                    "total = issue to the end of this rank's last wait on it, so it includes waiting for the "
+                    "neighbour and the bandwidth is a lower bound; the link time per transfer is "
+                    "pipeline.transfers of the merged profile")} if prof.pipeline is not None else {}),
     }

@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from trainprof.projection import pipeline
 from trainprof.projection.catalog import THIS, Catalog, CatalogError, Target, find_accelerator, load_catalog
 from trainprof.projection.stepmodel import (
     PHASES,
@@ -76,7 +77,12 @@ def load_source(run_dir: str | Path, overrides: list[str] | None = None) -> tupl
     target_recipe = load_recipe(recipe_path, overrides or [])
     cal_path = run_dir / "calibration.json"
     calibration = json.loads(cal_path.read_text()) if cal_path.is_file() else None
-    return Source(run_dir=run_dir, profile=profile, recipe=source_recipe, measured=measured_from_profile(profile),
+    if pipeline.is_pipeline(profile):  # the stage that sets the pace; its transfers are the bubble term's
+        measured = measured_from_profile(pipeline.pace_view(profile))
+        measured.comm = pipeline.without_p2p(measured.comm)
+    else:
+        measured = measured_from_profile(profile)
+    return Source(run_dir=run_dir, profile=profile, recipe=source_recipe, measured=measured,
                   calibration=calibration), target_recipe
 
 
@@ -202,7 +208,10 @@ def _state_elements_per_rank(recipe: Any, trainable: int, world: int) -> float:
 def _plan_bytes(recipe: Any, world: int) -> int:
     from trainprof.plan import estimate_plan
 
-    return int(estimate_plan(recipe, world)["gpu_total_per_rank"]["value"])
+    plan = estimate_plan(recipe, world)
+    if plan.get("pipeline"):  # per stage: the fullest stage is the one that must fit
+        return max(st["gpu_total_bytes"] for st in plan["pipeline"]["stages"])
+    return int(plan["gpu_total_per_rank"]["value"])
 
 
 def _plan_flops(recipe: Any, world: int) -> float:
@@ -373,17 +382,28 @@ class Projector:
         if phases is not None and any(math.isnan(v) for v in phases.values()):
             reasons["step_ms"] = "; ".join(a for a in assumptions if a.startswith("comm:")) or "comm not predictable"
             phases = None
+        pipeline_block, unattributed = None, m.unattributed_ms
+        if pipeline.is_pipeline(src.profile):
+            why = pipeline.check_world(src.profile, world)
+            if why:
+                reasons["step_ms"], phases = why, None
+            elif phases is not None:  # the step model's unattributed holds the measured bubble: swap it for the prediction
+                bubble, pipeline_block, notes = pipeline.pipeline_term(src.profile, m.phases_ms, phases, target_recipe, link)
+                unattributed -= pipeline_block["bubble_ms_measured"]
+                assumptions.extend(notes)
         step_ms = None
         if phases is not None:
-            residual = residual_ms(m, phases)
+            residual = residual_ms(m, phases, unattributed)
+            if pipeline_block is not None:
+                phases["pipeline_bubble"] = bubble
             step_ms = sum(phases.values()) + residual
-            assumptions.append(f"unattributed {residual:.2f} ms (the source's {m.unattributed_ms:.2f} ms, the median "
+            assumptions.append(f"unattributed {residual:.2f} ms (the source's {unattributed:.2f} ms, the median "
                                "step minus the per-phase medians, scaled with the phases); other as measured")
             if phases["data_wait"] > DATA_WAIT_DOMINATES * step_ms:
                 assumptions.append(f"data wait kept as measured is {100 * phases['data_wait'] / step_ms:.0f}% of the "
                                    "predicted step: it would dominate; raise data.num_workers")
         tokens_per_step = (target_recipe.train.micro_batch_size * target_recipe.train.grad_accum
-                           * target_recipe.data.seq_len * world)
+                           * target_recipe.data.seq_len * (1 if pipeline.is_pipeline(src.profile) else world))
         tps = tokens_per_step / (step_ms / 1e3) if step_ms else None
         memory, fits, fit_note = self._memory(target_recipe, world, target, overrides or [])
         pred: dict[str, Any] = {
@@ -408,6 +428,8 @@ class Projector:
         }
         if fit_note:
             pred["fit_suggestion"] = fit_note
+        if pipeline_block is not None:
+            pred["pipeline"] = pipeline_block
         if reasons:
             pred["reasons"] = reasons
         if target is not None and tps:

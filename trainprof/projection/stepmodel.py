@@ -255,12 +255,13 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
     return out, notes
 
 
-def residual_ms(m: Measured, phases: dict[str, float]) -> float:
-    """The unattributed part of a predicted step: the source's (signed) residual scaled by predicted /
-    measured phase sum. Same phases: exactly the source's residual, so the same recipe reproduces the
-    measured step."""
+def residual_ms(m: Measured, phases: dict[str, float], unattributed: float | None = None) -> float:
+    """The unattributed part of a predicted step: the source's (signed) residual (`unattributed`, default
+    m.unattributed_ms) scaled by predicted / measured phase sum. Same phases: exactly the source's
+    residual, so the same recipe reproduces the measured step."""
+    base = m.unattributed_ms if unattributed is None else unattributed
     measured = sum(m.phases_ms.values())
-    return m.unattributed_ms * sum(phases.values()) / measured if measured > 0 else m.unattributed_ms
+    return base * sum(phases.values()) / measured if measured > 0 else base
 
 
 def _scale_compute(ms: float, flops: float, src: Machine, dst: Machine) -> float:

@@ -22,6 +22,8 @@ MFU_SMALL_BATCH = 0.30  # achieved / peak FLOP rate below this at micro batch 1 
 OPTIMIZER_FRAC_OFFLOAD = 0.20  # optimizer share of the step with ZeRO-Offload
 STRAGGLER_FRAC = 0.05  # the slowest rank's median step over the others'
 MEMORY_HEADROOM_FRAC = 0.5  # peak memory at most this share of the known capacity
+PIPELINE_BUBBLE_FRAC = 0.15  # the pace-setting stage's bubble over its schedule (GPipe: p=2 at m<=5 is above)
+STAGE_IMBALANCE_FRAC = 0.10  # the busiest stage over the mean stage, minus 1
 NO_PROJECTION = "projection not available"
 
 
@@ -246,8 +248,60 @@ def rule_memory_headroom(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
         {"train.micro_batch_size": fits})
 
 
+def rule_pipeline_bubble(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
+    pl = f.profile.get("pipeline") or {}
+    frac = pl.get("bubble_frac_measured")
+    check = _check("pipeline_bubble", "pipeline.bubble_frac_measured (the pace-setting stage)", frac,
+                   f"> {_pct(PIPELINE_BUBBLE_FRAC)}", frac is not None and frac > PIPELINE_BUBBLE_FRAC)
+    if not check["triggered"]:
+        return check, None
+    m, p, mb = pl["micro_batches"], pl["num_stages"], f.micro_batch
+    if mb and mb > 1:  # same samples per step, in twice as many, smaller micro batches
+        overrides: dict[str, Any] = {"train.micro_batch_size": mb // 2, "train.grad_accum": 2 * m}
+        how = f"split each micro batch in two (train.micro_batch_size {mb} -> {mb // 2}, train.grad_accum {m} -> {2 * m})"
+    else:
+        overrides = {"train.grad_accum": 2 * m}
+        how = f"run more micro batches per step (train.grad_accum {m} -> {2 * m}; a larger batch per step)"
+    return check, _advice(
+        "pipeline_bubble", "Shrink the pipeline bubble with more micro batches",
+        "pipeline.bubble_frac_measured", frac, f"> {_pct(PIPELINE_BUBBLE_FRAC)}",
+        f"stage {pl.get('bubble_frac_measured_stage')} (sets the pace) waits {_pct(frac)} of its schedule for its "
+        f"neighbours (analytic GPipe (p-1)/(m+p-1) = {_pct(pl['bubble_frac_analytic'])} at p={p}, m={m})",
+        f"{how}: fill and drain stay (p-1) micro-batch times while the work grows with m",
+        frac, f"at most {_pct(frac)} less step time, if the bubble vanished", overrides)
+
+
+def rule_stage_imbalance(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
+    bal = (f.profile.get("pipeline") or {}).get("balance") or {}
+    frac = bal.get("imbalance")
+    check = _check("stage_imbalance", "pipeline.balance.imbalance (busiest stage / mean - 1)", frac,
+                   f"> {_pct(STAGE_IMBALANCE_FRAC)}", frac is not None and frac > STAGE_IMBALANCE_FRAC)
+    if not check["triggered"]:
+        return check, None
+    s, busy = bal.get("suggestion"), bal["busy_ms"]
+    overrides: dict[str, Any] = {}
+    gain = None
+    if s:
+        counts = [sum(1 for m in f.profile.get("modules") or [] if m.get("stage") == st and m["name"].count(".") == 2
+                      and m["name"].startswith("model.layers.")) for st in range(len(busy))]
+        if all(counts):
+            counts[s["from_stage"]] -= s["layers"]
+            counts[s["to_stage"]] += s["layers"]
+            overrides = {"engine.pipeline_layers": "[" + ",".join(map(str, counts)) + "]"}
+        gain = (max(busy) - s["slowest_ms_after"]) / f.step_ms if f.step_ms else None
+    action = s["text"] if s else (bal.get("suggestion_none") or "rebalance the stages")
+    return check, _advice(
+        "stage_imbalance", f"Rebalance the pipeline: stage {bal['slowest_stage']} sets the pace",
+        "pipeline.balance.imbalance", frac, f"> {_pct(STAGE_IMBALANCE_FRAC)}",
+        f"the busiest stage works {_pct(frac)} more than the mean stage (busy ms per stage: "
+        f"{', '.join(f'{b:.1f}' for b in busy)})", action, gain,
+        f"at most {_pct(gain)} less step time, from the measured layer times" if gain is not None else
+        "not bounded: no whole-layer move lowers the busiest stage", overrides)
+
+
 RULES: tuple[Rule, ...] = (rule_data_wait, rule_comm_exposed, rule_small_batch, rule_optimizer_offload,
                            rule_straggler, rule_memory_headroom)
+PIPELINE_RULES: tuple[Rule, ...] = (rule_pipeline_bubble, rule_stage_imbalance)  # pipeline runs only
 
 
 def advise(profile: dict[str, Any], predicted: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -262,7 +316,7 @@ def advise(profile: dict[str, Any], predicted: list[dict[str, Any]] | None = Non
     """
     figures = RunFigures(profile)
     checks, advice = [], []
-    for rule in RULES:
+    for rule in RULES + (PIPELINE_RULES if (profile.get("pipeline") or {}).get("stages") else ()):
         check, item = rule(figures)
         checks.append(check)
         if item is not None:

@@ -8,7 +8,8 @@ from typing import Any
 
 PHASE_COLORS = {
     "data_wait": "#9e9e9e", "forward": "#4c78a8", "backward": "#f58518", "recompute": "#b279a2",
-    "optimizer": "#54a24b", "comm_exposed": "#e45756", "other": "#bab0ac", "unattributed": "#eeeeee",
+    "optimizer": "#54a24b", "comm_exposed": "#e45756", "pipeline_bubble": "#ff9da6", "other": "#bab0ac",
+    "unattributed": "#eeeeee",
     "step": "#4c78a8",
 }
 DPI = 110
@@ -112,5 +113,42 @@ def speedup_bars(labels: list[str], changes: list[float], noise: float | None) -
     ax.axvline(0, color="black", linewidth=0.6)
     ax.set_yticks(y, labels, fontsize=8)
     ax.set_xlabel("time change B vs A, % (negative = B faster)")
+    ax.spines[["top", "right"]].set_visible(False)
+    return _png(fig)
+
+
+TIMELINE_COLORS = {"forward": PHASE_COLORS["forward"], "backward": PHASE_COLORS["backward"],
+                   "bubble_forward": PHASE_COLORS["pipeline_bubble"], "bubble_backward": PHASE_COLORS["pipeline_bubble"],
+                   "optimizer": PHASE_COLORS["optimizer"], "comm_exposed": PHASE_COLORS["comm_exposed"]}
+
+
+def pipeline_timeline(stages: list[dict[str, Any]]) -> bytes:
+    """The classic pipeline diagram of one step: a row per stage, its micro batches' forwards (F<i>)
+    and backwards (B<i>), the waits for a neighbour and the optimizer, placed on a shared time axis.
+
+    Args:
+        stages: merged profile `pipeline.timeline.stages` (offset_ms, intervals [kind, mb, t0, t1]).
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 0.8 + 0.7 * len(stages)))
+    seen = set()
+    for row, st in enumerate(stages):
+        y = len(stages) - 1 - row
+        for kind, mb, t0, t1 in st["intervals"]:
+            x0 = st["offset_ms"] + t0
+            label = None
+            legend = ("waiting for a neighbour" if kind.startswith("bubble") else
+                      "blocked in a collective" if kind == "comm_exposed" else kind)
+            if legend not in seen:
+                seen.add(legend)
+                label = legend
+            ax.broken_barh([(x0, t1 - t0)], (y - 0.35, 0.7), facecolors=TIMELINE_COLORS.get(kind, "#cccccc"),
+                           edgecolor="white", linewidth=0.4, label=label, hatch="//" if kind.startswith("bubble") else None)
+            if kind in ("forward", "backward") and mb is not None:
+                ax.text(x0 + (t1 - t0) / 2, y, f"{kind[0].upper()}{mb}", ha="center", va="center", fontsize=7,
+                        color="white", clip_on=True)
+    ax.set_yticks(range(len(stages)), [f"stage {st['stage']}" for st in reversed(stages)], fontsize=8)
+    ax.set_xlabel("ms since the first stage's step start")
+    ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     return _png(fig)

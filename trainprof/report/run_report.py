@@ -16,7 +16,9 @@ from trainprof.io import atomic_write_text
 from trainprof.report import plots
 from trainprof.report.document import Details, Document, Facts, Figure, Missing, Para, Table, fmt
 from trainprof.report.document import render_html, render_markdown
-from trainprof.report.rundir import PHASES, RunData, load_run, module_time, recipe_of, step_peak_memory, top_modules
+from trainprof.report.pipeline import pipeline_section
+from trainprof.report.rundir import (RunData, load_run, module_label, module_time, recipe_of, report_phases,
+                                     step_peak_memory, top_modules)
 
 PLOTS_DIR = "report_plots"  # PNGs for report.md, beside it
 TOP_MODULES = 15
@@ -168,18 +170,19 @@ def phases_section(doc: Document, run: RunData) -> None:
                                 [[st["step"], st.get("wall_ms"), st.get("loss"), st.get("tokens")] for st in steps],
                                 id="steps-table"))
         return
-    sec.blocks.append(Figure(plots.phase_bars(steps, PHASES),
+    shown = report_phases(p)
+    sec.blocks.append(Figure(plots.phase_bars(steps, shown),
                              "Phases per measured step on rank " + str(p.get("steps_rank", 0)) + " (ms, stacked; "
                              "together they add up to the step's wall time)", f"{PLOTS_DIR}/phases.png",
                              id="fig-phases"))
     step_ms = _get(s, "step_ms", "median")
     phases = s.get("phases_ms") or {}
-    rows = [[ph, phases.get(ph), _pct(phases.get(ph), step_ms)] for ph in PHASES]
+    rows = [[ph, phases.get(ph), _pct(phases.get(ph), step_ms)] for ph in shown]
     rows.append(["unattributed (closure error)", s.get("unattributed_ms"), _pct(s.get("unattributed_ms"), step_ms)])
     sec.blocks.append(Table(["phase", "ms per step (median)", "share of step"], rows, method=method,
                             id="phases-table"))
-    cols = ["step", "wall ms", *PHASES, "unattributed", "instrumented"]
-    sec.blocks.append(Table(cols, [[st["step"], st["wall_ms"], *(st["phases_ms"].get(ph) for ph in PHASES),
+    cols = ["step", "wall ms", *shown, "unattributed", "instrumented"]
+    sec.blocks.append(Table(cols, [[st["step"], st["wall_ms"], *(st["phases_ms"].get(ph) for ph in shown),
                                     st.get("unattributed_ms"), ", ".join(st.get("instrumented") or []) or "-"]
                                    for st in steps], id="steps-table", method=_get(p, "measurement", "timer")))
 
@@ -205,14 +208,16 @@ def modules_section(doc: Document, run: RunData) -> None:
             total = sum(v for v in (r["forward_ms"], r["backward_ms"], r["recompute_ms"], r["optimizer_ms"]) if v)
             rows.append([r["label"], "" if r["modules"] is None else (r["modules"] or "not profiled at this depth"),
                          r["forward_ms"], r["backward_ms"], r["recompute_ms"], r["optimizer_ms"], _pct(total, step_ms)])
-        sec.blocks.append(Para("By part of the model (Zhang et al.'s Llama2-7B table, arXiv 2311.03687), ms per step, median:"))
+        sec.blocks.append(Para("By part of the model (Zhang et al.'s Llama2-7B table, arXiv 2311.03687), ms per step, median"
+                               + (" (summed over the pipeline stages, which run side by side: shares can add up past "
+                                  "100%)" if p.get("pipeline") else "") + ":"))
         sec.blocks.append(Table(["part", "modules", "forward ms", "backward ms", "recompute ms", "optimizer ms",
                                  "share of step"], rows, method=meas, id="categories-table"))
     except (KeyError, TypeError) as err:  # a profile without the fields the category table needs
         sec.blocks.append(Missing("model-part table", f"profile.json lacks {err}"))
     top = top_modules(p, TOP_MODULES)
     if top:
-        labels = [m["name"] or "<model>" for m in top]
+        labels = [module_label(m) for m in top]
         parts = {ph: [m.get(f"self_{ph}_ms") or 0.0 for m in top] for ph in ("forward", "backward", "recompute")}
         sec.blocks.append(Figure(plots.module_bars(labels, parts, "self ms per step (median; children excluded)"),
                                  f"Top {len(top)} modules by self time, forward / backward / recompute",
@@ -220,14 +225,14 @@ def modules_section(doc: Document, run: RunData) -> None:
         sec.blocks.append(Table(
             ["module", "type", "self fwd ms", "self bwd ms", "self recompute ms", "fwd ms (incl.)", "bwd ms (incl.)",
              "share of step"],
-            [[m["name"] or "<model>", m.get("type"), m.get("self_forward_ms"), m.get("self_backward_ms"),
+            [[module_label(m), m.get("type"), m.get("self_forward_ms"), m.get("self_backward_ms"),
               m.get("self_recompute_ms"), m.get("forward_ms"), m.get("backward_ms"),
               _pct(module_time(m, self_time=True), _get(p, "summary", "step_ms", "median"))] for m in top],
             method=meas, id="top-modules-table"))
     mp = doc.section("Module x phase", id="module-phase")
     cols = ["module", "type", "calls", "forward ms", "backward ms", "recompute ms", "comm ms", "comm exposed ms",
             "self fwd ms", "self bwd ms", "GFLOPs", "params"]
-    rows = [["  " * m.get("depth", 0) + (m["name"] or "<model>"), m.get("type"), m.get("calls"), m.get("forward_ms"),
+    rows = [["  " * m.get("depth", 0) + module_label(m), m.get("type"), m.get("calls"), m.get("forward_ms"),
              m.get("backward_ms"), m.get("recompute_ms"), m.get("comm_ms"), m.get("comm_exposed_ms"),
              m.get("self_forward_ms"), m.get("self_backward_ms"),
              None if m.get("flops") is None else m["flops"] / 1e9, m.get("params")] for m in modules]
@@ -351,11 +356,12 @@ def ranks_section(doc: Document, run: RunData) -> None:
     if len(ranks) < 2:
         return
     sec = doc.section("Ranks", id="ranks")
-    sec.blocks.append(Table(["rank", "step ms", "busy ms", *PHASES],
+    shown = report_phases(p)
+    sec.blocks.append(Table(["rank", "step ms", "busy ms", *shown],
                             [[r["rank"], r.get("step_ms_median"), r.get("busy_ms_median"),
-                              *(r["phases_ms"].get(ph) for ph in PHASES)] for r in ranks],
-                            method="medians over each rank's measured steps; busy = step minus exposed communication "
-                                   "and data wait (what a straggler is judged by)", id="ranks-table"))
+                              *(r["phases_ms"].get(ph) for ph in shown)] for r in ranks],
+                            method="medians over each rank's measured steps; busy = step minus exposed communication, "
+                                   "data wait and pipeline bubble (what a straggler is judged by)", id="ranks-table"))
 
 
 def traces_section(doc: Document, run: RunData, scan_bytes: int = TRACE_SCAN_BYTES) -> None:
@@ -434,8 +440,8 @@ def projection_section(doc: Document, run: RunData) -> None:
                "n/a where not validated", id="projection-table"))
 
 
-SECTIONS = (answer_section, facts_section, method_section, phases_section, modules_section, ops_section,
-            comm_section, memory_section, flops_section, ranks_section, projection_section)
+SECTIONS = (answer_section, facts_section, method_section, phases_section, pipeline_section, modules_section,
+            ops_section, comm_section, memory_section, flops_section, ranks_section, projection_section)
 
 
 def build_run_report(run: RunData, *, trace_scan_bytes: int = TRACE_SCAN_BYTES) -> Document:

@@ -13,6 +13,17 @@ from typing import Any
 from trainprof.analysis.trace import find_traces
 
 PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other")
+PIPELINE_PHASES = (*PHASES[:-1], "pipeline_bubble", PHASES[-1])
+
+
+def module_label(m: dict[str, Any]) -> str:
+    """A module row's name for tables; a pipeline stage's rows say which stage ran them."""
+    return (m["name"] or "<model>") + (f" [stage {m['stage']}]" if "stage" in m else "")
+
+
+def report_phases(profile: dict[str, Any] | None) -> tuple[str, ...]:
+    """The phases a report shows: pipeline_bubble only for a pipeline run (elsewhere it is 0 or absent)."""
+    return PIPELINE_PHASES if (profile or {}).get("pipeline") else PHASES
 
 
 class RunDirError(ValueError):

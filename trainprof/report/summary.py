@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainprof.io import atomic_write_text
+from trainprof.report.pipeline import pipeline_summary_lines
+from trainprof.report.rundir import report_phases
 
 MODULE_COLUMNS = ("name", "type", "depth", "calls", "forward_ms", "backward_ms", "recompute_ms", "self_forward_ms",
                   "self_backward_ms", "self_recompute_ms", "comm_ms", "comm_exposed_ms", "self_comm_ms", "flops",
                   "params", "params_trainable", "params_local")
 OP_COLUMNS = ("name", "module", "phase", "calls", "self_ms", "self_cpu_ms", "flops")
 COMM_COLUMNS = ("op", "phase", "group_size", "calls", "bytes", "total_ms", "exposed_ms", "algbw_gbps", "busbw_gbps")
-PHASE_ORDER = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other")
 
 # Zhang et al.'s (arXiv 2311.03687) Llama2-7B rows: (label, which modules belong to it)
 CATEGORIES: list[tuple[str, Callable[[dict[str, Any]], bool]]] = [
@@ -112,10 +113,11 @@ def render_markdown(profile: dict[str, Any]) -> str:
         lines.append(f"| {r['label']} | {count} | {_ms(r['forward_ms'])} | {_ms(r['backward_ms'])} | "
                      f"{_ms(r['recompute_ms'])} | {_ms(r['optimizer_ms'])} | {_pct(total, step)} |")
     lines += ["", "## Phases (per step, median)", "", "| phase | ms | share |", "|---|---|---|"]
-    for phase in PHASE_ORDER:
+    for phase in report_phases(profile):
         v = s["phases_ms"].get(phase)
         lines.append(f"| {phase} | {_ms(v)} | {_pct(v, step)} |")
     lines.append(f"| unattributed | {_ms(s.get('unattributed_ms'))} | {_pct(s.get('unattributed_ms'), step)} |")
+    lines += pipeline_summary_lines(profile)
     if s.get("across_ranks"):
         lines += ["", "## Ranks", "", "| rank | step ms | busy ms | comm_exposed ms |", "|---|---|---|---|"]
         for r in profile["ranks"]:
@@ -126,7 +128,8 @@ def render_markdown(profile: dict[str, Any]) -> str:
               "| module | type | calls | fwd ms | bwd ms | recompute ms | self fwd | self bwd | comm ms | params |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for m in mods[:15]:
-        lines.append(f"| {m['name'] or '(model)'} | {m['type']} | {m['calls']} | {_ms(m['forward_ms'])} | "
+        name = (m["name"] or "(model)") + (f" [stage {m['stage']}]" if "stage" in m else "")
+        lines.append(f"| {name} | {m['type']} | {m['calls']} | {_ms(m['forward_ms'])} | "
                      f"{_ms(m['backward_ms'])} | {_ms(m['recompute_ms'])} | {_ms(m['self_forward_ms'])} | "
                      f"{_ms(m['self_backward_ms'])} | {_ms(m['comm_ms'])} | {m['params']:,} |")
     if profile["comm"]:

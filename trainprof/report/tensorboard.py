@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainprof.report.rundir import PHASES, step_peak_memory, step_tflops, step_tokens_per_s, top_modules
+from trainprof.report.rundir import report_phases, step_peak_memory, step_tflops, step_tokens_per_s, top_modules
 
 SCALARS_SUFFIX = ".trainprof"  # our event files end in this; rewriting replaces only them
 TOP_MODULES = 8
@@ -50,7 +50,7 @@ def scalar_series(profile: dict[str, Any], top: int = TOP_MODULES) -> dict[str, 
         if "instrumented" in s:
             add("step/instrumented", n, 1.0 if s["instrumented"] else 0.0)
         phases = s.get("phases_ms") or {}
-        for phase in PHASES:
+        for phase in report_phases(profile):
             add(f"phase/{phase}_ms", n, phases.get(phase))
         if phases:
             add("phase/unattributed_ms", n, s.get("unattributed_ms"))
