@@ -72,7 +72,7 @@ def test_each_rule_fires_only_on_its_measured_trigger(rule, trigger, below):
     assert rule not in fired(_with(**below))
     a = hit[rule]
     assert a["trigger"]["value"] is not None and a["trigger"]["threshold"] and a["trigger"]["text"]
-    assert a["predicted_gain"] is None and a["predicted_gain_reason"].startswith("projection not available")
+    assert a["predicted_gain"] is None and a["predicted_gain_reason"].startswith("not projected yet")
     assert isinstance(a["overrides"], dict)
 
 

@@ -24,7 +24,7 @@ STRAGGLER_FRAC = 0.05  # the slowest rank's median step over the others'
 MEMORY_HEADROOM_FRAC = 0.5  # peak memory at most this share of the known capacity
 PIPELINE_BUBBLE_FRAC = 0.15  # the pace-setting stage's bubble over its schedule (GPipe: p=2 at m<=5 is above)
 STAGE_IMBALANCE_FRAC = 0.10  # the busiest stage over the mean stage, minus 1
-NO_PROJECTION = "projection not available"
+NO_PROJECTION = "not projected yet"
 
 
 def _get(d: Any, *keys: str) -> Any:
