@@ -23,8 +23,10 @@ COMMON = "[data.seq_len=32, train.micro_batch_size=1, engine.zero_stage=0, train
 
 def start_sweep(sweep: Path, out: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # Ctrl-C's default, whatever an earlier test in this process left (an ignored SIGINT is inherited)
     return subprocess.Popen([sys.executable, "-m", "trainprof", "sweep", str(sweep), "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for_run_dir(out: Path, cell_prefix: str, proc: subprocess.Popen, timeout: float = 120) -> Path:
