@@ -140,7 +140,7 @@ def read_journal(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]
 
 def replay(path: str | Path) -> dict[str, Any]:
     """The rank document a journal records, marked partial (see the module docstring)."""
-    from trainprof.profiler.result import compose_rank_profile
+    from trainprof.profiler.result import compose_rank_profile, with_grads
 
     header, lines = read_journal(path)
     facts: dict[str, Any] = {"flops": None, "activation_bytes": None, "grads_bytes": None}
@@ -162,10 +162,7 @@ def replay(path: str | Path) -> dict[str, Any]:
         ops=header["ops"], ops_rows=ops_rows, **facts,
         pipeline=PipelineInfo(**header["pipeline"]) if header.get("pipeline") else None,
     )
-    state = dict(header["state"])
-    if facts["grads_bytes"] is not None:
-        state["grads"] = max(state["grads"], facts["grads_bytes"])
-        state["total"] = state["params"] + state["grads"] + state["optimizer_states"] + state["master_params"]
+    state = with_grads(header["state"], facts["grads_bytes"])
     doc = compose_rank_profile(recorded, env=header["env"], state=state, device_type=header["device_type"],
                                dtype=header["dtype"])
     measured = sum(1 for s in steps if not s.warmup)

@@ -82,10 +82,16 @@ def rank_profile(prof: Recorded) -> dict[str, Any]:
 
 def state_bytes(prof: Recorded) -> dict[str, Any]:
     """Model state bytes (params, grads, optimizer states), with the grads read on the FLOP-counting step."""
-    state = model_state_bytes(prof.model, prof.optimizer)
-    if prof.grads_bytes is not None:  # grads read when the optimizer began, on the FLOP-counting step
-        state["grads"] = max(state["grads"], prof.grads_bytes)
-        state["total"] = state["params"] + state["grads"] + state["optimizer_states"] + state["master_params"]
+    return with_grads(model_state_bytes(prof.model, prof.optimizer), prof.grads_bytes)
+
+
+def with_grads(state: dict[str, Any], grads_bytes: int | None) -> dict[str, Any]:
+    """`state` with the grads read when the optimizer began on the FLOP-counting step folded in (the
+    live grads may be freed by then)."""
+    if grads_bytes is None:
+        return state
+    state = {**state, "grads": max(state["grads"], grads_bytes)}
+    state["total"] = state["params"] + state["grads"] + state["optimizer_states"] + state["master_params"]
     return state
 
 

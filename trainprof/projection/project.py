@@ -590,14 +590,15 @@ def project_advice(run_dir: str | Path, *, probe: bool = True, progress: bool = 
     prediction (which reproduces the measured step), or null with the reason."""
     from tqdm import tqdm
 
-    from trainprof.report.advisor import advise
+    from trainprof.recipe import load_recipe
+    from trainprof.report.advisor import advise, override_args
 
     source, recipe = load_source(run_dir)
     projector = Projector(source, load_catalog(), validation=load_validation(), probe=probe)
     base = projector.predict(recipe)
     out = []
     for a in tqdm(advise(source.profile)["advice"], desc="advice", unit="advice", disable=not progress):
-        overrides = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in a["overrides"].items()]
+        overrides = override_args(a["overrides"])
         row: dict[str, Any] = {"rule": a["rule"], "overrides": overrides, "predicted_step_ms": None,
                                "predicted_tokens_per_s": None, "predicted_gain": None, "expected_error_pct": None}
         unmodelled = [k for k in a["overrides"] if k not in MODELLED_KEYS]
@@ -607,7 +608,7 @@ def project_advice(run_dir: str | Path, *, probe: bool = True, progress: bool = 
             row["reason"] = f"the step model does not model {', '.join(unmodelled)}"
         else:
             try:
-                _, target = load_source(run_dir, overrides)
+                target = load_recipe(source.run_dir / "recipe.yaml", overrides)
             except Exception as err:  # noqa: BLE001  a recipe rule refusing the combination is the answer
                 row["reason"] = f"the recipe refuses {' '.join(overrides)}: {str(err).splitlines()[0]}"
             else:

@@ -331,7 +331,7 @@ def _attach_prediction(item: dict[str, Any], predicted: list[dict[str, Any]] | N
     if predicted is None:
         item["predicted_gain_reason"] = NO_PROJECTION + ": run `trainprof project RUN_DIR --advice`"
         return
-    wanted = sorted(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in item["overrides"].items())
+    wanted = sorted(override_args(item["overrides"]))
     row = next((r for r in predicted if r["rule"] == item["rule"] and sorted(r["overrides"]) == wanted), None)
     if row is None:
         item["predicted_gain_reason"] = NO_PROJECTION + " for these overrides (projected before this advice changed)"
@@ -377,9 +377,10 @@ def markdown_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def overrides_text(overrides: dict[str, Any]) -> str:
+def override_args(overrides: dict[str, Any]) -> list[str]:
     """Overrides as the `key=value` arguments `trainprof run` takes."""
-    def value(v: Any) -> str:
-        return str(v).lower() if isinstance(v, bool) else str(v)
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items()]
 
-    return " ".join(f"{k}={value(v)}" for k, v in overrides.items())
+
+def overrides_text(overrides: dict[str, Any]) -> str:
+    return " ".join(override_args(overrides))
