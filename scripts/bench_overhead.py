@@ -9,7 +9,7 @@ Besides the ratio, it prints the cost per module call in microseconds: (profiled
 time, median over pairs) / the number of module calls the hooks saw in one step (an upper bound: the
 per-step analysis at step exit is in the difference too), and a breakdown of a
 hook's pieces, each timed over many invocations in a loop (timer stamp, log append, functools.partial
-creation, tensor-hook registration, a whole pre+post hook pair with and without grad).
+creation, node pre-hook registration, a whole pre+post hook pair with and without grad).
 
 Each profiled step gets a fresh Profiler (hooks, collective wrappers, memory per phase; FLOP counting
 off) that is closed again before the next unprofiled step, so unprofiled steps run with no hooks at
@@ -116,7 +116,7 @@ def main() -> None:
         train_step()
     calls = prof.hooks.counter // 2  # the counter advances once in each pre and each post hook
     prof.close()
-    print(f"module calls timed per step: {calls} (forward; each also gets backward tensor hooks)")
+    print(f"module calls timed per step: {calls} (forward; each also watches its producer nodes for backward)")
     journal_cost(prof)
 
     kept = Profiler(model, optimizer=opt, module_depth=args.depth, flops=False)
@@ -209,14 +209,19 @@ def hook_breakdown(model: torch.nn.Module, depth: int) -> None:
     pieces = [
         ("timer stamp (timer.now)", timer.now),
         ("log append (events.append of a tuple)", lambda: events.append((F_OPEN, 3, 0))),
-        ("functools.partial creation", lambda: functools.partial(hooks._backward_end, 1)),
-        ("tensor-hook registration (x.register_hook)", lambda: x.view_as(x).register_hook(noop)),
+        ("functools.partial creation", lambda: functools.partial(hooks._on_grad, [0, (1, -1, 1)])),
+        ("node pre-hook registration (grad_fn.register_prehook)", lambda: x.view_as(x).grad_fn.register_prehook(noop)),
         ("  (x.view_as(x) alone, to subtract)", lambda: x.view_as(x)),
     ]
+
+    def pair_with_grad() -> None:
+        out = x.view_as(x)  # a fresh producer node per call, as a module's output has
+        hooks._pre(mi, layer, (x,), {})
+        hooks._post(mi, layer, (x,), {}, out)
+
     with prof.step():  # hooks act only inside a step
         pieces += [
-            ("pre+post hook pair, input needs grad", lambda: (hooks._pre(mi, layer, (x,), {}),
-                                                              hooks._post(mi, layer, (x,), {}, x))),
+            ("pre+post hook pair, input needs grad (+ a view)", pair_with_grad),
             ("pre+post hook pair, no grad tensors", lambda: (hooks._pre(mi, layer, (x_nograd,), {}),
                                                              hooks._post(mi, layer, (x_nograd,), {}, x_nograd))),
         ]

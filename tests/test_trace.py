@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainprof.analysis import trace as T
 
@@ -117,3 +118,41 @@ def test_holistic_trace_analysis_loads_the_two_rank_trace(tmp_path):
         analysis.get_temporal_breakdown(visualize=False)
     with pytest.raises(ValueError, match="No objects to concatenate"):  # idle time per GPU stream: none
         analysis.get_idle_time_breakdown(visualize=False)
+
+
+
+
+def _two_matmuls(x):
+    return (x @ x) @ x
+
+
+def _fork_and_wait(x):
+    return torch.jit.wait(torch.jit.fork(_two_matmuls, x))
+
+
+def test_ops_of_another_thread_count_for_the_step_they_ran_in():
+    """On CUDA the autograd engine runs backward on its own device thread, outside the thread that holds
+    the `ProfilerStep#N` marker (seen on an H100: the backward matmuls were missing from ops.csv). A
+    TorchScript fork runs on an inter-op thread with the profiler on, the same situation on CPU: its ops
+    count for the step whose span holds them."""
+    from trainprof.profiler.ops import aggregate_events
+
+    run = torch.jit.script(_fork_and_wait)
+    a = torch.randn(128, 128)
+    run(a)
+    traced = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                schedule=torch.profiler.schedule(wait=0, warmup=1, active=2),
+                                on_trace_ready=lambda p: traced.append(p.events())) as prof:
+        for _ in range(3):
+            torch.add(a, a)
+            run(a)
+            prof.step()
+    events = traced[0]
+    forked = [e for e in events if e.name == "aten::mm"]
+    assert forked and {e.thread for e in forked}.isdisjoint({e.thread for e in events if e.name == "aten::add"})
+    per_step = aggregate_events(events, {}, cuda=False, by_step=True)
+    assert len(per_step) == 2
+    for rows in per_step.values():
+        assert [r["calls"] for r in rows if r["name"] == "aten::mm"] == [2]
+        assert [r["calls"] for r in rows if r["name"] == "aten::add"] == [1]

@@ -28,14 +28,15 @@ def check_modules(rows: list[dict[int, dict]], index: dict[str, int], ledger: li
     assert len(rows) == len(ledger), (len(rows), len(ledger))
     for name in names:
         for phase in ("forward", "backward", "recompute"):
-            errors = []
+            errors, pairs = [], []
             for row, truth_step in zip(rows, ledger):
                 measured = row[index[name]][f"{phase}_ms"]
                 truth = truth_ms([truth_step], name, phase)
                 errors.append(abs(measured - truth) / truth if truth else abs(measured) / ABS_MS * REL)
+                pairs.append(f"{measured:.2f}/{truth:.2f}")
             median = statistics.median(errors)
             assert median <= rel, (f"{name or '(model)'} {phase}: median relative error {median:.3f} over steps "
-                                   f"{[round(e, 3) for e in errors]}")
+                                   f"{[round(e, 3) for e in errors]} (measured/truth ms: {', '.join(pairs)})")
 
 
 def check_closure(result: dict[str, Any]) -> None:

@@ -205,7 +205,7 @@ def analyze_step(events: list[tuple[int, Any, float]], comms: list[CommEvent], w
     labeled = ([(a, b, kind) for kind in ("forward", "backward") for _, a, b in windows[kind]]
                + [(a, b, "recompute") for a, b, _ in bursts] + list(regions))
     without_comm = label_timeline(labeled, PRIORITY, 0.0, wall_ms)
-    segments = label_timeline(labeled + exposed_labeled, PRIORITY, 0.0, wall_ms)
+    segments = label_timeline(labeled + exposed_labeled, PRIORITY, 0.0, wall_ms) if exposed_labeled else without_comm
     phases = {p: 0.0 for p in PHASES}
     for a, b, label in segments:
         phases[label] += b - a

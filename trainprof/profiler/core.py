@@ -296,6 +296,8 @@ class Profiler:
         finally:
             end = self.timer.now()
             log.active = False
+            if self.hooks is not None:
+                self.hooks.end_step()
             if counter is not None:
                 if self.flops_running:  # else an optimizer phase left open by an exception holds it
                     counter.__exit__(None, None, None)

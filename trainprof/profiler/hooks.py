@@ -14,15 +14,20 @@ any depth; the analysis merges back-to-back re-runs into one burst (see analysis
 
 Backward, without touching the module's own hook dicts and without wrapping tensors in autograd
 Functions (which would turn in-place ops on module outputs into errors):
-  * begin: a tensor hook on each output that requires grad. It fires when the output's producer node
-    is about to run, i.e. when the module's last forward op starts its backward.
+  * begin: when the producer node of an output that requires grad is about to run, i.e. when the
+    module's last forward op starts its backward.
   * end: the autograd engine runs ready nodes in decreasing sequence number (creation order), so once
     any node created *before* the module call runs, the module's backward is over. Every forward
-    pre-hook takes a counter value `pre`, every forward hook a value `post`; a tensor hook on an input
-    carries `pre`, one on an output carries `post`. When a hook with value k fires, every open backward
-    whose `pre >= k` is closed. Modules whose inputs need no grad (frozen LoRA base, embeddings) close
-    at the next such hook or at the end of the graph task (an engine callback).
-This gives nested, properly ordered backward intervals for calls that run twice, for gradient
+    pre-hook takes a counter value `pre`, every forward hook a value `post`; the producer of an input
+    is watched with `pre`, the producer of an output with `post`. When a node watched with value k is
+    about to run, every open backward whose `pre >= k` is closed. Modules whose inputs need no grad
+    (frozen LoRA base, embeddings) close at the next such node or at the end of the graph task (an
+    engine callback).
+One node pre-hook (`Node.register_prehook`, a C++ registration) per producer node and step carries
+every action on it, in registration order: a module's output is usually the next module's input, so
+this halves the Python calls the engine makes, and an input's close is dropped where the node already
+closes from a smaller value (counter values only grow). Leaves have no producer node: they get a tensor
+hook. This gives nested, properly ordered backward intervals for calls that run twice, for gradient
 accumulation (each micro batch has its own counter values) and under ZeRO-3's own hooks.
 """
 
@@ -80,6 +85,14 @@ def describe_modules(model: torch.nn.Module, max_depth: int) -> list[tuple[Modul
     return out
 
 
+def _autocast_dtype() -> torch.dtype | None:
+    """The dtype autocast runs matmuls in right now (CUDA first, then CPU), None when it is off."""
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    return None
+
+
 def _grad_tensors(obj: Any) -> list[torch.Tensor]:
     """Tensors that require grad in a hook's args/kwargs/output: a tensor, or up to two levels of
     tuple/list/dict (ModelOutput is a dict)."""
@@ -112,7 +125,8 @@ class ModuleHooks:
         on_root: called as on_root(phase, begin) when the model's own forward/backward begins or
             ends (memory tracking uses it); None for no callback.
         recompute_sentinels: hook modules deeper than max_depth to see re-runs (None: when the model
-            says gradient checkpointing is on, `model.is_gradient_checkpointing`).
+            says gradient checkpointing is on, `model.is_activation_checkpointing` or, before
+            transformers 5.x, `model.is_gradient_checkpointing`).
     """
 
     def __init__(self, model: torch.nn.Module, max_depth: int, log: StepLog, now: Callable[[], Any],
@@ -128,7 +142,11 @@ class ModuleHooks:
         self.bstack: list[list[Any]] = []  # open backward calls: [pre, mi, graph task, range]
         self.bstate: dict[int, int] = {}  # pre -> 1 open, 2 closed
         self.callback_tasks: set[int] = set()
+        # this step's watched producer nodes -> [step serial, (close from, module or -1, pre), ...]
+        self.watched: dict[Any, list[Any]] = {}
+        self.serial = 0  # a hook left on a node or leaf by an earlier step does nothing
         self.range_names: list[dict[str, str]] | None = None  # set while operator tracing is on
+        self.autocast_dtype: torch.dtype | None = None  # the root forward's autocast dtype, if any
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         for info, mod in described:
             pre = functools.partial(self._pre, info.index)
@@ -137,7 +155,10 @@ class ModuleHooks:
             self._handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
         if recompute_sentinels is None:  # DDP does not forward attributes: ask the module it wraps
             inner = getattr(model, "module", model)
-            recompute_sentinels = bool(getattr(inner, "is_gradient_checkpointing", False))
+            # transformers >= 5.x: is_activation_checkpointing (is_gradient_checkpointing warns as deprecated)
+            flag = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") \
+                else "is_gradient_checkpointing"
+            recompute_sentinels = bool(getattr(inner, flag, False))
         if recompute_sentinels:
             index_of = {info.name: info.index for info in self.modules}
             for name, mod in model.named_modules():
@@ -163,10 +184,16 @@ class ModuleHooks:
         return -1, None
 
     def reset_step(self) -> None:
+        self.serial += 1
+        self.watched = {}
         self.bstate.clear()
         self.callback_tasks.clear()
         self.fstack.clear()
         self.bstack.clear()
+
+    def end_step(self) -> None:
+        """Let go of this step's autograd nodes (their saved tensors are freed by backward already)."""
+        self.watched = {}
 
     def close(self) -> None:
         for handle in self._handles:
@@ -191,16 +218,15 @@ class ModuleHooks:
         self.fstack.append([mi, k, recompute, rng])
         if mi == 0 and not recompute:
             self._count_tokens(args, kwargs)
+            self.autocast_dtype = _autocast_dtype()
             if self.on_root is not None:
                 self.on_root("forward", True)
         if _grad_enabled():
             tensors = _grad_tensors(args)
             if kwargs:
                 tensors += _grad_tensors(kwargs)
-            if tensors:  # no partial to build when nothing needs grad (frozen inputs, token ids)
-                end = functools.partial(self._backward_end, k)
-                for x in tensors:
-                    x.register_hook(end)
+            if tensors:
+                self._watch(tensors, (k, -1, k))
         return None
 
     def _post(self, mi: int, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -218,9 +244,7 @@ class ModuleHooks:
         if output is not None and _grad_enabled():
             tensors = _grad_tensors(output)
             if tensors:
-                begin = functools.partial(self._backward_begin, mi, k, post)
-                for x in tensors:
-                    x.register_hook(begin)
+                self._watch(tensors, (post, mi, k))
         if mi == 0 and not recompute and self.on_root is not None:
             self.on_root("forward", False)
         return None
@@ -251,49 +275,64 @@ class ModuleHooks:
 
     # -- backward ----------------------------------------------------------------------------------
 
-    def _backward_begin(self, mi: int, pre: int, post: int, grad: torch.Tensor) -> None:
-        if not self.log.active:
+    def _watch(self, tensors: list[torch.Tensor], action: tuple[int, int, int]) -> None:
+        """Run `action` = (close from, module to open or -1, its pre) when each tensor's producer node is
+        about to run in backward (see the module docstring)."""
+        watched = self.watched
+        for x in tensors:
+            node = x.grad_fn
+            if node is None:  # a leaf that requires grad (an input made to require it)
+                x.register_hook(functools.partial(self._on_grad, [self.serial, action]))
+                continue
+            actions = watched.get(node)
+            if actions is None:
+                watched[node] = actions = [self.serial, action]
+                node.register_prehook(functools.partial(self._on_grad, actions))
+            elif action[1] >= 0:  # an open; a close is covered by the node's first action
+                actions.append(action)
+
+    def _on_grad(self, actions: list[Any], grads: Any) -> None:
+        """A watched node is about to run: close the backwards its first action closes, then open the
+        modules whose output it produced (their forward hooks ran in this order)."""
+        if actions[0] != self.serial or not self.log.active:
             return None
         t = self.now()
-        self._close_from(post, t)
-        if pre not in self.bstate:
-            self.bstate[pre] = 1
-            task = _graph_task_id()
-            stack = self.bstack
-            # A module returning its child's output (or the same tensor as a sibling) has its hook on that
-            # tensor fire after the child's: it goes below the child, keeping `pre` increasing up the stack.
-            i = len(stack)
-            while i and stack[i - 1][0] > pre:
-                i -= 1
-            above = stack[i:]
-            if self.range_names is not None:
-                for entry in reversed(above):  # ranges must nest: reopen the children inside this one
-                    torch.ops.profiler._record_function_exit._RecordFunction(entry[3])
-            rng = None
-            if self.range_names is not None:
-                rng = torch.ops.profiler._record_function_enter_new(self.range_names[mi]["backward"], None)
-                for entry in above:
-                    entry[3] = torch.ops.profiler._record_function_enter_new(
-                        self.range_names[entry[1]]["backward"], None)
-            stack.insert(i, [pre, mi, task, rng])
-            self.log.events.append((B_OPEN, mi, t))
-            if task not in self.callback_tasks:
-                self.callback_tasks.add(task)
-                _queue_callback(functools.partial(self._graph_task_end, task))
-            if mi == 0 and self.on_root is not None:
-                self.on_root("backward", True)
-        return None
-
-    def _backward_end(self, pre: int, grad: torch.Tensor) -> None:
-        if self.log.active and self.bstack:
-            self._close_from(pre, self.now())
-        return None
-
-    def _close_from(self, k: int, t: Any) -> None:
-        """Close every open backward whose forward began at or after counter value k."""
         stack = self.bstack
+        k = actions[1][0]
         while stack and stack[-1][0] >= k:
             self._pop_backward(t)
+        for i in range(1, len(actions)):
+            _, mi, pre = actions[i]
+            if mi >= 0 and pre not in self.bstate:
+                self._open_backward(mi, pre, t)
+        return None
+
+    def _open_backward(self, mi: int, pre: int, t: Any) -> None:
+        self.bstate[pre] = 1
+        task = _graph_task_id()
+        stack = self.bstack
+        # A module returning its child's output (or the same tensor as a sibling) is opened after the
+        # child on that node: it goes below the child, keeping `pre` increasing up the stack.
+        i = len(stack)
+        while i and stack[i - 1][0] > pre:
+            i -= 1
+        if self.range_names is not None:
+            above = stack[i:]
+            for entry in reversed(above):  # ranges must nest: reopen the children inside this one
+                torch.ops.profiler._record_function_exit._RecordFunction(entry[3])
+            rng = torch.ops.profiler._record_function_enter_new(self.range_names[mi]["backward"], None)
+            for entry in above:
+                entry[3] = torch.ops.profiler._record_function_enter_new(
+                    self.range_names[entry[1]]["backward"], None)
+        else:
+            rng = None
+        stack.insert(i, [pre, mi, task, rng])
+        self.log.events.append((B_OPEN, mi, t))
+        if task not in self.callback_tasks:
+            self.callback_tasks.add(task)
+            _queue_callback(functools.partial(self._graph_task_end, task))
+        if mi == 0 and self.on_root is not None:
+            self.on_root("backward", True)
 
     def _pop_backward(self, t: Any) -> None:
         pre, mi, _, rng = self.bstack.pop()

@@ -20,6 +20,8 @@ profile.json step) and distributedInfo, which Holistic Trace Analysis needs.
 
 from __future__ import annotations
 
+import bisect
+
 import json
 import time
 import warnings
@@ -207,6 +209,22 @@ class OpTracer:
         }
 
 
+def _step_spans(events: Any) -> list[tuple[float, float, int]]:
+    """(start us, end us, step) of every `ProfilerStep#N` range, sorted by start."""
+    spans = []
+    for ev in events:
+        if ev.name.startswith(STEP_NAMES):
+            name = getattr(ev, "trace_name", None) or ev.name
+            tail = name[len(STEP_PREFIX):]
+            spans.append((ev.time_range.start, ev.time_range.end, int(tail) if tail.isdigit() else -1))
+    return sorted(spans)
+
+
+def _step_at(spans: list[tuple[float, float, int]], start_us: float) -> int | None:
+    i = bisect.bisect_right(spans, (start_us, float("inf"), 0)) - 1
+    return spans[i][2] if i >= 0 and spans[i][0] <= start_us <= spans[i][1] else None
+
+
 def aggregate_events(events: Any, lookup: dict[str, tuple[str, str]], *, cuda: bool,
                      by_step: bool = False) -> Any:
     """Sum profiler FunctionEvents of aten ops by (op, innermost trainprof range).
@@ -222,6 +240,7 @@ def aggregate_events(events: Any, lookup: dict[str, tuple[str, str]], *, cuda: b
     """
     steps: dict[Any, dict[tuple[str, Any, str], dict[str, Any]]] = defaultdict(lambda: defaultdict(
         lambda: {"calls": 0, "self_ms": 0.0, "self_cpu_ms": 0.0, "flops": None}))
+    step_spans = _step_spans(events) if by_step else []
     for ev in events:
         if not ev.name.startswith("aten::"):
             continue
@@ -243,7 +262,11 @@ def aggregate_events(events: Any, lookup: dict[str, tuple[str, str]], *, cuda: b
                 break
             parent = parent.cpu_parent
         if by_step and step is None:
-            continue
+            # another thread's op (on CUDA the autograd engine runs backward on its own device thread,
+            # outside the step marker's thread): the step whose span holds its start
+            step = _step_at(step_spans, ev.time_range.start)
+            if step is None:
+                continue
         row = steps[step][(ev.name, module, phase)]
         row["calls"] += 1
         self_cpu = ev.self_cpu_time_total / 1e3

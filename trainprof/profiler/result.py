@@ -51,17 +51,22 @@ class Recorded(Protocol):
     pipeline: Any  # PipelineInfo | None (a pipeline stage)
 
 
-def compute_dtype(model: torch.nn.Module) -> str:
-    """The dtype most floating-point parameters have, as a peak-table key (fp32 matmuls -> tf32 when
-    torch allows TF32 on CUDA)."""
+def compute_dtype(model: torch.nn.Module, autocast: torch.dtype | None = None) -> str:
+    """The dtype matmuls ran in, as a peak-table key: the forward's autocast dtype when autocast was on
+    (fp32 master weights under AMP run their matmuls in bf16/fp16), else the dtype most floating-point
+    parameters have (fp32 matmuls -> tf32 when torch allows TF32 on CUDA)."""
     counts: dict[torch.dtype, int] = {}
     for p in model.parameters():
         if p.is_floating_point():
             counts[p.dtype] = counts.get(p.dtype, 0) + 1
-    dtype = max(counts, key=counts.__getitem__) if counts else torch.float32
+    dtype = autocast or (max(counts, key=counts.__getitem__) if counts else torch.float32)
     if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
+def recorded_autocast(prof: Any) -> torch.dtype | None:
+    return prof.hooks.autocast_dtype if prof.hooks is not None else None
 
 
 def profile_env(prof: Recorded) -> dict[str, Any]:
@@ -77,7 +82,7 @@ def profile_env(prof: Recorded) -> dict[str, Any]:
 def rank_profile(prof: Recorded) -> dict[str, Any]:
     """This rank's profile: what profile.rank<r>.json holds (no collective)."""
     return compose_rank_profile(prof, env=profile_env(prof), state=state_bytes(prof),
-                                device_type=prof.device.type, dtype=compute_dtype(prof.model))
+                                device_type=prof.device.type, dtype=compute_dtype(prof.model, recorded_autocast(prof)))
 
 
 def state_bytes(prof: Recorded) -> dict[str, Any]:
