@@ -29,6 +29,17 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def host_cpu() -> str:
+    """The host CPU's model name (/proc/cpuinfo on Linux), else what platform knows."""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def collect_env(device: torch.device, world_size: int) -> dict[str, Any]:
     """The `env` block of profile.json."""
     import torch
@@ -44,6 +55,7 @@ def collect_env(device: torch.device, world_size: int) -> dict[str, Any]:
         "device": device_name(device),
         "device_type": device.type,
         "cpu_threads": torch.get_num_threads(),
+        "host_cpu": host_cpu(),
         "world_size": world_size,
         "timer": "cuda_event" if device.type == "cuda" else "host",
         "memory_meter": memory_meter(device),

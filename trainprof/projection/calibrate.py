@@ -2,8 +2,9 @@
 α-β, measured in seconds and stored as calibration.json in a run dir, so that a run made elsewhere
 can be projected on another machine; and model probes, which time the recipe's own layers at a shape.
 
-Every figure is the median of repeated timed calls on the host monotonic clock (on CUDA, between
-synchronizations), after warm-up calls, with the thread count it ran with.
+Every figure is the median of repeated timed calls after warm-up calls: on CPU on the host monotonic
+clock, with the thread count it ran with; on CUDA with CUDA events around a burst of calls (a single
+small kernel is shorter than a host synchronization), at sizes that fill the GPU.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ CALIBRATION_VERSION = 1
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # square GEMMs probed for the achievable matmul rate (the best one is this machine's MAMF-style figure)
 GEMM_SIZES = (256, 512, 1024)
+GEMM_SIZES_CUDA = (2048, 4096, 8192)  # 8192^3 bf16: ~1.4 ms on an H100, well past launch overheads
 COPY_BYTES = 64 * 2**20  # large enough to leave the last-level cache of a server CPU
+COPY_BYTES_CUDA = 2 * 2**30  # far past a GPU's L2 (50-60 MB on Hopper)
+CUDA_BURST = 10  # calls per CUDA-event-timed sample
 COLLECTIVE_BYTES = (2**12, 2**16, 2**20, 2**22)
 COLLECTIVE_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 
@@ -34,10 +38,13 @@ def _sync(device: torch.device) -> None:
 
 def time_ms(fn: Callable[[], Any], device: torch.device, *, repeat: int = 7, warmup: int = 2,
             budget_s: float = 2.0) -> float:
-    """Median wall ms of fn() over `repeat` calls after `warmup` (fewer when over `budget_s`)."""
+    """Median ms of fn() over `repeat` samples after `warmup` calls (fewer when over `budget_s`).
+    CPU: one call per sample on the host clock. CUDA: CUDA events around CUDA_BURST calls per sample."""
     for _ in range(warmup):
         fn()
     _sync(device)
+    if device.type == "cuda":
+        return _cuda_time_ms(fn, repeat)
     samples: list[float] = []
     deadline = time.perf_counter() + budget_s
     for _ in range(repeat):
@@ -50,8 +57,24 @@ def time_ms(fn: Callable[[], Any], device: torch.device, *, repeat: int = 7, war
     return statistics.median(samples)
 
 
-def matmul_rate(device: torch.device, dtype: str, sizes: tuple[int, ...] = GEMM_SIZES) -> dict[str, Any]:
-    """TFLOP/s of square GEMMs (2*n^3 FLOPs each) in `dtype`; the best is the achievable rate."""
+def _cuda_time_ms(fn: Callable[[], Any], repeat: int) -> float:
+    samples = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(CUDA_BURST):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / CUDA_BURST)
+    return statistics.median(samples)
+
+
+def matmul_rate(device: torch.device, dtype: str, sizes: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """TFLOP/s of square GEMMs (2*n^3 FLOPs each, random operands) in `dtype`; the best is the achievable
+    rate. Sizes: GEMM_SIZES on CPU, GEMM_SIZES_CUDA on a GPU."""
+    if sizes is None:
+        sizes = GEMM_SIZES_CUDA if device.type == "cuda" else GEMM_SIZES
     rows = []
     for n in sizes:
         a = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
@@ -61,12 +84,28 @@ def matmul_rate(device: torch.device, dtype: str, sizes: tuple[int, ...] = GEMM_
     return {"dtype": dtype, "gemms": rows, "best_tflops": max(r["tflops"] for r in rows)}
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = COPY_BYTES) -> dict[str, Any]:
-    """GB/s of a device-to-device tensor copy (read + write counted, as STREAM's copy does)."""
+def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> dict[str, Any]:
+    """GB/s of a device-to-device tensor copy (read + write counted, as STREAM's copy does) of `nbytes`
+    (COPY_BYTES on CPU, COPY_BYTES_CUDA on a GPU)."""
+    if nbytes is None:
+        nbytes = COPY_BYTES_CUDA if device.type == "cuda" else COPY_BYTES
     src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), device)
     return {"bytes": nbytes, "ms": ms, "gbps": 2 * nbytes / (ms * 1e-3) / 1e9}
+
+
+def host_dispatch(calls: int = 2000, repeat: int = 5) -> dict[str, Any]:
+    """Microseconds per dispatch of a tiny CPU op (torch.add on one element, eager, from Python): the
+    host's speed at the work that bounds small or hook-heavy GPU steps (Python, dispatch, launches)."""
+    x = torch.zeros(1)
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            torch.add(x, 1)
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    return {"op": "torch.add on a 1-element CPU tensor", "calls": calls, "us_per_op": statistics.median(samples)}
 
 
 def fit_alpha_beta(sizes: list[int], ms: list[float]) -> tuple[float, float]:
@@ -265,9 +304,10 @@ def calibrate(device: torch.device | str = "cpu", *, dtype: str = "bf16", thread
             "threads": torch.get_num_threads(),
             "matmul": matmul_rate(device, dtype),
             "memory": copy_bandwidth(device),
+            "host": host_dispatch(),
             "collectives": gloo_collectives(collectives_world) if collectives_world > 1 else None,
-            "method": ("medians of repeated calls after warm-up, host monotonic clock (CUDA: between "
-                       "synchronizations); matmul: square GEMMs, 2n^3 FLOPs; memory: tensor copy, read+write "
+            "method": ("medians of repeated calls after warm-up, host monotonic clock (CUDA: CUDA events "
+                       f"around bursts of {CUDA_BURST} calls); matmul: square GEMMs, 2n^3 FLOPs; memory: tensor copy, read+write "
                        "bytes; collectives: α-β least squares over nccl-tests sizes, busbw with nccl-tests' "
                        "bus factors"),
         }

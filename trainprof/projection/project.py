@@ -32,6 +32,8 @@ from trainprof.projection.stepmodel import (
 
 PROJECTION_VERSION = 1
 VALIDATION_FILE = Path(__file__).with_name("validation.json")
+# cross-accelerator checks made on lent GPUs (scripts/gpu_check.sh), kept apart from the CPU bench's table
+GPU_VALIDATION_FILE = Path(__file__).with_name("validation_gpu.json")
 # probes build the model twice (1 and 2 layers); above this many parameters per layer on CPU they
 # would take longer than the projection is worth, and compute is scaled by FLOPs instead
 PROBE_MAX_LAYER_PARAMS = 60_000_000
@@ -117,7 +119,10 @@ def _torch_device(env: dict[str, Any]):
 # Expected error: what the validation (scripts/bench_projection.py) measured for each kind of change
 # ---------------------------------------------------------------------------------------------
 
-def change_kinds(source_recipe: Any, target_recipe: Any, source_world: int, world: int, machine: str) -> list[str]:
+def change_kinds(source_recipe: Any, target_recipe: Any, source_world: int, world: int, machine: str,
+                 source_device_type: str = "cpu") -> list[str]:
+    """The kinds of change a prediction makes; another accelerator is 'hardware_gpu' from a GPU source
+    (validated on lent GPUs) and 'hardware' from a CPU source (not validated)."""
     kinds = []
     s, t = source_recipe, target_recipe
     if s.train.micro_batch_size != t.train.micro_batch_size:
@@ -135,7 +140,7 @@ def change_kinds(source_recipe: Any, target_recipe: Any, source_world: int, worl
     if source_world != world:
         kinds.append("world_size")
     if machine != THIS:
-        kinds.append("hardware")
+        kinds.append("hardware_gpu" if source_device_type == "cuda" else "hardware")
     return kinds or ["none"]
 
 
@@ -147,15 +152,24 @@ def expected_error(kinds: list[str], validation: dict[str, Any] | None) -> tuple
     missing = [k for k in kinds if k not in by_kind]
     if missing:
         return None, (f"not validated for {', '.join(missing)} changes"
-                      + ("; cross-accelerator predictions could not be validated (no GPU was available); the CPU "
-                         "thread-count proxy is under 'threads'" if "hardware" in missing else ""))
+                      + ("; a CPU run projected to an accelerator is not validated (GPU-to-GPU predictions are, "
+                         f"as 'hardware_gpu' in {GPU_VALIDATION_FILE.name}); the CPU thread-count proxy is under "
+                         "'threads'" if "hardware" in missing else ""))
     worst = max(by_kind[k]["step_mape_pct"] for k in kinds)
-    return worst, (f"largest step-time MAPE among {', '.join(kinds)} in {VALIDATION_FILE.name} "
-                   f"({validation.get('measured_on', '?')})")
+    where = [f"{by_kind[k].get('file', VALIDATION_FILE.name)} ({by_kind[k].get('measured_on') or validation.get('measured_on', '?')})"
+             for k in kinds]
+    return worst, f"largest step-time MAPE among {', '.join(kinds)}: " + "; ".join(dict.fromkeys(where))
 
 
 def load_validation() -> dict[str, Any] | None:
-    return json.loads(VALIDATION_FILE.read_text()) if VALIDATION_FILE.is_file() else None
+    """The CPU bench's table (validation.json) with the GPU checks' kinds (validation_gpu.json) merged in."""
+    doc = json.loads(VALIDATION_FILE.read_text()) if VALIDATION_FILE.is_file() else None
+    if GPU_VALIDATION_FILE.is_file():
+        gpu = json.loads(GPU_VALIDATION_FILE.read_text())
+        kinds = {k: {**v, "file": GPU_VALIDATION_FILE.name, "measured_on": gpu["measured_on"]}
+                 for k, v in gpu["by_kind"].items()}
+        doc = {**(doc or {}), "by_kind": {**((doc or {}).get("by_kind") or {}), **kinds}}
+    return doc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,20 +178,42 @@ def load_validation() -> dict[str, Any] | None:
 
 def machine_from_calibration(cal: dict[str, Any], label: str) -> Machine:
     return Machine(name=label, matmul_tflops=cal["matmul"]["best_tflops"], memory_gbps=cal["memory"]["gbps"],
-                   matmul_source=f"{label}: best measured GEMM {cal['matmul']['best_tflops']:.3g} TFLOP/s "
-                                 f"({cal['threads']} threads)",
+                   matmul_source=f"{label}: best measured GEMM {cal['matmul']['best_tflops']:.3g} TFLOP/s"
+                                 + ("" if cal.get("device_type") == "cuda" else f" ({cal['threads']} threads)"),
                    memory_source=f"{label}: measured copy {cal['memory']['gbps']:.3g} GB/s")
 
 
-def machine_from_target(target: Target, dtype: str) -> tuple[Machine, list[str]]:
+def machine_from_target(target: Target, dtype: str, *, source: Target | None = None,
+                        measured: Machine | None = None) -> tuple[Machine, list[str]]:
+    """The target's rates. With `source` (the catalogued accelerator the run was measured on) and its
+    `measured` calibration, like is divided by like: the measured rates × target figure / source figure
+    (MAMF over MAMF when both have one, else dense peak over dense peak; datasheet bandwidth over
+    bandwidth), so the efficiency measured at the source carries over and a measured rate is never
+    compared with a datasheet one. Otherwise (a CPU or uncatalogued source) the target's own figures."""
     notes = []
-    mamf = target.figure("mamf_bf16_tflops") if dtype in ("bf16", "fp16") else None
+    bf16 = dtype in ("bf16", "fp16")
+    peak_key = "peak_bf16_dense_tflops" if bf16 else "peak_fp32_tflops"
+    if source is not None and measured is not None and measured.matmul_tflops and measured.memory_gbps:
+        key = "mamf_bf16_tflops" if bf16 and target.figure("mamf_bf16_tflops") and source.figure("mamf_bf16_tflops") \
+            else peak_key
+        if not (target.figure(key) and source.figure(key) and target.figure("memory_gbps") and source.figure("memory_gbps")):
+            return Machine(name=target.key, matmul_tflops=None, memory_gbps=None), notes
+        rate = measured.matmul_tflops * target.figure(key) / source.figure(key)
+        bw = measured.memory_gbps * target.figure("memory_gbps") / source.figure("memory_gbps")
+        notes.append(f"{target.key} from {source.key} measured: matmul × {key} {target.figure(key):g}/{source.figure(key):g}, "
+                     f"memory × datasheet {target.figure('memory_gbps'):g}/{source.figure('memory_gbps'):g} GB/s "
+                     "(the source's measured efficiency carries over)")
+        return Machine(name=target.key, matmul_tflops=rate, memory_gbps=bw,
+                       matmul_source=f"{rate:.4g} TFLOP/s: {measured.matmul_source} × {target.source(key)} / "
+                                     f"{source.source(key)}",
+                       memory_source=f"{bw:.4g} GB/s: {measured.memory_source} × {target.source('memory_gbps')} / "
+                                     f"{source.source('memory_gbps')}"), notes
+    mamf = target.figure("mamf_bf16_tflops") if bf16 else None
     if mamf is not None:
         rate, src = mamf, f"MAMF {mamf:g} TFLOP/s ({target.source('mamf_bf16_tflops')})"
     else:
-        key = "peak_bf16_dense_tflops" if dtype in ("bf16", "fp16") else "peak_fp32_tflops"
-        rate = target.figure(key)
-        src = f"datasheet dense peak {rate:g} TFLOP/s ({target.source(key)})" if rate else "none"
+        rate = target.figure(peak_key)
+        src = f"datasheet dense peak {rate:g} TFLOP/s ({target.source(peak_key)})" if rate else "none"
         notes.append(f"{target.key}: no published MAMF; the datasheet peak is used (optimistic)")
     bw = target.figure("memory_gbps")
     return Machine(name=target.key, matmul_tflops=rate, memory_gbps=bw, matmul_source=src,
@@ -355,11 +391,23 @@ class Projector:
                                       "run `trainprof project` once where the run was made, or copy its calibration")
             else:
                 source_machine = machine_from_calibration(cal, "source")
-                target_machine, notes = machine_from_target(target, target_recipe.model.dtype)
+                source_key = find_accelerator(self.catalog, src.profile["env"].get("device", ""))
+                target_machine, notes = machine_from_target(
+                    target, target_recipe.model.dtype, measured=source_machine,
+                    source=self.catalog.resolve(source_key) if source_key else None)
                 assumptions.extend(notes)
                 if not (target_machine.matmul_tflops and target_machine.memory_gbps):
                     reasons["step_ms"] = f"{machine} lacks a matmul rate or memory bandwidth in the catalog"
             link = _catalog_link(target, world, gpus_per_node)
+            if m.kernel_ms is not None and cal is not None:
+                busy = sum(mm + rest for mm, rest in m.kernel_ms.values())
+                host = (cal.get("host") or {}).get("us_per_op")
+                assumptions.append(
+                    f"the source's GPU ran kernels {min(busy / m.step_ms, 1.0):.0%} of the step (operator trace); the "
+                    "rest, the GPU waiting for its host (Python, hooks, engine, kernel launches), is kept as measured: "
+                    "the target's host CPU is assumed as fast as the source's"
+                    + (f" ({host:.2f} µs per tiny op dispatch, {src.profile['env'].get('host_cpu', 'host CPU not recorded')})"
+                       if host else ""))
             if _shape_changed(src.recipe, target_recipe):
                 assumptions.append("shape changes on another machine: compute scaled by the analytic FLOP ratio")
             if _engine_key(src.recipe) != _engine_key(target_recipe):
@@ -452,7 +500,8 @@ class Projector:
             reasons["cost_per_million_tokens_usd"] = (f"no price for '{machine}': pass --price {machine}=USD_PER_GPU_HOUR "
                                                       "or --prices FILE (with source and date)")
             pred["reasons"] = reasons
-        kinds = change_kinds(src.recipe, target_recipe, m.world_size, world, machine)
+        kinds = change_kinds(src.recipe, target_recipe, m.world_size, world, machine,
+                             src.profile["env"].get("device_type", "cpu"))
         if threads and threads != self.source_threads:
             kinds = [k for k in kinds if k != "none"] + ["threads"]
         pred["change_kinds"] = kinds

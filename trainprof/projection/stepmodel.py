@@ -35,6 +35,7 @@ and each part is re-derived for the target:
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from trainprof.projection.calibrate import collective_ms
@@ -63,6 +64,9 @@ class Measured:
     step_std_ms: float = 0.0  # spread of the measured steps (for the wait on the slowest rank)
     leaf_ms: tuple[float, float] | None = None  # (forward, backward) of the profiled leaf modules, summed
     param_bytes: float = 0.0  # parameters x bytes per element of the model dtype (collective volumes)
+    # GPU sources with an operator trace: per phase, (matmul/attention kernel ms, other kernel ms) per
+    # optimizer step, the device self time of the traced steps
+    kernel_ms: dict[str, tuple[float, float]] | None = None
 
 
 def measured_from_profile(profile: dict[str, Any]) -> Measured:
@@ -92,7 +96,27 @@ def measured_from_profile(profile: dict[str, Any]) -> Measured:
         leaf_ms=_leaf_ms(profile),
         param_bytes=float((profile.get("params") or {}).get("total", 0))
         * {"bf16": 2, "fp16": 2, "fp32": 4}.get(profile["recipe"]["model"]["dtype"], 2),
+        kernel_ms=_kernel_ms(profile),
     )
+
+
+# operators whose device time is tensor-core work (scaled by the matmul rate); the rest is memory-bound
+MATMUL_OPS = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm|matmul|linear|_scaled_mm)$|attention|flash|gemm",
+                        re.IGNORECASE)
+
+
+def _kernel_ms(profile: dict[str, Any]) -> dict[str, tuple[float, float]] | None:
+    """Per phase (matmul kernel ms, other kernel ms) per optimizer step from the operator table, on a
+    CUDA source only (there `self_ms` is device self time; on CPU it is host time)."""
+    info = profile.get("ops_info") or {}
+    traced = len(info.get("steps") or [])
+    if profile["env"].get("device_type") != "cuda" or not traced or not profile.get("ops"):
+        return None
+    out: dict[str, list[float]] = {}
+    for row in profile["ops"]:
+        acc = out.setdefault(row.get("phase") or "other", [0.0, 0.0])
+        acc[0 if MATMUL_OPS.search(row["name"]) else 1] += float(row["self_ms"] or 0.0) / traced
+    return {ph: (mm, rest) for ph, (mm, rest) in out.items()}
 
 
 def _leaf_ms(profile: dict[str, Any]) -> tuple[float, float] | None:
@@ -227,7 +251,16 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
         f, b, r = f * engine_factor[0], b * engine_factor[1], r * engine_factor[0]
         notes.append(f"engine change: forward x{engine_factor[0]:.2f}, backward x{engine_factor[1]:.2f} (both engines "
                      "probed at the source's shape in one process, a group of one, called alternately)")
-    if target_machine is not None and source_machine is not None:
+    cross = target_machine is not None and source_machine is not None
+    if cross and m.kernel_ms is not None:
+        f, b, r = (_scale_kernels(t, m.kernel_ms.get(ph), ga_s, source_machine, target_machine)
+                   for t, ph in ((f, "forward"), (b, "backward"), (r, "recompute")))
+        notes.append(f"compute on {target_machine.name}: each phase's GPU kernel time from the operator trace, "
+                     f"matmul/attention kernels scaled by the matmul rate ({source_machine.matmul_source} -> "
+                     f"{target_machine.matmul_source}), the other kernels by memory bandwidth; the rest of the phase "
+                     "(the GPU waiting for the host: Python, hooks, engine, launches) as measured, the same host "
+                     "assumed")
+    elif cross:
         f, b, r = (_scale_compute(t, m.flops_by_phase.get(ph, 0.0) / ga_s, source_machine, target_machine)
                    for t, ph in ((f, "forward"), (b, "backward"), (r, "recompute")))
         notes.append(f"compute on {target_machine.name}: matmul share (FLOPs / {source_machine.matmul_tflops:.3g} "
@@ -246,7 +279,9 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
         else:
             opt *= n_t / n_s
             notes.append("optimizer: scaled by state elements per rank")
-    if target_machine is not None and source_machine is not None and source_machine.memory_gbps and target_machine.memory_gbps:
+    if cross and m.kernel_ms is not None:
+        opt = _scale_kernels(opt, m.kernel_ms.get("optimizer"), 1, source_machine, target_machine)
+    elif cross and source_machine.memory_gbps and target_machine.memory_gbps:
         opt *= source_machine.memory_gbps / target_machine.memory_gbps
     out["optimizer"] = opt
     out["comm_exposed"], comm_notes = _comm(m, change, link, source_zero_stage)
@@ -262,6 +297,20 @@ def residual_ms(m: Measured, phases: dict[str, float], unattributed: float | Non
     base = m.unattributed_ms if unattributed is None else unattributed
     measured = sum(m.phases_ms.values())
     return base * sum(phases.values()) / measured if measured > 0 else base
+
+
+def _scale_kernels(ms: float, kernels: tuple[float, float] | None, per: int, src: Machine, dst: Machine) -> float:
+    """A phase's `ms` on the target: its kernel time (matmul, other; per optimizer step, / `per` micro
+    batches) re-rated, the GPU's idle rest of the phase unchanged. Kernel time over the phase (the
+    trace ran one step, the phase is a median) is capped at the phase."""
+    if not (src.matmul_tflops and dst.matmul_tflops and src.memory_gbps and dst.memory_gbps):
+        raise ValueError("cross-machine compute needs matmul and memory rates for both machines")
+    if not kernels or ms <= 0:
+        return ms
+    mm, rest = kernels[0] / per, kernels[1] / per
+    if mm + rest > ms:
+        mm, rest = mm * ms / (mm + rest), rest * ms / (mm + rest)
+    return ms - mm - rest + mm * src.matmul_tflops / dst.matmul_tflops + rest * src.memory_gbps / dst.memory_gbps
 
 
 def _scale_compute(ms: float, flops: float, src: Machine, dst: Machine) -> float:
