@@ -42,7 +42,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,
 python3 -c "import torch, transformers, deepspeed; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, torch.cuda.get_device_name())"
 
-if [ -f .whl/diag.py ]; then step "diagnostics" 120 python3 .whl/diag.py; fi
 if [ "$tests" = 1 ]; then
   export TRAINPROF_GPU_TEST_OUT=$out/gpu_test_steps.json
   step "GPU tests" 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_profiler_gpu.py tests/test_infer.py

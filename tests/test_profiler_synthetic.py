@@ -180,11 +180,11 @@ def test_compute_dtype_follows_autocast():
     """fp32 master weights under AMP run their matmuls in bf16: MFU must use the bf16 peak, not fp32's
     (seen on an H100: the torch engine's bf16 run reported MFU 151% against the fp32 peak)."""
     from trainprof.profiler import Profiler
-    from trainprof.profiler.result import compute_dtype, recorded_autocast
+    from trainprof.profiler.result import recorded_dtype
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     for autocast, expected in ((False, "fp32"), (True, "bf16")):
         with Profiler(model, module_depth=1, flops=False) as prof:
             with prof.step(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 model(torch.randn(4, 8)).float().sum().backward()
-        assert compute_dtype(model, recorded_autocast(prof)) == expected
+        assert recorded_dtype(prof) == expected

@@ -73,12 +73,12 @@ class Journal:
 
 
 def _header(prof: Any) -> dict[str, Any]:
-    from trainprof.profiler.result import compute_dtype, profile_env, recorded_autocast, state_bytes
+    from trainprof.profiler.result import profile_env, recorded_dtype, state_bytes
 
     return {
         "kind": "header", "journal_version": JOURNAL_VERSION, "pid": os.getpid(), "host": socket.gethostname(),
         "rank": prof.rank, "world_size": prof.world_size, "recipe": prof.recipe, "env": profile_env(prof),
-        "state": state_bytes(prof), "device_type": prof.device.type, "dtype": compute_dtype(prof.model, recorded_autocast(prof)),
+        "state": state_bytes(prof), "device_type": prof.device.type, "dtype": recorded_dtype(prof),
         "timer": {"kind": prof.timer.kind, "description": prof.timer.description},
         "memory_method": prof.memory.method if prof.memory is not None else None,
         "modules": [dataclasses.asdict(m) for m in prof.hooks.modules] if prof.hooks is not None else None,

@@ -21,7 +21,6 @@ profile.json step) and distributedInfo, which Holistic Trace Analysis needs.
 from __future__ import annotations
 
 import bisect
-
 import json
 import time
 import warnings

@@ -65,8 +65,9 @@ def compute_dtype(model: torch.nn.Module, autocast: torch.dtype | None = None) -
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
-def recorded_autocast(prof: Any) -> torch.dtype | None:
-    return prof.hooks.autocast_dtype if prof.hooks is not None else None
+def recorded_dtype(prof: Any) -> str:
+    """compute_dtype of the profiled model, with the autocast dtype its hooks saw on the root forward."""
+    return compute_dtype(prof.model, prof.hooks.autocast_dtype if prof.hooks is not None else None)
 
 
 def profile_env(prof: Recorded) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def profile_env(prof: Recorded) -> dict[str, Any]:
 def rank_profile(prof: Recorded) -> dict[str, Any]:
     """This rank's profile: what profile.rank<r>.json holds (no collective)."""
     return compose_rank_profile(prof, env=profile_env(prof), state=state_bytes(prof),
-                                device_type=prof.device.type, dtype=compute_dtype(prof.model, recorded_autocast(prof)))
+                                device_type=prof.device.type, dtype=recorded_dtype(prof))
 
 
 def state_bytes(prof: Recorded) -> dict[str, Any]:

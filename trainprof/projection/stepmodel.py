@@ -303,22 +303,29 @@ def _scale_kernels(ms: float, kernels: tuple[float, float] | None, per: int, src
     """A phase's `ms` on the target: its kernel time (matmul, other; per optimizer step, / `per` micro
     batches) re-rated, the GPU's idle rest of the phase unchanged. Kernel time over the phase (the
     trace ran one step, the phase is a median) is capped at the phase."""
-    if not (src.matmul_tflops and dst.matmul_tflops and src.memory_gbps and dst.memory_gbps):
-        raise ValueError("cross-machine compute needs matmul and memory rates for both machines")
+    _require_rates(src, dst)
     if not kernels or ms <= 0:
         return ms
     mm, rest = kernels[0] / per, kernels[1] / per
     if mm + rest > ms:
         mm, rest = mm * ms / (mm + rest), rest * ms / (mm + rest)
-    return ms - mm - rest + mm * src.matmul_tflops / dst.matmul_tflops + rest * src.memory_gbps / dst.memory_gbps
+    return ms - mm - rest + _rerate(mm, rest, src, dst)
 
 
 def _scale_compute(ms: float, flops: float, src: Machine, dst: Machine) -> float:
+    _require_rates(src, dst)
+    matmul = min(flops / (src.matmul_tflops * 1e12) * 1e3, ms)
+    return _rerate(matmul, ms - matmul, src, dst)
+
+
+def _require_rates(src: Machine, dst: Machine) -> None:
     if not (src.matmul_tflops and dst.matmul_tflops and src.memory_gbps and dst.memory_gbps):
         raise ValueError("cross-machine compute needs matmul and memory rates for both machines")
-    matmul = min(flops / (src.matmul_tflops * 1e12) * 1e3, ms)
-    rest = ms - matmul
-    return matmul * src.matmul_tflops / dst.matmul_tflops + rest * src.memory_gbps / dst.memory_gbps
+
+
+def _rerate(matmul_ms: float, other_ms: float, src: Machine, dst: Machine) -> float:
+    """Matmul time × source/target matmul rate plus memory-bound time × source/target bandwidth."""
+    return matmul_ms * src.matmul_tflops / dst.matmul_tflops + other_ms * src.memory_gbps / dst.memory_gbps
 
 
 def _comm(m: Measured, change: Change, link: Link | None, source_zero_stage: int) -> tuple[float, list[str]]:
