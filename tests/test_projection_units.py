@@ -122,6 +122,23 @@ def test_grad_accum_world_size_and_probes():
     assert big["recompute"] == pytest.approx(kappa * 2 * 9.0)
 
 
+def test_the_engines_own_work_in_the_leaves_does_not_grow_with_the_shape():
+    # leaves: 18 ms forward, 36 ms backward, of which the engine's per-call work is 6 and 12 ms; the bare
+    # model probes 12 -> 24 ms forward and 24 -> 48 ms backward when the micro batch doubles
+    m = _measured(leaf_ms=(18.0, 36.0))
+    probe_s = {"layer_forward_ms": 5.0, "layer_backward_ms": 10.0, "model_forward_ms": 12.0, "model_backward_ms": 24.0}
+    probe_t = {"layer_forward_ms": 10.0, "layer_backward_ms": 20.0, "model_forward_ms": 24.0, "model_backward_ms": 48.0}
+    kept, notes = predict_phases(m, _change(micro_batch=8), probes=(probe_s, probe_t), num_layers=2,
+                                 source_machine=None, target_machine=None, link=None, source_zero_stage=3,
+                                 engine_overhead=(6.0, 12.0))
+    # parents' 2 + 4 ms and the engine's 6 + 12 ms stay; the model's 12 + 24 ms double
+    assert (kept["forward"], kept["backward"]) == pytest.approx((2.0 + 6.0 + 24.0, 4.0 + 12.0 + 48.0))
+    assert any("6.00 ms forward and 12.00 ms backward per micro batch are the engine's own work" in n for n in notes)
+    scaled, _ = predict_phases(m, _change(micro_batch=8), probes=(probe_s, probe_t), num_layers=2,
+                               source_machine=None, target_machine=None, link=None, source_zero_stage=3)
+    assert (scaled["forward"], scaled["backward"]) == pytest.approx((2.0 + 36.0, 4.0 + 72.0))  # without: all doubles
+
+
 def test_an_engine_change_scales_the_whole_compute_phases_by_the_probed_engine_ratio():
     m = _measured()
     probe = {"layer_forward_ms": 5.0, "layer_backward_ms": 10.0, "model_forward_ms": 12.0, "model_backward_ms": 24.0}

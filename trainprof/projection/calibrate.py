@@ -328,6 +328,11 @@ class ProbeShape:
     attention: str
     recompute: bool
 
+    @classmethod
+    def of(cls, recipe: Any) -> "ProbeShape":
+        """The shape a recipe's micro batch runs at (probes run without recomputation)."""
+        return cls(recipe.train.micro_batch_size, recipe.data.seq_len, recipe.model.attention, False)
+
 
 @contextlib.contextmanager
 def busy_neighbours(recipe: Any, shape: ProbeShape, count: int, threads: int):
@@ -442,8 +447,7 @@ def probe_engines(recipes: list[Any], *, threads: int, rounds: int = 8, neighbou
 
     from trainprof.run import _free_port
 
-    shape = ProbeShape(recipes[0].train.micro_batch_size, recipes[0].data.seq_len, recipes[0].model.attention,
-                       False)
+    shape = ProbeShape.of(recipes[0])
     with tempfile.TemporaryDirectory(prefix="trainprof-engine-probe-") as tmp:
         paths = []
         for i, recipe in enumerate(recipes):

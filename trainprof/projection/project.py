@@ -268,6 +268,7 @@ class Projector:
         self.probe = probe
         self._probes: dict[Any, dict[str, float]] = {}
         self._engine_probes: dict[Any, tuple[float, float]] = {}
+        self._overheads: dict[int, tuple[float, float]] = {}
         self._calibrations: dict[int, dict[str, Any]] = {}
         self._links: dict[int, Link | None] = {}
         env = source.profile["env"]
@@ -275,16 +276,20 @@ class Projector:
 
     # -- caches ------------------------------------------------------------------------------------
 
-    def probe_at(self, recipe: Any, threads: int) -> dict[str, float]:
+    def neighbours(self, world: int) -> int:
+        """Other ranks that share this machine with each rank of a `world`-rank run: on a CPU all of them
+        (their compute contends for the same cores, caches and memory bandwidth), on a GPU none."""
+        return world - 1 if self.source.profile["env"].get("device_type") == "cpu" else 0
+
+    def probe_at(self, recipe: Any, threads: int, world: int) -> dict[str, float]:
+        """The recipe's model probed at its shape as one rank of a `world`-rank run on this machine would
+        run it: with the other ranks' work running beside it (see `neighbours`)."""
         from trainprof.projection.calibrate import ProbeShape, probe_model
 
-        shape = ProbeShape(recipe.train.micro_batch_size, recipe.data.seq_len, recipe.model.attention, False)
-        key = (shape, threads)
+        shape = ProbeShape.of(recipe)
+        key = (shape, threads, self.neighbours(world))
         if key not in self._probes:
-            # on a CPU the source's other ranks shared this machine: probe with as many neighbours
-            env = self.source.profile["env"]
-            neighbours = env["world_size"] - 1 if env.get("device_type") == "cpu" else 0
-            self._probes[key] = probe_model(recipe, shape, threads=threads, neighbours=neighbours)
+            self._probes[key] = probe_model(recipe, shape, threads=threads, neighbours=self.neighbours(world))
         return self._probes[key]
 
     def engine_factors(self, target_recipe: Any, threads: int) -> tuple[float, float]:
@@ -296,12 +301,25 @@ class Projector:
         if key not in self._engine_probes:
             from trainprof.projection.calibrate import probe_engines
 
-            env = self.source.profile["env"]
-            neighbours = env["world_size"] - 1 if env.get("device_type") == "cpu" else 0
-            s, t = probe_engines([src, target_engine], threads=threads, neighbours=neighbours)
+            s, t = probe_engines([src, target_engine], threads=threads,
+                                 neighbours=self.neighbours(self.source.measured.world_size))
             self._engine_probes[key] = (t["engine_forward_ms"] / s["engine_forward_ms"],
                                         t["engine_backward_ms"] / s["engine_backward_ms"])
         return self._engine_probes[key]
+
+    def engine_overhead(self, threads: int) -> tuple[float, float]:
+        """(forward, backward) ms per micro batch that the source's engine adds to the bare model at the
+        source's shape: its engine probed in a group of one (calibrate.probe_engines) minus the model
+        probe, both beside the source's CPU neighbours; never below 0."""
+        if threads not in self._overheads:
+            from trainprof.projection.calibrate import probe_engines
+
+            src, world = self.source.recipe, self.source.measured.world_size
+            (engine,) = probe_engines([src], threads=threads, neighbours=self.neighbours(world))
+            bare = self.probe_at(src, threads, world)
+            self._overheads[threads] = (max(engine["engine_forward_ms"] - bare["model_forward_ms"], 0.0),
+                                        max(engine["engine_backward_ms"] - bare["model_backward_ms"], 0.0))
+        return self._overheads[threads]
 
     def calibration_at(self, threads: int) -> dict[str, Any]:
         from trainprof.projection.calibrate import calibrate
@@ -358,21 +376,27 @@ class Projector:
         source_machine = target_machine = None
         probes = None
         engine_factor: tuple[float, float] | None = None
+        engine_overhead: tuple[float, float] | None = None
         link: Link | None = None
         same_device = machine == THIS
         if same_device:
             from trainprof.models import resolve_shape
+            from trainprof.projection.calibrate import ProbeShape
 
             shape = resolve_shape(target_recipe.model)
             layer_params = 4 * shape.hidden_size ** 2 + 3 * shape.hidden_size * shape.intermediate_size
             probe_threads = self.source_threads
             if self.probe and layer_params <= PROBE_MAX_LAYER_PARAMS and _same_machine_as_source(src):
-                probes = (self.probe_at(src.recipe, probe_threads), self.probe_at(target_recipe, probe_threads))
-                if _engine_key(src.recipe) != _engine_key(target_recipe):
-                    try:
+                probes = (self.probe_at(src.recipe, probe_threads, m.world_size),
+                          self.probe_at(target_recipe, probe_threads, world))
+                try:
+                    if _engine_key(src.recipe) != _engine_key(target_recipe):
                         engine_factor = self.engine_factors(target_recipe, probe_threads or 1)
-                    except ValueError as err:
-                        reasons["step_ms"] = f"the engine change could not be probed: {err}"
+                    if (ProbeShape.of(src.recipe), self.neighbours(m.world_size)) != \
+                            (ProbeShape.of(target_recipe), self.neighbours(world)):  # the probes differ
+                        engine_overhead = self.engine_overhead(probe_threads or 1)
+                except ValueError as err:
+                    reasons["step_ms"] = f"the engine could not be probed: {err}"
             elif _shape_changed(src.recipe, target_recipe):
                 reasons["step_ms"] = ("the shape changed and the model cannot be probed here (another machine or a "
                                       "model too large to probe on CPU); run on the source machine")
@@ -419,7 +443,8 @@ class Projector:
                 phases, notes = predict_phases(m, change, probes=probes, num_layers=_num_layers(target_recipe),
                                                source_machine=source_machine, target_machine=target_machine,
                                                link=link, source_zero_stage=_zero(src.recipe),
-                                               memory_gbps=self._memory_gbps(same_device), engine_factor=engine_factor)
+                                               memory_gbps=self._memory_gbps(same_device), engine_factor=engine_factor,
+                                               engine_overhead=engine_overhead)
                 assumptions.extend(notes)
                 if not same_device and _shape_changed(src.recipe, target_recipe):
                     ratio = _plan_flops(target_recipe, world) / world / (_plan_flops(src.recipe, m.world_size) / m.world_size)

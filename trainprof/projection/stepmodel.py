@@ -11,9 +11,12 @@ and each part is re-derived for the target:
     offload, DeepSpeed <-> torch) scales them by probe_engines(target) / probe_engines(source):
       same machine: the profiled leaf modules' time (attention, MLP, norms, embedding, LM head: the
         model's work, as the ranks ran it) x probe(target) / probe(source), where probe times the recipe's
-        whole model at each shape on this machine (calibrate.probe_model); what the parents add on top
-        (hooks, engine bookkeeping, the loss) stays as measured. Turning recomputation on adds one forward
-        of every decoder layer at the same measured/probed ratio.
+        whole model at each shape on this machine (calibrate.probe_model; on a CPU beside as many busy
+        copies as that run has other ranks, since they share the cores and memory); what the parents add
+        on top (hooks, engine bookkeeping, the loss) stays as measured, and so does the engine's own work
+        inside the leaves (ZeRO-3's fetch and release per module call: the source engine's probe minus the
+        bare model's), which does not grow with the shape. Turning recomputation on adds one forward of
+        every decoder layer at the leaves' measured/probed ratio.
       other machine: matmul share = FLOPs of the phase / the source's achievable matmul rate, scaled
         by source/target achievable matmul rate (the target's MAMF, else its datasheet peak); the rest
         is taken as memory-bound and scaled by source/target memory bandwidth.
@@ -198,7 +201,8 @@ class Change:
 def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float], dict[str, float]] | None,
                    num_layers: int, source_machine: Machine | None, target_machine: Machine | None,
                    link: Link | None, source_zero_stage: int, memory_gbps: float | None = None,
-                   engine_factor: tuple[float, float] | None = None) -> tuple[dict[str, float], list[str]]:
+                   engine_factor: tuple[float, float] | None = None,
+                   engine_overhead: tuple[float, float] | None = None) -> tuple[dict[str, float], list[str]]:
     """Predicted phases (ms per optimizer step, per rank) and the assumptions made.
 
     Args:
@@ -215,6 +219,9 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
         engine_factor: (forward, backward) time of the target's engine over the source's at the same
             shape (calibrate.probe_engines), for an engine change (ZeRO stage, offload, DeepSpeed/torch);
             None: the engine is unchanged.
+        engine_overhead: (forward, backward) ms per micro batch that the source's engine adds to the bare
+            model at the source's shape (Projector.engine_overhead), kept as measured when the shape
+            changes; None: every ms of the leaves scales with the probe.
     """
     notes: list[str] = []
     ga_s, ga_t = m.grad_accum, change.grad_accum
@@ -231,8 +238,17 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
         leaf_f, leaf_b = (m.leaf_ms[0] / ga_s, m.leaf_ms[1] / ga_s) if m.leaf_ms else (f, b)
         leaf_f, leaf_b = min(leaf_f, f), min(leaf_b, b)
         kappa_f = leaf_f / probe_f(ps) if probe_f(ps) > 0 else 1.0
-        kappa_b = leaf_b / probe_b(ps) if probe_b(ps) > 0 else 1.0
-        f_t, b_t = f - leaf_f + kappa_f * probe_f(pt), b - leaf_b + kappa_b * probe_b(pt)
+        # what the engine does per module call (ZeRO-3's parameter fetch and release, gradient hooks) is
+        # inside the leaves' time but does not grow with the shape: only the rest is the model's work
+        over_f, over_b = (min(engine_overhead[0], leaf_f), min(engine_overhead[1], leaf_b)) if engine_overhead \
+            else (0.0, 0.0)
+        work_f = (leaf_f - over_f) / probe_f(ps) if probe_f(ps) > 0 else 1.0
+        work_b = (leaf_b - over_b) / probe_b(ps) if probe_b(ps) > 0 else 1.0
+        f_t = f - leaf_f + over_f + work_f * probe_f(pt)
+        b_t = b - leaf_b + over_b + work_b * probe_b(pt)
+        if engine_overhead:
+            notes.append(f"compute: {over_f:.2f} ms forward and {over_b:.2f} ms backward per micro batch are the "
+                         "engine's own work (its probe minus the bare model's at the source's shape), kept as measured")
         if change.recompute and r > 0:
             r_t = r * pt["layer_forward_ms"] / ps["layer_forward_ms"] if ps["layer_forward_ms"] > 0 else r
         elif change.recompute:
@@ -242,8 +258,9 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
         else:
             r_t = 0.0
         notes.append(f"compute: the leaf modules' measured time x probe(target) / probe(source) (the recipe's model "
-                     f"timed on this machine at both shapes; measured/probed: forward {kappa_f:.2f}, backward "
-                     f"{kappa_b:.2f}); the rest of each phase (hooks, engine, loss) as measured")
+                     f"timed on this machine at both shapes, on a CPU beside as many busy copies as each run has "
+                     f"other ranks; measured/probed: forward {work_f:.2f}, backward "
+                     f"{work_b:.2f}); the rest of each phase (hooks, engine, loss) as measured")
         f, b, r = max(f_t, 0.0), max(b_t, 0.0), max(r_t, 0.0)
     if engine_factor is not None:
         # what the engine adds around the model lands in leaves and parents alike (ZeRO-3 fetches and
