@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="store the table as trainprof/projection/validation.json")
     parser.add_argument("--only-tuned", action="store_true", help="run only the cases the model was tuned on")
+    parser.add_argument("--cases", default=None,
+                        help="run only the cases whose name contains this text (with --write: their rows replace "
+                             "the same cases' rows in validation.json, the others are kept as they were measured)")
     parser.add_argument("--out", default=None, help="where runs go (default: a temp dir)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of every configuration, interleaved "
                         "(measured = their median; the baseline's spread is the noise floor; default 2)")
@@ -82,7 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_projection-"))
     rows = []
     groups = [("deepspeed", [], 2, 1, DS_CASES), ("torch", TORCH_BASE, 1, 1, THREAD_CASES)]
-    groups = [(g[0], g[1], g[2], g[3], [c for c in g[4] if c[5] or not args.only_tuned]) for g in groups]
+    groups = [(g[0], g[1], g[2], g[3], [c for c in g[4] if (c[5] or not args.only_tuned)
+                                        and (args.cases is None or args.cases in c[0])]) for g in groups]
+    groups = [g for g in groups if g[4]]
+    if not groups:
+        parser.error(f"--cases {args.cases!r} names no case; the cases are: "
+                     + ", ".join(c[0] for c in DS_CASES + THREAD_CASES))
     total = sum(len(g[4]) + 1 for g in groups) * args.repeats
     bar = tqdm(total=total, desc="bench_projection", unit="run", file=sys.stderr)
     noise = []
@@ -116,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             pred_mem = statistics.median(mems_pred) if mems_pred else None
             step, mem = statistics.median(steps[i]), statistics.median(mems[i])
             rows.append({
-                "case": name, "kinds": kinds, "tuned": tuned, "baseline_step_ms": statistics.median(base_steps),
+                "case": name, "kinds": kinds, "tuned": tuned, "measured_on": dt.date.today().isoformat(),
+                "baseline_step_ms": statistics.median(base_steps), "noise_floor_pct": noise[-1],
                 "measured_step_ms": step, "measured_runs_ms": steps[i], "predicted_step_ms": pred_step,
                 "predicted_runs_ms": steps_pred,
                 "step_error_pct": 100 * (pred_step - step) / step if pred_step else None,
@@ -145,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     print("timer: host monotonic clock; step = slowest rank's median over 12 measured steps, median over the "
           "repeats; predicted = median of the projections from every baseline run; memory = peak process RSS (CPU)")
     if args.write:
+        path = ROOT / "trainprof" / "projection" / "validation.json"
+        if args.cases is not None and path.is_file():  # the cases not run now keep their measured rows
+            ran = {r["case"] for r in rows}
+            rows = [r for r in json.loads(path.read_text())["cases"] if r["case"] not in ran] + rows
+            step_err = [abs(r["step_error_pct"]) for r in rows if r["step_error_pct"] is not None]
+            mem_err = [abs(r["memory_error_pct"]) for r in rows if r["memory_error_pct"] is not None]
+            noise = [r.get("noise_floor_pct") or 0.0 for r in rows]
         by_kind: dict[str, dict[str, float]] = {}
         for r in rows:
             for k in r["kinds"]:
@@ -160,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
         import torch
 
-        atomic_write_json(ROOT / "trainprof" / "projection" / "validation.json", {
+        atomic_write_json(path, {
             "measured_on": f"{collect_env(torch.device('cpu'), 1)['device']} CPU, {os.cpu_count()} cores, "
                            f"{dt.date.today().isoformat()}",
             "command": "python scripts/bench_projection.py --write",

@@ -161,6 +161,17 @@ def test_cross_machine_scales_matmul_by_rate_and_the_rest_by_bandwidth():
     # α-β per call x calls x exposed fraction: gathers 2 x 1 MB x 1/2 / 1 GB/s x 0.5; scatter 4 MB x 1/2 x 1.0
     assert phases["comm_exposed"] == pytest.approx(2 * 0.5 * 0.5 + 2.0 * 1.0)
 
+    # rates measured per phase (a CPU whose backward GEMM layouts do not thread): the forward's matmul
+    # share follows the forward rate, the backward's its own, unchanged one
+    src = Machine(name="1 thread", matmul_tflops=4.0, memory_gbps=10.0,
+                  matmul_tflops_by_phase={"forward": 1.0, "backward": 0.5, "recompute": 1.0})
+    dst = Machine(name="2 threads", matmul_tflops=4.0, memory_gbps=10.0,
+                  matmul_tflops_by_phase={"forward": 2.0, "backward": 0.5, "recompute": 2.0})
+    phases, _ = predict_phases(m, _change(), probes=None, num_layers=2, source_machine=src, target_machine=dst,
+                               link=link, source_zero_stage=3)
+    assert phases["forward"] == pytest.approx(2.0 / 2 + 18.0)  # 2e9 FLOPs at 1 TFLOP/s, then twice as fast
+    assert phases["backward"] == pytest.approx(40.0)  # 4e9 FLOPs at 0.5 TFLOP/s: 8 ms of 40, at the same rate
+
 
 def test_the_residual_scales_with_the_phases_so_a_faster_target_keeps_a_positive_step():
     # the median step (90 ms) is below the sum of per-phase medians (96 ms): a -6 ms residual

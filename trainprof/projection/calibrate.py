@@ -19,11 +19,12 @@ from typing import Any, Callable
 
 import torch
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # 2: matmul per Linear layout and phase
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # square GEMMs probed for the achievable matmul rate (the best one is this machine's MAMF-style figure)
 GEMM_SIZES = (256, 512, 1024)
 GEMM_SIZES_CUDA = (2048, 4096, 8192)  # 8192^3 bf16: ~1.4 ms on an H100, well past launch overheads
+GEMM_MAX_CALL_MS = 250.0  # a larger size whose call would take longer (n^3 from the last) is skipped
 COPY_BYTES = 64 * 2**20  # large enough to leave the last-level cache of a server CPU
 COPY_BYTES_CUDA = 2 * 2**30  # far past a GPU's L2 (50-60 MB on Hopper)
 CUDA_BURST = 10  # calls per CUDA-event-timed sample
@@ -70,18 +71,38 @@ def _cuda_time_ms(fn: Callable[[], Any], repeat: int) -> float:
     return statistics.median(samples)
 
 
+# The three GEMMs of a Linear layer in training (row-major, weight w stored [out, in]): the forward
+# y = x @ w.T ("nt"), the input gradient dx = dy @ w ("nn") and the weight gradient dw = dy.T @ x ("tn").
+# Their rates can differ by 5x on a CPU (bf16 without native support: one layout threaded, another not).
+LINEAR_GEMMS = {"nt": lambda a, b: a @ b.t(), "nn": lambda a, b: a @ b, "tn": lambda a, b: a.t() @ b}
+
+
 def matmul_rate(device: torch.device, dtype: str, sizes: tuple[int, ...] | None = None) -> dict[str, Any]:
-    """TFLOP/s of square GEMMs (2*n^3 FLOPs each, random operands) in `dtype`; the best is the achievable
-    rate. Sizes: GEMM_SIZES on CPU, GEMM_SIZES_CUDA on a GPU."""
+    """TFLOP/s of square GEMMs (2*n^3 FLOPs each, random operands) in `dtype`, in each layout a Linear
+    trains with (LINEAR_GEMMS); the best of any is the achievable rate. Sizes: GEMM_SIZES on CPU,
+    GEMM_SIZES_CUDA on a GPU.
+
+    Returns:
+        {dtype, gemms: [{n, layout, ms, tflops}], best_tflops, by_layout_tflops {layout: best over
+        sizes}, by_phase_tflops {forward: nt, backward: nn and tn at equal FLOPs (their harmonic mean),
+        recompute: nt}}
+    """
     if sizes is None:
         sizes = GEMM_SIZES_CUDA if device.type == "cuda" else GEMM_SIZES
-    rows = []
+    rows: list[dict[str, Any]] = []
     for n in sizes:
         a = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
         b = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
-        ms = time_ms(lambda: a @ b, device)
-        rows.append({"n": n, "ms": ms, "tflops": 2 * n**3 / (ms * 1e-3) / 1e12})
-    return {"dtype": dtype, "gemms": rows, "best_tflops": max(r["tflops"] for r in rows)}
+        for layout, gemm in LINEAR_GEMMS.items():
+            last = [r for r in rows if r["layout"] == layout]
+            if last and last[-1]["ms"] * (n / last[-1]["n"]) ** 3 > GEMM_MAX_CALL_MS:
+                continue  # a layout this slow is timed well at the smaller size already
+            ms = time_ms(lambda: gemm(a, b), device)
+            rows.append({"n": n, "layout": layout, "ms": ms, "tflops": 2 * n**3 / (ms * 1e-3) / 1e12})
+    best = {layout: max(r["tflops"] for r in rows if r["layout"] == layout) for layout in LINEAR_GEMMS}
+    return {"dtype": dtype, "gemms": rows, "best_tflops": max(best.values()), "by_layout_tflops": best,
+            "by_phase_tflops": {"forward": best["nt"], "backward": 2 / (1 / best["nn"] + 1 / best["tn"]),
+                                "recompute": best["nt"]}}
 
 
 def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> dict[str, Any]:
@@ -307,7 +328,8 @@ def calibrate(device: torch.device | str = "cpu", *, dtype: str = "bf16", thread
             "host": host_dispatch(),
             "collectives": gloo_collectives(collectives_world) if collectives_world > 1 else None,
             "method": ("medians of repeated calls after warm-up, host monotonic clock (CUDA: CUDA events "
-                       f"around bursts of {CUDA_BURST} calls); matmul: square GEMMs, 2n^3 FLOPs; memory: tensor copy, read+write "
+                       f"around bursts of {CUDA_BURST} calls); matmul: square GEMMs in the 3 layouts of a Linear "
+                       "(forward x@w.T, backward dy@w and dy.T@x), 2n^3 FLOPs; memory: tensor copy, read+write "
                        "bytes; collectives: α-β least squares over nccl-tests sizes, busbw with nccl-tests' "
                        "bus factors"),
         }

@@ -177,8 +177,15 @@ def load_validation() -> dict[str, Any] | None:
 # ---------------------------------------------------------------------------------------------
 
 def machine_from_calibration(cal: dict[str, Any], label: str) -> Machine:
-    return Machine(name=label, matmul_tflops=cal["matmul"]["best_tflops"], memory_gbps=cal["memory"]["gbps"],
-                   matmul_source=f"{label}: best measured GEMM {cal['matmul']['best_tflops']:.3g} TFLOP/s"
+    """The rates a calibration.json measured; per phase where it timed each GEMM layout of a Linear
+    (calibration version 2), else one rate for every phase."""
+    mm = cal["matmul"]
+    by_phase = mm.get("by_phase_tflops")
+    rates = (f"forward {by_phase['forward']:.3g}, backward {by_phase['backward']:.3g} TFLOP/s (a Linear's GEMM "
+             f"layouts; best of any {mm['best_tflops']:.3g})" if by_phase else f"best {mm['best_tflops']:.3g} TFLOP/s")
+    return Machine(name=label, matmul_tflops=mm["best_tflops"], memory_gbps=cal["memory"]["gbps"],
+                   matmul_tflops_by_phase=by_phase,
+                   matmul_source=f"{label}: measured GEMM {rates}"
                                  + ("" if cal.get("device_type") == "cuda" else f" ({cal['threads']} threads)"),
                    memory_source=f"{label}: measured copy {cal['memory']['gbps']:.3g} GB/s")
 

@@ -171,6 +171,13 @@ class Machine:
     memory_gbps: float | None
     matmul_source: str = ""
     memory_source: str = ""
+    # measured per phase (forward, backward, recompute) from the Linear's GEMM layouts; None: one rate
+    matmul_tflops_by_phase: dict[str, float] | None = None
+
+    def matmul_rate(self, phase: str | None) -> float | None:
+        """The matmul TFLOP/s of a phase's GEMMs: its own measured rate where there is one (None: the
+        machine's one rate)."""
+        return (self.matmul_tflops_by_phase or {}).get(phase) or self.matmul_tflops
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -278,10 +285,10 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
                      "(the GPU waiting for the host: Python, hooks, engine, launches) as measured, the same host "
                      "assumed")
     elif cross:
-        f, b, r = (_scale_compute(t, m.flops_by_phase.get(ph, 0.0) / ga_s, source_machine, target_machine)
+        f, b, r = (_scale_compute(t, m.flops_by_phase.get(ph, 0.0) / ga_s, source_machine, target_machine, ph)
                    for t, ph in ((f, "forward"), (b, "backward"), (r, "recompute")))
-        notes.append(f"compute on {target_machine.name}: matmul share (FLOPs / {source_machine.matmul_tflops:.3g} "
-                     f"TFLOP/s measured at the source) scaled by {source_machine.matmul_source} -> "
+        notes.append(f"compute on {target_machine.name}: matmul share (each phase's FLOPs / the source's measured "
+                     f"rate for its GEMMs) scaled by {source_machine.matmul_source} -> "
                      f"{target_machine.matmul_source}; the rest scaled as memory-bound by memory bandwidth")
     out["forward"], out["backward"], out["recompute"] = f * ga_t, b * ga_t, r * ga_t
     opt = m.phases_ms["optimizer"]
@@ -329,10 +336,12 @@ def _scale_kernels(ms: float, kernels: tuple[float, float] | None, per: int, src
     return ms - mm - rest + _rerate(mm, rest, src, dst)
 
 
-def _scale_compute(ms: float, flops: float, src: Machine, dst: Machine) -> float:
+def _scale_compute(ms: float, flops: float, src: Machine, dst: Machine, phase: str) -> float:
+    """A phase's `ms` on the target: its matmul share (its FLOPs at the source's rate for the phase's
+    GEMM layouts, capped at the phase) × source/target rate, the rest × source/target bandwidth."""
     _require_rates(src, dst)
-    matmul = min(flops / (src.matmul_tflops * 1e12) * 1e3, ms)
-    return _rerate(matmul, ms - matmul, src, dst)
+    matmul = min(flops / (src.matmul_rate(phase) * 1e12) * 1e3, ms)
+    return _rerate(matmul, ms - matmul, src, dst, phase)
 
 
 def _require_rates(src: Machine, dst: Machine) -> None:
@@ -340,9 +349,10 @@ def _require_rates(src: Machine, dst: Machine) -> None:
         raise ValueError("cross-machine compute needs matmul and memory rates for both machines")
 
 
-def _rerate(matmul_ms: float, other_ms: float, src: Machine, dst: Machine) -> float:
-    """Matmul time × source/target matmul rate plus memory-bound time × source/target bandwidth."""
-    return matmul_ms * src.matmul_tflops / dst.matmul_tflops + other_ms * src.memory_gbps / dst.memory_gbps
+def _rerate(matmul_ms: float, other_ms: float, src: Machine, dst: Machine, phase: str | None = None) -> float:
+    """Matmul time × source/target matmul rate (the phase's own rates, where both were measured per
+    phase) plus memory-bound time × source/target bandwidth."""
+    return matmul_ms * src.matmul_rate(phase) / dst.matmul_rate(phase) + other_ms * src.memory_gbps / dst.memory_gbps
 
 
 def _comm(m: Measured, change: Change, link: Link | None, source_zero_stage: int) -> tuple[float, list[str]]:
