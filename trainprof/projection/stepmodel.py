@@ -17,8 +17,9 @@ and each part is re-derived for the target:
         inside the leaves (ZeRO-3's fetch and release per module call: the source engine's probe minus the
         bare model's), which does not grow with the shape. Turning recomputation on adds one forward of
         every decoder layer at the leaves' measured/probed ratio.
-      other machine: matmul share = FLOPs of the phase / the source's achievable matmul rate, scaled
-        by source/target achievable matmul rate (the target's MAMF, else its datasheet peak); the rest
+      other machine: matmul share = FLOPs of the phase / the source's matmul rate for that phase (a
+        calibration times the GEMM layouts of a Linear's forward and backward apart), scaled by
+        source/target matmul rate (the target's MAMF, else its datasheet peak); the rest
         is taken as memory-bound and scaled by source/target memory bandwidth.
   * optimizer: a fixed part (the engine's step machinery, launches, gradient clipping) plus Adam's
     elementwise pass over the state this rank holds (ZeRO partitions it over the world size), priced at
