@@ -65,6 +65,11 @@ def measured(run_dir: Path) -> tuple[float, int]:
     return m.step_ms, m.peak_memory_bytes
 
 
+def abs_errors(rows: list[dict], key: str) -> list[float]:
+    """|error %| of the rows that have one under `key` (a case with no prediction has none)."""
+    return [abs(r[key]) for r in rows if r[key] is not None]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="store the table as trainprof/projection/validation.json")
@@ -142,9 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         ps = f"{r['predicted_step_ms']:.1f}" if r["predicted_step_ms"] else "n/a"
         print(f"{r['case']:<34} {'yes' if r['tuned'] else 'no':>5} {r['baseline_step_ms']:8.1f} "
               f"{r['measured_step_ms']:9.1f} {ps:>9} {pe:>7} {r['measured_memory_bytes'] / 2**20:8.0f} {pm:>8} {me:>6}")
-    step_err = [abs(r["step_error_pct"]) for r in rows if r["step_error_pct"] is not None]
-    mem_err = [abs(r["memory_error_pct"]) for r in rows if r["memory_error_pct"] is not None]
-    held = [abs(r["step_error_pct"]) for r in rows if r["step_error_pct"] is not None and not r["tuned"]]
+    step_err, mem_err = abs_errors(rows, "step_error_pct"), abs_errors(rows, "memory_error_pct")
+    held = abs_errors([r for r in rows if not r["tuned"]], "step_error_pct")
     print(f"\nstep time: MAPE {statistics.fmean(step_err):.1f}%, max {max(step_err):.1f}% over {len(step_err)} cases"
           + (f" (held-out only: MAPE {statistics.fmean(held):.1f}%, max {max(held):.1f}%)" if held else "")
           + "   goal: mean <= 5%, max <= 10%")
@@ -158,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cases is not None and path.is_file():  # the cases not run now keep their measured rows
             ran = {r["case"] for r in rows}
             rows = [r for r in json.loads(path.read_text())["cases"] if r["case"] not in ran] + rows
-            step_err = [abs(r["step_error_pct"]) for r in rows if r["step_error_pct"] is not None]
-            mem_err = [abs(r["memory_error_pct"]) for r in rows if r["memory_error_pct"] is not None]
+            step_err, mem_err = abs_errors(rows, "step_error_pct"), abs_errors(rows, "memory_error_pct")
             noise = [r.get("noise_floor_pct") or 0.0 for r in rows]
         by_kind: dict[str, dict[str, float]] = {}
         for r in rows:
