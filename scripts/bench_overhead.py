@@ -4,12 +4,17 @@ run, and the ratio of their median times is printed. Not a timed test.
     python scripts/bench_overhead.py --layers 4             # module hooks every step (goal <= 1.01)
     python scripts/bench_overhead.py --depth 5 --pairs 40  # deeper module level
     python scripts/bench_overhead.py --breakdown-only      # where the time of one hook goes
+    python scripts/bench_overhead.py --in-situ-only        # each piece timed where it runs, inside real steps
 
 Besides the ratio, it prints the cost per module call in microseconds: (profiled - unprofiled step
 time, median over pairs) / the number of module calls the hooks saw in one step (an upper bound: the
 per-step analysis at step exit is in the difference too), and a breakdown of a
 hook's pieces, each timed over many invocations in a loop (timer stamp, log append, functools.partial
-creation, node pre-hook registration, a whole pre+post hook pair with and without grad).
+creation, node pre-hook registration, a whole pre+post hook pair with and without grad). Those loop
+figures run with warm caches; `in_situ` times each piece of the profiler where it runs, inside real
+training steps (forward pre/post hooks, the node watching inside them, the engine's node callbacks,
+the memory meter's syscalls, the analysis at step exit), where the tensor work in between has evicted
+the profiler's code and data from the caches: there each piece costs 2-3x its loop figure.
 
 Each profiled step gets a fresh Profiler (hooks, collective wrappers, memory per phase; FLOP counting
 off) that is closed again before the next unprofiled step, so unprofiled steps run with no hooks at
@@ -49,6 +54,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=4, help="module_depth of the profiler (default 4, the recipe default)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the tiny Llama (default 4)")
     p.add_argument("--breakdown-only", action="store_true", help="print only the per-piece hook breakdown")
+    p.add_argument("--in-situ-only", action="store_true",
+                   help="print only the in-situ cost of each profiler piece per step (timed inside real steps)")
+    p.add_argument("--in-situ-steps", type=int, default=200, help="steps for the in-situ figures (default 200)")
     p.add_argument("--seq", type=int, default=256, help="tokens per sample (default 256, the CPU quickstart's)")
     p.add_argument("--batch", type=int, default=4, help="micro batch size (default 4, the CPU quickstart's)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="model dtype (default bf16)")
@@ -108,8 +116,12 @@ def main() -> None:
         train_step()
     print(f"tiny Llama ({args.layers} layers), batch {args.batch} x seq {args.seq}, {args.dtype}, "
           f"{torch.get_num_threads()} threads, module_depth {args.depth}")
-    hook_breakdown(model, args.depth)
+    if not args.in_situ_only:
+        hook_breakdown(model, args.depth)
     if args.breakdown_only:
+        return
+    in_situ(model, opt, train_step, args.depth, args.in_situ_steps)
+    if args.in_situ_only:
         return
     prof = Profiler(model, optimizer=opt, module_depth=args.depth, flops=False)
     with prof.step():
@@ -232,6 +244,66 @@ def hook_breakdown(model: torch.nn.Module, depth: int) -> None:
             events.clear()
             prof.log.events.clear()
     prof.close()
+
+
+def in_situ(model: torch.nn.Module, opt: torch.optim.Optimizer, train_step: Callable[[], None], depth: int,
+            steps: int) -> None:
+    """Each piece of one Profiler (as in a run) timed where it runs, over `steps` real training steps:
+    the hooks and the analysis are wrapped in a perf_counter_ns accumulator (about 0.1 us per call,
+    included) and re-registered, so nothing else about the step changes."""
+    import functools
+
+    from trainprof.profiler.hooks import describe_modules
+
+    prof = Profiler(model, optimizer=opt, module_depth=depth, flops=False)
+    hooks, acc = prof.hooks, {}
+
+    def timed(name: str, fn: Callable[..., object]) -> Callable[..., object]:
+        acc[name] = [0, 0]
+        now = time.perf_counter_ns
+
+        def wrapper(*a: object, **k: object) -> object:
+            t0 = now()
+            out = fn(*a, **k)
+            cell = acc[name]
+            cell[0] += 1
+            cell[1] += now() - t0
+            return out
+        return wrapper
+
+    for handle in hooks._handles:  # the module hooks hold the original methods: register timed ones instead
+        handle.remove()
+    hooks._handles.clear()
+    pre, post = timed("forward pre-hooks", hooks._pre), timed("forward post-hooks", hooks._post)
+    hooks._watch = timed("  of which: watching producer nodes", hooks._watch)
+    hooks._on_grad = timed("engine callbacks on watched nodes", hooks._on_grad)
+    if prof.memory is not None:
+        prof.memory.begin = timed("memory meter: phase begin", prof.memory.begin)
+        prof.memory.end = timed("memory meter: phase end", prof.memory.end)
+    prof._finish_step = timed("analysis at step exit", prof._finish_step)
+    for info, mod in describe_modules(model, depth):
+        hooks._handles.append(mod.register_forward_pre_hook(functools.partial(pre, info.index), prepend=True,
+                                                            with_kwargs=True))
+        hooks._handles.append(mod.register_forward_hook(functools.partial(post, info.index), with_kwargs=True,
+                                                        always_call=True))
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        with prof.step():
+            train_step()
+        walls.append(time.perf_counter() - t0)
+    prof.close()
+    step_us = statistics.median(walls) * 1e6
+    print(f"in situ, per step (median profiled step {step_us / 1e3:.1f} ms; {steps} steps, one Profiler as in a run):")
+    print(f"  {'piece':<40} {'calls':>6} {'us/call':>8} {'us/step':>8} {'% of step':>9}")
+    total = 0.0
+    for name, (calls, ns) in acc.items():
+        per_step = ns / steps / 1e3
+        if not name.startswith("  "):
+            total += per_step
+        print(f"  {name:<40} {calls / steps:6.1f} {ns / max(calls, 1) / 1e3:8.2f} {per_step:8.1f} {per_step / step_us:9.2%}")
+    print(f"  {'sum (the module slow path of nn.Module.__call__ and the step context are not in it)':<40} "
+          f"{total:.0f} us = {total / step_us:.2%} of the step")
 
 
 if __name__ == "__main__":
