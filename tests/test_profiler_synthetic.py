@@ -188,3 +188,24 @@ def test_compute_dtype_follows_autocast():
             with prof.step(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 model(torch.randn(4, 8)).float().sum().backward()
         assert recorded_dtype(prof) == expected
+
+
+def test_backward_is_timed_for_modules_called_outside_the_model_and_for_autograd_grad():
+    """Node hooks are registered in one loop when the outermost profiled call returns (hooks.flush):
+    a submodule the loop calls directly, outside the model's forward, and a backward run by
+    torch.autograd.grad (which opens no backward region) still get their backward windows."""
+    from helpers.synthetic import Busy, name_busy_modules
+
+    from trainprof.profiler import Profiler
+
+    model = torch.nn.Sequential(Busy(1.0, 6.0), Busy(1.0, 3.0))
+    name_busy_modules(model)
+    with Profiler(model, module_depth=1, flops=False, memory=False) as prof:
+        for _ in range(3):
+            with prof.step():
+                x = torch.randn(2, 8, requires_grad=True)
+                y = model[1](model[0](x))  # no call of the model itself: each child is outermost
+                torch.autograd.grad(y.sum(), [x, *model.parameters()])
+    rows = {m["name"]: m for m in prof.result()["modules"]}
+    # a wait lasts at least its duration, so a window that was never opened (0 ms) cannot pass
+    assert rows["0"]["backward_ms"] >= 6.0 * 0.95 and rows["1"]["backward_ms"] >= 3.0 * 0.95, rows

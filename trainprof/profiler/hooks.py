@@ -23,12 +23,17 @@ Functions (which would turn in-place ops on module outputs into errors):
     about to run, every open backward whose `pre >= k` is closed. Modules whose inputs need no grad
     (frozen LoRA base, embeddings) close at the next such node or at the end of the graph task (an
     engine callback).
-One node pre-hook (`Node.register_prehook`, a C++ registration) per producer node and step carries
-every action on it, in registration order: a module's output is usually the next module's input, so
-this halves the Python calls the engine makes, and an input's close is dropped where the node already
-closes from a smaller value (counter values only grow). Leaves have no producer node: they get a tensor
-hook. This gives nested, properly ordered backward intervals for calls that run twice, for gradient
-accumulation (each micro batch has its own counter values) and under ZeRO-3's own hooks.
+One node pre-hook (`Node.register_prehook`) per producer node and step carries every action on it, in
+registration order: a module's output is usually the next module's input, so this halves the Python
+calls the engine makes, and an input's close is dropped where the node already closes from a smaller
+value (counter values only grow). Leaves have no producer node: they get a tensor hook. The node
+pre-hooks of a forward are registered together, in one loop, when the outermost profiled call returns
+(`flush`; also when a backward region opens): registered one at a time between the forward's tensor
+ops, each registration found its code and data evicted from the caches by the op before it and cost
+2-3x as much (scripts/bench_overhead.py --in-situ-only). A forward re-run inside backward
+(recomputation) registers at once, since its nodes run right after it. This gives nested, properly
+ordered backward intervals for calls that run twice, for gradient accumulation (each micro batch has
+its own counter values) and under ZeRO-3's own hooks.
 """
 
 from __future__ import annotations
@@ -144,6 +149,7 @@ class ModuleHooks:
         self.callback_tasks: set[int] = set()
         # this step's watched producer nodes -> [step serial, (close from, module or -1, pre), ...]
         self.watched: dict[Any, list[Any]] = {}
+        self.unregistered: list[tuple[Any, list[Any]]] = []  # watched nodes whose pre-hook `flush` registers
         self.serial = 0  # a hook left on a node or leaf by an earlier step does nothing
         self.range_names: list[dict[str, str]] | None = None  # set while operator tracing is on
         self.autocast_dtype: torch.dtype | None = None  # the root forward's autocast dtype, if any
@@ -186,6 +192,7 @@ class ModuleHooks:
     def reset_step(self) -> None:
         self.serial += 1
         self.watched = {}
+        self.unregistered = []
         self.bstate.clear()
         self.callback_tasks.clear()
         self.fstack.clear()
@@ -194,6 +201,18 @@ class ModuleHooks:
     def end_step(self) -> None:
         """Let go of this step's autograd nodes (their saved tensors are freed by backward already)."""
         self.watched = {}
+        self.unregistered = []
+
+    def flush(self) -> None:
+        """Register the pre-hooks of the nodes watched since the last flush, in one loop (see the module
+        docstring); called when the outermost profiled forward call returns and when a backward region opens."""
+        pending = self.unregistered
+        if not pending:
+            return
+        self.unregistered = []
+        on_grad = self._on_grad
+        for node, actions in pending:
+            node.register_prehook(functools.partial(on_grad, actions))
 
     def close(self) -> None:
         for handle in self._handles:
@@ -245,6 +264,8 @@ class ModuleHooks:
             tensors = _grad_tensors(output)
             if tensors:
                 self._watch(tensors, (post, mi, k))
+        if not fstack and not recompute:  # the outermost profiled call returned: before any backward of it
+            self.flush()
         if mi == 0 and not recompute and self.on_root is not None:
             self.on_root("forward", False)
         return None
@@ -287,7 +308,10 @@ class ModuleHooks:
             actions = watched.get(node)
             if actions is None:
                 watched[node] = actions = [self.serial, action]
-                node.register_prehook(functools.partial(self._on_grad, actions))
+                if _graph_task_id() == -1:
+                    self.unregistered.append((node, actions))  # registered by flush() before backward
+                else:  # a re-run inside backward: its nodes run next
+                    node.register_prehook(functools.partial(self._on_grad, actions))
             elif action[1] >= 0:  # an open; a close is covered by the node's first action
                 actions.append(action)
 
