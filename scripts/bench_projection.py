@@ -2,7 +2,7 @@
 run each change for real, and print per-case and mean absolute percentage errors on step time and on
 peak memory. Goal: step time mean <= 5%, max <= 10%; memory within 10%.
 
-    python scripts/bench_projection.py                 # ~8 min on 2 cores (2 repeats)
+    python scripts/bench_projection.py                 # ~10 min on 2 cores (2 repeats of 40 steps)
     python scripts/bench_projection.py --write         # also store the table as the package's
                                                        # validation.json (what expected_error_pct cites)
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RECIPE = "recipes/quickstart_cpu.yaml"
-COMMON = ["train.steps=12", "train.warmup_steps=3", "profile.ops=false"]
+COMMON = ["train.warmup_steps=3", "profile.ops=false"]
 # (name, kinds, overrides of the target, nproc, threads, tuned)
 DS_CASES = [
     ("micro_batch 4->8", ["micro_batch"], ["train.micro_batch_size=8"], 2, 1, True),
@@ -43,12 +43,12 @@ THREAD_CASES = [
 ]
 
 
-def run(overrides: list[str], nproc: int, threads: int, out: Path) -> Path:
+def run(overrides: list[str], nproc: int, threads: int, out: Path, steps: int) -> Path:
     from trainprof.commands.run import torchrun_command
 
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    cmd = torchrun_command(RECIPE, [*COMMON, *overrides, f"output.dir={out}"], nproc)
+    cmd = torchrun_command(RECIPE, [*COMMON, f"train.steps={steps}", *overrides, f"output.dir={out}"], nproc)
     log = out / "launch.log"
     with log.open("w") as f:
         rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -78,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only the cases whose name contains this text (with --write: their rows replace "
                              "the same cases' rows in validation.json, the others are kept as they were measured)")
     parser.add_argument("--out", default=None, help="where runs go (default: a temp dir)")
+    parser.add_argument("--steps", type=int, default=40,
+                        help="measured steps per run (default 40: about 4 s of a ~100 ms quickstart step; the same "
+                             "configuration's runs differ more than its steps within a run, so a run should measure "
+                             "seconds, not a dozen steps)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of every configuration, interleaved "
                         "(measured = their median; the baseline's spread is the noise floor; default 2)")
     args = parser.parse_args(argv)
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         configs = [([], base_nproc, base_threads)] + [(c[2], c[3], c[4]) for c in cases]
         for rep in range(args.repeats):
             for i, (overrides, nproc, threads) in enumerate(configs):
-                d = run([*base_overrides, *overrides], nproc, threads, out / f"{label}-{i}-r{rep}")
+                d = run([*base_overrides, *overrides], nproc, threads, out / f"{label}-{i}-r{rep}", args.steps)
                 bar.update()
                 step, mem = measured(d)
                 steps.setdefault(i, []).append(step)
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"peak memory: MAPE {statistics.fmean(mem_err):.1f}%, max {max(mem_err):.1f}%   goal: within 10%")
     print(f"noise floor: the baseline's runs differ by up to {max(noise):.1f}% of their median "
           f"({args.repeats} runs each; no predictor can be validated below it here)")
-    print("timer: host monotonic clock; step = slowest rank's median over 12 measured steps, median over the "
+    print(f"timer: host monotonic clock; step = slowest rank's median over {args.steps} measured steps, median over the "
           "repeats; predicted = median of the projections from every baseline run; memory = peak process RSS (CPU)")
     if args.write:
         path = ROOT / "trainprof" / "projection" / "validation.json"
@@ -182,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_json(path, {
             "measured_on": f"{collect_env(torch.device('cpu'), 1)['device']} CPU, {os.cpu_count()} cores, "
                            f"{dt.date.today().isoformat()}",
-            "command": "python scripts/bench_projection.py --write",
+            "command": f"python scripts/bench_projection.py --repeats {args.repeats} --steps {args.steps} --write",
             "by_kind": by_kind,
-            "summary": {"step_mape_pct": round(statistics.fmean(step_err), 2), "step_max_pct": round(max(step_err), 2),
+            "summary": {"steps_per_run": args.steps, "step_mape_pct": round(statistics.fmean(step_err), 2),
+                        "step_max_pct": round(max(step_err), 2),
                         "noise_floor_pct": round(max(noise), 2), "repeats": args.repeats,
                         "memory_mape_pct": round(statistics.fmean(mem_err), 2),
                         "memory_max_pct": round(max(mem_err), 2)},
