@@ -251,9 +251,7 @@ def in_situ(model: torch.nn.Module, opt: torch.optim.Optimizer, train_step: Call
     """Each piece of one Profiler (as in a run) timed where it runs, over `steps` real training steps:
     the hooks and the analysis are wrapped in a perf_counter_ns accumulator (about 0.1 us per call,
     included) and re-registered, so nothing else about the step changes."""
-    import functools
-
-    from trainprof.profiler.hooks import describe_modules
+    from trainprof.profiler.hooks import attach_forward_hooks, describe_modules
 
     prof = Profiler(model, optimizer=opt, module_depth=depth, flops=False)
     hooks, acc = prof.hooks, {}
@@ -281,11 +279,7 @@ def in_situ(model: torch.nn.Module, opt: torch.optim.Optimizer, train_step: Call
         prof.memory.begin = timed("memory meter: phase begin", prof.memory.begin)
         prof.memory.end = timed("memory meter: phase end", prof.memory.end)
     prof._finish_step = timed("analysis at step exit", prof._finish_step)
-    for info, mod in describe_modules(model, depth):
-        hooks._handles.append(mod.register_forward_pre_hook(functools.partial(pre, info.index), prepend=True,
-                                                            with_kwargs=True))
-        hooks._handles.append(mod.register_forward_hook(functools.partial(post, info.index), with_kwargs=True,
-                                                        always_call=True))
+    hooks._handles.extend(attach_forward_hooks(describe_modules(model, depth), pre, post))
     walls = []
     for _ in range(steps):
         t0 = time.perf_counter()

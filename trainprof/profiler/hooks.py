@@ -118,6 +118,24 @@ def _grad_tensors(obj: Any) -> list[torch.Tensor]:
     return found
 
 
+def attach_forward_hooks(described: list[tuple[ModuleInfo, torch.nn.Module]], pre: Callable[..., None],
+                         post: Callable[..., None]) -> list[torch.utils.hooks.RemovableHandle]:
+    """Register `pre(index, module, args, kwargs)` first among each module's forward pre-hooks and
+    `post(index, module, args, kwargs, output)` last among its forward hooks, called even when the
+    forward raises (see the module docstring).
+
+    Returns:
+        The handles, to remove them.
+    """
+    handles = []
+    for info, mod in described:
+        handles.append(mod.register_forward_pre_hook(functools.partial(pre, info.index), prepend=True,
+                                                     with_kwargs=True))
+        handles.append(mod.register_forward_hook(functools.partial(post, info.index), with_kwargs=True,
+                                                 always_call=True))
+    return handles
+
+
 class ModuleHooks:
     """Installs the forward hooks on every module down to a depth and records module events into a
     StepLog. `close()` removes exactly the hooks it added.
@@ -154,11 +172,7 @@ class ModuleHooks:
         self.range_names: list[dict[str, str]] | None = None  # set while operator tracing is on
         self.autocast_dtype: torch.dtype | None = None  # the root forward's autocast dtype, if any
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        for info, mod in described:
-            pre = functools.partial(self._pre, info.index)
-            post = functools.partial(self._post, info.index)
-            self._handles.append(mod.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
+        self._handles.extend(attach_forward_hooks(described, self._pre, self._post))
         if recompute_sentinels is None:  # DDP does not forward attributes: ask the module it wraps
             inner = getattr(model, "module", model)
             # transformers >= 5.x: is_activation_checkpointing (is_gradient_checkpointing warns as deprecated)
@@ -308,12 +322,11 @@ class ModuleHooks:
             actions = watched.get(node)
             if actions is None:
                 watched[node] = actions = [self.serial, action]
-                if _graph_task_id() == -1:
-                    self.unregistered.append((node, actions))  # registered by flush() before backward
-                else:  # a re-run inside backward: its nodes run next
-                    node.register_prehook(functools.partial(self._on_grad, actions))
+                self.unregistered.append((node, actions))  # registered by flush() before backward
             elif action[1] >= 0:  # an open; a close is covered by the node's first action
                 actions.append(action)
+        if _graph_task_id() != -1:  # a re-run inside backward: its nodes run next
+            self.flush()
 
     def _on_grad(self, actions: list[Any], grads: Any) -> None:
         """A watched node is about to run: close the backwards its first action closes, then open the
