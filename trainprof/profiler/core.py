@@ -388,7 +388,7 @@ class Profiler:
         if not self.log.active:
             return
         if label == "backward" and self.hooks is not None:
-            self.hooks.flush()  # nodes watched outside the model's forward (see hooks.flush)
+            self.hooks.flush()  # a backward started inside a profiled forward (see hooks.flush)
         self.log.events.append((REGION_OPEN, label, self.timer.now()))
         if self.memory is not None:
             self.memory.begin(label)

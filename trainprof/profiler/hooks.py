@@ -260,6 +260,8 @@ class ModuleHooks:
                 tensors += _grad_tensors(kwargs)
             if tensors:
                 self._watch(tensors, (k, -1, k))
+                if recompute:  # a re-run inside backward: its nodes run next
+                    self.flush()
         return None
 
     def _post(self, mi: int, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -278,7 +280,7 @@ class ModuleHooks:
             tensors = _grad_tensors(output)
             if tensors:
                 self._watch(tensors, (post, mi, k))
-        if not fstack and not recompute:  # the outermost profiled call returned: before any backward of it
+        if recompute or not fstack:  # a re-run inside backward (its nodes run next), or the outermost call returned
             self.flush()
         if mi == 0 and not recompute and self.on_root is not None:
             self.on_root("forward", False)
@@ -325,8 +327,6 @@ class ModuleHooks:
                 self.unregistered.append((node, actions))  # registered by flush() before backward
             elif action[1] >= 0:  # an open; a close is covered by the node's first action
                 actions.append(action)
-        if _graph_task_id() != -1:  # a re-run inside backward: its nodes run next
-            self.flush()
 
     def _on_grad(self, actions: list[Any], grads: Any) -> None:
         """A watched node is about to run: close the backwards its first action closes, then open the
