@@ -8,17 +8,19 @@ run, and the ratio of their median times is printed. Not a timed test.
 
 Besides the ratio, it prints the cost per module call in microseconds: (profiled - unprofiled step
 time, median over pairs) / the number of module calls the hooks saw in one step (an upper bound: the
-per-step analysis at step exit is in the difference too), and a breakdown of a
+step exit and the journal append are in the difference too), and a breakdown of a
 hook's pieces, each timed over many invocations in a loop (timer stamp, log append, functools.partial
 creation, node pre-hook registration, a whole pre+post hook pair with and without grad). Those loop
 figures run with warm caches; `in_situ` times each piece of the profiler where it runs, inside real
 training steps (forward pre/post hooks, the node watching inside them, the engine's node callbacks,
-the memory meter's syscalls, the analysis at step exit), where the tensor work in between has evicted
+the memory meter's syscalls, the step exit, the journal append), where the tensor work in between has evicted
 the profiler's code and data from the caches: there each piece costs 2-3x its loop figure.
 
 Each profiled step gets a fresh Profiler (hooks, collective wrappers, memory per phase; FLOP counting
 off) that is closed again before the next unprofiled step, so unprofiled steps run with no hooks at
-all. The time of a profiled step includes the profiler's per-step analysis after the step. Steps run in
+all. The time of a profiled step includes the step exit (stamps resolved, the step kept) and, in the
+"as a run" row, the journal append; the module x phase analysis runs when the steps are read (save()
+after training, or every 256th step of a longer run) and is printed beside the ratio, not in it. Steps run in
 ABBA order; the ratio is the median over pairs of (profiled / unprofiled) of neighbouring steps, with
 its interquartile range and a bootstrap 95% interval, which cancels the drift of a shared machine.
 An A/A row (unprofiled against unprofiled) shows the noise floor. The runner keeps one Profiler for a
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -43,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainprof.env import quiet_library_noise  # noqa: E402
 from trainprof.models import build_model  # noqa: E402
 from trainprof.profiler import Profiler  # noqa: E402
+from trainprof.profiler.core import ANALYSE_BACKLOG_STEPS  # noqa: E402
 from trainprof.recipe import Recipe  # noqa: E402
 
 
@@ -103,8 +107,8 @@ def main() -> None:
         return run
 
     def in_a_run(prof: Profiler) -> Callable[[], float]:
-        """One Profiler for every step, as in `trainprof run`; between its steps the hooks stay
-        installed and return at once."""
+        """One Profiler for every step, as in `trainprof run`, with its journal (each step appended and
+        flushed after it); between its steps the hooks stay installed and return at once."""
         def run() -> float:
             t0 = time.perf_counter()
             with prof.step():
@@ -129,9 +133,9 @@ def main() -> None:
     calls = prof.hooks.counter // 2  # the counter advances once in each pre and each post hook
     prof.close()
     print(f"module calls timed per step: {calls} (forward; each also watches its producer nodes for backward)")
-    journal_cost(prof)
 
-    kept = Profiler(model, optimizer=opt, module_depth=args.depth, flops=False)
+    run_dir = tempfile.TemporaryDirectory()  # the runner's journal goes to the run dir: so does this one's
+    kept = Profiler(model, optimizer=opt, module_depth=args.depth, flops=False, journal_dir=run_dir.name)
     rows = [
         ("A/A control: unprofiled vs unprofiled", plain, args.pairs),
         ("module hooks, one Profiler (as a run)", in_a_run(kept), args.pairs),
@@ -157,9 +161,16 @@ def main() -> None:
         if name.startswith("module hooks, one"):
             extra_us = (statistics.median(ratios) - 1) * statistics.median(base) * 1e6
             print(f"{'':<40} cost per module call: {extra_us / calls:.1f} us "
-                  f"((median ratio - 1) x unprofiled step / {calls} calls; includes the per-step "
-                  "analysis at step exit, so an upper bound on the hooks' own cost)")
+                  f"((median ratio - 1) x unprofiled step / {calls} calls; includes the step exit and "
+                  "the journal append, so an upper bound on the hooks' own cost)")
+    backlog = len(kept._unanalysed)  # the steps since the last 256th: analysed when the steps are read
+    t0 = time.perf_counter()
+    _ = kept.steps
+    print(f"{'':<40} then, as at save(): the module x phase analysis of its last {backlog} steps, "
+          f"{(time.perf_counter() - t0) / max(backlog, 1) * 1e6:.0f} us per step (not in the ratio; a run with more than "
+          f"{ANALYSE_BACKLOG_STEPS} measured steps pays it every {ANALYSE_BACKLOG_STEPS}th step)")
     kept.close()
+    run_dir.cleanup()
     print("ratio: median over ABBA pairs of profiled / unprofiled wall time (time.perf_counter); 95% CI: "
           "bootstrap of that median (2000 resamples). The A/A row times the same unprofiled step on both "
           "sides: its distance from 1 and its CI are this machine's noise floor for the rows below.")
@@ -174,23 +185,6 @@ def median_ci(values: list[float], resamples: int = 2000, seed: int = 0) -> tupl
     rng = random.Random(seed)
     medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
-
-
-def journal_cost(prof: Profiler) -> None:
-    """The runner's journal (profile.rank<N>.journal.jsonl): one recorded step serialized, appended and
-    flushed, as after every step of a run; the header, written once after the first step, is excluded."""
-    import tempfile
-
-    from trainprof.profiler.journal import Journal
-
-    with tempfile.TemporaryDirectory() as tmp:
-        journal = Journal(Path(tmp) / "journal.jsonl")
-        journal.write(prof)  # header + facts + the step
-        us = _per_call_us(lambda: journal.write(prof), n=200)
-        journal.discard()
-    wall = prof.steps[-1].breakdown.wall_ms
-    print(f"journal append per step: {us:.0f} us ({us / 1e3 / wall:.2%} of the profiled step's {wall:.0f} ms; "
-          "after the step's end stamp, so outside its measured time)")
 
 
 def _per_call_us(fn: Callable[[], object], n: int = 20000) -> float:
@@ -253,7 +247,8 @@ def in_situ(model: torch.nn.Module, opt: torch.optim.Optimizer, train_step: Call
     included) and re-registered, so nothing else about the step changes."""
     from trainprof.profiler.hooks import attach_forward_hooks, describe_modules
 
-    prof = Profiler(model, optimizer=opt, module_depth=depth, flops=False)
+    journal_dir = tempfile.TemporaryDirectory()
+    prof = Profiler(model, optimizer=opt, module_depth=depth, flops=False, journal_dir=journal_dir.name)
     hooks, acc = prof.hooks, {}
 
     def timed(name: str, fn: Callable[..., object]) -> Callable[..., object]:
@@ -275,10 +270,13 @@ def in_situ(model: torch.nn.Module, opt: torch.optim.Optimizer, train_step: Call
     pre, post = timed("forward pre-hooks", hooks._pre), timed("forward post-hooks", hooks._post)
     hooks._watch = timed("  of which: watching producer nodes", hooks._watch)
     hooks._on_grad = timed("engine callbacks on watched nodes", hooks._on_grad)
+    hooks._on_grad_now = timed("engine callbacks settled at once (root)", hooks._on_grad_now)
+    hooks.settle = timed("backward stack, settled from the queue", hooks.settle)
     if prof.memory is not None:
         prof.memory.begin = timed("memory meter: phase begin", prof.memory.begin)
         prof.memory.end = timed("memory meter: phase end", prof.memory.end)
-    prof._finish_step = timed("analysis at step exit", prof._finish_step)
+    prof._finish_step = timed("step exit: stamps resolved, step kept", prof._finish_step)
+    prof.journal.write = timed("journal: the step appended and flushed", prof.journal.write)
     hooks._handles.extend(attach_forward_hooks(describe_modules(model, depth), pre, post))
     walls = []
     for _ in range(steps):
@@ -286,7 +284,11 @@ def in_situ(model: torch.nn.Module, opt: torch.optim.Optimizer, train_step: Call
         with prof.step():
             train_step()
         walls.append(time.perf_counter() - t0)
+    t0 = time.perf_counter_ns()
+    _ = prof.steps  # the module x phase analysis of every step, deferred to here (as to save() in a run)
+    analysis_ns = time.perf_counter_ns() - t0
     prof.close()
+    journal_dir.cleanup()
     step_us = statistics.median(walls) * 1e6
     print(f"in situ, per step (median profiled step {step_us / 1e3:.1f} ms; {steps} steps, one Profiler as in a run):")
     print(f"  {'piece':<40} {'calls':>6} {'us/call':>8} {'us/step':>8} {'% of step':>9}")
@@ -298,6 +300,8 @@ def in_situ(model: torch.nn.Module, opt: torch.optim.Optimizer, train_step: Call
         print(f"  {name:<40} {calls / steps:6.1f} {ns / max(calls, 1) / 1e3:8.2f} {per_step:8.1f} {per_step / step_us:9.2%}")
     print(f"  {'sum (the module slow path of nn.Module.__call__ and the step context are not in it)':<40} "
           f"{total:.0f} us = {total / step_us:.2%} of the step")
+    print(f"  after training, when the steps are read (save): the analysis, {analysis_ns / steps / 1e3:.0f} us per step "
+          f"(in a run longer than {ANALYSE_BACKLOG_STEPS} measured steps, paid by every {ANALYSE_BACKLOG_STEPS}th step)")
 
 
 if __name__ == "__main__":

@@ -209,3 +209,18 @@ def test_backward_is_timed_for_modules_called_outside_the_model_and_for_autograd
     rows = {m["name"]: m for m in prof.result()["modules"]}
     # a wait lasts at least its duration, so a window that was never opened (0 ms) cannot pass
     assert rows["0"]["backward_ms"] >= 6.0 * 0.95 and rows["1"]["backward_ms"] >= 3.0 * 0.95, rows
+
+
+def test_steps_are_analysed_when_read_and_a_long_backlog_at_once(monkeypatch):
+    """The hooks only stamp: a step's module x phase analysis runs when `Profiler.steps` is read, or at
+    once when ANALYSE_BACKLOG_STEPS steps wait (which bounds what the timelines hold); both give the
+    breakdown that closes."""
+    import trainprof.profiler.core as core
+
+    monkeypatch.setattr(core, "ANALYSE_BACKLOG_STEPS", 3)
+    prof, _ = train(Synthetic(), {"module_depth": 2, "flops": False}, warmup=0, steps=4)
+    waiting = [record.breakdown is None for record in prof._steps]
+    assert waiting == [False, False, False, True]  # the first three analysed as the third finished
+    assert len(prof._unanalysed) == 1 and prof.last_timeline is prof._unanalysed[0][1]
+    assert all(s.breakdown is not None and s.loss is not None for s in prof.steps) and not prof._unanalysed
+    check_closure(prof.result())

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainprof.analysis.bandwidth import bandwidth_gbps
-from trainprof.analysis.breakdown import PHASES, ModuleStep, StepBreakdown
+from trainprof.analysis.breakdown import PHASES, CommEvent, ModuleStep, StepBreakdown, analyze_step
+from trainprof.analysis.pipeline import step_pipeline
 from trainprof.analysis.records import ModuleInfo
 
 SCHEMA_VERSION = 1
@@ -25,16 +26,45 @@ _COUNT_FIELDS = ("calls", "recompute_calls", "comm_calls", "self_comm_calls")
 
 @dataclass
 class StepRecord:
-    """What the profiler keeps of one recorded step."""
+    """What the profiler keeps of one recorded step. `breakdown`, `loss` and `pipeline` are filled in by
+    `complete_step` from the step's timeline (the Profiler does that when its steps are read)."""
 
     step: int
-    breakdown: StepBreakdown
+    breakdown: StepBreakdown | None
     loss: float | None = None
     tokens: int | None = None
     memory: dict[str, int] = field(default_factory=dict)
     instrumented: list[str] = field(default_factory=list)  # "flops", "ops"
     warmup: bool = False
     pipeline: dict[str, Any] | None = None  # pipeline stage: this step's timeline (analysis/pipeline.py)
+
+
+@dataclass
+class StepTimeline:
+    """A recorded step as the hooks left it, stamps resolved to ms since the step began: kept until
+    `complete_step` analyses it, so the analysis runs after training rather than between its steps."""
+
+    events: list[tuple[int, Any, float]]  # (code, module index or region label, ms), in recording order
+    comms: list[CommEvent]
+    wall_ms: float
+    losses: list[Any] = field(default_factory=list)  # tensors or floats: read when analysed (no device sync per step)
+    origin_unix_ns: int | None = None  # pipeline stages: time.time_ns() of the step's start
+    pipelined: bool = False  # a pipeline stage: keep the stage timeline (analysis/pipeline.py)
+
+
+def complete_step(record: StepRecord, timeline: StepTimeline, parents: list[int] | None) -> None:
+    """Fill `record` in from its timeline: the breakdown, the mean loss, a pipeline stage's timeline.
+
+    Args:
+        record: the step as the profiler recorded it.
+        timeline: its events and collectives.
+        parents: parent index per profiled module (to credit recompute bursts), None without modules.
+    """
+    record.breakdown = analyze_step(timeline.events, timeline.comms, timeline.wall_ms, parents=parents)
+    if timeline.pipelined:
+        record.pipeline = step_pipeline(timeline.events, timeline.comms, timeline.origin_unix_ns)
+    losses = [float(x) for x in timeline.losses]
+    record.loss = statistics.fmean(losses) if losses else None
 
 
 def _median(values: list[float]) -> float:

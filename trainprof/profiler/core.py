@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
 
-from trainprof.analysis.aggregate import StepRecord
-from trainprof.analysis.breakdown import CommEvent, analyze_step
-from trainprof.analysis.pipeline import PipelineInfo, step_pipeline
+from trainprof.analysis.aggregate import StepRecord, StepTimeline, complete_step
+from trainprof.analysis.breakdown import CommEvent
+from trainprof.analysis.pipeline import PipelineInfo
 from trainprof.profiler.comm import CommTracer, comm_total_ms
 from trainprof.profiler.flops import FlopCounter, analytic_flops
 from trainprof.profiler.hooks import ModuleHooks
@@ -37,6 +36,9 @@ from trainprof.profiler.result import profile_env, rank_profile
 from trainprof.profiler.timers import make_timer
 
 REGION_LABELS = ("data_wait", "forward", "backward", "recompute", "optimizer", "other")
+# Steps are analysed when `Profiler.steps` is read (at save, typically after training); a longer backlog
+# is analysed at once, which bounds the memory the timelines hold (a few hundred kB per 100 steps).
+ANALYSE_BACKLOG_STEPS = 256
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -108,7 +110,9 @@ class Profiler:
         self.extra_env = dict(env or {})
         self.timer = make_timer(self.device)
         self.log = StepLog()
-        self.steps: list[StepRecord] = []
+        self._steps: list[StepRecord] = []
+        self._unanalysed: list[tuple[StepRecord, StepTimeline]] = []
+        self.last_timeline: StepTimeline | None = None  # the newest step's, for the journal
         self._step_index = 0
         self._pending_fetch: tuple[Any, Any] | None = None
         self._regions: list[tuple[str, Any]] = []  # open phase regions: (label, record_function handle)
@@ -179,6 +183,17 @@ class Profiler:
         )
         kwargs.update(overrides)
         return cls(model, optimizer, **kwargs)
+
+    @property
+    def steps(self) -> list[StepRecord]:
+        """Every recorded step, analysed: steps recorded since the last read are analysed now (the
+        hooks only stamp; the module x phase analysis of a step runs here, after it)."""
+        if self._unanalysed:
+            parents = [m.parent for m in self.hooks.modules] if self.hooks is not None else None
+            for record, timeline in self._unanalysed:
+                complete_step(record, timeline, parents)
+            self._unanalysed.clear()
+        return self._steps
 
     def _recording(self) -> bool:
         return self.log.active and not self._closed
@@ -387,8 +402,11 @@ class Profiler:
     def _region_open(self, label: str) -> None:
         if not self.log.active:
             return
-        if label == "backward" and self.hooks is not None:
-            self.hooks.flush()  # a backward started inside a profiled forward (see hooks.flush)
+        if self.hooks is not None:
+            if label == "backward":
+                self.hooks.flush()  # a backward started inside a profiled forward (see hooks.flush)
+            if self.hooks.pending:  # e.g. a reentrant checkpoint's backward inside backward
+                self.hooks.settle()
         self.log.events.append((REGION_OPEN, label, self.timer.now()))
         if self.memory is not None:
             self.memory.begin(label)
@@ -418,6 +436,8 @@ class Profiler:
         if label == "optimizer" and self._flop_counter is not None and not self.flops_running:
             self._flop_counter.__enter__()
             self.flops_running = True
+        if self.hooks is not None and self.hooks.pending:
+            self.hooks.settle()
         self.log.events.append((REGION_CLOSE, label, self.timer.now()))
         if self.memory is not None:
             self.memory.end(label)
@@ -439,7 +459,7 @@ class Profiler:
                 phase = "other"
         return mi, phase
 
-    # -- per-step analysis -------------------------------------------------------------------------
+    # -- the end of a step: its stamps resolved and kept for the analysis ---------------------------
 
     def _finish_step(self, index: int, origin: Any, end: Any, *, warm: bool, instrumented: list[str]) -> None:
         log = self.log
@@ -468,20 +488,21 @@ class Profiler:
             comms.append(event)
         wall_ms = next(ms)
         self.timer.release()
-        breakdown = analyze_step(events, comms, wall_ms,
-                                 parents=[m.parent for m in self.hooks.modules] if self.hooks is not None else None)
-        pipeline = step_pipeline(events, comms, self._origin_unix_ns) if self.pipeline is not None else None
-        losses = [float(x) for x in self._step_loss]
-        self.steps.append(StepRecord(
+        timeline = StepTimeline(events=events, comms=comms, wall_ms=wall_ms, losses=self._step_loss,
+                                origin_unix_ns=self._origin_unix_ns, pipelined=self.pipeline is not None)
+        record = StepRecord(
             step=index - self.warmup_steps,
-            breakdown=breakdown,
-            loss=statistics.fmean(losses) if losses else None,
+            breakdown=None,  # analysed when `steps` is read
             tokens=self._step_tokens if self._step_tokens is not None else (log.tokens_seen or None),
             memory=dict(self.memory.peaks) if self.memory is not None else {},
             instrumented=instrumented,
             warmup=warm,
-            pipeline=pipeline,
-        ))
+        )
+        self._steps.append(record)
+        self._unanalysed.append((record, timeline))
+        self.last_timeline = timeline
+        if len(self._unanalysed) >= ANALYSE_BACKLOG_STEPS:
+            _ = self.steps
         self._seq_len = log.seq_len
         log.clear()
 
@@ -489,7 +510,7 @@ class Profiler:
         by_phase: dict[str, int] = {}
         for (_, phase), n in counter.counts.items():
             by_phase[phase] = by_phase.get(phase, 0) + n
-        tokens = self.steps[-1].tokens if self.steps else None
+        tokens = self._steps[-1].tokens if self._steps else None
         analytic = analytic_flops(self.model, self._seq_len)
         if analytic is not None and tokens:
             analytic["tokens_per_step"] = tokens
@@ -500,7 +521,7 @@ class Profiler:
             "counts": dict(counter.counts),
             "uncounted": dict(counter.uncounted),
             "analytic": analytic,
-            "step": self.steps[-1].step if self.steps else None,
+            "step": self._steps[-1].step if self._steps else None,
         }
 
     # -- results -----------------------------------------------------------------------------------

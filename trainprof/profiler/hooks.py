@@ -31,7 +31,12 @@ pre-hooks of a forward are registered together, in one loop, when the outermost 
 (`flush`; also when a backward region opens): registered one at a time between the forward's tensor
 ops, each registration found its code and data evicted from the caches by the op before it and cost
 2-3x as much (scripts/bench_overhead.py --in-situ-only). A forward re-run inside backward
-(recomputation) registers at once, since its nodes run right after it. This gives nested, properly
+(recomputation) registers at once, since its nodes run right after it. The engine's call on a watched
+node only stamps the time and queues (stamp, actions, graph task); the backward stack is settled from
+that queue in one loop (`settle`) when the graph task ends, and before anything reads the current
+module or appends an event, so the order of the step's events is unchanged. The root module's backward
+opening (the memory meter starts its phase there) and operator-traced steps (whose record_function
+ranges must open live) are settled at once. This gives nested, properly
 ordered backward intervals for calls that run twice, for gradient accumulation (each micro batch has
 its own counter values) and under ZeRO-3's own hooks.
 """
@@ -165,6 +170,7 @@ class ModuleHooks:
         self.bstack: list[list[Any]] = []  # open backward calls: [pre, mi, graph task, range]
         self.bstate: dict[int, int] = {}  # pre -> 1 open, 2 closed
         self.callback_tasks: set[int] = set()
+        self.pending: list[tuple[Any, list[Any], int]] = []  # engine calls not yet settled: (stamp, actions, task)
         # this step's watched producer nodes -> [step serial, (close from, module or -1, pre), ...]
         self.watched: dict[Any, list[Any]] = {}
         self.unregistered: list[tuple[Any, list[Any]]] = []  # watched nodes whose pre-hook `flush` registers
@@ -196,6 +202,8 @@ class ModuleHooks:
 
     def current(self) -> tuple[int, str | None]:
         """The innermost open module call and its phase, (-1, None) outside the model."""
+        if self.pending:
+            self.settle()
         if self.fstack:
             top = self.fstack[-1]
             return top[0], "recompute" if top[2] else "forward"
@@ -207,13 +215,17 @@ class ModuleHooks:
         self.serial += 1
         self.watched = {}
         self.unregistered = []
+        self.pending = []
         self.bstate.clear()
         self.callback_tasks.clear()
         self.fstack.clear()
         self.bstack.clear()
 
     def end_step(self) -> None:
-        """Let go of this step's autograd nodes (their saved tensors are freed by backward already)."""
+        """Settle what the engine reported, then let go of this step's autograd nodes (their saved tensors
+        are freed by backward already)."""
+        if self.pending:
+            self.settle()
         self.watched = {}
         self.unregistered = []
 
@@ -224,9 +236,19 @@ class ModuleHooks:
         if not pending:
             return
         self.unregistered = []
-        on_grad = self._on_grad
+        queue, at_once = self._on_grad, self._on_grad_now
+        if self.range_names is not None:  # operator tracing: backward ranges open and close live
+            queue = at_once
         for node, actions in pending:
-            node.register_prehook(functools.partial(on_grad, actions))
+            live = any(action[1] == 0 for action in actions[1:])  # the root's backward begins (memory meter)
+            node.register_prehook(functools.partial(at_once if live else queue, actions))
+
+    def settle(self) -> None:
+        """Apply the queued engine calls to the backward stack, in the order the engine made them."""
+        pending = self.pending
+        self.pending = []
+        for t, actions, task in pending:
+            self._apply(t, actions, task)
 
     def close(self) -> None:
         for handle in self._handles:
@@ -239,6 +261,8 @@ class ModuleHooks:
         log = self.log
         if not log.active:
             return None
+        if self.pending:  # a re-run inside backward: the engine calls before it come first
+            self.settle()
         t = self.now()
         recompute = _graph_task_id() != -1
         k = self.counter
@@ -269,6 +293,8 @@ class ModuleHooks:
         fstack = self.fstack
         if not log.active or not fstack or fstack[-1][0] != mi or len(fstack[-1]) != 4:
             return None
+        if self.pending:
+            self.settle()
         t = self.now()
         _, k, recompute, rng = fstack.pop()
         log.events.append((R_CLOSE if recompute else F_CLOSE, mi, t))
@@ -290,6 +316,8 @@ class ModuleHooks:
         """A module below max_depth starts: record only the outermost re-run, under its profiled ancestor."""
         if not self.log.active or _graph_task_id() == -1 or (self.fstack and self.fstack[-1][2]):
             return None
+        if self.pending:
+            self.settle()
         self.log.events.append((R_OPEN, mi, self.now()))
         self.fstack.append([mi, -1, True, None, id(module)])
         return None
@@ -299,6 +327,8 @@ class ModuleHooks:
         if not self.log.active or not stack or len(stack[-1]) < 5 or stack[-1][4] != id(module):
             return None
         stack.pop()
+        if self.pending:
+            self.settle()
         self.log.events.append((R_CLOSE, mi, self.now()))
         return None
 
@@ -319,7 +349,7 @@ class ModuleHooks:
         for x in tensors:
             node = x.grad_fn
             if node is None:  # a leaf that requires grad (an input made to require it)
-                x.register_hook(functools.partial(self._on_grad, [self.serial, action]))
+                x.register_hook(functools.partial(self._on_grad_now, [self.serial, action]))
                 continue
             actions = watched.get(node)
             if actions is None:
@@ -329,11 +359,32 @@ class ModuleHooks:
                 actions.append(action)
 
     def _on_grad(self, actions: list[Any], grads: Any) -> None:
-        """A watched node is about to run: close the backwards its first action closes, then open the
-        modules whose output it produced (their forward hooks ran in this order)."""
+        """A watched node is about to run: stamp it and queue its actions for `settle`."""
         if actions[0] != self.serial or not self.log.active:
             return None
-        t = self.now()
+        task = _graph_task_id()
+        self.pending.append((self.now(), actions, task))
+        if task not in self.callback_tasks:
+            self.callback_tasks.add(task)
+            _queue_callback(functools.partial(self._graph_task_end, task))
+        return None
+
+    def _on_grad_now(self, actions: list[Any], grads: Any) -> None:
+        """A watched node whose actions must take effect as it runs (see `flush`)."""
+        if actions[0] != self.serial or not self.log.active:
+            return None
+        if self.pending:
+            self.settle()
+        task = _graph_task_id()
+        if task not in self.callback_tasks:
+            self.callback_tasks.add(task)
+            _queue_callback(functools.partial(self._graph_task_end, task))
+        self._apply(self.now(), actions, task)
+        return None
+
+    def _apply(self, t: Any, actions: list[Any], task: int) -> None:
+        """Close the backwards a node's first action closes, then open the modules whose output it
+        produced (their forward hooks ran in this order)."""
         stack = self.bstack
         k = actions[1][0]
         while stack and stack[-1][0] >= k:
@@ -341,12 +392,10 @@ class ModuleHooks:
         for i in range(1, len(actions)):
             _, mi, pre = actions[i]
             if mi >= 0 and pre not in self.bstate:
-                self._open_backward(mi, pre, t)
-        return None
+                self._open_backward(mi, pre, t, task)
 
-    def _open_backward(self, mi: int, pre: int, t: Any) -> None:
+    def _open_backward(self, mi: int, pre: int, t: Any, task: int) -> None:
         self.bstate[pre] = 1
-        task = _graph_task_id()
         stack = self.bstack
         # A module returning its child's output (or the same tensor as a sibling) is opened after the
         # child on that node: it goes below the child, keeping `pre` increasing up the stack.
@@ -365,9 +414,6 @@ class ModuleHooks:
             rng = None
         stack.insert(i, [pre, mi, task, rng])
         self.log.events.append((B_OPEN, mi, t))
-        if task not in self.callback_tasks:
-            self.callback_tasks.add(task)
-            _queue_callback(functools.partial(self._graph_task_end, task))
         if mi == 0 and self.on_root is not None:
             self.on_root("backward", True)
 
@@ -384,6 +430,8 @@ class ModuleHooks:
         self.callback_tasks.discard(task)
         if not self.log.active:
             return
+        if self.pending:
+            self.settle()
         t = self.now()
         while self.bstack and self.bstack[-1][2] == task:
             self._pop_backward(t)

@@ -5,7 +5,8 @@ a lost node) still leaves the module x phase breakdown of its finished steps.
     profile.rank<N>.journal.jsonl
       {"kind": "header", ...}   the facts read from the live process once, after the first step
       {"kind": "facts", ...}    FLOP counts, activation and gradient bytes, operator rows, when they change
-      {"kind": "step", ...}     one StepRecord per recorded step
+      {"kind": "step", ...}     one recorded step: its StepRecord fields and its timeline (events and
+                                collectives in ms), analysed on replay as the live profiler analyses it
 
 A flushed line is in the kernel's page cache and survives the process; a line cut short by the kill
 is skipped on replay. `replay` rebuilds the rank document (what profile.rank<N>.json holds) through
@@ -24,12 +25,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, TextIO
 
-from trainprof.analysis.aggregate import StepRecord
-from trainprof.analysis.breakdown import ModuleStep, StepBreakdown
+from trainprof.analysis.aggregate import StepRecord, StepTimeline, complete_step
+from trainprof.analysis.breakdown import CommEvent
 from trainprof.analysis.pipeline import PipelineInfo
 from trainprof.analysis.records import ModuleInfo
 
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2  # 2: steps carry their timeline, not their breakdown
 JOURNAL_GLOB = "profile.rank*.journal.jsonl"
 
 
@@ -59,8 +60,8 @@ class Journal:
             lines.append({"kind": "facts", "flops": _flops_json(prof.flops), "activation_bytes": prof.activation_bytes,
                           "grads_bytes": prof.grads_bytes, "new_ops_rows": prof.ops_rows[self._ops_written:]})
             self._facts, self._ops_written = facts, len(prof.ops_rows)
-        if prof.steps:
-            lines.append({"kind": "step", **_step_json(prof.steps[-1])})
+        if prof.last_timeline is not None:
+            lines.append({"kind": "step", **_step_json(prof._steps[-1], prof.last_timeline)})
         self._file.write("".join(json.dumps(line, separators=(",", ":"), default=str) + "\n" for line in lines))
         self._file.flush()
 
@@ -100,21 +101,43 @@ def _flops_from_json(flops: dict[str, Any] | None) -> dict[str, Any] | None:
     return {**flops, "counts": {(m, ph): n for m, ph, n in flops["counts"]}}
 
 
-def _step_json(record: StepRecord) -> dict[str, Any]:
-    b = record.breakdown
-    breakdown = {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
-    breakdown["modules"] = {i: vars(m) for i, m in b.modules.items()}
-    out = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
-    out["breakdown"] = breakdown
+def _ns(ms: float) -> int:
+    """A stamp in ms as integer nanoseconds: ints are what JSON writes fast (a float's shortest repr costs
+    ~0.4 us, and a step has hundreds of stamps); the host timer's stamps are whole ns, so this is exact."""
+    return round(ms * 1e6)
+
+
+def _step_json(record: StepRecord, timeline: StepTimeline) -> dict[str, Any]:
+    out = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)
+           if f.name not in ("breakdown", "loss", "pipeline")}
+    events = timeline.events
+    out["timeline"] = {
+        "codes": [e[0] for e in events], "payloads": [e[1] for e in events], "ns": [round(e[2] * 1e6) for e in events],  # _ns, inlined
+        "wall_ns": _ns(timeline.wall_ms),
+        "comms": [[c.op, c.nbytes, c.group_size, c.module, c.is_async, _ns(c.issue), _ns(c.ret),
+                   [_ns(t) for w in c.waits for t in w], c.total_ms, c.peer, c.phase, c.exposed_as]
+                  for c in timeline.comms],
+        "losses": [float(x) for x in timeline.losses],
+        "origin_unix_ns": timeline.origin_unix_ns, "pipelined": timeline.pipelined,
+    }
     return out
 
 
-def _step_record(line: dict[str, Any]) -> StepRecord:
-    b = dict(line["breakdown"])
-    b["modules"] = {int(i): ModuleStep(**m) for i, m in b["modules"].items()}
+def _step_record(line: dict[str, Any], parents: list[int] | None) -> StepRecord:
+    t = line["timeline"]
+    comms = []
+    for op, nbytes, group_size, module, is_async, issue, ret, waits, total_ms, peer, phase, exposed_as in t["comms"]:
+        comms.append(CommEvent(op=op, nbytes=nbytes, group_size=group_size, module=module, is_async=is_async,
+                               issue=issue / 1e6, ret=ret / 1e6,
+                               waits=[(waits[i] / 1e6, waits[i + 1] / 1e6) for i in range(0, len(waits), 2)],
+                               total_ms=total_ms, peer=peer, phase=phase, exposed_as=exposed_as))
+    timeline = StepTimeline(events=[(code, payload, ns / 1e6) for code, payload, ns in zip(t["codes"], t["payloads"], t["ns"])],
+                            comms=comms, wall_ms=t["wall_ns"] / 1e6, losses=t["losses"],
+                            origin_unix_ns=t["origin_unix_ns"], pipelined=t["pipelined"])
     fields = {f.name for f in dataclasses.fields(StepRecord)}
-    return StepRecord(**{k: v for k, v in line.items() if k in fields and k != "breakdown"},
-                      breakdown=StepBreakdown(**b))
+    record = StepRecord(**{k: v for k, v in line.items() if k in fields}, breakdown=None)
+    complete_step(record, timeline, parents)
+    return record
 
 
 def read_journal(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -146,13 +169,14 @@ def replay(path: str | Path) -> dict[str, Any]:
     facts: dict[str, Any] = {"flops": None, "activation_bytes": None, "grads_bytes": None}
     ops_rows: list[Any] = []
     steps: list[StepRecord] = []
+    modules = [ModuleInfo(**m) for m in header["modules"]] if header["modules"] is not None else None
+    parents = [m.parent for m in modules] if modules is not None else None
     for line in lines:
         if line["kind"] == "facts":
             facts.update({k: line[k] for k in facts}, flops=_flops_from_json(line["flops"]))
             ops_rows.extend(line["new_ops_rows"])
         elif line["kind"] == "step":
-            steps.append(_step_record(line))
-    modules = [ModuleInfo(**m) for m in header["modules"]] if header["modules"] is not None else None
+            steps.append(_step_record(line, parents))
     recorded = SimpleNamespace(
         rank=header["rank"], world_size=header["world_size"], recipe=header["recipe"], steps=steps,
         hooks=SimpleNamespace(modules=modules) if modules is not None else None,

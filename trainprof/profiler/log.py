@@ -1,5 +1,6 @@
 """The per-step record that hooks append to: module events, phase regions and collectives, each with a
-timer stamp. Appending a tuple is all a hook does on the hot path; the analysis runs after the step."""
+timer stamp. Appending a tuple is all a hook does on the hot path; the analysis runs when the profiler's
+steps are read (after training, see Profiler.steps)."""
 
 from __future__ import annotations
 
