@@ -343,6 +343,9 @@ def calibrate(device: torch.device | str = "cpu", *, dtype: str = "bf16", thread
 # Model probes: the recipe's own layers, timed at a shape on this machine
 # ---------------------------------------------------------------------------------------------
 
+PROBE_ROUNDS = 12  # timed calls per model in a probe (the fastest counts), after 2 warm-up calls
+
+
 @dataclasses.dataclass(frozen=True)
 class ProbeShape:
     micro_batch: int
@@ -406,16 +409,23 @@ def _busy_main(argv: list[str]) -> int:
         model.zero_grad(set_to_none=True)
 
 
-def probe_model(recipe: Any, shape: ProbeShape, *, threads: int | None = None, rounds: int = 8,
+def probe_model(recipe: Any, shape: ProbeShape, *, threads: int | None = None, rounds: int = PROBE_ROUNDS,
                 neighbours: int = 0) -> dict[str, float]:
-    """Forward and backward ms of the recipe's whole model (random init, no engine, no hooks) at a
+    """Forward and backward ms of the recipe's whole model at one shape: `probe_models` of one."""
+    return probe_models([(recipe, shape)], threads=threads, rounds=rounds, neighbours=neighbours)[0]
+
+
+def probe_models(probes: list[tuple[Any, ProbeShape]], *, threads: int | None = None, rounds: int = PROBE_ROUNDS,
+                 neighbours: int = 0) -> list[dict[str, float]]:
+    """Forward and backward ms of each recipe's whole model (random init, no engine, no hooks) at its
     shape, and of the same model with one decoder layer, so that one layer's share separates:
-    layer = (T(L) - T(1)) / (L - 1). The two models are called alternately (so drift in the machine's
-    speed hits both), the fastest of `rounds` calls after 2 warm-up rounds, with `neighbours` other
-    processes running the same model meanwhile (the other ranks of a CPU run on this machine).
+    layer = (T(L) - T(1)) / (L - 1). All the models are called in turn within each round (so a slow
+    spell of the machine hits every shape, and the ratio of two shapes' times keeps little of it), the
+    fastest of `rounds` calls after 2 warm-up rounds, with `neighbours` other processes running the
+    first recipe's model at its shape meanwhile (the other ranks of a CPU run on this machine).
 
     Returns:
-        {model_forward_ms, model_backward_ms, layer_forward_ms, layer_backward_ms}
+        per probe: {model_forward_ms, model_backward_ms, layer_forward_ms, layer_backward_ms}
     """
     from trainprof.models import build_model, resolve_shape
 
@@ -423,26 +433,33 @@ def probe_model(recipe: Any, shape: ProbeShape, *, threads: int | None = None, r
     if threads:
         torch.set_num_threads(threads)
     try:
-        full_layers = resolve_shape(recipe.model).num_layers
-        counts = sorted({full_layers, 1})
-        models, batches = {}, {}
-        for layers in counts:
-            model_cfg = dataclasses.replace(recipe.model, num_layers=layers, attention=shape.attention, recompute=False)
-            r = dataclasses.replace(recipe, model=model_cfg, task=dataclasses.replace(recipe.task, kind="pretrain"))
-            torch.manual_seed(0)
-            models[layers] = build_model(r).train()
-            ids = torch.randint(0, resolve_shape(r.model).vocab_size, (shape.micro_batch, shape.seq_len))
-            batches[layers] = {"input_ids": ids, "labels": ids}
-        fwd: dict[int, list[float]] = {n: [] for n in counts}
-        bwd: dict[int, list[float]] = {n: [] for n in counts}
-        with busy_neighbours(recipe, shape, neighbours, torch.get_num_threads()):
-            _probe_rounds(models, batches, counts, rounds, fwd, bwd)
-        f = {n: min(v) for n, v in fwd.items()}
-        b = {n: min(v) for n, v in bwd.items()}
-        per = max(full_layers - 1, 1)
-        return {"model_forward_ms": f[full_layers], "model_backward_ms": b[full_layers],
-                "layer_forward_ms": max(f[full_layers] - f[1], 0.0) / per if full_layers > 1 else f[1],
-                "layer_backward_ms": max(b[full_layers] - b[1], 0.0) / per if full_layers > 1 else b[1]}
+        models, batches, layer_counts = {}, {}, []
+        for j, (recipe, shape) in enumerate(probes):
+            full_layers = resolve_shape(recipe.model).num_layers
+            layer_counts.append(full_layers)
+            for layers in sorted({full_layers, 1}):
+                model_cfg = dataclasses.replace(recipe.model, num_layers=layers, attention=shape.attention,
+                                                recompute=False)
+                r = dataclasses.replace(recipe, model=model_cfg, task=dataclasses.replace(recipe.task, kind="pretrain"))
+                torch.manual_seed(0)
+                models[(j, layers)] = build_model(r).train()
+                ids = torch.randint(0, resolve_shape(r.model).vocab_size, (shape.micro_batch, shape.seq_len))
+                batches[(j, layers)] = {"input_ids": ids, "labels": ids}
+        keys = list(models)
+        fwd: dict[Any, list[float]] = {k: [] for k in keys}
+        bwd: dict[Any, list[float]] = {k: [] for k in keys}
+        first_recipe, first_shape = probes[0]
+        with busy_neighbours(first_recipe, first_shape, neighbours, torch.get_num_threads()):
+            _probe_rounds(models, batches, keys, rounds, fwd, bwd)
+        out = []
+        for j, full_layers in enumerate(layer_counts):
+            f = {n: min(fwd[(j, n)]) for n in {full_layers, 1}}
+            b = {n: min(bwd[(j, n)]) for n in {full_layers, 1}}
+            per = max(full_layers - 1, 1)
+            out.append({"model_forward_ms": f[full_layers], "model_backward_ms": b[full_layers],
+                        "layer_forward_ms": max(f[full_layers] - f[1], 0.0) / per if full_layers > 1 else f[1],
+                        "layer_backward_ms": max(b[full_layers] - b[1], 0.0) / per if full_layers > 1 else b[1]})
+        return out
     finally:
         torch.set_num_threads(before)
 
@@ -525,10 +542,10 @@ def _probe_engines_main(argv: list[str]) -> int:
     return 0
 
 
-def _probe_rounds(models: dict[int, Any], batches: dict[int, Any], counts: list[int], rounds: int,
-                  fwd: dict[int, list[float]], bwd: dict[int, list[float]]) -> None:
+def _probe_rounds(models: dict[Any, Any], batches: dict[Any, Any], keys: list[Any], rounds: int,
+                  fwd: dict[Any, list[float]], bwd: dict[Any, list[float]]) -> None:
     for i in range(rounds + 2):
-        for n in counts:
+        for n in keys:
             t0 = time.perf_counter()
             loss = models[n](**batches[n]).loss
             t1 = time.perf_counter()

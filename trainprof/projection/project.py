@@ -275,6 +275,7 @@ class Projector:
         self.probe = probe
         self._probes: dict[Any, dict[str, float]] = {}
         self._engine_probes: dict[Any, tuple[float, float]] = {}
+        self._pair_probes: dict[Any, tuple[dict[str, float], dict[str, float]]] = {}
         self._overheads: dict[int, tuple[float, float]] = {}
         self._calibrations: dict[int, dict[str, Any]] = {}
         self._links: dict[int, Link | None] = {}
@@ -298,6 +299,24 @@ class Projector:
         if key not in self._probes:
             self._probes[key] = probe_model(recipe, shape, threads=threads, neighbours=self.neighbours(world))
         return self._probes[key]
+
+    def probe_pair(self, target_recipe: Any, threads: int, world: int) -> tuple[dict[str, float], dict[str, float]]:
+        """(source, target) probes. When the two shapes differ and their runs have as many CPU neighbours,
+        both are probed in one call, their models called in turn (calibrate.probe_models): the
+        prediction uses their ratio, and a slow spell of the machine during one probe taken alone moved
+        it by up to 15% here. Otherwise each is probed (and cached) on its own."""
+        from trainprof.projection.calibrate import ProbeShape, probe_models
+
+        src, src_world = self.source.recipe, self.source.measured.world_size
+        s_shape, t_shape = ProbeShape.of(src), ProbeShape.of(target_recipe)
+        neighbours = self.neighbours(src_world)
+        if s_shape == t_shape or neighbours != self.neighbours(world):
+            return self.probe_at(src, threads, src_world), self.probe_at(target_recipe, threads, world)
+        key = (s_shape, t_shape, threads, neighbours)
+        if key not in self._pair_probes:
+            s, t = probe_models([(src, s_shape), (target_recipe, t_shape)], threads=threads, neighbours=neighbours)
+            self._pair_probes[key] = (s, t)
+        return self._pair_probes[key]
 
     def engine_factors(self, target_recipe: Any, threads: int) -> tuple[float, float]:
         """(forward, backward) time of the target's engine over the source's, both probed at the
@@ -394,8 +413,7 @@ class Projector:
             layer_params = 4 * shape.hidden_size ** 2 + 3 * shape.hidden_size * shape.intermediate_size
             probe_threads = self.source_threads
             if self.probe and layer_params <= PROBE_MAX_LAYER_PARAMS and _same_machine_as_source(src):
-                probes = (self.probe_at(src.recipe, probe_threads, m.world_size),
-                          self.probe_at(target_recipe, probe_threads, world))
+                probes = self.probe_pair(target_recipe, probe_threads, world)
                 try:
                     if _engine_key(src.recipe) != _engine_key(target_recipe):
                         engine_factor = self.engine_factors(target_recipe, probe_threads or 1)
