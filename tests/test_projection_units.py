@@ -189,3 +189,21 @@ def test_hardware_command_and_one_line_errors():
     bad = subprocess.run([sys.executable, "-m", "trainprof", "project", str(REPO / "nope")], capture_output=True,
                          text=True, cwd=REPO)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "profile.json" in bad.stderr
+
+
+def test_probe_models_times_each_shape_in_one_call():
+    """Two shapes probed together (their models called in turn, as Projector.probe_pair does for a
+    source and a target): four times the tokens take longer, each layer's share is a part of its
+    model's time, and a probe of one gives the same keys."""
+    from trainprof.projection.calibrate import ProbeShape, probe_model, probe_models
+    from trainprof.recipe import Recipe
+
+    recipe = Recipe()
+    recipe.model.name, recipe.model.dtype, recipe.model.num_layers = "llama2-tiny", "fp32", 2
+    small, large = ProbeShape(1, 32, "sdpa", False), ProbeShape(4, 32, "sdpa", False)
+    s, t = probe_models([(recipe, small), (recipe, large)], threads=1, rounds=3)
+    for probe in (s, t):
+        assert 0 < probe["layer_forward_ms"] < probe["model_forward_ms"]
+        assert 0 < probe["layer_backward_ms"] < probe["model_backward_ms"]
+    assert t["model_forward_ms"] > 1.3 * s["model_forward_ms"] and t["model_backward_ms"] > 1.3 * s["model_backward_ms"]
+    assert probe_model(recipe, small, threads=1, rounds=1).keys() == s.keys()

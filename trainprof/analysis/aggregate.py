@@ -47,7 +47,7 @@ class StepTimeline:
     events: list[tuple[int, Any, float]]  # (code, module index or region label, ms), in recording order
     comms: list[CommEvent]
     wall_ms: float
-    losses: list[Any] = field(default_factory=list)  # tensors or floats: read when analysed (no device sync per step)
+    losses: list[float] = field(default_factory=list)  # the micro batches' losses
     origin_unix_ns: int | None = None  # pipeline stages: time.time_ns() of the step's start
     pipelined: bool = False  # a pipeline stage: keep the stage timeline (analysis/pipeline.py)
 

@@ -488,7 +488,9 @@ class Profiler:
             comms.append(event)
         wall_ms = next(ms)
         self.timer.release()
-        timeline = StepTimeline(events=events, comms=comms, wall_ms=wall_ms, losses=self._step_loss,
+        # the losses as floats now: a loss tensor kept for later pins its allocation in the middle of the
+        # step's freed activations, and on CPU glibc's heap then grows by megabytes a step (fragmentation)
+        timeline = StepTimeline(events=events, comms=comms, wall_ms=wall_ms, losses=[float(x) for x in self._step_loss],
                                 origin_unix_ns=self._origin_unix_ns, pipelined=self.pipeline is not None)
         record = StepRecord(
             step=index - self.warmup_steps,
