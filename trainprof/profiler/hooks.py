@@ -365,22 +365,26 @@ class ModuleHooks:
         task = _graph_task_id()
         self.pending.append((self.now(), actions, task))
         if task not in self.callback_tasks:
-            self.callback_tasks.add(task)
-            _queue_callback(functools.partial(self._graph_task_end, task))
+            self._follow(task)
         return None
 
     def _on_grad_now(self, actions: list[Any], grads: Any) -> None:
-        """A watched node whose actions must take effect as it runs (see `flush`)."""
+        """A watched node whose actions must take effect as it runs: the root's, those of an
+        operator-traced step (see `flush`), and a leaf's tensor hook (rare: an input made to require grad)."""
         if actions[0] != self.serial or not self.log.active:
             return None
         if self.pending:
             self.settle()
         task = _graph_task_id()
         if task not in self.callback_tasks:
-            self.callback_tasks.add(task)
-            _queue_callback(functools.partial(self._graph_task_end, task))
+            self._follow(task)
         self._apply(self.now(), actions, task)
         return None
+
+    def _follow(self, task: int) -> None:
+        """Have the engine call `_graph_task_end` when this graph task finishes (only during it can one ask)."""
+        self.callback_tasks.add(task)
+        _queue_callback(functools.partial(self._graph_task_end, task))
 
     def _apply(self, t: Any, actions: list[Any], task: int) -> None:
         """Close the backwards a node's first action closes, then open the modules whose output it
