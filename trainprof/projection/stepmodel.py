@@ -11,7 +11,7 @@ and each part is re-derived for the target:
     offload, DeepSpeed <-> torch) scales them by probe_engines(target) / probe_engines(source):
       same machine: the profiled leaf modules' time (attention, MLP, norms, embedding, LM head: the
         model's work, as the ranks ran it) x probe(target) / probe(source), where probe times the recipe's
-        whole model at each shape on this machine (calibrate.probe_model; on a CPU beside as many busy
+        whole model at each shape on this machine (calibrate.probe_models, both shapes in one call; on a CPU beside as many busy
         copies as that run has other ranks, since they share the cores and memory); what the parents add
         on top (hooks, engine bookkeeping, the loss) stays as measured, and so does the engine's own work
         inside the leaves (ZeRO-3's fetch and release per module call: the source engine's probe minus the
@@ -216,7 +216,7 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
     Args:
         m: the measured source.
         change: the target configuration.
-        probes: (source shape, target shape) timings from calibrate.probe_model on this machine, for
+        probes: (source shape, target shape) timings from calibrate.probe_models on this machine, for
             same-machine predictions; None when the target is another machine.
         num_layers: decoder layers of the model.
         source_machine, target_machine: rates for a cross-machine prediction (None: same machine).
