@@ -11,8 +11,9 @@ and each part is re-derived for the target:
     offload, DeepSpeed <-> torch) scales them by probe_engines(target) / probe_engines(source):
       same machine: the profiled leaf modules' time (attention, MLP, norms, embedding, LM head: the
         model's work, as the ranks ran it) x probe(target) / probe(source), where probe times the recipe's
-        whole model at each shape on this machine (calibrate.probe_models, both shapes in one call; on a CPU beside as many busy
-        copies as that run has other ranks, since they share the cores and memory); what the parents add
+        whole model at each shape on this machine (calibrate.probe_models, both shapes in one call; on a
+        CPU beside as many busy copies as that run has other ranks, since they share the cores and
+        memory); what the parents add
         on top (hooks, engine bookkeeping, the loss) stays as measured, and so does the engine's own work
         inside the leaves (ZeRO-3's fetch and release per module call: the source engine's probe minus the
         bare model's), which does not grow with the shape. Turning recomputation on adds one forward of
