@@ -163,7 +163,7 @@ def main() -> None:
             print(f"{'':<40} cost per module call: {extra_us / calls:.1f} us "
                   f"((median ratio - 1) x unprofiled step / {calls} calls; includes the step exit and "
                   "the journal append, so an upper bound on the hooks' own cost)")
-    backlog = len(kept._unanalysed)  # the steps since the last 256th: analysed when the steps are read
+    backlog = kept.waiting_steps  # the steps since the last 256th: analysed when the steps are read
     t0 = time.perf_counter()
     _ = kept.steps
     print(f"{'':<40} then, as at save(): the module x phase analysis of its last {backlog} steps, "

@@ -221,9 +221,9 @@ def test_steps_are_analysed_when_read_and_a_long_backlog_at_once(monkeypatch):
     prof, _ = train(Synthetic(), {"module_depth": 2, "flops": False}, warmup=0, steps=4)
     waiting = [record.breakdown is None for record in prof._steps]
     assert waiting == [False, False, False, True]  # the first three analysed as the third finished
-    assert len(prof._unanalysed) == 1 and prof.last_timeline is prof._unanalysed[0][1]
+    assert prof.waiting_steps == 1 and prof.last_step == (prof._steps[-1], prof._unanalysed[0][1])
     # no tensor waits with it: a kept loss tensor pinned its allocation among the freed activations and
     # the CPU heap grew by megabytes a step
     assert prof.last_timeline.losses and all(type(x) is float for x in prof.last_timeline.losses)
-    assert all(s.breakdown is not None and s.loss is not None for s in prof.steps) and not prof._unanalysed
+    assert all(s.breakdown is not None and s.loss is not None for s in prof.steps) and prof.waiting_steps == 0
     check_closure(prof.result())

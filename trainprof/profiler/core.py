@@ -188,12 +188,28 @@ class Profiler:
     def steps(self) -> list[StepRecord]:
         """Every recorded step, analysed: steps recorded since the last read are analysed now (the
         hooks only stamp; the module x phase analysis of a step runs here, after it)."""
+        self._analyse_waiting()
+        return self._steps
+
+    @property
+    def waiting_steps(self) -> int:
+        """Recorded steps not analysed yet (see `steps`)."""
+        return len(self._unanalysed)
+
+    @property
+    def last_step(self) -> tuple[StepRecord, StepTimeline] | None:
+        """The newest recorded step as it was kept, perhaps not analysed yet, with its timeline (the
+        journal writes these)."""
+        if not self._steps or self.last_timeline is None:
+            return None
+        return self._steps[-1], self.last_timeline
+
+    def _analyse_waiting(self) -> None:
         if self._unanalysed:
             parents = [m.parent for m in self.hooks.modules] if self.hooks is not None else None
             for record, timeline in self._unanalysed:
                 complete_step(record, timeline, parents)
             self._unanalysed.clear()
-        return self._steps
 
     def _recording(self) -> bool:
         return self.log.active and not self._closed
@@ -504,7 +520,7 @@ class Profiler:
         self._unanalysed.append((record, timeline))
         self.last_timeline = timeline
         if len(self._unanalysed) >= ANALYSE_BACKLOG_STEPS:
-            _ = self.steps
+            self._analyse_waiting()
         self._seq_len = log.seq_len
         log.clear()
 

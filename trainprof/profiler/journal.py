@@ -60,8 +60,8 @@ class Journal:
             lines.append({"kind": "facts", "flops": _flops_json(prof.flops), "activation_bytes": prof.activation_bytes,
                           "grads_bytes": prof.grads_bytes, "new_ops_rows": prof.ops_rows[self._ops_written:]})
             self._facts, self._ops_written = facts, len(prof.ops_rows)
-        if prof.last_timeline is not None:
-            lines.append({"kind": "step", **_step_json(prof._steps[-1], prof.last_timeline)})
+        if prof.last_step is not None:
+            lines.append({"kind": "step", **_step_json(*prof.last_step)})
         self._file.write("".join(json.dumps(line, separators=(",", ":"), default=str) + "\n" for line in lines))
         self._file.flush()
 
