@@ -63,8 +63,7 @@ def complete_step(record: StepRecord, timeline: StepTimeline, parents: list[int]
     record.breakdown = analyze_step(timeline.events, timeline.comms, timeline.wall_ms, parents=parents)
     if timeline.pipelined:
         record.pipeline = step_pipeline(timeline.events, timeline.comms, timeline.origin_unix_ns)
-    losses = [float(x) for x in timeline.losses]
-    record.loss = statistics.fmean(losses) if losses else None
+    record.loss = statistics.fmean(timeline.losses) if timeline.losses else None
 
 
 def _median(values: list[float]) -> float:

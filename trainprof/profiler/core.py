@@ -421,8 +421,7 @@ class Profiler:
         if self.hooks is not None:
             if label == "backward":
                 self.hooks.flush()  # a backward started inside a profiled forward (see hooks.flush)
-            if self.hooks.pending:  # e.g. a reentrant checkpoint's backward inside backward
-                self.hooks.settle()
+            self.hooks.settle()  # e.g. a reentrant checkpoint's backward inside backward
         self.log.events.append((REGION_OPEN, label, self.timer.now()))
         if self.memory is not None:
             self.memory.begin(label)
@@ -452,7 +451,7 @@ class Profiler:
         if label == "optimizer" and self._flop_counter is not None and not self.flops_running:
             self._flop_counter.__enter__()
             self.flops_running = True
-        if self.hooks is not None and self.hooks.pending:
+        if self.hooks is not None:
             self.hooks.settle()
         self.log.events.append((REGION_CLOSE, label, self.timer.now()))
         if self.memory is not None:

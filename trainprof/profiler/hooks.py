@@ -244,8 +244,11 @@ class ModuleHooks:
             node.register_prehook(functools.partial(at_once if live else queue, actions))
 
     def settle(self) -> None:
-        """Apply the queued engine calls to the backward stack, in the order the engine made them."""
+        """Apply the queued engine calls to the backward stack, in the order the engine made them. The
+        hooks check `pending` first themselves (a call less on their path)."""
         pending = self.pending
+        if not pending:
+            return
         self.pending = []
         for t, actions, task in pending:
             self._apply(t, actions, task)

@@ -112,12 +112,13 @@ def _step_json(record: StepRecord, timeline: StepTimeline) -> dict[str, Any]:
            if f.name not in ("breakdown", "loss", "pipeline")}
     events = timeline.events
     out["timeline"] = {
-        "codes": [e[0] for e in events], "payloads": [e[1] for e in events], "ns": [round(e[2] * 1e6) for e in events],  # _ns, inlined
+        "codes": [e[0] for e in events], "payloads": [e[1] for e in events],
+        "ns": [round(e[2] * 1e6) for e in events],  # _ns inlined: a call per stamp cost a third of the append
         "wall_ns": _ns(timeline.wall_ms),
         "comms": [[c.op, c.nbytes, c.group_size, c.module, c.is_async, _ns(c.issue), _ns(c.ret),
                    [_ns(t) for w in c.waits for t in w], c.total_ms, c.peer, c.phase, c.exposed_as]
                   for c in timeline.comms],
-        "losses": [float(x) for x in timeline.losses],
+        "losses": timeline.losses,
         "origin_unix_ns": timeline.origin_unix_ns, "pipelined": timeline.pipelined,
     }
     return out
