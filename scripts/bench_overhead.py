@@ -107,8 +107,8 @@ def main() -> None:
         return run
 
     def in_a_run(prof: Profiler) -> Callable[[], float]:
-        """One Profiler for every step, as in `trainprof run`, with its journal (each step appended and
-        flushed after it); between its steps the hooks stay installed and return at once."""
+        """One Profiler for every step, as in `trainprof run`, with its journal (steps appended and
+        flushed once a second); between its steps the hooks stay installed and return at once."""
         def run() -> float:
             t0 = time.perf_counter()
             with prof.step():
@@ -276,7 +276,7 @@ def in_situ(model: torch.nn.Module, opt: torch.optim.Optimizer, train_step: Call
         prof.memory.begin = timed("memory meter: phase begin", prof.memory.begin)
         prof.memory.end = timed("memory meter: phase end", prof.memory.end)
     prof._finish_step = timed("step exit: stamps resolved, step kept", prof._finish_step)
-    prof.journal.write = timed("journal: the step appended and flushed", prof.journal.write)
+    prof.journal.step_ended = timed("journal: steps kept, written each second", prof.journal.step_ended)
     hooks._handles.extend(attach_forward_hooks(describe_modules(model, depth), pre, post))
     walls = []
     for _ in range(steps):

@@ -84,7 +84,7 @@ def test_the_journal_replays_to_the_live_rank_document(tmp_path):
     ids = torch.randint(0, model.config.vocab_size, (2, 64))
     path = journal_path(tmp_path, 0)
     with Profiler(model, optimizer=opt, warmup_steps=1, module_depth=4, ops=True, trace_dir=tmp_path / "tb",
-                  journal_dir=tmp_path, rank=0, world_size=1) as prof:
+                  journal_dir=tmp_path, journal_interval_s=0, rank=0, world_size=1) as prof:
         for step, batch in enumerate(prof.wrap_loader([{"input_ids": ids, "labels": ids}] * 4)):
             with prof.step():
                 loss = model(**batch).loss
@@ -103,3 +103,38 @@ def test_the_journal_replays_to_the_live_rank_document(tmp_path):
     assert replayed["modules"] and replayed["ops"] and replayed["steps"][1]["modules_ms"]
     prof.discard_journal()
     assert not path.exists()
+
+
+def test_the_journal_writes_at_most_once_an_interval_and_the_rest_at_close(tmp_path):
+    """The first step is written as it ends (the header with it); later ones wait for the interval,
+    several in one write; close() writes what waits, so nothing recorded is lost."""
+    import torch
+
+    from trainprof.profiler import Profiler
+    from trainprof.profiler.journal import journal_path, read_journal
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    path = journal_path(tmp_path, 0)
+
+    def steps_written() -> list[int]:
+        return [line["step"] for line in read_journal(path)[1] if line["kind"] == "step"]
+
+    prof = Profiler(model, module_depth=1, journal_dir=tmp_path, journal_interval_s=1.0, rank=0, world_size=1)
+    for step in range(4):
+        with prof.step():
+            model(x).sum().backward()
+        if step == 0:
+            start = time.monotonic()
+    elapsed, held_back = time.monotonic() - start, steps_written()
+    assert elapsed < 1.0, "the machine was too slow for this test's interval"
+    assert held_back == [0]
+    time.sleep(1.0)
+    with prof.step():
+        model(x).sum().backward()
+    assert steps_written() == [0, 1, 2, 3, 4]  # the interval passed: the waiting steps and this one, in order
+    with prof.step():
+        model(x).sum().backward()
+    prof.close()
+    assert steps_written() == [0, 1, 2, 3, 4, 5]

@@ -225,6 +225,7 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
         atomic_write_json(run_dir / f"rank{ctx.rank}.partial.json", {"rank": ctx.rank, "partial": True, "steps": steps})
         # and the profiler's breakdown of them: written once, here (an exception or torchrun's SIGTERM),
         # so the finished run pays nothing for it; `trainprof report` merges these files
+        prof.close()  # the hooks come off, and the journal writes the steps it holds back (profiler/journal.py)
         if recipe.profile.enabled and prof.steps:
             reason = f"rank {ctx.rank} stopped after {len(prof.steps)} profiled steps: {type(err).__name__}: {err}"
             try:

@@ -27,7 +27,7 @@ from trainprof.analysis.pipeline import PipelineInfo
 from trainprof.profiler.comm import CommTracer, comm_total_ms
 from trainprof.profiler.flops import FlopCounter, analytic_flops
 from trainprof.profiler.hooks import ModuleHooks
-from trainprof.profiler.journal import Journal, journal_path
+from trainprof.profiler.journal import JOURNAL_INTERVAL_S, Journal, journal_path
 from trainprof.profiler.log import ACTION_CLOSE, ACTION_OPEN, REGION_CLOSE, REGION_OPEN, StepLog
 from trainprof.profiler.memory import PhaseMemory, SavedActivations, model_state_bytes
 from trainprof.profiler.ops import OpTracer, range_names, region_range_name
@@ -82,6 +82,8 @@ class Profiler:
         device: the compute device (default: the model's first parameter's device).
         rank, world_size: default from torch.distributed (or RANK/WORLD_SIZE).
         recipe, env: put into the result as `recipe` and merged into `env`.
+        journal_dir: where profile.rank<N>.journal.jsonl goes (None: no journal; see profiler/journal.py).
+        journal_interval_s: the most time between two journal writes (0: every step as it ends).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = None, *, module_depth: int = 3,
@@ -92,7 +94,8 @@ class Profiler:
                  memory: bool = True, comm: bool = True,
                  device: torch.device | str | None = None, rank: int | None = None,
                  world_size: int | None = None, recipe: dict[str, Any] | None = None,
-                 env: dict[str, Any] | None = None, journal_dir: str | Path | None = None) -> None:
+                 env: dict[str, Any] | None = None, journal_dir: str | Path | None = None,
+                 journal_interval_s: float = JOURNAL_INTERVAL_S) -> None:
         self.model = model
         self.optimizer = optimizer
         self.module_depth = module_depth
@@ -137,8 +140,9 @@ class Profiler:
                                    world_size=self.world_size, wait=trace_wait, warmup=trace_warmup,
                                    active=ops_steps, record_shapes=record_shapes, with_stack=with_stack,
                                    gzip=trace_gzip)
-        # profile.rank<N>.journal.jsonl: each finished step appended as the run goes (a killed rank keeps them)
-        self.journal = Journal(journal_path(journal_dir, self.rank)) if (journal_dir is not None and enabled) else None
+        # profile.rank<N>.journal.jsonl: finished steps appended as the run goes (a killed rank keeps them)
+        self.journal = Journal(journal_path(journal_dir, self.rank), journal_interval_s) \
+            if (journal_dir is not None and enabled) else None
         if not enabled:
             return
         self.hooks = ModuleHooks(model, module_depth, self.log, self.timer.now,
@@ -248,6 +252,8 @@ class Profiler:
         rows = self._op_tracer.close()  # a schedule cut short by the end of training: write what it has
         if rows:
             self.ops_rows.extend(rows)
+        if self.journal is not None:
+            self.journal.flush(self)
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -352,7 +358,7 @@ class Profiler:
                 self.activation_bytes = self._activations.max_bytes
                 self._activations = None
             if self.journal is not None:
-                self.journal.write(self)
+                self.journal.step_ended(self)
 
     def watch_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
         """Make DDP's gradient all-reduces visible: register DDP's own default Python hook

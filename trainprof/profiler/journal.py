@@ -2,6 +2,13 @@
 as the run goes, so that a rank killed without running any handler (SIGKILL, the kernel's OOM killer,
 a lost node) still leaves the module x phase breakdown of its finished steps.
 
+Steps are written at most once per `interval_s` (default 1 s), several at once: serializing a step
+costs ~3x as much right after it as in a loop over several (the step's tensor work has evicted the
+encoder from the caches), and that cost lands in the run's time. A step longer than the interval is
+written as it ends; a kill loses at most the last interval's steps (the runner's
+rank<N>.partial.json, written as a step ends, still has their wall time and loss); `Profiler.close`
+writes what waits.
+
     profile.rank<N>.journal.jsonl
       {"kind": "header", ...}   the facts read from the live process once, after the first step
       {"kind": "facts", ...}    FLOP counts, activation and gradient bytes, operator rows, when they change
@@ -21,6 +28,7 @@ import dataclasses
 import json
 import os
 import socket
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, TextIO
@@ -32,6 +40,7 @@ from trainprof.analysis.records import ModuleInfo
 
 JOURNAL_VERSION = 2  # 2: steps carry their timeline, not their breakdown
 JOURNAL_GLOB = "profile.rank*.journal.jsonl"
+JOURNAL_INTERVAL_S = 1.0  # the most time between two writes (see the module docstring)
 
 
 def journal_path(run_dir: str | Path, rank: int) -> Path:
@@ -39,17 +48,37 @@ def journal_path(run_dir: str | Path, rank: int) -> Path:
 
 
 class Journal:
-    """Appends a profiler's records to its journal file (opened on the first write)."""
+    """Appends a profiler's records to its journal file (opened on the first write).
 
-    def __init__(self, path: str | Path) -> None:
+    Args:
+        path: the journal file.
+        interval_s: the most time between two writes; 0 writes every step as it ends.
+    """
+
+    def __init__(self, path: str | Path, interval_s: float = JOURNAL_INTERVAL_S) -> None:
         self.path = Path(path)
+        self.interval_s = interval_s
         self._file: TextIO | None = None
         self._facts: tuple[Any, ...] | None = None
         self._ops_written = 0
+        self._waiting: list[tuple[StepRecord, StepTimeline]] = []  # steps not written yet
+        self._written_at = 0.0  # time.monotonic() of the last write
+
+    def step_ended(self, prof: Any) -> None:
+        """`prof` (a Profiler) finished a step: keep it, and write what waits when the last write is
+        `interval_s` old (or none was made yet)."""
+        if prof.last_step is not None:
+            self._waiting.append(prof.last_step)
+        if self._file is None or time.monotonic() - self._written_at >= self.interval_s:
+            self.write(prof)
+
+    def flush(self, prof: Any) -> None:
+        """Write the steps that wait, if any (the profiler closes)."""
+        if self._waiting:
+            self.write(prof)
 
     def write(self, prof: Any) -> None:
-        """Append what `prof` (a Profiler) recorded since the last call: its newest step, and the
-        facts when they changed. One write and one flush per step."""
+        """Append the steps that wait, and `prof`'s facts when they changed; one write and one flush."""
         lines = []
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,13 +89,15 @@ class Journal:
             lines.append({"kind": "facts", "flops": _flops_json(prof.flops), "activation_bytes": prof.activation_bytes,
                           "grads_bytes": prof.grads_bytes, "new_ops_rows": prof.ops_rows[self._ops_written:]})
             self._facts, self._ops_written = facts, len(prof.ops_rows)
-        if prof.last_step is not None:
-            lines.append({"kind": "step", **_step_json(*prof.last_step)})
+        lines.extend({"kind": "step", **_step_json(*step)} for step in self._waiting)
+        self._waiting.clear()
         self._file.write("".join(json.dumps(line, separators=(",", ":"), default=str) + "\n" for line in lines))
         self._file.flush()
+        self._written_at = time.monotonic()
 
     def discard(self) -> None:
         """The rank wrote its profile: the journal is redundant."""
+        self._waiting.clear()
         if self._file is not None:
             self._file.close()
             self._file = None
