@@ -207,3 +207,26 @@ def test_probe_models_times_each_shape_in_one_call():
         assert 0 < probe["layer_backward_ms"] < probe["model_backward_ms"]
     assert t["model_forward_ms"] > 1.3 * s["model_forward_ms"] and t["model_backward_ms"] > 1.3 * s["model_backward_ms"]
     assert probe_model(recipe, small, threads=1, rounds=1).keys() == s.keys()
+
+
+def test_probe_engines_times_the_bare_model_beside_each_engine():
+    """With `bare`, the engine probe also calls each recipe's bare model in the same rounds (what
+    Projector.engine_overhead subtracts): ZeRO-3's parameter fetch and release at every module make its
+    forward far slower than the bare model's, while the plain torch engine is the bare model."""
+    from trainprof.projection.calibrate import probe_engines
+    from trainprof.recipe import Recipe
+
+    recipes = []
+    for kind, stage in (("deepspeed", 3), ("torch", 0)):
+        r = Recipe()
+        r.model.name, r.model.dtype, r.model.num_layers = "llama2-tiny", "fp32", 2
+        r.train.micro_batch_size, r.data.seq_len = 1, 32
+        r.engine.kind, r.engine.zero_stage = kind, stage
+        recipes.append(r)
+    zero3, plain = probe_engines(recipes, threads=1, rounds=3, bare=True)
+    for probe in (zero3, plain):
+        assert set(probe) == {"engine_forward_ms", "engine_backward_ms", "model_forward_ms", "model_backward_ms"}
+        assert all(v > 0 for v in probe.values())
+    assert zero3["engine_forward_ms"] > 1.5 * zero3["model_forward_ms"]
+    assert 0.6 < plain["engine_forward_ms"] / plain["model_forward_ms"] < 1.6
+    assert set(probe_engines(recipes[1:], threads=1, rounds=1)[0]) == {"engine_forward_ms", "engine_backward_ms"}

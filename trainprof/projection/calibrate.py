@@ -394,19 +394,30 @@ def busy_neighbours(recipe: Any, shape: ProbeShape, count: int, threads: int):
 
 
 def _busy_main(argv: list[str]) -> int:
-    from trainprof.models import build_model, resolve_shape
+    from trainprof.models import resolve_shape
     from trainprof.recipe import load_recipe
 
     path, mbs, seq, attention, ready = argv
     recipe = load_recipe(path, [])
-    model_cfg = dataclasses.replace(recipe.model, attention=attention, recompute=False)
-    r = dataclasses.replace(recipe, model=model_cfg, task=dataclasses.replace(recipe.task, kind="pretrain"))
-    model = build_model(r).train()
-    ids = torch.randint(0, resolve_shape(r.model).vocab_size, (int(mbs), int(seq)))
+    model, batch = bare_model(recipe, ProbeShape(int(mbs), int(seq), attention, False),
+                              resolve_shape(recipe.model).num_layers)
     Path(ready).write_text("1")
     while True:  # until the probe kills it
-        model(input_ids=ids, labels=ids).loss.backward()
+        model(**batch).loss.backward()
         model.zero_grad(set_to_none=True)
+
+
+def bare_model(recipe: Any, shape: ProbeShape, layers: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The model a probe times: the recipe's architecture with `layers` decoder layers, random init, no
+    engine, no hooks, no recomputation, every weight trainable; and a batch at `shape`."""
+    from trainprof.models import build_model, resolve_shape
+
+    model_cfg = dataclasses.replace(recipe.model, num_layers=layers, attention=shape.attention, recompute=False)
+    r = dataclasses.replace(recipe, model=model_cfg, task=dataclasses.replace(recipe.task, kind="pretrain"))
+    torch.manual_seed(0)
+    model = build_model(r).train()
+    ids = torch.randint(0, resolve_shape(r.model).vocab_size, (shape.micro_batch, shape.seq_len))
+    return model, {"input_ids": ids, "labels": ids}
 
 
 def probe_model(recipe: Any, shape: ProbeShape, *, threads: int | None = None, rounds: int = PROBE_ROUNDS,
@@ -427,7 +438,7 @@ def probe_models(probes: list[tuple[Any, ProbeShape]], *, threads: int | None = 
     Returns:
         per probe: {model_forward_ms, model_backward_ms, layer_forward_ms, layer_backward_ms}
     """
-    from trainprof.models import build_model, resolve_shape
+    from trainprof.models import resolve_shape
 
     before = torch.get_num_threads()
     if threads:
@@ -438,13 +449,7 @@ def probe_models(probes: list[tuple[Any, ProbeShape]], *, threads: int | None = 
             full_layers = resolve_shape(recipe.model).num_layers
             layer_counts.append(full_layers)
             for layers in sorted({full_layers, 1}):
-                model_cfg = dataclasses.replace(recipe.model, num_layers=layers, attention=shape.attention,
-                                                recompute=False)
-                r = dataclasses.replace(recipe, model=model_cfg, task=dataclasses.replace(recipe.task, kind="pretrain"))
-                torch.manual_seed(0)
-                models[(j, layers)] = build_model(r).train()
-                ids = torch.randint(0, resolve_shape(r.model).vocab_size, (shape.micro_batch, shape.seq_len))
-                batches[(j, layers)] = {"input_ids": ids, "labels": ids}
+                models[(j, layers)], batches[(j, layers)] = bare_model(recipe, shape, layers)
         keys = list(models)
         fwd: dict[Any, list[float]] = {k: [] for k in keys}
         bwd: dict[Any, list[float]] = {k: [] for k in keys}
@@ -464,16 +469,19 @@ def probe_models(probes: list[tuple[Any, ProbeShape]], *, threads: int | None = 
         torch.set_num_threads(before)
 
 
-def probe_engines(recipes: list[Any], *, threads: int, rounds: int = 8, neighbours: int = 0) -> list[dict[str, float]]:
+def probe_engines(recipes: list[Any], *, threads: int, rounds: int = 8, neighbours: int = 0,
+                  bare: bool = False) -> list[dict[str, float]]:
     """Forward and backward ms of one micro batch through each recipe's own engine (DeepSpeed at its
     ZeRO stage and offload, or plain torch), all built in one fresh process in a group of one and
     called alternately (drift hits all of them), the fastest of `rounds` after 2 warm-up rounds, with
     `neighbours` busy processes as in probe_model. What an engine adds around the model (ZeRO-3's
     parameter fetch and release at every module, gradient bucketing, the optimizer wrapper) is in
-    these times; communication at world size 1 is not.
+    these times; communication at world size 1 is not. With `bare`, each recipe's bare model (what
+    probe_model times) is called in the same rounds too, so engine minus bare keeps little of the drift.
 
     Returns:
-        per recipe: {engine_forward_ms, engine_backward_ms}
+        per recipe: {engine_forward_ms, engine_backward_ms}, and with `bare` also {model_forward_ms,
+        model_backward_ms}
     Raises:
         ValueError: the probe process failed (its last error line).
     """
@@ -497,8 +505,8 @@ def probe_engines(recipes: list[Any], *, threads: int, rounds: int = 8, neighbou
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
         with busy_neighbours(recipes[0], shape, neighbours, threads):
             proc = subprocess.run([sys.executable, "-m", "trainprof.projection.calibrate", "--probe-engines",
-                                   str(rounds), str(out), *map(str, paths)], env=env, capture_output=True, text=True,
-                                  timeout=600)
+                                   str(rounds), str(int(bare)), str(out), *map(str, paths)], env=env,
+                                  capture_output=True, text=True, timeout=600)
         if proc.returncode != 0 or not out.is_file():
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise ValueError(f"the engine probe failed ({last[:200]})")
@@ -513,7 +521,7 @@ def _probe_engines_main(argv: list[str]) -> int:
     from trainprof.recipe import load_recipe
     from trainprof.run import init_distributed, seed_everything
 
-    rounds, out, *paths = argv
+    rounds, bare, out, *paths = argv
     recipes = [load_recipe(p, ["train.grad_accum=1"]) for p in paths]  # every micro batch a boundary
     ctx = DistContext.from_env()
     init_distributed(recipes[0], ctx)
@@ -524,8 +532,12 @@ def _probe_engines_main(argv: list[str]) -> int:
         ids = torch.randint(0, resolve_shape(recipe.model).vocab_size,
                             (recipe.train.micro_batch_size, recipe.data.seq_len))
         batches.append({"input_ids": ids, "labels": ids})
+    models = {k: bare_model(recipe, ProbeShape.of(recipe), resolve_shape(recipe.model).num_layers)
+              for k, recipe in enumerate(recipes)} if bare == "1" else {}
     fwd: list[list[float]] = [[] for _ in recipes]
     bwd: list[list[float]] = [[] for _ in recipes]
+    model_fwd: dict[Any, list[float]] = {k: [] for k in models}
+    model_bwd: dict[Any, list[float]] = {k: [] for k in models}
     for i in range(int(rounds) + 2):
         for k, engine in enumerate(engines):
             t0 = time.perf_counter()
@@ -537,24 +549,38 @@ def _probe_engines_main(argv: list[str]) -> int:
             if i >= 2:
                 fwd[k].append((t1 - t0) * 1e3)
                 bwd[k].append((t2 - t1) * 1e3)
-    Path(out).write_text(json.dumps([{"engine_forward_ms": min(f), "engine_backward_ms": min(b)}
-                                     for f, b in zip(fwd, bwd)]))
+        for k, (model, batch) in models.items():  # each bare model once a round, beside the engines' calls
+            f_ms, b_ms = _forward_backward_ms(model, batch)
+            if i >= 2:
+                model_fwd[k].append(f_ms)
+                model_bwd[k].append(b_ms)
+    results = [{"engine_forward_ms": min(f), "engine_backward_ms": min(b)} for f, b in zip(fwd, bwd)]
+    for k in models:
+        results[k].update(model_forward_ms=min(model_fwd[k]), model_backward_ms=min(model_bwd[k]))
+    Path(out).write_text(json.dumps(results))
     return 0
+
+
+def _forward_backward_ms(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """One call of a bare model: (forward ms, backward ms); its gradients are dropped after."""
+    t0 = time.perf_counter()
+    loss = model(**batch).loss
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
 
 def _probe_rounds(models: dict[Any, Any], batches: dict[Any, Any], keys: list[Any], rounds: int,
                   fwd: dict[Any, list[float]], bwd: dict[Any, list[float]]) -> None:
+    """2 untimed rounds, then `rounds` timed ones: every model called once a round, in turn."""
     for i in range(rounds + 2):
         for n in keys:
-            t0 = time.perf_counter()
-            loss = models[n](**batches[n]).loss
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            models[n].zero_grad(set_to_none=True)
+            f_ms, b_ms = _forward_backward_ms(models[n], batches[n])
             if i >= 2:
-                fwd[n].append((t1 - t0) * 1e3)
-                bwd[n].append((t2 - t1) * 1e3)
+                fwd[n].append(f_ms)
+                bwd[n].append(b_ms)
 
 
 if __name__ == "__main__":

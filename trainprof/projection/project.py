@@ -335,16 +335,16 @@ class Projector:
 
     def engine_overhead(self, threads: int) -> tuple[float, float]:
         """(forward, backward) ms per micro batch that the source's engine adds to the bare model at the
-        source's shape: its engine probed in a group of one (calibrate.probe_engines) minus the model
-        probe, both beside the source's CPU neighbours; never below 0."""
+        source's shape: its engine in a group of one minus the bare model, called in turn in one process
+        (calibrate.probe_engines with `bare`: probed in separate calls, a slow spell during one of them
+        entered the difference whole), beside the source's CPU neighbours; never below 0."""
         if threads not in self._overheads:
             from trainprof.projection.calibrate import probe_engines
 
             src, world = self.source.recipe, self.source.measured.world_size
-            (engine,) = probe_engines([src], threads=threads, neighbours=self.neighbours(world))
-            bare = self.probe_at(src, threads, world)
-            self._overheads[threads] = (max(engine["engine_forward_ms"] - bare["model_forward_ms"], 0.0),
-                                        max(engine["engine_backward_ms"] - bare["model_backward_ms"], 0.0))
+            (probe,) = probe_engines([src], threads=threads, neighbours=self.neighbours(world), bare=True)
+            self._overheads[threads] = (max(probe["engine_forward_ms"] - probe["model_forward_ms"], 0.0),
+                                        max(probe["engine_backward_ms"] - probe["model_backward_ms"], 0.0))
         return self._overheads[threads]
 
     def calibration_at(self, threads: int) -> dict[str, Any]:
