@@ -118,8 +118,13 @@ def test_grad_accum_world_size_and_probes():
                             source_machine=None, target_machine=None, link=None, source_zero_stage=3)
     assert big["forward"] == pytest.approx(20.0 * (2 * 9.0 + 3.0) / (2 * 5.0 + 2.0))
     assert big["backward"] == pytest.approx(40.0 * (2 * 18.0 + 6.0) / (2 * 10.0 + 4.0))
-    kappa = 20.0 / (2 * 5.0 + 2.0)  # measured forward over the probed forward at the source shape
-    assert big["recompute"] == pytest.approx(kappa * 2 * 9.0)
+    # recompute re-runs the decoder layers' measured forward (15 ms), x one layer's probed forward ratio
+    assert big["recompute"] == pytest.approx(15.0 * 9.0 / 5.0)
+    rowless, _ = predict_phases(_measured(forward_layers_ms=None), _change(micro_batch=8, recompute=True),
+                                probes=(probe_s, probe_t), num_layers=2, source_machine=None, target_machine=None,
+                                link=None, source_zero_stage=3)
+    kappa = 20.0 / (2 * 5.0 + 2.0)  # without decoder-layer rows: measured over probed forward at the source shape
+    assert rowless["recompute"] == pytest.approx(kappa * 2 * 9.0)
 
 
 def test_the_engines_own_work_in_the_leaves_does_not_grow_with_the_shape():
@@ -160,6 +165,14 @@ def test_cross_machine_scales_matmul_by_rate_and_the_rest_by_bandwidth():
     assert phases["optimizer"] == pytest.approx(10.0 / 4)
     # α-β per call x calls x exposed fraction: gathers 2 x 1 MB x 1/2 / 1 GB/s x 0.5; scatter 4 MB x 1/2 x 1.0
     assert phases["comm_exposed"] == pytest.approx(2 * 0.5 * 0.5 + 2.0 * 1.0)
+    # recomputation turned on there: the decoder layers' measured forward (15 ms) moves as the forward does
+    on, notes = predict_phases(m, _change(recompute=True), probes=None, num_layers=2, source_machine=src,
+                               target_machine=dst, link=link, source_zero_stage=3)
+    assert on["recompute"] == pytest.approx(15.0 * phases["forward"] / 20.0)
+    assert any(n.startswith("recompute: one more forward of every decoder layer") for n in notes)
+    with pytest.raises(ValueError, match="no decoder-layer rows"):
+        predict_phases(_measured(forward_layers_ms=None), _change(recompute=True), probes=None, num_layers=2,
+                       source_machine=src, target_machine=dst, link=link, source_zero_stage=3)
 
     # rates measured per phase (a CPU whose backward GEMM layouts do not thread): the forward's matmul
     # share follows the forward rate, the backward's its own, unchanged one

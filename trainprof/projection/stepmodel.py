@@ -238,6 +238,17 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
     out: dict[str, float] = {}
     out["data_wait"] = per_mb["data_wait"] * ga_t
     f, b, r = per_mb["forward"], per_mb["backward"], per_mb["recompute"]
+    # turning recomputation on re-runs every decoder layer's forward inside backward: their measured
+    # forward (engine hooks included: ZeRO-3 fetches the parameters again), per micro batch
+    layers_f = m.forward_layers_ms / ga_s if m.forward_layers_ms else None
+    recompute_on = change.recompute and r == 0
+    if probes is None and recompute_on:
+        if layers_f:
+            r = layers_f
+            notes.append(_recompute_note(layers_f))
+        else:
+            raise ValueError("recomputation turned on, but the profile has no decoder-layer rows to re-run "
+                             "(profile with module_depth >= 3)")
     if probes is not None:
         ps, pt = probes
         probe_f = lambda p: p["model_forward_ms"]  # noqa: E731
@@ -258,12 +269,17 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
         if engine_overhead:
             notes.append(f"compute: {over_f:.2f} ms forward and {over_b:.2f} ms backward per micro batch are the "
                          "engine's own work (its probe minus the bare model's at the source's shape), kept as measured")
+        layer_ratio = pt["layer_forward_ms"] / ps["layer_forward_ms"] if ps["layer_forward_ms"] > 0 else 1.0
         if change.recompute and r > 0:
-            r_t = r * pt["layer_forward_ms"] / ps["layer_forward_ms"] if ps["layer_forward_ms"] > 0 else r
+            r_t = r * layer_ratio
+        elif change.recompute and layers_f:
+            r_t = layers_f * layer_ratio
+            notes.append(_recompute_note(layers_f) + f", x {layer_ratio:.2f} (one layer's probed forward, target / "
+                         "source)")
         elif change.recompute:
             r_t = kappa_f * num_layers * pt["layer_forward_ms"]
             notes.append("recompute: one more forward of every decoder layer, at the measured/probed forward "
-                         f"ratio {kappa_f:.2f}")
+                         f"ratio {kappa_f:.2f} (the profile has no decoder-layer rows)")
         else:
             r_t = 0.0
         notes.append(f"compute: the leaf modules' measured time x probe(target) / probe(source) (the recipe's model "
@@ -278,6 +294,7 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
         notes.append(f"engine change: forward x{engine_factor[0]:.2f}, backward x{engine_factor[1]:.2f} (both engines "
                      "probed at the source's shape in one process, a group of one, called alternately)")
     cross = target_machine is not None and source_machine is not None
+    f_source = f
     if cross and m.kernel_ms is not None:
         f, b, r = (_scale_kernels(t, m.kernel_ms.get(ph), ga_s, source_machine, target_machine)
                    for t, ph in ((f, "forward"), (b, "backward"), (r, "recompute")))
@@ -292,6 +309,8 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
         notes.append(f"compute on {target_machine.name}: matmul share (each phase's FLOPs / the source's measured "
                      f"rate for its GEMMs) scaled by {source_machine.matmul_source} -> "
                      f"{target_machine.matmul_source}; the rest scaled as memory-bound by memory bandwidth")
+    if cross and recompute_on and f_source > 0:  # the source ran no recompute to re-rate: as its forward moved
+        r = layers_f * f / f_source
     out["forward"], out["backward"], out["recompute"] = f * ga_t, b * ga_t, r * ga_t
     opt = m.phases_ms["optimizer"]
     n_s, n_t = change.source_state_elements_per_rank, change.state_elements_per_rank
@@ -314,6 +333,11 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
     notes.extend(comm_notes)
     out["other"] = m.phases_ms["other"]
     return out, notes
+
+
+def _recompute_note(layers_f: float) -> str:
+    return (f"recompute: one more forward of every decoder layer, their measured forward ({layers_f:.2f} ms per "
+            "micro batch, engine hooks included)")
 
 
 def residual_ms(m: Measured, phases: dict[str, float], unattributed: float | None = None) -> float:
