@@ -269,6 +269,7 @@ def in_situ(model: torch.nn.Module, opt: torch.optim.Optimizer, train_step: Call
     hooks._handles.clear()
     pre, post = timed("forward pre-hooks", hooks._pre), timed("forward post-hooks", hooks._post)
     hooks._watch = timed("  of which: watching producer nodes", hooks._watch)
+    hooks.flush = timed("  of which: node pre-hooks registered", hooks.flush)
     hooks._on_grad = timed("engine callbacks on watched nodes", hooks._on_grad)
     hooks._on_grad_now = timed("engine callbacks settled at once (root)", hooks._on_grad_now)
     hooks.settle = timed("backward stack, settled from the queue", hooks.settle)
