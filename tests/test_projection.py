@@ -54,13 +54,16 @@ def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_
 
     # the advisor's changes, projected: ZeRO-3's exposed comm fires with engine.zero_stage=2, which re-probes
     # both engines (ZeRO-2 drops ZeRO-3's parameter fetch and release around every module, so the forward
-    # must get faster) and cuts the comm volume by 2/3; the report's advice table shows the predicted gain
+    # must get faster) and re-derives the collectives: ZeRO-2's gradient all_reduce and one all-gather after
+    # the step, in place of ZeRO-3's gathers at every module; the report's advice table shows the gain
     advice = project(str(run_dir), "--advice")["advice"]
     zero2 = next(r for r in advice if r["rule"] == "comm_exposed")
     assert zero2["overrides"] == ["engine.zero_stage=2"] and zero2["predicted_gain"] is not None, zero2
     engine_note = next(a for a in zero2["assumptions"] if a.startswith("engine change"))
     assert float(engine_note.split("forward x")[1].split(",")[0]) < 1.0, engine_note
-    assert zero2["phases_ms"]["comm_exposed"] == pytest.approx(p["phases_ms"]["comm_exposed"] * 2 / 3)
+    assert any(a.startswith("optimizer: the target engine's step() probed") for a in zero2["assumptions"])
+    assert any(a.startswith("comm: ZeRO stage 2's collectives derived") for a in zero2["assumptions"]), zero2
+    assert 0 < zero2["phases_ms"]["comm_exposed"] < p["phases_ms"]["comm_exposed"]
     assert zero2["predicted_gain"] == pytest.approx(src["step_ms"] / zero2["predicted_step_ms"] - 1)
     assert f"{100 * zero2['predicted_gain']:+.1f}% tokens/s (trainprof project --advice" in (
         run_dir / "report.html").read_text()

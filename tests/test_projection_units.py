@@ -3,6 +3,7 @@ the step model's arithmetic on hand-made measurements."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 
 from trainprof.projection.calibrate import bus_factor, collective_ms, fit_alpha_beta
 from trainprof.projection.catalog import CatalogError, find_accelerator, load_catalog, load_prices
-from trainprof.projection.stepmodel import Change, Link, Machine, Measured, predict_phases, residual_ms
+from trainprof.projection.stepmodel import Change, EngineProbe, Link, Machine, Measured, predict_phases, residual_ms
 
 from conftest import REPO
 
@@ -147,10 +148,65 @@ def test_the_engines_own_work_in_the_leaves_does_not_grow_with_the_shape():
 def test_an_engine_change_scales_the_whole_compute_phases_by_the_probed_engine_ratio():
     m = _measured()
     probe = {"layer_forward_ms": 5.0, "layer_backward_ms": 10.0, "model_forward_ms": 12.0, "model_backward_ms": 24.0}
-    phases, notes = predict_phases(m, _change(zero_stage=2), probes=(probe, probe), num_layers=2, source_machine=None,
-                                   target_machine=None, link=None, source_zero_stage=3, engine_factor=(0.75, 0.9))
+    engine = EngineProbe(forward=0.75, backward=0.9, step=0.6, target_step_ms=3.0, state_elements=1000.0)
+    phases, notes = predict_phases(m, _change(zero_stage=2), probes=(probe, probe), num_layers=2,
+                                   source_machine=None, target_machine=None, link=None, source_zero_stage=3,
+                                   engine=engine)
     assert (phases["forward"], phases["backward"]) == pytest.approx((20.0 * 0.75, 40.0 * 0.9))
     assert any(n.startswith("engine change: forward x0.75, backward x0.90") for n in notes)
+    # no bandwidth to re-price Adam's pass with: the probed step() ratio
+    assert phases["optimizer"] == pytest.approx(10.0 * 0.6)
+    assert any(n.startswith("engine change: optimizer step x0.60") for n in notes)
+    # below ZeRO-3 the target's own probed step, Adam's pass moved from the probe's 1000 state elements
+    # to this rank's 500 (28 B each at 0.01 GB/s: 2.8 ms per 1000 elements)
+    below3, notes = predict_phases(m, _change(zero_stage=2), probes=(probe, probe), num_layers=2, source_machine=None,
+                                   target_machine=None, link=None, source_zero_stage=3, engine=engine,
+                                   memory_gbps=0.01)
+    assert below3["optimizer"] == pytest.approx(3.0 - 2.8 + 1.4)
+    assert any(n.startswith("optimizer: the target engine's step() probed in a group of one") for n in notes)
+    # a ZeRO-3 target keeps the source's step (its gathers after the step) x the probed ratio
+    to3, _ = predict_phases(m, _change(zero_stage=3), probes=(probe, probe), num_layers=2, source_machine=None,
+                            target_machine=None, link=None, source_zero_stage=2, engine=engine, memory_gbps=0.01)
+    assert to3["optimizer"] == pytest.approx(10.0 * 0.6)
+
+
+def test_zero_stage_0_to_2_collectives_are_derived_from_the_trainable_parameters():
+    """A ZeRO-3 source moved to stage 0-2: its per-module gathers go; DeepSpeed's bucketed, blocking
+    gradient all_reduce (every micro batch at stage 2, once a step below) and the all-gather of the updated
+    partitions after the step (stages 1/2, one call per parameter group) are priced by α-β; the source's
+    small optimizer collectives (norm, overflow flag) stay as measured."""
+    small = {"op": "all_reduce", "phase": "optimizer", "calls": 2, "bytes": 16, "total_ms": 0.8, "exposed_ms": 0.8}
+    scatter = {"op": "reduce_scatter_tensor", "phase": "backward", "calls": 1, "bytes": 4e6, "total_ms": 8.0,
+               "exposed_ms": 2.0}
+    m = _measured(comm=[*_measured().comm, small, scatter], trainable_param_bytes=4e6, dtype_bytes=2)
+    link = Link(alpha_ms=0.5, busbw_gbps=1.0, source="test link")
+    reduce_ms, gather_ms = 0.5 + 4.0, 2 * (0.5 + 1.0)  # all_reduce bus factor 1 at n=2; all-gather 1/2, 2 MB a call
+    for stage, expected in ((2, 2 * reduce_ms + gather_ms + 0.8), (1, reduce_ms + gather_ms + 0.8), (0, reduce_ms + 0.8)):
+        phases, notes = predict_phases(m, _change(zero_stage=stage, grad_accum=2), probes=None, num_layers=2,
+                                       source_machine=None, target_machine=None, link=link, source_zero_stage=3)
+        assert phases["comm_exposed"] == pytest.approx(expected), stage
+        assert any(f"ZeRO stage {stage}'s collectives derived" in n for n in notes)
+    # a fit measured on this machine at the source's world size: each of the target's blocking calls (one
+    # all_reduce a micro batch, two all-gathers) also waits what a blocking call of the source waited beyond
+    # its price by that fit (the small all_reduces and the optimizer's 4 MB reduce-scatter; the backward
+    # one was 3/4 hidden, so not blocking)
+    here = Link(alpha_ms=0.5, busbw_gbps=1.0, source="gloo here", measured_here=True)
+    wait = ((0.8 + 20.0) - (2 * 0.5 + (0.5 + 2.0))) / 3  # measured 0.8 + 20 ms; priced 2 x α and α + 4 MB x 1/2
+    phases, notes = predict_phases(m, _change(zero_stage=2), probes=None, num_layers=2, source_machine=None,
+                                   target_machine=None, link=here, source_zero_stage=3)
+    assert phases["comm_exposed"] == pytest.approx(reduce_ms + gather_ms + 3 * wait + 0.8, rel=1e-4)  # + 16 B
+    assert any(n.startswith(f"comm: + {wait:.2f} ms a blocking call waited in training") for n in notes)
+    # overlap_comm: the reduction is exposed at the source's measured fraction of its backward reductions
+    overlapped, _ = predict_phases(m, _change(zero_stage=2, overlap_comm=True), probes=None, num_layers=2,
+                                   source_machine=None, target_machine=None, link=link, source_zero_stage=3)
+    assert overlapped["comm_exposed"] == pytest.approx(reduce_ms * 2.0 / 8.0 + gather_ms + 0.8)
+    # ZeRO-3 as the target keeps the ZeRO paper's volume ratio (its prefetched gathers are not derivable)
+    to3, notes = predict_phases(m, _change(zero_stage=3), probes=None, num_layers=2, source_machine=None,
+                                target_machine=None, link=None, source_zero_stage=2)
+    assert to3["comm_exposed"] == pytest.approx(25.0 * 3.0 / 2.0) and "volume x1.50" in notes[-1]
+    unpriced, notes = predict_phases(m, _change(zero_stage=2), probes=None, num_layers=2, source_machine=None,
+                                     target_machine=None, link=None, source_zero_stage=3)
+    assert math.isnan(unpriced["comm_exposed"]) and "no collective calibration" in notes[-1]
 
 
 def test_cross_machine_scales_matmul_by_rate_and_the_rest_by_bandwidth():
@@ -238,8 +294,10 @@ def test_probe_engines_times_the_bare_model_beside_each_engine():
         recipes.append(r)
     zero3, plain = probe_engines(recipes, threads=1, rounds=3, bare=True)
     for probe in (zero3, plain):
-        assert set(probe) == {"engine_forward_ms", "engine_backward_ms", "model_forward_ms", "model_backward_ms"}
+        assert set(probe) == {"engine_forward_ms", "engine_backward_ms", "engine_step_ms", "model_forward_ms",
+                              "model_backward_ms"}
         assert all(v > 0 for v in probe.values())
     assert zero3["engine_forward_ms"] > 1.5 * zero3["model_forward_ms"]
     assert 0.6 < plain["engine_forward_ms"] / plain["model_forward_ms"] < 1.6
-    assert set(probe_engines(recipes[1:], threads=1, rounds=1)[0]) == {"engine_forward_ms", "engine_backward_ms"}
+    assert set(probe_engines(recipes[1:], threads=1, rounds=1)[0]) == {"engine_forward_ms", "engine_backward_ms",
+                                                                       "engine_step_ms"}

@@ -476,11 +476,12 @@ def probe_engines(recipes: list[Any], *, threads: int, rounds: int = 8, neighbou
     called alternately (drift hits all of them), the fastest of `rounds` after 2 warm-up rounds, with
     `neighbours` busy processes as in probe_model. What an engine adds around the model (ZeRO-3's
     parameter fetch and release at every module, gradient bucketing, the optimizer wrapper) is in
-    these times; communication at world size 1 is not. With `bare`, each recipe's bare model (what
+    these times, and the optimizer step (`engine.step()`) is timed apart; communication at world size 1 is
+    not. With `bare`, each recipe's bare model (what
     probe_model times) is called in the same rounds too, so engine minus bare keeps little of the drift.
 
     Returns:
-        per recipe: {engine_forward_ms, engine_backward_ms}, and with `bare` also {model_forward_ms,
+        per recipe: {engine_forward_ms, engine_backward_ms, engine_step_ms}, and with `bare` also {model_forward_ms,
         model_backward_ms}
     Raises:
         ValueError: the probe process failed (its last error line).
@@ -536,6 +537,7 @@ def _probe_engines_main(argv: list[str]) -> int:
               for k, recipe in enumerate(recipes)} if bare == "1" else {}
     fwd: list[list[float]] = [[] for _ in recipes]
     bwd: list[list[float]] = [[] for _ in recipes]
+    opt: list[list[float]] = [[] for _ in recipes]
     model_fwd: dict[Any, list[float]] = {k: [] for k in models}
     model_bwd: dict[Any, list[float]] = {k: [] for k in models}
     for i in range(int(rounds) + 2):
@@ -546,15 +548,18 @@ def _probe_engines_main(argv: list[str]) -> int:
             engine.backward(loss)
             t2 = time.perf_counter()
             engine.step()
+            t3 = time.perf_counter()
             if i >= 2:
                 fwd[k].append((t1 - t0) * 1e3)
                 bwd[k].append((t2 - t1) * 1e3)
+                opt[k].append((t3 - t2) * 1e3)
         for k, (model, batch) in models.items():  # each bare model once a round, beside the engines' calls
             f_ms, b_ms = _forward_backward_ms(model, batch)
             if i >= 2:
                 model_fwd[k].append(f_ms)
                 model_bwd[k].append(b_ms)
-    results = [{"engine_forward_ms": min(f), "engine_backward_ms": min(b)} for f, b in zip(fwd, bwd)]
+    results = [{"engine_forward_ms": min(f), "engine_backward_ms": min(b), "engine_step_ms": min(o)}
+               for f, b, o in zip(fwd, bwd, opt)]
     for k in models:
         results[k].update(model_forward_ms=min(model_fwd[k]), model_backward_ms=min(model_bwd[k]))
     Path(out).write_text(json.dumps(results))

@@ -22,9 +22,11 @@ from trainprof.projection.catalog import THIS, Catalog, CatalogError, Target, fi
 from trainprof.projection.stepmodel import (
     PHASES,
     Change,
+    EngineProbe,
     Link,
     Machine,
     Measured,
+    derives_zero_collectives,
     measured_from_profile,
     predict_phases,
     residual_ms,
@@ -274,7 +276,7 @@ class Projector:
         self.validation = validation
         self.probe = probe
         self._probes: dict[Any, dict[str, float]] = {}
-        self._engine_probes: dict[Any, tuple[float, float]] = {}
+        self._engine_probes: dict[Any, EngineProbe] = {}
         self._pair_probes: dict[Any, tuple[dict[str, float], dict[str, float]]] = {}
         self._overheads: dict[int, tuple[float, float]] = {}
         self._calibrations: dict[int, dict[str, Any]] = {}
@@ -318,9 +320,9 @@ class Projector:
             self._pair_probes[key] = (s, t)
         return self._pair_probes[key]
 
-    def engine_factors(self, target_recipe: Any, threads: int) -> tuple[float, float]:
-        """(forward, backward) time of the target's engine over the source's, both probed at the
-        source's shape in one process (calibrate.probe_engines), with the source's CPU neighbours."""
+    def engine_probe(self, target_recipe: Any, threads: int) -> EngineProbe:
+        """The target's engine against the source's, both probed at the source's shape in one process
+        (calibrate.probe_engines), with the source's CPU neighbours."""
         src = self.source.recipe
         target_engine = dataclasses.replace(src, engine=target_recipe.engine)
         key = (_engine_key(src), _engine_key(target_recipe), threads)
@@ -329,8 +331,11 @@ class Projector:
 
             s, t = probe_engines([src, target_engine], threads=threads,
                                  neighbours=self.neighbours(self.source.measured.world_size))
-            self._engine_probes[key] = (t["engine_forward_ms"] / s["engine_forward_ms"],
-                                        t["engine_backward_ms"] / s["engine_backward_ms"])
+            self._engine_probes[key] = EngineProbe(
+                forward=t["engine_forward_ms"] / s["engine_forward_ms"],
+                backward=t["engine_backward_ms"] / s["engine_backward_ms"],
+                step=t["engine_step_ms"] / s["engine_step_ms"], target_step_ms=t["engine_step_ms"],
+                state_elements=float(self.source.profile["params"]["trainable"]))
         return self._engine_probes[key]
 
     def engine_overhead(self, threads: int) -> tuple[float, float]:
@@ -377,7 +382,8 @@ class Projector:
             self._links[world] = Link(
                 alpha_ms=sorted(f["alpha_ms"] for f in usable)[len(usable) // 2],
                 busbw_gbps=sorted(f["busbw_gbps"] for f in usable)[len(usable) // 2],
-                source=f"gloo over {world} local processes, measured (median of {len(usable)} collective fits)")
+                source=f"gloo over {world} local processes, measured (median of {len(usable)} collective fits)",
+                measured_here=True)
         return self._links[world]
 
     # -- predictions -------------------------------------------------------------------------------
@@ -395,13 +401,14 @@ class Projector:
             grad_accum=target_recipe.train.grad_accum, recompute=target_recipe.model.recompute,
             attention=target_recipe.model.attention, zero_stage=_zero(target_recipe), engine=target_recipe.engine.kind,
             world_size=world, state_elements_per_rank=_state_elements_per_rank(target_recipe, trainable, world),
-            source_state_elements_per_rank=_state_elements_per_rank(src.recipe, trainable, m.world_size))
+            source_state_elements_per_rank=_state_elements_per_rank(src.recipe, trainable, m.world_size),
+            **_zero_settings(target_recipe))
         assumptions: list[str] = []
         reasons: dict[str, str] = {}
         target: Target | None = None
         source_machine = target_machine = None
         probes = None
-        engine_factor: tuple[float, float] | None = None
+        engine: EngineProbe | None = None
         engine_overhead: tuple[float, float] | None = None
         link: Link | None = None
         same_device = machine == THIS
@@ -416,7 +423,7 @@ class Projector:
                 probes = self.probe_pair(target_recipe, probe_threads, world)
                 try:
                     if _engine_key(src.recipe) != _engine_key(target_recipe):
-                        engine_factor = self.engine_factors(target_recipe, probe_threads or 1)
+                        engine = self.engine_probe(target_recipe, probe_threads or 1)
                     if (ProbeShape.of(src.recipe), self.neighbours(m.world_size)) != \
                             (ProbeShape.of(target_recipe), self.neighbours(world)):  # the probes differ
                         engine_overhead = self.engine_overhead(probe_threads or 1)
@@ -429,7 +436,7 @@ class Projector:
                 source_machine = machine_from_calibration(self.calibration_at(self.source_threads),
                                                           f"this machine, {self.source_threads} threads")
                 target_machine = machine_from_calibration(self.calibration_at(threads), f"this machine, {threads} threads")
-            if world != m.world_size and world > 1:
+            if world > 1 and (world != m.world_size or derives_zero_collectives(change, _zero(src.recipe))):
                 link = self.gloo_link(world)
         else:
             target = self.catalog.resolve(machine)
@@ -468,7 +475,7 @@ class Projector:
                 phases, notes = predict_phases(m, change, probes=probes, num_layers=_num_layers(target_recipe),
                                                source_machine=source_machine, target_machine=target_machine,
                                                link=link, source_zero_stage=_zero(src.recipe),
-                                               memory_gbps=self._memory_gbps(same_device), engine_factor=engine_factor,
+                                               memory_gbps=self._memory_gbps(same_device), engine=engine,
                                                engine_overhead=engine_overhead)
                 assumptions.extend(notes)
                 if not same_device and _shape_changed(src.recipe, target_recipe):
@@ -591,6 +598,20 @@ class Projector:
 def _engine_key(recipe: Any) -> tuple[str, int, str]:
     e = recipe.engine
     return (e.kind, e.zero_stage if e.kind == "deepspeed" else 0, e.offload if e.kind == "deepspeed" else "none")
+
+
+def _zero_settings(recipe: Any) -> dict[str, Any]:
+    """The recipe's DeepSpeed settings that shape ZeRO stage 0-2's collectives (Change's fields; DeepSpeed's
+    defaults where the recipe's `deepspeed` block sets none). LoRA trains only adapter matrices: one
+    parameter group (trainprof.engines.optim.param_groups)."""
+    zero = (recipe.deepspeed or {}).get("zero_optimization") or {}
+    out: dict[str, Any] = {"param_groups": 1 if recipe.task.kind in ("lora", "qlora") else 2}
+    if zero.get("reduce_bucket_size") is not None:
+        out["reduce_bucket_elements"] = float(zero["reduce_bucket_size"])
+    if zero.get("allgather_bucket_size") is not None:
+        out["allgather_bucket_elements"] = float(zero["allgather_bucket_size"])
+    out["overlap_comm"] = bool(zero.get("overlap_comm", _zero(recipe) == 3))  # DeepSpeed: on for stage 3 only
+    return out
 
 
 def _zero(recipe: Any) -> int:

@@ -25,11 +25,13 @@ and each part is re-derived for the target:
   * optimizer: a fixed part (the engine's step machinery, launches, gradient clipping) plus Adam's
     elementwise pass over the state this rank holds (ZeRO partitions it over the world size), priced at
     7 fp32 accesses per element (read param, grad, m, v; write param, m, v) over the measured memory
-    bandwidth; the fixed part is what the source measured beyond that pass. Another machine: both
-    scaled by source/target memory bandwidth.
+    bandwidth; the fixed part is what the source measured beyond that pass. An engine change scales it
+    by the two engines' probed `step()` ratio. Another machine: scaled by source/target memory bandwidth.
   * comm_exposed: per collective of the profile, α-β time for its bytes over the target's link
     (nccl-tests bus factors), times the exposed fraction measured at the source (exposed/total);
-    forward/backward collectives repeat per micro batch. A ZeRO stage change scales by the ZeRO paper's
+    forward/backward collectives repeat per micro batch. A change to DeepSpeed ZeRO stage 0-2 derives that
+    stage's bucketed collectives from the trainable parameters instead (gradient all_reduce, the all-gather
+    of the updated partitions; `_bucketed_zero_comm`); a change to stage 3 scales by the ZeRO paper's
     volumes (stage 1/2: 2Ψ, stage 3: 3Ψ per step). One rank: none.
   * data_wait: as measured, per micro batch. other: as measured.
   * unattributed: per step it is small and >= 0 (the profiler's closure), but the source's figure is the
@@ -40,6 +42,7 @@ and each part is re-derived for the target:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -49,6 +52,7 @@ PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_ex
 # ZeRO paper (Rajbhandari et al. 2020, sec. 7): per-step communication volume per rank in units of Ψ
 # (parameters): DP/stage 1/2: reduce-scatter + all-gather = 2Ψ; stage 3 adds a forward gather: 3Ψ.
 ZERO_VOLUME = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
+SMALL_COLLECTIVE_BYTES = 1024  # per call: a gradient norm or an overflow flag, latency-bound
 ADAM_BYTES_PER_ELEMENT = 28  # fp32 Adam: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
 
 
@@ -69,6 +73,8 @@ class Measured:
     step_std_ms: float = 0.0  # spread of the measured steps (for the wait on the slowest rank)
     leaf_ms: tuple[float, float] | None = None  # (forward, backward) of the profiled leaf modules, summed
     param_bytes: float = 0.0  # parameters x bytes per element of the model dtype (collective volumes)
+    trainable_param_bytes: float = 0.0  # the trainable ones: what ZeRO reduces and gathers (the gradients' dtype)
+    dtype_bytes: int = 2  # bytes per element of the model dtype
     # GPU sources with an operator trace: per phase, (matmul/attention kernel ms, other kernel ms) per
     # optimizer step, the device self time of the traced steps
     kernel_ms: dict[str, tuple[float, float]] | None = None
@@ -89,6 +95,7 @@ def measured_from_profile(profile: dict[str, Any]) -> Measured:
     phases = {k: float(phases.get(k) or 0.0) for k in PHASES}
     layers = [m for m in profile.get("modules") or [] if _is_decoder_layer(m["name"])]
     states = profile.get("model_state_bytes") or {}
+    dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}.get(profile["recipe"]["model"]["dtype"], 2)
     return Measured(
         step_ms=step, phases_ms=phases, unattributed_ms=step - sum(phases.values()),
         flops_by_phase={k: float(v) for k, v in (s.get("flops_by_phase") or {}).items()},
@@ -99,8 +106,9 @@ def measured_from_profile(profile: dict[str, Any]) -> Measured:
         forward_layers_ms=sum(m["forward_ms"] for m in layers) if layers else None,
         step_std_ms=_step_std(profile),
         leaf_ms=_leaf_ms(profile),
-        param_bytes=float((profile.get("params") or {}).get("total", 0))
-        * {"bf16": 2, "fp16": 2, "fp32": 4}.get(profile["recipe"]["model"]["dtype"], 2),
+        param_bytes=float((profile.get("params") or {}).get("total", 0)) * dtype_bytes,
+        trainable_param_bytes=float((profile.get("params") or {}).get("trainable", 0)) * dtype_bytes,
+        dtype_bytes=dtype_bytes,
         kernel_ms=_kernel_ms(profile),
     )
 
@@ -189,6 +197,19 @@ class Link:
     alpha_ms: float
     busbw_gbps: float
     source: str
+    measured_here: bool = False  # a fit measured on the source's machine (gloo), not a catalog link
+
+
+@dataclasses.dataclass(kw_only=True)
+class EngineProbe:
+    """The target's engine against the source's, both probed at the source's shape in one process, in a
+    group of one (calibrate.probe_engines): what the engine adds around the model, without communication."""
+
+    forward: float  # target / source forward ms
+    backward: float  # target / source backward ms
+    step: float  # target / source optimizer step() ms
+    target_step_ms: float  # the target engine's step() ms, with every trainable parameter's state on its one rank
+    state_elements: float  # the optimizer state elements of that one rank
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -205,12 +226,17 @@ class Change:
     world_size: int
     state_elements_per_rank: float | None  # optimizer state elements this rank would hold
     source_state_elements_per_rank: float | None
+    # the target's DeepSpeed settings that decide its ZeRO stage 0-2 collectives (DeepSpeed's defaults)
+    reduce_bucket_elements: float = 5e8
+    allgather_bucket_elements: float = 5e8
+    overlap_comm: bool = False
+    param_groups: int = 2  # trainprof.engines.optim.param_groups: matrices, and 1-D norms/biases
 
 
 def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float], dict[str, float]] | None,
                    num_layers: int, source_machine: Machine | None, target_machine: Machine | None,
                    link: Link | None, source_zero_stage: int, memory_gbps: float | None = None,
-                   engine_factor: tuple[float, float] | None = None,
+                   engine: EngineProbe | None = None,
                    engine_overhead: tuple[float, float] | None = None) -> tuple[dict[str, float], list[str]]:
     """Predicted phases (ms per optimizer step, per rank) and the assumptions made.
 
@@ -225,9 +251,8 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
         source_zero_stage: the source's ZeRO stage (0 for the torch engine).
         memory_gbps: the source machine's measured memory bandwidth, for the optimizer's elementwise part
             (None: the optimizer scales with state elements alone).
-        engine_factor: (forward, backward) time of the target's engine over the source's at the same
-            shape (calibrate.probe_engines), for an engine change (ZeRO stage, offload, DeepSpeed/torch);
-            None: the engine is unchanged.
+        engine: the target's engine probed against the source's, for an engine change (ZeRO stage, offload,
+            DeepSpeed/torch); None: the engine is unchanged.
         engine_overhead: (forward, backward) ms per micro batch that the source's engine adds to the bare
             model at the source's shape (Projector.engine_overhead), kept as measured when the shape
             changes; None: every ms of the leaves scales with the probe.
@@ -287,11 +312,11 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
                      f"other ranks; measured/probed: forward {work_f:.2f}, backward "
                      f"{work_b:.2f}); the rest of each phase (hooks, engine, loss) as measured")
         f, b, r = max(f_t, 0.0), max(b_t, 0.0), max(r_t, 0.0)
-    if engine_factor is not None:
+    if engine is not None:
         # what the engine adds around the model lands in leaves and parents alike (ZeRO-3 fetches and
         # releases parameters in module hooks): the whole phase scales; a recompute re-runs forwards
-        f, b, r = f * engine_factor[0], b * engine_factor[1], r * engine_factor[0]
-        notes.append(f"engine change: forward x{engine_factor[0]:.2f}, backward x{engine_factor[1]:.2f} (both engines "
+        f, b, r = f * engine.forward, b * engine.backward, r * engine.forward
+        notes.append(f"engine change: forward x{engine.forward:.2f}, backward x{engine.backward:.2f} (both engines "
                      "probed at the source's shape in one process, a group of one, called alternately)")
     cross = target_machine is not None and source_machine is not None
     f_source = f
@@ -314,16 +339,29 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
     out["forward"], out["backward"], out["recompute"] = f * ga_t, b * ga_t, r * ga_t
     opt = m.phases_ms["optimizer"]
     n_s, n_t = change.source_state_elements_per_rank, change.state_elements_per_rank
-    if n_s and n_t and n_s != n_t:
-        if memory_gbps:
-            pass_ms = lambda n: n * ADAM_BYTES_PER_ELEMENT / (memory_gbps * 1e9) * 1e3  # noqa: E731
-            fixed = max(opt - pass_ms(n_s), 0.0)
-            opt = fixed + pass_ms(n_t)
-            notes.append(f"optimizer: {fixed:.2f} ms fixed as measured + Adam's pass over {n_t:,.0f} state elements "
-                         f"per rank at {ADAM_BYTES_PER_ELEMENT} B each over {memory_gbps:.3g} GB/s")
-        else:
-            opt *= n_t / n_s
-            notes.append("optimizer: scaled by state elements per rank")
+    pass_ms = (lambda n: n * ADAM_BYTES_PER_ELEMENT / (memory_gbps * 1e9) * 1e3) if memory_gbps else None  # noqa: E731
+    if engine is not None and pass_ms and n_t and (change.engine != "deepspeed" or change.zero_stage < 3):
+        # below ZeRO-3 a step does no per-parameter work for the other ranks (the source's may: ZeRO-3
+        # all-gathers its persistent parameters after the step): the target engine's own step, probed,
+        # with Adam's pass moved from the probe's state elements to this rank's
+        opt = max(engine.target_step_ms - pass_ms(engine.state_elements), 0.0) + pass_ms(n_t)
+        notes.append(f"optimizer: the target engine's step() probed in a group of one ({engine.target_step_ms:.2f} ms "
+                     f"over {engine.state_elements:,.0f} state elements), with Adam's pass re-priced for {n_t:,.0f} "
+                     f"elements per rank at {ADAM_BYTES_PER_ELEMENT} B each over {memory_gbps:.3g} GB/s")
+    else:
+        if n_s and n_t and n_s != n_t:
+            if pass_ms:
+                fixed = max(opt - pass_ms(n_s), 0.0)
+                opt = fixed + pass_ms(n_t)
+                notes.append(f"optimizer: {fixed:.2f} ms fixed as measured + Adam's pass over {n_t:,.0f} state "
+                             f"elements per rank at {ADAM_BYTES_PER_ELEMENT} B each over {memory_gbps:.3g} GB/s")
+            else:
+                opt *= n_t / n_s
+                notes.append("optimizer: scaled by state elements per rank")
+        if engine is not None:
+            opt *= engine.step
+            notes.append(f"engine change: optimizer step x{engine.step:.2f} (both engines' step() probed in a group "
+                         "of one)")
     if cross and m.kernel_ms is not None:
         opt = _scale_kernels(opt, m.kernel_ms.get("optimizer"), 1, source_machine, target_machine)
     elif cross and source_machine.memory_gbps and target_machine.memory_gbps:
@@ -381,10 +419,84 @@ def _rerate(matmul_ms: float, other_ms: float, src: Machine, dst: Machine, phase
     return matmul_ms * src.matmul_rate(phase) / dst.matmul_rate(phase) + other_ms * src.memory_gbps / dst.memory_gbps
 
 
+def derives_zero_collectives(change: Change, source_zero_stage: int) -> bool:
+    """Whether the target's collectives are derived from the model rather than from the source's: a
+    DeepSpeed target at ZeRO stage 0-2 on more than one rank, at a stage other than the source's. Those
+    stages issue a few bucketed, blocking collectives whose calls and bytes follow from the parameter
+    count; ZeRO-3's prefetched per-module gathers do not (a stage-3 target keeps the volume ratio)."""
+    return change.engine == "deepspeed" and change.zero_stage <= 2 and change.zero_stage != source_zero_stage \
+        and change.world_size > 1
+
+
+def _bucketed_zero_comm(m: Measured, change: Change, link: Link) -> tuple[float, list[str]]:
+    """Exposed ms of DeepSpeed's ZeRO stage 0-2 collectives per optimizer step, derived from the trainable
+    parameters (deepspeed/runtime/engine.py `allreduce_gradients`, zero/stage_1_and_2.py):
+      * gradient reduction, one all_reduce per reduce bucket (the op DeepSpeed issued in the runs here);
+        stage 2 partitions gradients and reduces every micro batch, stages 0/1 once per step;
+      * stage 1/2: the updated partitions all-gathered after the step, one call per parameter group
+        and allgather bucket;
+      * the source's small optimizer-phase collectives (gradient norm, overflow flag) as measured.
+    Without overlap_comm (DeepSpeed's default below stage 3) the reduction blocks the backward: exposed
+    whole; with it, at the source's measured exposed fraction of its backward reductions."""
+    n, stage = change.world_size, change.zero_stage
+    fit = {"alpha_ms": link.alpha_ms, "busbw_gbps": link.busbw_gbps}
+    grads = m.trainable_param_bytes
+    if grads <= 0:
+        return float("nan"), ["comm: the profile records no trainable parameters to derive ZeRO's collectives from"]
+    elements = grads / m.dtype_bytes
+    reduce_calls = max(1, math.ceil(elements / change.reduce_bucket_elements))
+    reductions = change.grad_accum if stage == 2 else 1
+    reduce_ms = reductions * reduce_calls * collective_ms("all_reduce", grads / reduce_calls, n, fit)
+    exposed = 1.0
+    if change.overlap_comm:
+        rows = [c for c in m.comm if c["phase"] == "backward" and c["op"] in ("all_reduce", "reduce_scatter_tensor")
+                and c.get("total_ms")]
+        exposed = min(sum(c["exposed_ms"] for c in rows) / sum(c["total_ms"] for c in rows), 1.0) if rows else 1.0
+    gather_ms, gather_calls = 0.0, 0
+    if stage >= 1:
+        gather_calls = max(change.param_groups, math.ceil(elements / change.allgather_bucket_elements))
+        gather_ms = gather_calls * collective_ms("all_gather_into_tensor", grads / gather_calls, n, fit)
+    small = sum(c["exposed_ms"] for c in m.comm if c["phase"] == "optimizer" and c["calls"]
+                and (c.get("bytes") or 0) / c["calls"] < SMALL_COLLECTIVE_BYTES)
+    wait, wait_note = _in_training_wait(m, n, link, fit)
+    blocking = (0 if change.overlap_comm else reductions * reduce_calls) + gather_calls
+    notes = [f"comm: ZeRO stage {stage}'s collectives derived from the {grads / 1e6:.3g} MB of trainable parameters "
+             f"and priced as alpha + bytes*busfactor/busbw over {link.source}: gradient all_reduce "
+             f"{reductions * reduce_calls} call(s), {reduce_ms:.2f} ms"
+             + (f", exposed at the source's measured fraction {exposed:.2f} (overlap_comm)" if change.overlap_comm
+                else ", blocking (no overlap_comm): exposed whole")
+             + (f"; updated partitions all-gathered after the step, {gather_ms:.2f} ms, blocking" if stage >= 1 else "")
+             + f"; the source's small optimizer collectives (norm, overflow flag) as measured, {small:.2f} ms", wait_note]
+    return reduce_ms * exposed + gather_ms + wait * blocking + small, notes
+
+
+def _in_training_wait(m: Measured, n: int, link: Link, fit: dict[str, float]) -> tuple[float, str]:
+    """The wait per blocking collective in training beyond its α-β price (the other rank still computing
+    when one arrives, cores and caches shared with the model's work): the source's blocking collectives'
+    measured time minus their price by the same fit, per call, never below 0. Only where the fit was
+    measured on the source's machine at its world size; 0 otherwise."""
+    if not link.measured_here or m.world_size != n:
+        return 0.0, "comm: no in-training wait added (the link is not the source's own at its world size)"
+    rows = [c for c in m.comm if c["calls"] and c.get("total_ms") and c["exposed_ms"] >= 0.95 * c["total_ms"]]
+    if not rows:
+        return 0.0, "comm: no in-training wait added (the source recorded no blocking collective)"
+    calls = sum(c["calls"] for c in rows)
+    priced = sum(c["calls"] * collective_ms(c["op"], (c.get("bytes") or 0) / c["calls"], n, fit) for c in rows)
+    measured = sum(c["total_ms"] for c in rows)
+    wait = max(measured - priced, 0.0) / calls
+    return wait, (f"comm: + {wait:.2f} ms a blocking call waited in training: the source's {calls} blocking collectives "
+                  f"took {measured:.2f} ms against {priced:.2f} ms priced by the same fit")
+
+
 def _comm(m: Measured, change: Change, link: Link | None, source_zero_stage: int) -> tuple[float, list[str]]:
     n = change.world_size
     if n <= 1 and m.world_size > 1:
         return 0.0, ["one rank: no collectives"]
+    if derives_zero_collectives(change, source_zero_stage):
+        if link is None:
+            return float("nan"), [f"comm: no collective calibration for {n} ranks to price ZeRO stage "
+                                  f"{change.zero_stage}'s collectives"]
+        return _bucketed_zero_comm(m, change, link)
     if link is None:
         if m.world_size == n:
             scale = ZERO_VOLUME[change.zero_stage] / ZERO_VOLUME[source_zero_stage]
