@@ -68,7 +68,8 @@ def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_
     assert f"{100 * zero2['predicted_gain']:+.1f}% tokens/s (trainprof project --advice" in (
         run_dir / "report.html").read_text()
 
-    # a change the model was tuned on: micro batch 2 -> 4 and 2 ranks -> 1, against a real run of it
+    # changes the model was tuned on, against real runs of them: micro batch 2 -> 4 with 2 ranks -> 1, and
+    # ZeRO-3 -> ZeRO-2 (the advice above)
     from trainprof.projection.stepmodel import measured_from_profile
 
     attempt = iter(range(3))
@@ -84,6 +85,11 @@ def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_
         assert abs(what_if["step_ms"] - m.step_ms) / m.step_ms < STEP_TOLERANCE, (what_if["step_ms"], m.step_ms)
         mem_err = abs(what_if["memory_per_rank_bytes"] - m.peak_memory_bytes) / m.peak_memory_bytes
         assert mem_err < MEMORY_TOLERANCE, (what_if["memory_per_rank_bytes"], m.peak_memory_bytes)
+        zero2_ms = zero2["predicted_step_ms"] if i == 0 else \
+            project(str(src_dir), "engine.zero_stage=2")["predictions"][0]["step_ms"]
+        _, real2 = run_trainprof(tmp_path / f"zero2-{i}", 2, STEPS, "engine.zero_stage=2")
+        m2 = measured_from_profile(real2)
+        assert abs(zero2_ms - m2.step_ms) / m2.step_ms < STEP_TOLERANCE, (zero2_ms, m2.step_ms)
 
     retry_on_noise(check)
 
