@@ -11,7 +11,8 @@ import pytest
 
 from trainprof.projection.calibrate import bus_factor, collective_ms, fit_alpha_beta
 from trainprof.projection.catalog import CatalogError, find_accelerator, load_catalog, load_prices
-from trainprof.projection.stepmodel import Change, EngineProbe, Link, Machine, Measured, predict_phases, residual_ms
+from trainprof.projection.stepmodel import (Change, EngineProbe, Link, Machine, Measured, StepProbe, predict_phases,
+                                            residual_ms)
 
 from conftest import REPO
 
@@ -148,7 +149,8 @@ def test_the_engines_own_work_in_the_leaves_does_not_grow_with_the_shape():
 def test_an_engine_change_scales_the_whole_compute_phases_by_the_probed_engine_ratio():
     m = _measured()
     probe = {"layer_forward_ms": 5.0, "layer_backward_ms": 10.0, "model_forward_ms": 12.0, "model_backward_ms": 24.0}
-    engine = EngineProbe(forward=0.75, backward=0.9, step=0.6, target_step_ms=3.0, state_elements=1000.0)
+    engine = EngineProbe(forward=0.75, backward=0.9, step=0.6,
+                         target_step=StepProbe(step_ms=3.0, state_elements=1000.0))
     phases, notes = predict_phases(m, _change(zero_stage=2), probes=(probe, probe), num_layers=2,
                                    source_machine=None, target_machine=None, link=None, source_zero_stage=3,
                                    engine=engine)
@@ -168,6 +170,16 @@ def test_an_engine_change_scales_the_whole_compute_phases_by_the_probed_engine_r
     to3, _ = predict_phases(m, _change(zero_stage=3), probes=(probe, probe), num_layers=2, source_machine=None,
                             target_machine=None, link=None, source_zero_stage=2, engine=engine, memory_gbps=0.01)
     assert to3["optimizer"] == pytest.approx(10.0 * 0.6)
+    # the same ZeRO-3 engine on one rank: no gathers after the step, so its own probed step, all 1000
+    # elements on the rank; on two ranks the source's measured step stays
+    probed = StepProbe(step_ms=3.0, state_elements=1000.0)
+    one, _ = predict_phases(m, _change(world_size=1, state_elements_per_rank=1000.0), probes=None, num_layers=2,
+                            source_machine=None, target_machine=None, link=None, source_zero_stage=3,
+                            step_probe=probed, memory_gbps=0.01)
+    assert one["optimizer"] == pytest.approx(3.0)
+    two, _ = predict_phases(m, _change(), probes=None, num_layers=2, source_machine=None, target_machine=None,
+                            link=None, source_zero_stage=3, step_probe=probed, memory_gbps=0.01)
+    assert two["optimizer"] == 10.0
 
 
 def test_zero_stage_0_to_2_collectives_are_derived_from_the_trainable_parameters():

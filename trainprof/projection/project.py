@@ -26,6 +26,7 @@ from trainprof.projection.stepmodel import (
     Link,
     Machine,
     Measured,
+    StepProbe,
     derives_zero_collectives,
     measured_from_profile,
     predict_phases,
@@ -278,7 +279,7 @@ class Projector:
         self._probes: dict[Any, dict[str, float]] = {}
         self._engine_probes: dict[Any, EngineProbe] = {}
         self._pair_probes: dict[Any, tuple[dict[str, float], dict[str, float]]] = {}
-        self._overheads: dict[int, tuple[float, float]] = {}
+        self._source_engine_probes: dict[int, dict[str, float]] = {}
         self._calibrations: dict[int, dict[str, Any]] = {}
         self._links: dict[int, Link | None] = {}
         env = source.profile["env"]
@@ -334,8 +335,8 @@ class Projector:
             self._engine_probes[key] = EngineProbe(
                 forward=t["engine_forward_ms"] / s["engine_forward_ms"],
                 backward=t["engine_backward_ms"] / s["engine_backward_ms"],
-                step=t["engine_step_ms"] / s["engine_step_ms"], target_step_ms=t["engine_step_ms"],
-                state_elements=float(self.source.profile["params"]["trainable"]))
+                step=t["engine_step_ms"] / s["engine_step_ms"],
+                target_step=StepProbe(step_ms=t["engine_step_ms"], state_elements=self._trainable()))
         return self._engine_probes[key]
 
     def engine_overhead(self, threads: int) -> tuple[float, float]:
@@ -343,14 +344,25 @@ class Projector:
         source's shape: its engine in a group of one minus the bare model, called in turn in one process
         (calibrate.probe_engines with `bare`: probed in separate calls, a slow spell during one of them
         entered the difference whole), beside the source's CPU neighbours; never below 0."""
-        if threads not in self._overheads:
+        probe = self._source_engine_probe(threads)
+        return (max(probe["engine_forward_ms"] - probe["model_forward_ms"], 0.0),
+                max(probe["engine_backward_ms"] - probe["model_backward_ms"], 0.0))
+
+    def source_step(self, threads: int) -> StepProbe:
+        """The source's engine's step() in a group of one (the probe `engine_overhead` makes)."""
+        return StepProbe(step_ms=self._source_engine_probe(threads)["engine_step_ms"], state_elements=self._trainable())
+
+    def _source_engine_probe(self, threads: int) -> dict[str, float]:
+        if threads not in self._source_engine_probes:
             from trainprof.projection.calibrate import probe_engines
 
             src, world = self.source.recipe, self.source.measured.world_size
-            (probe,) = probe_engines([src], threads=threads, neighbours=self.neighbours(world), bare=True)
-            self._overheads[threads] = (max(probe["engine_forward_ms"] - probe["model_forward_ms"], 0.0),
-                                        max(probe["engine_backward_ms"] - probe["model_backward_ms"], 0.0))
-        return self._overheads[threads]
+            (self._source_engine_probes[threads],) = probe_engines([src], threads=threads, neighbours=self.neighbours(world),
+                                                        bare=True)
+        return self._source_engine_probes[threads]
+
+    def _trainable(self) -> float:
+        return float(self.source.profile["params"]["trainable"])
 
     def calibration_at(self, threads: int) -> dict[str, Any]:
         from trainprof.projection.calibrate import calibrate
@@ -409,6 +421,7 @@ class Projector:
         source_machine = target_machine = None
         probes = None
         engine: EngineProbe | None = None
+        step_probe: StepProbe | None = None
         engine_overhead: tuple[float, float] | None = None
         link: Link | None = None
         same_device = machine == THIS
@@ -427,6 +440,8 @@ class Projector:
                     if (ProbeShape.of(src.recipe), self.neighbours(m.world_size)) != \
                             (ProbeShape.of(target_recipe), self.neighbours(world)):  # the probes differ
                         engine_overhead = self.engine_overhead(probe_threads or 1)
+                    if engine is None and world == 1 < m.world_size and _zero(src.recipe) == 3:
+                        step_probe = self.source_step(probe_threads or 1)  # one rank: no gathers after the step
                 except ValueError as err:
                     reasons["step_ms"] = f"the engine could not be probed: {err}"
             elif _shape_changed(src.recipe, target_recipe):
@@ -476,7 +491,7 @@ class Projector:
                                                source_machine=source_machine, target_machine=target_machine,
                                                link=link, source_zero_stage=_zero(src.recipe),
                                                memory_gbps=self._memory_gbps(same_device), engine=engine,
-                                               engine_overhead=engine_overhead)
+                                               step_probe=step_probe, engine_overhead=engine_overhead)
                 assumptions.extend(notes)
                 if not same_device and _shape_changed(src.recipe, target_recipe):
                     ratio = _plan_flops(target_recipe, world) / world / (_plan_flops(src.recipe, m.world_size) / m.world_size)

@@ -25,8 +25,11 @@ and each part is re-derived for the target:
   * optimizer: a fixed part (the engine's step machinery, launches, gradient clipping) plus Adam's
     elementwise pass over the state this rank holds (ZeRO partitions it over the world size), priced at
     7 fp32 accesses per element (read param, grad, m, v; write param, m, v) over the measured memory
-    bandwidth; the fixed part is what the source measured beyond that pass. An engine change scales it
-    by the two engines' probed `step()` ratio. Another machine: scaled by source/target memory bandwidth.
+    bandwidth; the fixed part is what the source measured beyond that pass. A target whose step does no
+    per-parameter work for other ranks (below ZeRO-3, or one rank) where the source's did (ZeRO-3's
+    gathers after the step), or another engine: that engine's `step()` probed in a group of one, Adam's
+    pass re-priced for the rank; a change to ZeRO-3: x the two engines' probed `step()` ratio. Another
+    machine: scaled by source/target memory bandwidth.
   * comm_exposed: per collective of the profile, α-β time for its bytes over the target's link
     (nccl-tests bus factors), times the exposed fraction measured at the source (exposed/total);
     forward/backward collectives repeat per micro batch. A change to DeepSpeed ZeRO stage 0-2 derives that
@@ -201,6 +204,14 @@ class Link:
 
 
 @dataclasses.dataclass(kw_only=True)
+class StepProbe:
+    """The target engine's optimizer `step()` probed in a group of one (calibrate.probe_engines)."""
+
+    step_ms: float
+    state_elements: float  # the optimizer state elements of that one rank: every trainable parameter's
+
+
+@dataclasses.dataclass(kw_only=True)
 class EngineProbe:
     """The target's engine against the source's, both probed at the source's shape in one process, in a
     group of one (calibrate.probe_engines): what the engine adds around the model, without communication."""
@@ -208,8 +219,7 @@ class EngineProbe:
     forward: float  # target / source forward ms
     backward: float  # target / source backward ms
     step: float  # target / source optimizer step() ms
-    target_step_ms: float  # the target engine's step() ms, with every trainable parameter's state on its one rank
-    state_elements: float  # the optimizer state elements of that one rank
+    target_step: StepProbe
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -236,7 +246,7 @@ class Change:
 def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float], dict[str, float]] | None,
                    num_layers: int, source_machine: Machine | None, target_machine: Machine | None,
                    link: Link | None, source_zero_stage: int, memory_gbps: float | None = None,
-                   engine: EngineProbe | None = None,
+                   engine: EngineProbe | None = None, step_probe: StepProbe | None = None,
                    engine_overhead: tuple[float, float] | None = None) -> tuple[dict[str, float], list[str]]:
     """Predicted phases (ms per optimizer step, per rank) and the assumptions made.
 
@@ -253,6 +263,9 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
             (None: the optimizer scales with state elements alone).
         engine: the target's engine probed against the source's, for an engine change (ZeRO stage, offload,
             DeepSpeed/torch); None: the engine is unchanged.
+        step_probe: the target engine's step() probed in a group of one, where the engine is unchanged but
+            the target's step differs from the source's in kind (one rank: ZeRO-3 gathers nothing after it);
+            an engine change brings its own.
         engine_overhead: (forward, backward) ms per micro batch that the source's engine adds to the bare
             model at the source's shape (Projector.engine_overhead), kept as measured when the shape
             changes; None: every ms of the leaves scales with the probe.
@@ -340,13 +353,15 @@ def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float
     opt = m.phases_ms["optimizer"]
     n_s, n_t = change.source_state_elements_per_rank, change.state_elements_per_rank
     pass_ms = (lambda n: n * ADAM_BYTES_PER_ELEMENT / (memory_gbps * 1e9) * 1e3) if memory_gbps else None  # noqa: E731
-    if engine is not None and pass_ms and n_t and (change.engine != "deepspeed" or change.zero_stage < 3):
-        # below ZeRO-3 a step does no per-parameter work for the other ranks (the source's may: ZeRO-3
-        # all-gathers its persistent parameters after the step): the target engine's own step, probed,
-        # with Adam's pass moved from the probe's state elements to this rank's
-        opt = max(engine.target_step_ms - pass_ms(engine.state_elements), 0.0) + pass_ms(n_t)
-        notes.append(f"optimizer: the target engine's step() probed in a group of one ({engine.target_step_ms:.2f} ms "
-                     f"over {engine.state_elements:,.0f} state elements), with Adam's pass re-priced for {n_t:,.0f} "
+    probed = step_probe or (engine.target_step if engine is not None else None)
+    if probed is not None and pass_ms and n_t and (change.engine != "deepspeed" or change.zero_stage < 3
+                                                   or change.world_size == 1):
+        # below ZeRO-3, or on one rank, a step does no per-parameter work for other ranks (the source's may:
+        # ZeRO-3 all-gathers its persistent parameters after the step): the target engine's own step,
+        # probed, with Adam's pass moved from the probe's state elements to this rank's
+        opt = max(probed.step_ms - pass_ms(probed.state_elements), 0.0) + pass_ms(n_t)
+        notes.append(f"optimizer: the target engine's step() probed in a group of one ({probed.step_ms:.2f} ms "
+                     f"over {probed.state_elements:,.0f} state elements), with Adam's pass re-priced for {n_t:,.0f} "
                      f"elements per rank at {ADAM_BYTES_PER_ELEMENT} B each over {memory_gbps:.3g} GB/s")
     else:
         if n_s and n_t and n_s != n_t:
