@@ -357,8 +357,8 @@ class Projector:
             from trainprof.projection.calibrate import probe_engines
 
             src, world = self.source.recipe, self.source.measured.world_size
-            (self._source_engine_probes[threads],) = probe_engines([src], threads=threads, neighbours=self.neighbours(world),
-                                                        bare=True)
+            (probe,) = probe_engines([src], threads=threads, neighbours=self.neighbours(world), bare=True)
+            self._source_engine_probes[threads] = probe
         return self._source_engine_probes[threads]
 
     def _trainable(self) -> float:
