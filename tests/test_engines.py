@@ -39,6 +39,19 @@ def test_deepspeed_zero(tmp_path, nproc, stage, offload):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_under_deepspeed_zero(tmp_path, stage):
+    """LoRA adapters train under ZeRO-2 and ZeRO-3 on two ranks. ZeRO-3 creates them partitioned in the
+    model dtype and refused peft's fp32 adapters beside them (an AssertionError inside DeepSpeed)."""
+    _, profile = run_trainprof(tmp_path, 2, "task.kind=lora", f"engine.zero_stage={stage}")
+    steps = [s for s in profile["steps"] if not s.get("warmup")]
+    assert all(math.isfinite(s["loss"]) for s in steps)
+    assert steps[-1]["loss"] < steps[0]["loss"], [s["loss"] for s in steps]
+    assert 0 < profile["params"]["trainable"] < profile["params"]["total"] / 50  # the adapters only
+    assert profile["engine"]["config"]["zero_optimization"]["stage"] == stage
+
+
+@pytest.mark.slow
 def test_torch_ddp_two_ranks(tmp_path):
     _, profile = run_trainprof(tmp_path, 2, "engine.kind=torch", "engine.zero_stage=0", "train.grad_accum=2")
     assert_trained(profile, 2, grad_accum=2)

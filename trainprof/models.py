@@ -155,7 +155,10 @@ def add_lora(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
     if recipe.model.recompute:
         # gradient checkpointing on a frozen base needs inputs that require grad
         model.enable_input_require_grads()
-    return get_peft_model(model, cfg)
+    # peft keeps adapters in fp32 on a 16-bit base; ZeRO-3 partitions the adapters as zero.Init creates them,
+    # in the model dtype, and needs all trainable parameters in one dtype (it keeps fp32 masters itself)
+    zero3 = recipe.engine.kind == "deepspeed" and recipe.engine.zero_stage == 3
+    return get_peft_model(model, cfg, autocast_adapter_dtype=not zero3)
 
 
 def count_params(model: torch.nn.Module) -> dict[str, int]:
