@@ -202,6 +202,11 @@ class Link:
     source: str
     measured_here: bool = False  # a fit measured on the source's machine (gloo), not a catalog link
 
+    @property
+    def fit(self) -> dict[str, float]:
+        """The {alpha_ms, busbw_gbps} fit that calibrate.collective_ms prices with."""
+        return {"alpha_ms": self.alpha_ms, "busbw_gbps": self.busbw_gbps}
+
 
 @dataclasses.dataclass(kw_only=True)
 class StepProbe:
@@ -453,8 +458,7 @@ def _bucketed_zero_comm(m: Measured, change: Change, link: Link) -> tuple[float,
       * the source's small optimizer-phase collectives (gradient norm, overflow flag) as measured.
     Without overlap_comm (DeepSpeed's default below stage 3) the reduction blocks the backward: exposed
     whole; with it, at the source's measured exposed fraction of its backward reductions."""
-    n, stage = change.world_size, change.zero_stage
-    fit = {"alpha_ms": link.alpha_ms, "busbw_gbps": link.busbw_gbps}
+    n, stage, fit = change.world_size, change.zero_stage, link.fit
     grads = m.trainable_param_bytes
     if grads <= 0:
         return float("nan"), ["comm: the profile records no trainable parameters to derive ZeRO's collectives from"]
@@ -473,7 +477,7 @@ def _bucketed_zero_comm(m: Measured, change: Change, link: Link) -> tuple[float,
         gather_ms = gather_calls * collective_ms("all_gather_into_tensor", grads / gather_calls, n, fit)
     small = sum(c["exposed_ms"] for c in m.comm if c["phase"] == "optimizer" and c["calls"]
                 and (c.get("bytes") or 0) / c["calls"] < SMALL_COLLECTIVE_BYTES)
-    wait, wait_note = _in_training_wait(m, n, link, fit)
+    wait, wait_note = _in_training_wait(m, n, link)
     blocking = (0 if change.overlap_comm else reductions * reduce_calls) + gather_calls
     notes = [f"comm: ZeRO stage {stage}'s collectives derived from the {grads / 1e6:.3g} MB of trainable parameters "
              f"and priced as alpha + bytes*busfactor/busbw over {link.source}: gradient all_reduce "
@@ -485,7 +489,13 @@ def _bucketed_zero_comm(m: Measured, change: Change, link: Link) -> tuple[float,
     return reduce_ms * exposed + gather_ms + wait * blocking + small, notes
 
 
-def _in_training_wait(m: Measured, n: int, link: Link, fit: dict[str, float]) -> tuple[float, str]:
+def _recorded_ms(c: dict[str, Any], n: int, link: Link) -> float:
+    """The α-β price over `link` of a collective row of the profile (its calls at their mean bytes)."""
+    per_call_bytes = c["bytes"] / c["calls"] if c.get("bytes") else 0.0
+    return c["calls"] * collective_ms(c["op"], per_call_bytes, n, link.fit)
+
+
+def _in_training_wait(m: Measured, n: int, link: Link) -> tuple[float, str]:
     """The wait per blocking collective in training beyond its α-β price (the other rank still computing
     when one arrives, cores and caches shared with the model's work): the source's blocking collectives'
     measured time minus their price by the same fit, per call, never below 0. Only where the fit was
@@ -496,7 +506,7 @@ def _in_training_wait(m: Measured, n: int, link: Link, fit: dict[str, float]) ->
     if not rows:
         return 0.0, "comm: no in-training wait added (the source recorded no blocking collective)"
     calls = sum(c["calls"] for c in rows)
-    priced = sum(c["calls"] * collective_ms(c["op"], (c.get("bytes") or 0) / c["calls"], n, fit) for c in rows)
+    priced = sum(_recorded_ms(c, n, link) for c in rows)
     measured = sum(c["total_ms"] for c in rows)
     wait = max(measured - priced, 0.0) / calls
     return wait, (f"comm: + {wait:.2f} ms a blocking call waited in training: the source's {calls} blocking collectives "
@@ -537,9 +547,7 @@ def _comm(m: Measured, change: Change, link: Link | None, source_zero_stage: int
     if not rows:
         return float("nan"), ["comm: the source recorded no collectives to re-time"]
     for c in rows:
-        per_call_bytes = c["bytes"] / c["calls"] if c.get("bytes") else 0.0
-        t = c["calls"] * collective_ms(c["op"], per_call_bytes, n, {"alpha_ms": link.alpha_ms,
-                                                                    "busbw_gbps": link.busbw_gbps})
+        t = _recorded_ms(c, n, link)
         exposed_frac = (c["exposed_ms"] / c["total_ms"]) if (m.world_size > 1 and c.get("total_ms")) else 1.0
         repeat = change.grad_accum / m.grad_accum if c["phase"] in ("forward", "backward") else 1.0
         total += t * min(exposed_frac, 1.0) * repeat
