@@ -2,7 +2,7 @@
 run each change for real, and print per-case and mean absolute percentage errors on step time and on
 peak memory. Goal: step time mean <= 5%, max <= 10%; memory within 10%.
 
-    python scripts/bench_projection.py                 # ~30 min on 2 cores (5 repeats of 40 steps)
+    python scripts/bench_projection.py                 # ~40 min on 2 cores (5 repeats of 40 steps)
     python scripts/bench_projection.py --repeats 2     # ~12 min, noisier
     python scripts/bench_projection.py --write         # also store the table as the package's
                                                        # validation.json (what expected_error_pct cites)
@@ -37,6 +37,10 @@ DS_CASES = [
     ("attention sdpa->eager", ["attention"], ["model.attention=eager"], 2, 1, False),
     ("ZeRO-3 -> ZeRO-2", ["zero_stage"], ["engine.zero_stage=2"], 2, 1, True),  # its collectives and step: tuned on it
     ("2 ranks -> 1", ["world_size"], [], 1, 1, True),
+    # a task change probes both engines with their models (LoRA's frozen base, QLoRA's 4-bit one); its
+    # ZeRO stage 0-2 collectives come from the adapters (under ZeRO-3 it is not predicted)
+    ("pretrain -> LoRA, ZeRO-2", ["task", "zero_stage"], ["task.kind=lora", "engine.zero_stage=2"], 2, 1, False),
+    ("pretrain -> QLoRA, ZeRO-2", ["task", "zero_stage"], ["task.kind=qlora", "engine.zero_stage=2"], 2, 1, False),
 ]
 TORCH_BASE = ["engine.kind=torch", "engine.zero_stage=0"]
 THREAD_CASES = [

@@ -95,6 +95,32 @@ def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_
 
 
 @pytest.mark.slow
+def test_a_task_change_is_probed_with_its_engine_and_unmodelled_keys_are_refused(source):
+    """pretrain -> LoRA at ZeRO-2 builds both engines with their models and probes them: the frozen base
+    skips its weight-gradient GEMMs, so the backward must get faster; the step updates the adapters only;
+    the collectives carry the adapters' bytes. Under ZeRO-3 on 2 ranks, and for a key the model does not
+    re-derive, the step is null with the reason (and no probe runs)."""
+    run_dir, _ = source
+    result = project(str(run_dir), "task.kind=lora", "engine.zero_stage=2")
+    lora = result["predictions"][0]
+    assert lora["change_kinds"] == ["zero_stage", "task"] and lora["step_ms"] > 0, lora.get("reasons")
+    engine_note = next(a for a in lora["assumptions"] if a.startswith("engine change"))
+    assert float(engine_note.split("backward x")[1].split(" ")[0]) < 0.95, engine_note
+    adapters = 2 * 2 * (8 * 128 + 128 * 8)  # layers x (q_proj, v_proj) x (A: r x hidden, B: hidden x r)
+    assert any(f"over {adapters:,} state elements" in a for a in lora["assumptions"]), lora["assumptions"]
+    assert any(f"derived from the {adapters * 2 / 1e6:.3g} MB of trainable parameters" in a
+               for a in lora["assumptions"]), lora["assumptions"]
+    assert lora["phases_ms"]["optimizer"] < 0.5 * result["source"]["phases_ms"]["optimizer"]
+    refused = [project(str(run_dir), *o)["predictions"][0] for o in (["task.kind=lora"],
+                                                                    ["model.dtype=fp32", "optimizer.lr=0.1"])]
+    assert refused[0]["step_ms"] is None and "task change on 2 ranks under DeepSpeed ZeRO-3 is not derived" in \
+        refused[0]["reasons"]["step_ms"]
+    assert refused[1]["step_ms"] is None and refused[1]["tokens_per_s"] is None
+    assert "does not re-derive a change of model.dtype:" in refused[1]["reasons"]["step_ms"]
+    assert refused[1]["memory_per_rank_bytes"] > 0  # the plan's formulas still give the memory
+
+
+@pytest.mark.slow
 def test_catalog_targets_costs_fit_and_files(source):
     run_dir, _ = source
     result = project(str(run_dir), "--to", "h100-sxm,rtx4090", "--nodes", "1,2", "--tokens", "1e9",

@@ -11,8 +11,9 @@ import pytest
 
 from trainprof.projection.calibrate import bus_factor, collective_ms, fit_alpha_beta
 from trainprof.projection.catalog import CatalogError, find_accelerator, load_catalog, load_prices
-from trainprof.projection.stepmodel import (Change, EngineProbe, Link, Machine, Measured, StepProbe, predict_phases,
-                                            residual_ms)
+from trainprof.projection.stepmodel import (Change, EngineProbe, Link, Machine, Measured, StepProbe,
+                                           derives_zero_collectives, predict_phases, residual_ms,
+                                           task_change_not_derived)
 
 from conftest import REPO
 
@@ -219,6 +220,49 @@ def test_zero_stage_0_to_2_collectives_are_derived_from_the_trainable_parameters
     unpriced, notes = predict_phases(m, _change(zero_stage=2), probes=None, num_layers=2, source_machine=None,
                                      target_machine=None, link=None, source_zero_stage=3)
     assert math.isnan(unpriced["comm_exposed"]) and "no collective calibration" in notes[-1]
+
+
+def test_a_task_change_derives_stage_0_2_collectives_from_the_adapters_and_refuses_zero3_and_ddp():
+    """pretrain -> LoRA trains the adapters only: at ZeRO stage 0-2 the gradient all_reduce and the
+    all-gather after the step carry the adapters' bytes, even at the source's own stage; under ZeRO-3 or
+    DDP on several ranks the collectives are not derived (null with the reason), on one rank there are none."""
+    m = _measured(trainable_param_bytes=4e6, dtype_bytes=2)
+    link = Link(alpha_ms=0.5, busbw_gbps=1.0, source="test link")
+    adapters = 2e3  # bytes: 1,000 trainable parameters in bf16
+    lora = _change(zero_stage=2, trainable_param_bytes=adapters, param_groups=1)
+    assert derives_zero_collectives(lora, 2) and not derives_zero_collectives(_change(zero_stage=2), 2)
+    phases, notes = predict_phases(m, lora, probes=None, num_layers=2, source_machine=None, target_machine=None,
+                                   link=link, source_zero_stage=2)
+    # one all_reduce (bus factor 1 at n=2) and one all-gather (1/2) of 2 kB each, then the small optimizer rows
+    # of the source (none here)
+    assert phases["comm_exposed"] == pytest.approx((0.5 + adapters / 1e9 * 1e3) + (0.5 + adapters / 2 / 1e9 * 1e3))
+    assert any("derived from the 0.002 MB of trainable parameters" in n for n in notes), notes
+    for target in (_change(zero_stage=3, trainable_param_bytes=adapters),
+                   _change(engine="torch", zero_stage=0, trainable_param_bytes=adapters)):
+        why = task_change_not_derived(target)
+        assert why and "is not derived" in why and ("ZeRO-3" in why or "DDP" in why)
+        phases, notes = predict_phases(m, target, probes=None, num_layers=2, source_machine=None,
+                                       target_machine=None, link=link, source_zero_stage=3)
+        assert math.isnan(phases["comm_exposed"]) and notes[-1] == why
+    assert task_change_not_derived(_change(zero_stage=3, trainable_param_bytes=adapters, world_size=1)) is None
+    assert task_change_not_derived(_change(zero_stage=3)) is None  # no task change
+
+
+def test_keys_the_step_model_does_not_rederive_are_named_and_step_neutral_ones_pass():
+    from trainprof.projection.project import change_kinds, unmodelled_changes
+    from trainprof.recipe import load_recipe
+
+    quick = REPO / "recipes" / "quickstart_cpu.yaml"
+    src = load_recipe(quick, [])
+    assert unmodelled_changes(src, load_recipe(quick, ["optimizer.lr=0.1", "train.steps=5", "profile.ops=false",
+                                                       "task.kind=lora", "engine.zero_stage=2",
+                                                       "train.micro_batch_size=8"])) == []
+    assert unmodelled_changes(src, load_recipe(quick, ["model.dtype=fp32", "model.name=llama2-small",
+                                                       "optimizer.state_bits=8", "data.num_workers=2"])) == [
+        "data.num_workers", "model.dtype", "model.name", "optimizer.state_bits"]
+    kinds = change_kinds(src, load_recipe(quick, ["task.kind=qlora", "engine.zero_stage=2"]), 2, 2, "this")
+    assert kinds == ["zero_stage", "task"]
+    assert change_kinds(src, load_recipe(quick, ["task.lora.r=16"]), 2, 2, "this") == ["none"]  # still pretrain
 
 
 def test_cross_machine_scales_matmul_by_rate_and_the_rest_by_bandwidth():

@@ -31,6 +31,7 @@ from trainprof.projection.stepmodel import (
     measured_from_profile,
     predict_phases,
     residual_ms,
+    task_change_not_derived,
 )
 
 PROJECTION_VERSION = 1
@@ -140,6 +141,8 @@ def change_kinds(source_recipe: Any, target_recipe: Any, source_world: int, worl
         kinds.append("attention")
     if s.engine.zero_stage != t.engine.zero_stage:
         kinds.append("zero_stage")
+    if _task_key(s) != _task_key(t):
+        kinds.append("task")
     if source_world != world:
         kinds.append("world_size")
     if machine != THIS:
@@ -322,11 +325,13 @@ class Projector:
         return self._pair_probes[key]
 
     def engine_probe(self, target_recipe: Any, threads: int) -> EngineProbe:
-        """The target's engine against the source's, both probed at the source's shape in one process
-        (calibrate.probe_engines), with the source's CPU neighbours."""
+        """The target's engine and task against the source's, both probed at the source's shape in one
+        process (calibrate.probe_engines), with the source's CPU neighbours. A task change (pretrain,
+        LoRA, QLoRA) is probed this way too: frozen weights skip their gradient GEMMs, adapters and 4-bit
+        dequantization add work, and the step updates only the adapters."""
         src = self.source.recipe
-        target_engine = dataclasses.replace(src, engine=target_recipe.engine)
-        key = (_engine_key(src), _engine_key(target_recipe), threads)
+        target_engine = dataclasses.replace(src, engine=target_recipe.engine, task=target_recipe.task)
+        key = (_engine_key(src), _engine_key(target_recipe), _task_key(target_recipe), threads)
         if key not in self._engine_probes:
             from trainprof.projection.calibrate import probe_engines
 
@@ -336,7 +341,7 @@ class Projector:
                 forward=t["engine_forward_ms"] / s["engine_forward_ms"],
                 backward=t["engine_backward_ms"] / s["engine_backward_ms"],
                 step=t["engine_step_ms"] / s["engine_step_ms"],
-                target_step=StepProbe(step_ms=t["engine_step_ms"], state_elements=self._trainable()))
+                target_step=StepProbe(step_ms=t["engine_step_ms"], state_elements=_trainable(target_engine)))
         return self._engine_probes[key]
 
     def engine_overhead(self, threads: int) -> tuple[float, float]:
@@ -350,7 +355,8 @@ class Projector:
 
     def source_step(self, threads: int) -> StepProbe:
         """The source's engine's step() in a group of one (the probe `engine_overhead` makes)."""
-        return StepProbe(step_ms=self._source_engine_probe(threads)["engine_step_ms"], state_elements=self._trainable())
+        return StepProbe(step_ms=self._source_engine_probe(threads)["engine_step_ms"],
+                         state_elements=float(self.source.profile["params"]["trainable"]))
 
     def _source_engine_probe(self, threads: int) -> dict[str, float]:
         if threads not in self._source_engine_probes:
@@ -360,9 +366,6 @@ class Projector:
             (probe,) = probe_engines([src], threads=threads, neighbours=self.neighbours(world), bare=True)
             self._source_engine_probes[threads] = probe
         return self._source_engine_probes[threads]
-
-    def _trainable(self) -> float:
-        return float(self.source.profile["params"]["trainable"])
 
     def calibration_at(self, threads: int) -> dict[str, Any]:
         from trainprof.projection.calibrate import calibrate
@@ -408,15 +411,27 @@ class Projector:
         m = src.measured
         world = world or m.world_size
         trainable = int(src.profile["params"]["trainable"])
+        task_changed = _task_key(src.recipe) != _task_key(target_recipe)
+        trainable_t = _trainable(target_recipe) if task_changed else trainable
         change = Change(
             micro_batch=target_recipe.train.micro_batch_size, seq_len=target_recipe.data.seq_len,
             grad_accum=target_recipe.train.grad_accum, recompute=target_recipe.model.recompute,
             attention=target_recipe.model.attention, zero_stage=_zero(target_recipe), engine=target_recipe.engine.kind,
-            world_size=world, state_elements_per_rank=_state_elements_per_rank(target_recipe, trainable, world),
+            world_size=world, state_elements_per_rank=_state_elements_per_rank(target_recipe, trainable_t, world),
             source_state_elements_per_rank=_state_elements_per_rank(src.recipe, trainable, m.world_size),
+            trainable_param_bytes=trainable_t * m.dtype_bytes if task_changed else None,
             **_zero_settings(target_recipe))
         assumptions: list[str] = []
         reasons: dict[str, str] = {}
+        unmodelled = unmodelled_changes(src.recipe, target_recipe)
+        if unmodelled:
+            reasons["step_ms"] = (f"the step model does not re-derive a change of {', '.join(unmodelled)}: measure "
+                                  "a run with it (trainprof.run) and project from that run")
+        elif why := task_change_not_derived(change):
+            reasons["step_ms"] = why
+        elif task_changed and machine != THIS:
+            reasons["step_ms"] = ("a task change (pretrain, LoRA, QLoRA) is probed on the source's machine: project it "
+                                  "there with --to this, then project that prediction's run to other hardware")
         target: Target | None = None
         source_machine = target_machine = None
         probes = None
@@ -432,10 +447,12 @@ class Projector:
             shape = resolve_shape(target_recipe.model)
             layer_params = 4 * shape.hidden_size ** 2 + 3 * shape.hidden_size * shape.intermediate_size
             probe_threads = self.source_threads
-            if self.probe and layer_params <= PROBE_MAX_LAYER_PARAMS and _same_machine_as_source(src):
+            if "step_ms" in reasons:
+                pass
+            elif self.probe and layer_params <= PROBE_MAX_LAYER_PARAMS and _same_machine_as_source(src):
                 probes = self.probe_pair(target_recipe, probe_threads, world)
                 try:
-                    if _engine_key(src.recipe) != _engine_key(target_recipe):
+                    if _engine_key(src.recipe) != _engine_key(target_recipe) or task_changed:
                         engine = self.engine_probe(target_recipe, probe_threads or 1)
                     if (ProbeShape.of(src.recipe), self.neighbours(m.world_size)) != \
                             (ProbeShape.of(target_recipe), self.neighbours(world)):  # the probes differ
@@ -444,9 +461,10 @@ class Projector:
                         step_probe = self.source_step(probe_threads or 1)  # one rank: no gathers after the step
                 except ValueError as err:
                     reasons["step_ms"] = f"the engine could not be probed: {err}"
-            elif _shape_changed(src.recipe, target_recipe):
-                reasons["step_ms"] = ("the shape changed and the model cannot be probed here (another machine or a "
-                                      "model too large to probe on CPU); run on the source machine")
+            elif _shape_changed(src.recipe, target_recipe) or task_changed:
+                reasons["step_ms"] = (f"the {'task' if task_changed else 'shape'} changed and the model cannot be "
+                                      "probed here (another machine, a model too large to probe on CPU, or --no-probe); "
+                                      "run on the source machine")
             if threads and threads != self.source_threads:
                 source_machine = machine_from_calibration(self.calibration_at(self.source_threads),
                                                           f"this machine, {self.source_threads} threads")
@@ -610,6 +628,55 @@ class Projector:
         return planned, False, None
 
 
+def _task_key(recipe: Any) -> str:
+    """What of the recipe's task decides the step's work: the kind, and the adapters and quantization it uses."""
+    t = recipe.task
+    return repr((t.kind, dataclasses.asdict(t.lora) if t.kind != "pretrain" else None,
+                 dataclasses.asdict(t.quant) if t.kind == "qlora" else None))
+
+
+def _trainable(recipe: Any) -> float:
+    """Trainable parameters of the recipe's model: all of them in pretraining, the adapters' under LoRA
+    (trainprof.plan.analytic_params: peft's A and B matrices per targeted linear)."""
+    from trainprof.models import resolve_shape
+    from trainprof.plan import analytic_params
+
+    return float(analytic_params(resolve_shape(recipe.model), recipe)["trainable"])
+
+
+# recipe keys the step model re-derives (besides the world size, threads and the machine): the shape,
+# the engine and the task (the engine probe builds the target's)
+MODELLED_KEYS = ("train.micro_batch_size", "data.seq_len", "train.grad_accum", "model.recompute", "model.attention",
+                 "engine.zero_stage", "engine.offload", "engine.kind", "task.")
+# keys that do not change the work of a step: how long a run is, its seed, its output, the optimizer's
+# hyperparameters (not its kind), what the profiler records
+STEP_NEUTRAL_KEYS = ("train.steps", "train.warmup_steps", "train.seed", "train.memory_cap_gb", "optimizer.lr",
+                     "optimizer.weight_decay", "optimizer.betas", "optimizer.eps", "data.synthetic_pattern_len",
+                     "profile.", "output.")
+
+
+def _key_modelled(key: str) -> bool:
+    return key.startswith(MODELLED_KEYS + STEP_NEUTRAL_KEYS)
+
+
+def unmodelled_changes(source_recipe: Any, target_recipe: Any) -> list[str]:
+    """Recipe keys (dotted) whose value differs between the source and the target, that change the
+    work of a step, and that the step model does not re-derive (model size or dtype, optimizer kind,
+    pipeline layout, DeepSpeed's own settings, data loading): a prediction across them is null."""
+    a, b = _flat(source_recipe.to_dict()), _flat(target_recipe.to_dict())
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not _key_modelled(k))
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def _engine_key(recipe: Any) -> tuple[str, int, str]:
     e = recipe.engine
     return (e.kind, e.zero_stage if e.kind == "deepspeed" else 0, e.offload if e.kind == "deepspeed" else "none")
@@ -714,11 +781,6 @@ def project(run_dir: str | Path, *, targets: list[str] | None = None, nodes: lis
     }
 
 
-# recipe keys the step model re-derives; an advice that changes another key cannot be projected
-MODELLED_KEYS = ("train.micro_batch_size", "data.seq_len", "train.grad_accum", "model.recompute", "model.attention",
-                 "engine.zero_stage", "engine.offload", "engine.kind")
-
-
 def project_advice(run_dir: str | Path, *, probe: bool = True, progress: bool = False) -> list[dict[str, Any]]:
     """The advisor's advice for a run (trainprof.report.advisor), each with its recipe overrides projected
     on the run's own machine: predicted step and tokens/s, and the gain over the same-settings
@@ -736,7 +798,7 @@ def project_advice(run_dir: str | Path, *, probe: bool = True, progress: bool = 
         overrides = override_args(a["overrides"])
         row: dict[str, Any] = {"rule": a["rule"], "overrides": overrides, "predicted_step_ms": None,
                                "predicted_tokens_per_s": None, "predicted_gain": None, "expected_error_pct": None}
-        unmodelled = [k for k in a["overrides"] if k not in MODELLED_KEYS]
+        unmodelled = [k for k in a["overrides"] if not _key_modelled(k)]
         if not overrides:
             row["reason"] = "the advice changes no recipe key"
         elif unmodelled:

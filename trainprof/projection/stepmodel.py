@@ -22,6 +22,9 @@ and each part is re-derived for the target:
         calibration times the GEMM layouts of a Linear's forward and backward apart), scaled by
         source/target matmul rate (the target's MAMF, else its datasheet peak); the rest
         is taken as memory-bound and scaled by source/target memory bandwidth.
+    A task change (pretrain <-> LoRA/QLoRA, adapter rank or targets) is an engine change: both models
+    built by their engines and probed, so the frozen base's skipped weight gradients, the adapters and
+    4-bit dequantization are in the ratio (same machine only).
   * optimizer: a fixed part (the engine's step machinery, launches, gradient clipping) plus Adam's
     elementwise pass over the state this rank holds (ZeRO partitions it over the world size), priced at
     7 fp32 accesses per element (read param, grad, m, v; write param, m, v) over the measured memory
@@ -35,7 +38,8 @@ and each part is re-derived for the target:
     forward/backward collectives repeat per micro batch. A change to DeepSpeed ZeRO stage 0-2 derives that
     stage's bucketed collectives from the trainable parameters instead (gradient all_reduce, the all-gather
     of the updated partitions; `_bucketed_zero_comm`); a change to stage 3 scales by the ZeRO paper's
-    volumes (stage 1/2: 2Ψ, stage 3: 3Ψ per step). One rank: none.
+    volumes (stage 1/2: 2Ψ, stage 3: 3Ψ per step). A task change derives stage 0-2's collectives from the
+    target's trainable parameters; under ZeRO-3 or DDP on several ranks it is not predicted. One rank: none.
   * data_wait: as measured, per micro batch. other: as measured.
   * unattributed: per step it is small and >= 0 (the profiler's closure), but the source's figure is the
     median step minus the sum of per-phase medians, a signed difference of statistics; it is scaled with
@@ -246,6 +250,8 @@ class Change:
     allgather_bucket_elements: float = 5e8
     overlap_comm: bool = False
     param_groups: int = 2  # trainprof.engines.optim.param_groups: matrices, and 1-D norms/biases
+    # bytes of the trainable parameters when the task changes them (pretrain <-> LoRA/QLoRA); None: the source's
+    trainable_param_bytes: float | None = None
 
 
 def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float], dict[str, float]] | None,
@@ -441,11 +447,12 @@ def _rerate(matmul_ms: float, other_ms: float, src: Machine, dst: Machine, phase
 
 def derives_zero_collectives(change: Change, source_zero_stage: int) -> bool:
     """Whether the target's collectives are derived from the model rather than from the source's: a
-    DeepSpeed target at ZeRO stage 0-2 on more than one rank, at a stage other than the source's. Those
+    DeepSpeed target at ZeRO stage 0-2 on more than one rank, at a stage other than the source's or training
+    other parameters (a task change: LoRA's adapters instead of every weight). Those
     stages issue a few bucketed, blocking collectives whose calls and bytes follow from the parameter
     count; ZeRO-3's prefetched per-module gathers do not (a stage-3 target keeps the volume ratio)."""
-    return change.engine == "deepspeed" and change.zero_stage <= 2 and change.zero_stage != source_zero_stage \
-        and change.world_size > 1
+    return change.engine == "deepspeed" and change.zero_stage <= 2 and change.world_size > 1 \
+        and (change.zero_stage != source_zero_stage or change.trainable_param_bytes is not None)
 
 
 def _bucketed_zero_comm(m: Measured, change: Change, link: Link) -> tuple[float, list[str]]:
@@ -459,7 +466,7 @@ def _bucketed_zero_comm(m: Measured, change: Change, link: Link) -> tuple[float,
     Without overlap_comm (DeepSpeed's default below stage 3) the reduction blocks the backward: exposed
     whole; with it, at the source's measured exposed fraction of its backward reductions."""
     n, stage, fit = change.world_size, change.zero_stage, link.fit
-    grads = m.trainable_param_bytes
+    grads = m.trainable_param_bytes if change.trainable_param_bytes is None else change.trainable_param_bytes
     if grads <= 0:
         return float("nan"), ["comm: the profile records no trainable parameters to derive ZeRO's collectives from"]
     elements = grads / m.dtype_bytes
@@ -487,6 +494,20 @@ def _bucketed_zero_comm(m: Measured, change: Change, link: Link) -> tuple[float,
              + (f"; updated partitions all-gathered after the step, {gather_ms:.2f} ms, blocking" if stage >= 1 else "")
              + f"; the source's small optimizer collectives (norm, overflow flag) as measured, {small:.2f} ms", wait_note]
     return reduce_ms * exposed + gather_ms + wait * blocking + small, notes
+
+
+def task_change_not_derived(change: Change) -> str | None:
+    """Why the collectives of a task change (pretrain <-> LoRA/QLoRA) are not predicted, or None: they are
+    derived at DeepSpeed ZeRO stage 0-2 and absent on one rank; under ZeRO-3 or DDP on several ranks, which
+    parameters are gathered, reduced and kept persistent changes with the adapters (a LoRA run here
+    issued 27 parameter all-gathers after its step where pretraining issued 19)."""
+    if change.trainable_param_bytes is None or change.world_size <= 1 \
+            or (change.engine == "deepspeed" and change.zero_stage <= 2):
+        return None
+    engine = f"DeepSpeed ZeRO-{change.zero_stage}" if change.engine == "deepspeed" else "PyTorch DDP"
+    return (f"comm: a task change on {change.world_size} ranks under {engine} is not derived (which parameters are "
+            "gathered, reduced and kept persistent changes with the adapters); project it at DeepSpeed ZeRO stage "
+            "0-2 or on one rank, or measure a run")
 
 
 def _recorded_ms(c: dict[str, Any], n: int, link: Link) -> float:
@@ -522,6 +543,9 @@ def _comm(m: Measured, change: Change, link: Link | None, source_zero_stage: int
             return float("nan"), [f"comm: no collective calibration for {n} ranks to price ZeRO stage "
                                   f"{change.zero_stage}'s collectives"]
         return _bucketed_zero_comm(m, change, link)
+    why = task_change_not_derived(change)
+    if why:
+        return float("nan"), [why]
     if link is None:
         if m.world_size == n:
             scale = ZERO_VOLUME[change.zero_stage] / ZERO_VOLUME[source_zero_stage]
