@@ -430,8 +430,8 @@ class Projector:
         elif why := task_change_not_derived(change):
             reasons["step_ms"] = why
         elif task_changed and machine != THIS:
-            reasons["step_ms"] = ("a task change (pretrain, LoRA, QLoRA) is probed on the source's machine: project it "
-                                  "there with --to this, then project that prediction's run to other hardware")
+            reasons["step_ms"] = ("a task change (pretrain, LoRA, QLoRA) is probed on the source's machine only: "
+                                  "measure a run of the task there (trainprof.run) and project that run to other hardware")
         target: Target | None = None
         source_machine = target_machine = None
         probes = None
