@@ -193,3 +193,44 @@ def test_infer_on_gpu(tmp_path) -> None:
         assert r["peak_memory_bytes"] >= r["kv_cache_bytes"]
         if doc["memory_bandwidth"] is not None:
             assert 0 < r["decode"]["bandwidth_utilization"] < 1
+
+
+def test_diff_of_two_inference_runs(run, tmp_path) -> None:
+    """`trainprof diff` on two `trainprof infer` run dirs: latency rows per batch size both measured, judged
+    against the measured default band; a run against a copy of itself with every latency doubled is
+    "slower" at exactly 0.5x; modules are shown, not judged; files pandas and a browser open; a training
+    run dir against an inference one is a one-line error."""
+    import pandas as pd
+
+    from trainprof.analysis.diff import DEFAULT_BAND, MODULE_NOT_JUDGED, diff_inference
+
+    run_dir, doc = run
+    recipe = load_recipe(RECIPE, ["model.dtype=fp32", "model.attention=eager", f"output.dir={tmp_path}"])
+    other = infer(recipe, InferSettings(batch_sizes=[1, 4], prompt_len=32, new_tokens=NEW_TOKENS, requests=3,
+                                        warmup=1), progress=False)
+    out = _cli("diff", str(run_dir), str(other), "--out", str(tmp_path / "diff"))
+    assert out.returncode == 0, out.stderr
+    df = pd.read_csv(tmp_path / "diff" / "diff.csv")
+    latency = df[df["kind"] == "latency"]
+    assert sorted(set(latency["name"])) == ["batch 1", "batch 4"]  # batch 16 ran in A only
+    assert set(latency["phase"]) == {"TTFT p50", "TPOT p50", "ITL p50", "E2EL p50", "ms per output token"}
+    assert latency["a_ms"].gt(0).all() and latency["b_ms"].gt(0).all()
+    assert (latency["noise_band"] == DEFAULT_BAND["p50"]).all()
+    assert set(df[df["kind"] == "module"]["verdict"]) == {MODULE_NOT_JUDGED}
+    html = (tmp_path / "diff" / "diff.html").read_text()
+    assert 'id="latency-diff"' in html and 'id="memory-diff"' in html and "model.attention" in html
+    assert "settings.batch_sizes" in (tmp_path / "diff" / "diff.md").read_text()
+
+    slower = json.loads(json.dumps(doc))
+    for r in slower["results"]:
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            r[key]["p50"] *= 2
+        r["output_tokens_per_s"] /= 2
+    d = diff_inference(doc, slower, repeat=doc)  # a repeat identical to A: the band floor, measured
+    assert d.band_source == "repeat" and d.repeat_noise == 0.0
+    assert len(d.steps) == 3 * 5 and all(r.verdict == "slower" and r.speedup == pytest.approx(0.5) for r in d.steps)
+    assert not d.recipe_changes and not d.notes
+
+    mixed = _cli("diff", str(REPO / "profiles" / "cpu-x86_64-quickstart_cpu"), str(run_dir))
+    assert mixed.returncode == 2 and "is a training run dir" in mixed.stderr and "diff two of a kind" in mixed.stderr
+    assert len(mixed.stderr.strip().splitlines()) == 1

@@ -263,3 +263,73 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
     for row in out.rows():
         row.verdict = row.verdict or _verdict(row, band, min_ms)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Inference runs (trainprof infer: inference.json)
+# ---------------------------------------------------------------------------------------------
+
+# p50 latencies compared per batch size (vLLM's benchmark_serving definitions, as inference.json has them)
+INFERENCE_LATENCIES = (("ttft_ms", "TTFT p50"), ("tpot_ms", "TPOT p50"), ("itl_ms", "ITL p50"), ("e2el_ms", "E2EL p50"))
+# the latency rows are p50s over requests (and tokens), not one sample each: none is "too small" by default
+DEFAULT_INFER_MIN_MS = 0.0
+# 1.5 x the largest ratio (27%) between the latency rows of three identical `trainprof infer` runs of the
+# quickstart recipe (--batch 1,4 --prompt-len 128 --new-tokens 32, one thread; this project's 2-core
+# machine, 2026-11-24): docs/reports.md
+DEFAULT_BAND["p50"] = 0.40
+MODULE_NOT_JUDGED = "not judged (one call)"
+MODULES_NOT_JUDGED_WHY = ("Each module row is one hooked generate call per batch size (prefill: one forward; decode "
+                          "step: that call's mean), so the rows are shown, not judged: identical runs here differed "
+                          "by up to 177% on them (docs/reports.md).")
+
+
+def diff_inference(a: dict[str, Any], b: dict[str, Any], *, band: float | None = None,
+                   min_ms: float = DEFAULT_INFER_MIN_MS, repeat: dict[str, Any] | None = None) -> ProfileDiff:
+    """Compare inference run B against A (inference.json documents), per batch size both measured.
+
+    The p50 latencies (TTFT, TPOT, ITL, E2EL) and ms per output token (1000 / output tokens/s) are
+    "latency" rows, judged as in `diff_profiles` against `band` (from `repeat`, a repeat of A, over the
+    latency rows; else DEFAULT_BAND["p50"]). Each module's prefill and per-decode-step ms (matched by name)
+    are "module" rows, shown but not judged: they come from one hooked generate call per batch size, and
+    identical runs here differed by up to 177% on them. Batch sizes and modules on one side only are in
+    notes and only_a/only_b; `recipe_changes` includes the changed `settings.*`."""
+    band_source, measured_noise = ("given" if band is not None else "default"), None
+    if band is None and repeat is not None:
+        self_diff = diff_inference(a, repeat, band=0.0, min_ms=min_ms)
+        ratios = [noise_ratio(r) for r in self_diff.steps if r.verdict != "too small"]
+        measured_noise = max((x for x in ratios if x is not None), default=0.0)
+        band, band_source = max(MIN_BAND, NOISE_SAFETY * measured_noise), "repeat"
+    band = DEFAULT_BAND["p50"] if band is None else band
+    changes = recipe_changes(a.get("recipe"), b.get("recipe"))
+    changes += [(f"settings.{k}", va, vb) for k, va, vb in recipe_changes(a.get("settings"), b.get("settings"))]
+    out = ProfileDiff(stat="p50", band=band, min_ms=min_ms, recipe_changes=changes, band_source=band_source,
+                      repeat_noise=measured_noise)
+    by_a = {r["batch_size"]: r for r in a.get("results") or []}
+    by_b = {r["batch_size"]: r for r in b.get("results") or []}
+    common = sorted(by_a.keys() & by_b.keys())
+    one_side = sorted(by_a.keys() ^ by_b.keys())
+    if not common:
+        out.notes.append(f"batch sizes: none measured in both runs (A: {sorted(by_a)}, B: {sorted(by_b)})")
+    elif one_side:
+        out.notes.append(f"batch sizes: {', '.join(map(str, one_side))} measured in one run only, not compared")
+    for bs in common:
+        ra, rb = by_a[bs], by_b[bs]
+        label = f"batch {bs}"
+        for key, name in INFERENCE_LATENCIES:
+            va, vb = (ra.get(key) or {}).get("p50"), (rb.get(key) or {}).get("p50")
+            if va is not None or vb is not None:
+                out.steps.append(DiffRow("latency", label, name, va, vb))
+        out.steps.append(DiffRow("latency", label, "ms per output token", 1e3 / ra["output_tokens_per_s"],
+                                 1e3 / rb["output_tokens_per_s"]))
+        mods_a = {m["name"]: m for m in ra.get("modules") or []}
+        mods_b = {m["name"]: m for m in rb.get("modules") or []}
+        for name in (n for n in mods_a if n in mods_b):
+            for phase, key in (("prefill", "prefill_ms"), ("decode step", "decode_ms")):
+                va, vb = mods_a[name][key], mods_b[name][key]
+                if va or vb:
+                    out.modules.append(DiffRow("module", name, f"{phase}, {label}", va, vb, verdict=MODULE_NOT_JUDGED))
+        out.only_a += [n for n in mods_a if n not in mods_b and n not in out.only_a]
+        out.only_b += [n for n in mods_b if n not in mods_a and n not in out.only_b]
+    for row in out.rows():
+        row.verdict = row.verdict or _verdict(row, band, min_ms)
+    return out

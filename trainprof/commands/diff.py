@@ -1,4 +1,5 @@
-"""`trainprof diff RUN_A RUN_B`: per-phase and per-module speedup of run B against run A."""
+"""`trainprof diff RUN_A RUN_B`: per-phase and per-module speedup of run B against run A (training run dirs),
+or per-batch-size latencies and per-module prefill/decode time (inference run dirs)."""
 
 from __future__ import annotations
 
@@ -36,14 +37,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("diff", help="per-phase and per-module speedup of run B against run A",
                        description="Compare two run dirs: step, phases, model parts and modules (matched by name) "
                        "with A ms, B ms, change, speedup and a verdict against a noise band. Modules on one side "
-                       "only are listed. Prints Markdown, or writes diff.md/.html/.csv with --out.")
+                       "only are listed. Two `trainprof infer` run dirs: p50 latencies and ms per output token "
+                       "per batch size, memory, and modules' prefill and decode-step time. Prints Markdown, or "
+                       "writes diff.md/.html/.csv with --out.")
     p.add_argument("run_a", metavar="RUN_A", help="baseline run dir")
     p.add_argument("run_b", metavar="RUN_B", help="run dir compared against the baseline")
     p.add_argument("--out", default=None, help="directory to write diff.md, diff.html, diff.csv into")
     p.add_argument("--format", default="md,html,csv", help="with --out: any of md,html,csv (default all)")
     p.add_argument("--stat", choices=("min", "median"), default="min",
                    help="min: each row's fastest measured step (default; time stolen by other processes only "
-                        "adds); median: the profiles' own medians")
+                        "adds); median: the profiles' own medians (training run dirs; inference ones compare p50s)")
     p.add_argument("--repeat", metavar="RUN_A2", default=None,
                    help="a repeat of RUN_A (same recipe, same machine): the noise band is measured from A vs A2")
     p.add_argument("--noise", type=_fraction, default=None,

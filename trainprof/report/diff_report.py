@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainprof.analysis.diff import DEFAULT_MIN_MS, NOISE_SAFETY, ProfileDiff, diff_profiles
+from trainprof.analysis.diff import (DEFAULT_INFER_MIN_MS, DEFAULT_MIN_MS, MODULES_NOT_JUDGED_WHY, NOISE_SAFETY,
+                                    ProfileDiff, diff_inference, diff_profiles)
 from trainprof.io import atomic_write_text
 from trainprof.report import plots
 from trainprof.report.document import Document, Facts, Figure, Missing, Para, Table, render_csv, render_html
@@ -38,11 +39,13 @@ def _band_text(d: ProfileDiff) -> str:
                 "between A and its repeat")
     if d.band_source == "given":
         return f"{100 * d.band:.0f}%, given with --noise"
+    if d.stat == "p50":
+        return f"{100 * d.band:.0f}%, the default for inference latencies, measured on identical runs (docs/reports.md)"
     return f"{100 * d.band:.0f}%, the default for --stat {d.stat}, measured on identical runs (docs/reports.md)"
 
 
-def _table(rows, method: str, id: str, name_header: str) -> Table:
-    return Table([name_header, "phase", "A ms", "B ms", "change", "faster by", "speedup", "verdict", "spread A",
+def _table(rows, method: str, id: str, name_header: str, phase_header: str = "phase") -> Table:
+    return Table([name_header, phase_header, "A ms", "B ms", "change", "faster by", "speedup", "verdict", "spread A",
                   "spread B"],
                  [[r.name or "<model>", r.phase, r.a_ms, r.b_ms, _pct(r.change), _pct(r.faster_by),
                    None if r.speedup is None else f"{r.speedup:.2f}x", r.verdict,
@@ -51,15 +54,14 @@ def _table(rows, method: str, id: str, name_header: str) -> Table:
                  method=method, id=id, numeric=[False, False, True, True, True, True, True, False, True, True])
 
 
-def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff,
-                        run_repeat: RunData | None = None) -> Document:
-    a, b = run_a.profile or {}, run_b.profile or {}
-    doc = Document("trainprof diff", subtitle=f"A = {run_a.path.name}, B = {run_b.path.name}")
+def _runs_section(doc: Document, paths: tuple[Path, Path, Path | None], d: ProfileDiff, statistic: str) -> None:
+    """The compared run dirs, the statistic, the noise band, what changed between the recipes, and notes."""
     sec = doc.section("Runs", id="runs")
-    facts = [("A", str(run_a.path)), ("B", str(run_b.path))]
-    if run_repeat is not None:
-        facts.append(("repeat of A", str(run_repeat.path)))
-    facts += [("statistic", d.stat), ("noise band", f"{_band_text(d)}; rows under {d.min_ms} ms not judged")]
+    facts = [("A", str(paths[0])), ("B", str(paths[1]))]
+    if paths[2] is not None:
+        facts.append(("repeat of A", str(paths[2])))
+    facts += [("statistic", statistic),
+              ("noise band", _band_text(d) + (f"; rows under {d.min_ms} ms not judged" if d.min_ms else ""))]
     sec.blocks.append(Facts(facts))
     if d.recipe_changes:
         sec.blocks.append(Table(["recipe key", "A", "B"], [[k, str(va), str(vb)] for k, va, vb in d.recipe_changes],
@@ -69,15 +71,29 @@ def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff,
                                "machine."))
     for note in d.notes:
         sec.blocks.append(Missing(note.split(":")[0], note.split(":", 1)[1].strip()))
+
+
+def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff,
+                        run_repeat: RunData | None = None) -> Document:
+    a, b = run_a.profile or {}, run_b.profile or {}
+    doc = Document("trainprof diff", subtitle=f"A = {run_a.path.name}, B = {run_b.path.name}")
+    _runs_section(doc, (run_a.path, run_b.path, run_repeat.path if run_repeat else None), d, d.stat)
     method = _method(d, a, b)
     sec = doc.section("Step and phases", id="phases")
     sec.blocks.append(_table([*d.steps, *d.phases], method, "phase-diff", "figure"))
     if d.parts:
         sec = doc.section("Model parts (Zhang et al.'s (arXiv 2311.03687) table)", id="parts")
         sec.blocks.append(_table(d.parts, method, "part-diff", "part"))
+    _modules_section(doc, d, method)
+    return doc
+
+
+def _modules_section(doc: Document, d: ProfileDiff, method: str, intro: str | None = None) -> None:
     sec = doc.section("Modules (matched by name)", id="modules")
+    if intro:
+        sec.blocks.append(Para(intro))
     if d.modules:
-        judged = [r for r in d.modules if r.change is not None and r.verdict not in ("too small",)]
+        judged = [r for r in d.modules if r.change is not None and r.verdict != "too small"]
         judged.sort(key=lambda r: -max(r.a_ms or 0, r.b_ms or 0))
         shown = judged[:25]
         if shown:
@@ -93,6 +109,32 @@ def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff,
         sec.blocks.append(Table(["module", "only in"], [[n or "<model>", "A"] for n in d.only_a]
                                 + [[n or "<model>", "B"] for n in d.only_b], id="one-side-table",
                                 numeric=[False, False]))
+
+
+def build_inference_diff_document(paths: tuple[Path, Path, Path | None], d: ProfileDiff, a: dict[str, Any],
+                                  b: dict[str, Any]) -> Document:
+    """The diff of two `trainprof infer` run dirs: latencies and throughput per batch size, the modules'
+    prefill and decode-step time, and memory."""
+    doc = Document("trainprof diff (inference)", subtitle=f"A = {paths[0].name}, B = {paths[1].name}")
+    _runs_section(doc, paths, d, "p50 over the requests of each batch size (inference.json)")
+    timers = {x.get("method", {}).get("timer") for x in (a, b)} - {None}
+    method = (f"ms; latencies as inference.json defines them ({(a.get('method') or {}).get('metrics', '')[:120]}...); "
+              "ms per output token = 1000 / output tokens/s; module rows: prefill = the model's first forward, decode "
+              "step = mean per decode step, windows inclusive of children, from one hooked generate call per batch "
+              f"size; change = B/A - 1, speedup = A/B; verdict against the noise band ({_band_text(d)}); timer: "
+              f"{'; '.join(sorted(timers)) or 'not recorded'}")
+    sec = doc.section("Latency and throughput", id="latency")
+    sec.blocks.append(_table(d.steps, method, "latency-diff", "batch", "metric"))
+    by_a = {r["batch_size"]: r for r in a.get("results") or []}
+    by_b = {r["batch_size"]: r for r in b.get("results") or []}
+    memory_method = (f"peak: {(a.get('method') or {}).get('peak_memory_bytes', 'not recorded')}; KV cache: "
+                     f"{(a.get('method') or {}).get('kv_cache_bytes', 'not recorded')}")
+    sec.blocks.append(Table(["batch", "peak memory A MiB", "peak memory B MiB", "KV cache A MiB", "KV cache B MiB"],
+                            [[bs, by_a[bs]["peak_memory_bytes"] / 2**20, by_b[bs]["peak_memory_bytes"] / 2**20,
+                              by_a[bs]["kv_cache_bytes"] / 2**20, by_b[bs]["kv_cache_bytes"] / 2**20]
+                             for bs in sorted(by_a.keys() & by_b.keys())],
+                            method=memory_method, id="memory-diff", numeric=[True, True, True, True, True]))
+    _modules_section(doc, d, method, MODULES_NOT_JUDGED_WHY if d.modules else None)
     return doc
 
 
@@ -118,9 +160,20 @@ def run_diff(path_a: str | Path, path_b: str | Path, *, stat: str = "min", band:
             runs.append(None)
             continue
         run = load_run(p)
-        if run.profile is None:
-            raise RunDirError(f"run dir '{p}' has no profile.json (nor rank files); nothing to compare")
+        if run.profile is None and run.inference is None:
+            raise RunDirError(f"run dir '{p}' has no profile.json (nor rank files) and no inference.json; nothing "
+                              "to compare")
         runs.append(run)
+    kinds = {("inference" if r.profile is None else "training"): r.path for r in runs if r is not None}
+    if len(kinds) > 1:
+        raise RunDirError(f"'{kinds['training']}' is a training run dir and '{kinds['inference']}' an inference one "
+                          "(trainprof infer): diff two of a kind")
+    if "inference" in kinds:
+        docs = [r.inference if r is not None else None for r in runs]
+        d = diff_inference(docs[0], docs[1], band=band, min_ms=DEFAULT_INFER_MIN_MS if min_ms is None else min_ms,
+                           repeat=docs[2])
+        return d, build_inference_diff_document((runs[0].path, runs[1].path, runs[2].path if runs[2] else None),
+                                                d, docs[0], docs[1])
     d = diff_profiles(runs[0].profile, runs[1].profile, stat=stat, band=band,
                       min_ms=DEFAULT_MIN_MS if min_ms is None else min_ms, parts=CATEGORIES,
                       repeat=runs[2].profile if runs[2] is not None else None)

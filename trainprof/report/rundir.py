@@ -51,6 +51,7 @@ class RunData:
         failures: failure-rank<N>.json documents.
         traces: trace files under tb/.
         scalars: TensorBoard event files under tb/.
+        inference: inference.json of a `trainprof infer` run dir (None in a training run dir).
     """
 
     path: Path
@@ -60,6 +61,7 @@ class RunData:
     failures: list[dict[str, Any]] = field(default_factory=list)
     traces: list[TraceFile] = field(default_factory=list)
     scalars: list[Path] = field(default_factory=list)
+    inference: dict[str, Any] | None = None
 
     @property
     def name(self) -> str:
@@ -141,6 +143,7 @@ def load_run(path: str | Path) -> RunData:
         recipe_text=recipe.read_text() if recipe.is_file() else None,
         failures=[json.loads(f.read_text()) for f in sorted(path.glob("failure-rank*.json"))],
         traces=traces, scalars=scalars,
+        inference=json.loads(infer.read_text()) if (infer := path / "inference.json").is_file() else None,
     )
 
 
