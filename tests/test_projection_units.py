@@ -263,6 +263,9 @@ def test_keys_the_step_model_does_not_rederive_are_named_and_step_neutral_ones_p
     kinds = change_kinds(src, load_recipe(quick, ["task.kind=qlora", "engine.zero_stage=2"]), 2, 2, "this")
     assert kinds == ["zero_stage", "task"]
     assert change_kinds(src, load_recipe(quick, ["task.lora.r=16"]), 2, 2, "this") == ["none"]  # still pretrain
+    assert change_kinds(src, load_recipe(quick, ["engine.offload=optimizer"]), 2, 2, "this") == ["offload"]
+    assert change_kinds(src, load_recipe(quick, ["engine.kind=torch", "engine.zero_stage=0"]), 2, 1, "this") == [
+        "zero_stage", "engine", "world_size"]
 
 
 def test_cross_machine_scales_matmul_by_rate_and_the_rest_by_bandwidth():

@@ -156,6 +156,14 @@ def noise_ratio(row: DiffRow) -> float | None:
     return max(row.b_ms / row.a_ms, row.a_ms / row.b_ms) - 1
 
 
+def _band_from_repeat(rows: list[DiffRow]) -> tuple[float, float]:
+    """(band, noise) from the rows of run A diffed against its repeat: noise = the largest ratio - 1 over the
+    judged rows, band = NOISE_SAFETY x noise, at least MIN_BAND."""
+    ratios = [noise_ratio(r) for r in rows if r.verdict != "too small"]
+    noise = max((x for x in ratios if x is not None), default=0.0)
+    return max(MIN_BAND, NOISE_SAFETY * noise), noise
+
+
 def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median", band: float | None = None,
                   min_ms: float = DEFAULT_MIN_MS, repeat: dict[str, Any] | None = None,
                   parts: list[tuple[str, Callable[[dict[str, Any]], bool]]] | None = None) -> ProfileDiff:
@@ -180,9 +188,8 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
     measured_noise = None
     if band is None and repeat is not None:
         self_diff = diff_profiles(a, repeat, stat=stat, band=0.0, min_ms=min_ms, parts=parts)
-        ratios = [noise_ratio(r) for r in self_diff.rows() if r.verdict != "too small" and r.kind != "step"]
-        measured_noise = max((x for x in ratios if x is not None), default=0.0)
-        band, band_source = max(MIN_BAND, NOISE_SAFETY * measured_noise), "repeat"
+        band, measured_noise = _band_from_repeat([r for r in self_diff.rows() if r.kind != "step"])
+        band_source = "repeat"
     band = DEFAULT_BAND[stat] if band is None else band
     out = ProfileDiff(stat=stat, band=band, min_ms=min_ms, recipe_changes=recipe_changes(a.get("recipe"),
                                                                                           b.get("recipe")),
@@ -295,10 +302,8 @@ def diff_inference(a: dict[str, Any], b: dict[str, Any], *, band: float | None =
     notes and only_a/only_b; `recipe_changes` includes the changed `settings.*`."""
     band_source, measured_noise = ("given" if band is not None else "default"), None
     if band is None and repeat is not None:
-        self_diff = diff_inference(a, repeat, band=0.0, min_ms=min_ms)
-        ratios = [noise_ratio(r) for r in self_diff.steps if r.verdict != "too small"]
-        measured_noise = max((x for x in ratios if x is not None), default=0.0)
-        band, band_source = max(MIN_BAND, NOISE_SAFETY * measured_noise), "repeat"
+        band, measured_noise = _band_from_repeat(diff_inference(a, repeat, band=0.0, min_ms=min_ms).steps)
+        band_source = "repeat"
     band = DEFAULT_BAND["p50"] if band is None else band
     changes = recipe_changes(a.get("recipe"), b.get("recipe"))
     changes += [(f"settings.{k}", va, vb) for k, va, vb in recipe_changes(a.get("settings"), b.get("settings"))]

@@ -141,6 +141,10 @@ def change_kinds(source_recipe: Any, target_recipe: Any, source_world: int, worl
         kinds.append("attention")
     if s.engine.zero_stage != t.engine.zero_stage:
         kinds.append("zero_stage")
+    if s.engine.offload != t.engine.offload:
+        kinds.append("offload")
+    if s.engine.kind != t.engine.kind:
+        kinds.append("engine")
     if _task_key(s) != _task_key(t):
         kinds.append("task")
     if source_world != world:
