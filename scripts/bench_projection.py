@@ -2,7 +2,7 @@
 run each change for real, and print per-case and mean absolute percentage errors on step time and on
 peak memory. Goal: step time mean <= 5%, max <= 10%; memory within 10%.
 
-    python scripts/bench_projection.py                 # ~40 min on 2 cores (5 repeats of 40 steps)
+    python scripts/bench_projection.py                 # ~50 min on 2 cores (5 repeats of 40 steps)
     python scripts/bench_projection.py --repeats 2     # ~12 min, noisier
     python scripts/bench_projection.py --write         # also store the table as the package's
                                                        # validation.json (what expected_error_pct cites)
@@ -41,6 +41,10 @@ DS_CASES = [
     # ZeRO stage 0-2 collectives come from the adapters (under ZeRO-3 it is not predicted)
     ("pretrain -> LoRA, ZeRO-2", ["task", "zero_stage"], ["task.kind=lora", "engine.zero_stage=2"], 2, 1, False),
     ("pretrain -> QLoRA, ZeRO-2", ["task", "zero_stage"], ["task.kind=qlora", "engine.zero_stage=2"], 2, 1, False),
+    # an engine change: both engines probed (DeepSpeedCPUAdam's step for offload)
+    ("engine: ZeRO-3 -> + optimizer offload", ["offload"], ["engine.offload=optimizer"], 2, 1, False),
+    # DDP's collectives derived (stepmodel._ddp_comm): developed against this case's first measurement
+    ("engine: ZeRO-3 -> PyTorch DDP", ["zero_stage", "engine"], ["engine.kind=torch", "engine.zero_stage=0"], 2, 1, True),
 ]
 TORCH_BASE = ["engine.kind=torch", "engine.zero_stage=0"]
 THREAD_CASES = [

@@ -12,8 +12,8 @@ import pytest
 from trainprof.projection.calibrate import bus_factor, collective_ms, fit_alpha_beta
 from trainprof.projection.catalog import CatalogError, find_accelerator, load_catalog, load_prices
 from trainprof.projection.stepmodel import (Change, EngineProbe, Link, Machine, Measured, StepProbe,
-                                           derives_zero_collectives, predict_phases, residual_ms,
-                                           task_change_not_derived)
+                                           derives_ddp_collectives, derives_zero_collectives, predict_phases,
+                                           residual_ms, task_change_not_derived)
 
 from conftest import REPO
 
@@ -222,10 +222,10 @@ def test_zero_stage_0_to_2_collectives_are_derived_from_the_trainable_parameters
     assert math.isnan(unpriced["comm_exposed"]) and "no collective calibration" in notes[-1]
 
 
-def test_a_task_change_derives_stage_0_2_collectives_from_the_adapters_and_refuses_zero3_and_ddp():
+def test_a_task_change_derives_stage_0_2_collectives_from_the_adapters_and_refuses_zero3():
     """pretrain -> LoRA trains the adapters only: at ZeRO stage 0-2 the gradient all_reduce and the
-    all-gather after the step carry the adapters' bytes, even at the source's own stage; under ZeRO-3 or
-    DDP on several ranks the collectives are not derived (null with the reason), on one rank there are none."""
+    all-gather after the step carry the adapters' bytes, even at the source's own stage; under ZeRO-3 on
+    several ranks the collectives are not derived (null with the reason), on one rank there are none."""
     m = _measured(trainable_param_bytes=4e6, dtype_bytes=2)
     link = Link(alpha_ms=0.5, busbw_gbps=1.0, source="test link")
     adapters = 2e3  # bytes: 1,000 trainable parameters in bf16
@@ -237,15 +237,45 @@ def test_a_task_change_derives_stage_0_2_collectives_from_the_adapters_and_refus
     # of the source (none here)
     assert phases["comm_exposed"] == pytest.approx((0.5 + adapters / 1e9 * 1e3) + (0.5 + adapters / 2 / 1e9 * 1e3))
     assert any("derived from the 0.002 MB of trainable parameters" in n for n in notes), notes
-    for target in (_change(zero_stage=3, trainable_param_bytes=adapters),
-                   _change(engine="torch", zero_stage=0, trainable_param_bytes=adapters)):
-        why = task_change_not_derived(target)
-        assert why and "is not derived" in why and ("ZeRO-3" in why or "DDP" in why)
-        phases, notes = predict_phases(m, target, probes=None, num_layers=2, source_machine=None,
-                                       target_machine=None, link=link, source_zero_stage=3)
-        assert math.isnan(phases["comm_exposed"]) and notes[-1] == why
+    zero3 = _change(zero_stage=3, trainable_param_bytes=adapters)
+    why = task_change_not_derived(zero3)
+    assert why and "under DeepSpeed ZeRO-3 is not derived" in why
+    phases, notes = predict_phases(m, zero3, probes=None, num_layers=2, source_machine=None, target_machine=None,
+                                   link=link, source_zero_stage=3)
+    assert math.isnan(phases["comm_exposed"]) and notes[-1] == why
     assert task_change_not_derived(_change(zero_stage=3, trainable_param_bytes=adapters, world_size=1)) is None
     assert task_change_not_derived(_change(zero_stage=3)) is None  # no task change
+
+
+def test_ddp_collectives_are_derived_with_the_last_bucket_exposed():
+    """A change to PyTorch DDP: fp32 gradients in DDP's buckets (the first 1 MiB, then 25 MiB each, in
+    reverse parameter order); all but the last hide behind the backward, the last (the remainder) is
+    launched when the backward ends and is exposed whole, once a step."""
+    m = _measured(trainable_param_bytes=4e6, dtype_bytes=2)  # 2e6 bf16 parameters: 8e6 bytes of fp32 gradients
+    link = Link(alpha_ms=0.5, busbw_gbps=1.0, source="test link")
+    ddp = _change(engine="torch", zero_stage=0, grad_accum=4)
+    assert derives_ddp_collectives(ddp, 2)
+    phases, notes = predict_phases(m, ddp, probes=None, num_layers=2, source_machine=None, target_machine=None,
+                                   link=link, source_zero_stage=3)
+    last = 8e6 - 2 ** 20  # one 1 MiB bucket, then the rest in one (< 25 MiB)
+    assert phases["comm_exposed"] == pytest.approx(0.5 + last / 1e9 * 1e3)  # all_reduce bus factor 1 at n=2
+    assert "2 bucket(s)" in notes[-2] and f"the last ({last / 1e6:.3g} MB)" in notes[-2]
+    big = _measured(trainable_param_bytes=2 * 100e6, dtype_bytes=2)  # 100M parameters: 400 MB of gradients
+    phases, notes = predict_phases(big, ddp, probes=None, num_layers=2, source_machine=None, target_machine=None,
+                                   link=link, source_zero_stage=3)
+    rest = 400e6 - 2 ** 20
+    buckets = math.ceil(rest / (25 * 2 ** 20))
+    assert phases["comm_exposed"] == pytest.approx(0.5 + (rest - 25 * 2 ** 20 * (buckets - 1)) / 1e6)
+    assert f"{1 + buckets} bucket(s)" in notes[-2]
+    # a DDP source at its own world keeps its recorded rows; from one rank, or with other trainable
+    # parameters (a task change), DDP is derived; no calibration for the world: null with the reason
+    assert not derives_ddp_collectives(_change(engine="torch", zero_stage=0, source_engine="torch"), 2)
+    assert derives_ddp_collectives(_change(engine="torch", zero_stage=0, source_engine="torch"), 1)
+    lora = _change(engine="torch", zero_stage=0, source_engine="torch", trainable_param_bytes=2e3)
+    assert derives_ddp_collectives(lora, 2) and task_change_not_derived(lora) is None
+    unpriced, notes = predict_phases(m, ddp, probes=None, num_layers=2, source_machine=None, target_machine=None,
+                                     link=None, source_zero_stage=3)
+    assert math.isnan(unpriced["comm_exposed"]) and "DDP's gradient all_reduce" in notes[-1]
 
 
 def test_keys_the_step_model_does_not_rederive_are_named_and_step_neutral_ones_pass():

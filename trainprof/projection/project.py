@@ -27,6 +27,7 @@ from trainprof.projection.stepmodel import (
     Machine,
     Measured,
     StepProbe,
+    derives_ddp_collectives,
     derives_zero_collectives,
     measured_from_profile,
     predict_phases,
@@ -424,6 +425,7 @@ class Projector:
             world_size=world, state_elements_per_rank=_state_elements_per_rank(target_recipe, trainable_t, world),
             source_state_elements_per_rank=_state_elements_per_rank(src.recipe, trainable, m.world_size),
             trainable_param_bytes=trainable_t * m.dtype_bytes if task_changed else None,
+            source_engine=src.recipe.engine.kind,
             **_zero_settings(target_recipe))
         assumptions: list[str] = []
         reasons: dict[str, str] = {}
@@ -473,7 +475,8 @@ class Projector:
                 source_machine = machine_from_calibration(self.calibration_at(self.source_threads),
                                                           f"this machine, {self.source_threads} threads")
                 target_machine = machine_from_calibration(self.calibration_at(threads), f"this machine, {threads} threads")
-            if world > 1 and (world != m.world_size or derives_zero_collectives(change, _zero(src.recipe))):
+            if world > 1 and (world != m.world_size or derives_zero_collectives(change, _zero(src.recipe))
+                              or derives_ddp_collectives(change, m.world_size)):
                 link = self.gloo_link(world)
         else:
             target = self.catalog.resolve(machine)
@@ -548,6 +551,12 @@ class Projector:
                            * target_recipe.data.seq_len * (1 if pipeline.is_pipeline(src.profile) else world))
         tps = tokens_per_step / (step_ms / 1e3) if step_ms else None
         memory, fits, fit_note = self._memory(target_recipe, world, target, overrides or [])
+        if target is None and memory is not None and src.recipe.engine.kind != target_recipe.engine.kind:
+            assumptions.append(
+                "memory: the measured peak's fixed part (libraries, the engine's own buffers) is kept, but it belongs "
+                f"to the source's engine ({src.recipe.engine.kind}); on the quickstart DeepSpeed's runs peaked 60 MiB "
+                "of RSS above DDP's where the plan's formulas differ by 5 MiB (scripts/bench_projection.py, "
+                "2026-11-24), so expect an error of about that size")
         pred: dict[str, Any] = {
             "hardware": machine if machine != THIS else f"this ({src.profile['env']['device']}"
                                                         + (f", {threads} threads" if threads else "") + ")",

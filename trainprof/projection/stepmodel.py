@@ -38,8 +38,10 @@ and each part is re-derived for the target:
     forward/backward collectives repeat per micro batch. A change to DeepSpeed ZeRO stage 0-2 derives that
     stage's bucketed collectives from the trainable parameters instead (gradient all_reduce, the all-gather
     of the updated partitions; `_bucketed_zero_comm`); a change to stage 3 scales by the ZeRO paper's
-    volumes (stage 1/2: 2Ψ, stage 3: 3Ψ per step). A task change derives stage 0-2's collectives from the
-    target's trainable parameters; under ZeRO-3 or DDP on several ranks it is not predicted. One rank: none.
+    volumes (stage 1/2: 2Ψ, stage 3: 3Ψ per step). A change to PyTorch DDP derives DDP's bucketed gradient
+    all_reduce (the last bucket exposed; `_ddp_comm`). A task change derives stage 0-2's and DDP's
+    collectives from the target's trainable parameters; under ZeRO-3 on several ranks it is not predicted.
+    One rank: none.
   * data_wait: as measured, per micro batch. other: as measured.
   * unattributed: per step it is small and >= 0 (the profiler's closure), but the source's figure is the
     median step minus the sum of per-phase medians, a signed difference of statistics; it is scaled with
@@ -60,6 +62,10 @@ PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_ex
 # (parameters): DP/stage 1/2: reduce-scatter + all-gather = 2Ψ; stage 3 adds a forward gather: 3Ψ.
 ZERO_VOLUME = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
 SMALL_COLLECTIVE_BYTES = 1024  # per call: a gradient norm or an overflow flag, latency-bound
+# torch.nn.parallel.DistributedDataParallel's buckets: the first holds at most 1 MiB
+# (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES), the others bucket_cap_mb=25 (its default)
+DDP_FIRST_BUCKET_BYTES = 1024 ** 2
+DDP_BUCKET_BYTES = 25 * 1024 ** 2
 ADAM_BYTES_PER_ELEMENT = 28  # fp32 Adam: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
 
 
@@ -252,6 +258,7 @@ class Change:
     param_groups: int = 2  # trainprof.engines.optim.param_groups: matrices, and 1-D norms/biases
     # bytes of the trainable parameters when the task changes them (pretrain <-> LoRA/QLoRA); None: the source's
     trainable_param_bytes: float | None = None
+    source_engine: str = "deepspeed"  # the source's engine kind (deepspeed | torch)
 
 
 def predict_phases(m: Measured, change: Change, *, probes: tuple[dict[str, float], dict[str, float]] | None,
@@ -455,6 +462,41 @@ def derives_zero_collectives(change: Change, source_zero_stage: int) -> bool:
         and (change.zero_stage != source_zero_stage or change.trainable_param_bytes is not None)
 
 
+def derives_ddp_collectives(change: Change, source_world_size: int) -> bool:
+    """Whether the target's collectives are PyTorch DDP's, derived from the model: a torch-engine target on
+    more than one rank whose source ran no DDP (another engine, or one rank) or trained other parameters
+    (a task change). A DDP source at its own parameters keeps its measured (or re-timed) rows."""
+    return change.engine == "torch" and change.world_size > 1 and (
+        change.source_engine != "torch" or source_world_size == 1 or change.trainable_param_bytes is not None)
+
+
+def _ddp_comm(m: Measured, change: Change, link: Link) -> tuple[float, list[str]]:
+    """Exposed ms of PyTorch DDP's gradient all_reduce per optimizer step (torch/nn/parallel/distributed.py,
+    the C++ Reducer): gradients are bucketed in reverse parameter order (the first bucket
+    DDP_FIRST_BUCKET_BYTES, the others DDP_BUCKET_BYTES) and each bucket is all-reduced as soon as the
+    backward has produced all of its gradients, overlapped with the rest of the backward; the last bucket
+    (the remainder: the first layers and the embedding, whose gradients come last) is launched when the
+    backward ends and waited for: exposed whole, with the wait a blocking call of the source had beyond its
+    price (`_in_training_wait`). Once a step: the torch engine skips the sync on micro
+    batches before the boundary (DDP.no_sync). Gradients are fp32: the torch engine keeps trainable
+    parameters in fp32 under autocast."""
+    n, fit = change.world_size, link.fit
+    trainable = m.trainable_param_bytes if change.trainable_param_bytes is None else change.trainable_param_bytes
+    grads = trainable / m.dtype_bytes * 4
+    if grads <= 0:
+        return float("nan"), ["comm: the profile records no trainable parameters to derive DDP's all_reduce from"]
+    rest = max(grads - DDP_FIRST_BUCKET_BYTES, 0.0)
+    last = grads if rest == 0 else rest - DDP_BUCKET_BYTES * (math.ceil(rest / DDP_BUCKET_BYTES) - 1)
+    buckets = 1 + math.ceil(rest / DDP_BUCKET_BYTES)
+    tail = collective_ms("all_reduce", last, n, fit)
+    wait, wait_note = _in_training_wait(m, n, link)
+    return tail + wait, [
+        f"comm: PyTorch DDP's gradient all_reduce derived from the {grads / 1e6:.3g} MB of fp32 gradients: {buckets} "
+        f"bucket(s), all but the last hidden behind the backward; the last ({last / 1e6:.3g} MB), launched when the "
+        f"backward ends, blocking: {tail:.2f} ms as alpha + bytes*busfactor/busbw over {link.source} (the profiler "
+        "counts this wait inside the backward phase)", wait_note]
+
+
 def _bucketed_zero_comm(m: Measured, change: Change, link: Link) -> tuple[float, list[str]]:
     """Exposed ms of DeepSpeed's ZeRO stage 0-2 collectives per optimizer step, derived from the trainable
     parameters (deepspeed/runtime/engine.py `allreduce_gradients`, zero/stage_1_and_2.py):
@@ -498,16 +540,15 @@ def _bucketed_zero_comm(m: Measured, change: Change, link: Link) -> tuple[float,
 
 def task_change_not_derived(change: Change) -> str | None:
     """Why the collectives of a task change (pretrain <-> LoRA/QLoRA) are not predicted, or None: they are
-    derived at DeepSpeed ZeRO stage 0-2 and absent on one rank; under ZeRO-3 or DDP on several ranks, which
-    parameters are gathered, reduced and kept persistent changes with the adapters (a LoRA run here
-    issued 27 parameter all-gathers after its step where pretraining issued 19)."""
-    if change.trainable_param_bytes is None or change.world_size <= 1 \
-            or (change.engine == "deepspeed" and change.zero_stage <= 2):
+    derived at DeepSpeed ZeRO stage 0-2 and under DDP, and absent on one rank; under ZeRO-3 on several
+    ranks, which parameters are gathered, reduced and kept persistent changes with the adapters (a LoRA
+    run here issued 27 parameter all-gathers after its step where pretraining issued 19)."""
+    if change.trainable_param_bytes is None or change.world_size <= 1 or change.engine != "deepspeed" \
+            or change.zero_stage <= 2:
         return None
-    engine = f"DeepSpeed ZeRO-{change.zero_stage}" if change.engine == "deepspeed" else "PyTorch DDP"
-    return (f"comm: a task change on {change.world_size} ranks under {engine} is not derived (which parameters are "
-            "gathered, reduced and kept persistent changes with the adapters); project it at DeepSpeed ZeRO stage "
-            "0-2 or on one rank, or measure a run")
+    return (f"comm: a task change on {change.world_size} ranks under DeepSpeed ZeRO-3 is not derived (which "
+            "parameters are gathered, reduced and kept persistent changes with the adapters); project it at "
+            "DeepSpeed ZeRO stage 0-2, PyTorch DDP or on one rank, or measure a run")
 
 
 def _recorded_ms(c: dict[str, Any], n: int, link: Link) -> float:
@@ -543,6 +584,10 @@ def _comm(m: Measured, change: Change, link: Link | None, source_zero_stage: int
             return float("nan"), [f"comm: no collective calibration for {n} ranks to price ZeRO stage "
                                   f"{change.zero_stage}'s collectives"]
         return _bucketed_zero_comm(m, change, link)
+    if derives_ddp_collectives(change, m.world_size):
+        if link is None:
+            return float("nan"), [f"comm: no collective calibration for {n} ranks to price DDP's gradient all_reduce"]
+        return _ddp_comm(m, change, link)
     why = task_change_not_derived(change)
     if why:
         return float("nan"), [why]
