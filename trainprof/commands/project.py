@@ -135,7 +135,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        "changes (key=value). Each prediction states its expected error and assumptions. Writes "
                        "projection.json/md/csv/html/png to RUN_DIR/projection/.")
     p.add_argument("run_dir", help="a run dir written by `trainprof run` (profile.json + recipe.yaml)")
-    p.add_argument("overrides", nargs="*", help="recipe changes as dotted key=value, e.g. train.micro_batch_size=8")
+    p.add_argument("overrides", nargs="*",
+                   help="recipe changes as dotted key=value, e.g. train.micro_batch_size=8; re-derived: micro batch, "
+                        "seq_len, grad_accum, recompute, attention, engine (ZeRO stage, offload, kind) and task "
+                        "(pretrain/LoRA/QLoRA); the step is null, with the reason, for other keys that change a step "
+                        "(model size or dtype, optimizer kind, ...)")
     p.add_argument("--to", default="this", help="comma-separated catalog keys (see `trainprof hardware`) or 'this' "
                    "(the machine the run was measured on; default)")
     p.add_argument("--nodes", type=_int_list, default=[1], help="node counts for catalog targets, e.g. 1,2,4 (default 1)")
