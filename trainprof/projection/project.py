@@ -453,9 +453,8 @@ class Projector:
             shape = resolve_shape(target_recipe.model)
             layer_params = 4 * shape.hidden_size ** 2 + 3 * shape.hidden_size * shape.intermediate_size
             probe_threads = self.source_threads
-            if "step_ms" in reasons:
-                pass
-            elif self.probe and layer_params <= PROBE_MAX_LAYER_PARAMS and _same_machine_as_source(src):
+            refused = "step_ms" in reasons  # nothing to probe for a step that will not be predicted
+            if not refused and self.probe and layer_params <= PROBE_MAX_LAYER_PARAMS and _same_machine_as_source(src):
                 probes = self.probe_pair(target_recipe, probe_threads, world)
                 try:
                     if _engine_key(src.recipe) != _engine_key(target_recipe) or task_changed:
@@ -467,7 +466,7 @@ class Projector:
                         step_probe = self.source_step(probe_threads or 1)  # one rank: no gathers after the step
                 except ValueError as err:
                     reasons["step_ms"] = f"the engine could not be probed: {err}"
-            elif _shape_changed(src.recipe, target_recipe) or task_changed:
+            elif not refused and (_shape_changed(src.recipe, target_recipe) or task_changed):
                 reasons["step_ms"] = (f"the {'task' if task_changed else 'shape'} changed and the model cannot be "
                                       "probed here (another machine, a model too large to probe on CPU, or --no-probe); "
                                       "run on the source machine")
