@@ -675,18 +675,10 @@ def unmodelled_changes(source_recipe: Any, target_recipe: Any) -> list[str]:
     """Recipe keys (dotted) whose value differs between the source and the target, that change the
     work of a step, and that the step model does not re-derive (model size or dtype, optimizer kind,
     pipeline layout, DeepSpeed's own settings, data loading): a prediction across them is null."""
-    a, b = _flat(source_recipe.to_dict()), _flat(target_recipe.to_dict())
-    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not _key_modelled(k))
+    from trainprof.analysis.diff import recipe_changes
 
-
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+    return sorted(k for k, _, _ in recipe_changes(source_recipe.to_dict(), target_recipe.to_dict())
+                  if not _key_modelled(k))
 
 
 def _engine_key(recipe: Any) -> tuple[str, int, str]:

@@ -462,6 +462,12 @@ def derives_zero_collectives(change: Change, source_zero_stage: int) -> bool:
         and (change.zero_stage != source_zero_stage or change.trainable_param_bytes is not None)
 
 
+def _trainable_bytes(m: Measured, change: Change) -> float:
+    """Bytes of the target's trainable parameters in the model dtype: the task's when it changes them, else
+    the source's."""
+    return m.trainable_param_bytes if change.trainable_param_bytes is None else change.trainable_param_bytes
+
+
 def derives_ddp_collectives(change: Change, source_world_size: int) -> bool:
     """Whether the target's collectives are PyTorch DDP's, derived from the model: a torch-engine target on
     more than one rank whose source ran no DDP (another engine, or one rank) or trained other parameters
@@ -481,8 +487,7 @@ def _ddp_comm(m: Measured, change: Change, link: Link) -> tuple[float, list[str]
     batches before the boundary (DDP.no_sync). Gradients are fp32: the torch engine keeps trainable
     parameters in fp32 under autocast."""
     n, fit = change.world_size, link.fit
-    trainable = m.trainable_param_bytes if change.trainable_param_bytes is None else change.trainable_param_bytes
-    grads = trainable / m.dtype_bytes * 4
+    grads = _trainable_bytes(m, change) / m.dtype_bytes * 4
     if grads <= 0:
         return float("nan"), ["comm: the profile records no trainable parameters to derive DDP's all_reduce from"]
     rest = max(grads - DDP_FIRST_BUCKET_BYTES, 0.0)
@@ -508,7 +513,7 @@ def _bucketed_zero_comm(m: Measured, change: Change, link: Link) -> tuple[float,
     Without overlap_comm (DeepSpeed's default below stage 3) the reduction blocks the backward: exposed
     whole; with it, at the source's measured exposed fraction of its backward reductions."""
     n, stage, fit = change.world_size, change.zero_stage, link.fit
-    grads = m.trainable_param_bytes if change.trainable_param_bytes is None else change.trainable_param_bytes
+    grads = _trainable_bytes(m, change)
     if grads <= 0:
         return float("nan"), ["comm: the profile records no trainable parameters to derive ZeRO's collectives from"]
     elements = grads / m.dtype_bytes
