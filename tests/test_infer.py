@@ -17,7 +17,7 @@ import torch
 from trainprof.inference.generate import make_prompt, run_request, serving_metrics
 from trainprof.inference.run import InferSettings, infer, load_inference_model
 from trainprof.inference.schema import validate_inference
-from trainprof.profiler.peaks import memory_bandwidth
+from trainprof.hardware import memory_bandwidth
 from trainprof.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,22 +1,39 @@
-"""Projection pieces that need no training run: the catalog and prices, the α-β collective model, and
-the step model's arithmetic on hand-made measurements."""
+"""Projection pieces that need no training run: the catalog, prices and NCCL's latency model, the
+parameter census, the GEMM work of a shape, the change-kind table, and the step model's arithmetic on
+hand-made measurements (its assumptions read as data)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import subprocess
-import sys
 
 import pytest
 
-from trainprof.projection.calibrate import bus_factor, collective_ms, fit_alpha_beta
-from trainprof.projection.catalog import CatalogError, find_accelerator, load_catalog, load_prices
-from trainprof.projection.stepmodel import (Change, EngineProbe, Link, Machine, Measured, StepProbe,
-                                           derives_ddp_collectives, derives_zero_collectives, predict_phases,
-                                           residual_ms, task_change_not_derived)
-
 from conftest import REPO
+from trainprof.hardware import CatalogError, find_accelerator, load_catalog
+from trainprof.projection.calibrate import bus_factor, collective_ms, fit_alpha_beta
+from trainprof.projection.census import census, zero3_settings, zero3_traffic
+from trainprof.projection.comm import CommTarget, Link, NcclLatency
+from trainprof.projection.compute import EngineProbe, Machine, Overhead, Parts, StepProbe
+from trainprof.projection.gemm import GemmRate, Work
+from trainprof.projection.measured import Measured, PhaseOps
+from trainprof.projection.prices import load_prices
+from trainprof.projection.stepmodel import Change, Inputs, predict_phases, residual_ms
+from trainprof.recipe import load_recipe
+from trainprof.shapes import SHAPES
 
+QUICK = REPO / "recipes" / "quickstart_cpu.yaml"
+
+
+def _values(notes, kind):
+    """The values of the one assumption of `kind` among a prediction's records."""
+    (found,) = [a.values for a in notes if a.kind == kind]
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# The catalog, prices and links
+# ---------------------------------------------------------------------------------------------
 
 def test_every_catalog_figure_has_a_source_and_names_resolve():
     cat = load_catalog()
@@ -30,12 +47,26 @@ def test_every_catalog_figure_has_a_source_and_names_resolve():
                 assert fig["source"], (key, name)
     for key in ("nvlink3", "nvlink4", "nvlink5", "pcie4", "pcie5", "pcie4-nvlink-bridge", "ib-hdr", "ib-ndr",
                 "roce-200", "roce-400"):
-        assert cat.links[key]["gbps_per_direction"]["source"]
+        assert cat.links[key]["gbps_per_direction"]["source"] and cat.links[key]["class"] in ("nvlink", "pcie", "net")
     node = cat.resolve("rtx3090-8x-nvlink")
-    assert node.gpus_per_node == 8 and node.intra_node_link["key"] == "pcie4-nvlink-bridge"
+    assert node.gpus_per_node == 8 and node.intra_node_link.key == "pcie4-nvlink-bridge"
     assert find_accelerator(cat, "NVIDIA H100 80GB HBM3") == "h100-sxm"
+    assert cat.base_latency_us()[0] == 8.4 and "tuning.cc" in cat.base_latency_us()[1]
     with pytest.raises(CatalogError, match="not in the catalog.*h100-sxm"):
         cat.resolve("h1OO")
+
+
+def test_the_profiler_reads_its_peaks_from_the_same_catalog():
+    from trainprof.hardware import dense_peak, memory_bandwidth
+
+    peak, _ = dense_peak("NVIDIA H100 80GB HBM3", "cuda", "bf16")
+    assert peak["tflops"] == load_catalog().resolve("h100-sxm").figure("peak_bf16_dense_tflops")
+    assert dense_peak("NVIDIA H100 80GB HBM3", "cuda", "tf32")[0]["tflops"] == 494.5
+    bw, _ = memory_bandwidth("NVIDIA H200", "cuda")
+    assert bw["gbps"] == 4800.0
+    none, why = dense_peak("x86_64", "cpu", "bf16")
+    assert none is None and "CPU" in why
+    assert dense_peak("Some GPU", "cuda", "bf16") == (None, dense_peak("Some GPU", "cuda", "bf16")[1])
 
 
 def test_user_catalog_merges_and_figures_need_sources(tmp_path):
@@ -46,6 +77,7 @@ def test_user_catalog_merges_and_figures_need_sources(tmp_path):
                     "    memory_gbps: {value: 500, source: 'my datasheet'}\n    intra_node_link: pcie4\n")
     cat = load_catalog(good)
     assert cat.resolve("my-gpu").figure("memory_gb") == 16 and "h100-sxm" in cat.accelerators
+    assert "my-gpu" not in load_catalog().accelerators  # the package's cached catalog is not changed
     bad = tmp_path / "bad.yaml"
     bad.write_text("accelerators:\n  x:\n    name: X\n    memory_gb: {value: 16}\n")
     with pytest.raises(CatalogError, match="accelerators.x.memory_gb.*source"):
@@ -77,6 +109,122 @@ def test_alpha_beta_fit_recovers_a_known_line_and_bus_factors():
     assert collective_ms("all_reduce", 1e9, 2, {"alpha_ms": 0.0, "busbw_gbps": 100.0}) == pytest.approx(10.0)
 
 
+def test_catalog_links_take_nccl_latency_and_the_slowest_hop():
+    """A catalog link prices a collective with NCCL's ring latency (tuning.cc: 8.4 us + per step 3.4 us on
+    NVLink, 14 us between nodes) and, across nodes, the network's bandwidth, so the same bytes cost more
+    over 2 nodes than over 1."""
+    from trainprof.projection.machines import catalog_link
+
+    cat = load_catalog()
+    one = catalog_link(cat, cat.resolve("h100-sxm"), 8, 8)
+    two = catalog_link(cat, cat.resolve("h100-sxm"), 16, 8)
+    assert one.busbw_gbps == 450 and two.busbw_gbps == 50
+    assert one.latency.alpha_ms("all_reduce", 8) == pytest.approx((8.4 + 14 * 3.4) / 1e3)
+    # 2 nodes: all_reduce has 2 x nodes network steps of its 2(n-1), the rest inside a node
+    assert two.latency.alpha_ms("all_reduce", 16) == pytest.approx((8.4 + 26 * 3.4 + 4 * 14.0) / 1e3)
+    assert two.latency.alpha_ms("all_gather_into_tensor", 16) == pytest.approx((8.4 + 14 * 3.4 + 14.0) / 1e3)
+    assert two.ms("all_reduce", 1e9, 16) > 8 * one.ms("all_reduce", 1e9, 8)
+    assert one.described.kind == "link_catalog" and one.described.values["base_us"] == 8.4
+    assert catalog_link(cat, cat.resolve("h100-sxm"), 1, 8) is None
+    lat = NcclLatency(base_us=10.0, intra_us=1.0, net_us=5.0, nodes=1, source="t")
+    assert Link(busbw_gbps=1.0, source="t", latency=lat).ms("all_reduce", 0.0, 4) == pytest.approx((10 + 6) / 1e3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model's parameters and work
+# ---------------------------------------------------------------------------------------------
+
+def test_census_counts_the_parameters_and_zero3s_persistent_ones():
+    """The quickstart's tiny model: 19 tensors at most 1e5 elements (DeepSpeed's default persistence
+    threshold; the q/k/v/o and MLP matrices and norms of 2 layers, and the final norm) that ZeRO-3 gathers
+    after each step, and 2 partitioned ones (embedding and LM head); LoRA on q,v at r=8 adds 8 small
+    adapters (27 persistent, as a real LoRA run issued 27 all-gathers after its step)."""
+    from trainprof.plan import analytic_params
+    from trainprof.models import resolve_shape
+
+    src = load_recipe(QUICK)
+    c = census(src)
+    assert c.total == analytic_params(resolve_shape(src.model), src)["total"] == 664_192
+    tr = zero3_traffic(c, zero3_settings(src))
+    assert (tr.persistent_calls, tr.gather_calls) == (19, 2)
+    assert tr.gather_elements == 2 * 1024 * 128 and not tr.regathered_in_backward
+    lora = census(load_recipe(QUICK, ["task.kind=lora"]))
+    assert zero3_traffic(lora, zero3_settings(src)).persistent_calls == 27
+    assert lora.trainable == 2 * 2 * (8 * 128 + 128 * 8)
+    big = census(load_recipe(QUICK, ["model.name=llama2-7b"]))
+    assert big.total == analytic_params(SHAPES["llama2-7b"], src)["total"]
+    assert zero3_traffic(big, zero3_settings(src)).regathered_in_backward  # 6.7e9 > stage3_max_reuse_distance
+    zero = load_recipe(QUICK, ["deepspeed.zero_optimization.stage3_param_persistence_threshold=0"])
+    assert zero3_traffic(c, zero3_settings(zero)).persistent_calls == 0
+
+
+def test_a_shapes_gemms_follow_the_flop_convention():
+    """Llama2-7B's forward GEMMs are 2 FLOPs per parameter per token (the embedding is a lookup) plus the
+    attention's 4 s h per token per layer; a backward is twice the forward; a frozen base (LoRA) skips its
+    weight gradients."""
+    w = Work(shape=SHAPES["llama2-7b"], micro_batch=2, seq_len=350, attention="sdpa", dtype="bf16")
+    tokens, s = 700, SHAPES["llama2-7b"]
+    non_embedding = 6_738_415_616 - s.vocab_size * s.hidden_size - s.hidden_size * (2 * s.num_layers + 1)
+    attention = 4 * s.num_layers * s.hidden_size * 350
+    forward = sum(g.flops for g in w.gemms("forward")) / tokens
+    assert forward == pytest.approx(2 * non_embedding + attention, rel=1e-6)
+    assert sum(g.flops for g in w.gemms("backward")) == pytest.approx(2 * forward * tokens)
+    lora = dataclasses.replace(w, frozen=True)
+    assert sum(g.flops for g in lora.gemms("backward")) < 0.6 * sum(g.flops for g in w.gemms("backward"))
+    assert sum(g.flops for g in w.gemms("recompute")) == pytest.approx(
+        forward * tokens - 2 * s.hidden_size * s.vocab_size * tokens)  # the layers only: no LM head
+
+
+def test_gemm_rates_follow_the_curve_and_the_roofline():
+    rate = GemmRate(best_tflops=800.0, memory_gbps=3000.0, curve=((2048, 400.0), (8192, 800.0)))
+    from trainprof.projection.gemm import Gemm
+
+    assert rate.tflops(Gemm(8192, 8192, 8192)) == pytest.approx(800.0)
+    assert rate.tflops(Gemm(4096, 4096, 4096)) == pytest.approx(math.sqrt(400.0 * 800.0))  # log-log midpoint
+    # a skinny GEMM (one token) is bandwidth-bound: 2mnk / (2 B x (mk + kn + mn)) FLOP/B x 3 TB/s
+    skinny = Gemm(1, 8192, 8192)
+    intensity = 2 * 8192 * 8192 / (2 * (8192 + 8192 * 8192 + 8192))
+    assert rate.tflops(skinny) == pytest.approx(intensity * 3000.0 / 1e3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The change-kind table
+# ---------------------------------------------------------------------------------------------
+
+def test_keys_the_step_model_does_not_rederive_are_named_and_step_neutral_ones_pass():
+    from trainprof.projection.changes import change_kinds, modelled_key, reshapes, unmodelled_changes
+
+    src = load_recipe(QUICK, [])
+    assert unmodelled_changes(src, load_recipe(QUICK, ["optimizer.lr=0.1", "train.steps=5", "profile.ops=false",
+                                                       "task.kind=lora", "engine.zero_stage=2",
+                                                       "train.micro_batch_size=8", "model.name=llama2-small",
+                                                       "model.num_kv_heads=2"])) == []
+    assert unmodelled_changes(src, load_recipe(QUICK, ["model.dtype=fp32", "optimizer.state_bits=8",
+                                                       "data.num_workers=2"])) == [
+        "data.num_workers", "model.dtype", "optimizer.state_bits"]
+    assert change_kinds(src, load_recipe(QUICK, ["task.kind=qlora", "engine.zero_stage=2"]), 2, 2, "this") == [
+        "zero_stage", "task"]
+    assert change_kinds(src, load_recipe(QUICK, ["task.lora.r=16"]), 2, 2, "this") == ["none"]  # still pretrain
+    assert change_kinds(src, load_recipe(QUICK, ["engine.offload=optimizer"]), 2, 2, "this") == ["offload"]
+    assert change_kinds(src, load_recipe(QUICK, ["engine.kind=torch", "engine.zero_stage=0"]), 2, 1, "this") == [
+        "zero_stage", "engine", "world_size"]
+    # a model size is the resolved shape: its name or its dims, not how they are spelled
+    assert change_kinds(src, load_recipe(QUICK, ["model.num_layers=4", "model.vocab_size=4096"]), 2, 2, "h100-sxm") == [
+        "model_size", "hardware"]
+    assert change_kinds(src, load_recipe(QUICK, ["model.num_layers=2", "model.max_position_embeddings=512"]), 2, 2,
+                        "this") == ["none"]
+    assert reshapes(src, load_recipe(QUICK, ["model.num_heads=8"])) and not reshapes(
+        src, load_recipe(QUICK, ["engine.zero_stage=2"]))
+    assert modelled_key("model.hidden_size") and not modelled_key("model.dtype") and modelled_key("output.dir")
+
+
+# ---------------------------------------------------------------------------------------------
+# The step model on hand-made measurements
+# ---------------------------------------------------------------------------------------------
+
+TINY = SHAPES["llama2-tiny"]
+
+
 def _measured(**kw) -> Measured:
     base = dict(step_ms=100.0, phases_ms={"data_wait": 1.0, "forward": 20.0, "backward": 40.0, "recompute": 0.0,
                                            "optimizer": 10.0, "comm_exposed": 25.0, "other": 0.0},
@@ -86,101 +234,105 @@ def _measured(**kw) -> Measured:
                       {"op": "reduce_scatter_tensor", "phase": "optimizer", "calls": 1, "bytes": 4e6,
                        "total_ms": 20.0, "exposed_ms": 20.0}],
                 world_size=2, grad_accum=1, optimizer_state_elements=1000, peak_memory_bytes=10**9,
-                forward_layers_ms=15.0)
+                forward_layers_ms=15.0,
+                # decoder layers 12 of the forward's 20 ms and 30 of the backward's 40; the model call 18 / 36
+                parts_ms={"forward": (12.0, 18.0), "backward": (30.0, 36.0), "recompute": (0.0, 0.0)})
     base.update(kw)
     return Measured(**base)
 
 
-def _change(**kw) -> Change:
-    base = dict(micro_batch=4, seq_len=256, grad_accum=1, recompute=False, attention="sdpa", zero_stage=3,
-                engine="deepspeed", world_size=2, state_elements_per_rank=500.0, source_state_elements_per_rank=500.0)
-    base.update(kw)
-    return Change(**base)
+def _work(**kw) -> Work:
+    return Work(**{**dict(shape=TINY, micro_batch=4, seq_len=256, attention="sdpa", dtype="bf16"), **kw})
+
+
+def _change(*, work: Work | None = None, grad_accum: int = 1, recompute: bool = False, world_size: int = 2,
+            engine: str = "deepspeed", zero_stage: int = 3, state: float = 500.0, **comm) -> Change:
+    c = CommTarget(engine=engine, zero_stage=zero_stage, world_size=world_size, grad_accum=grad_accum,
+                   source_engine=comm.pop("source_engine", "deepspeed"),
+                   source_zero_stage=comm.pop("source_zero_stage", 3),
+                   trainable_param_bytes=comm.pop("trainable_param_bytes", None), **comm)
+    return Change(work=work or _work(), source_work=_work(), grad_accum=grad_accum, recompute=recompute,
+                  state_elements_per_rank=state, source_state_elements_per_rank=500.0, comm=c)
 
 
 def test_same_configuration_reproduces_the_measured_phases():
     m = _measured()
-    phases, _ = predict_phases(m, _change(), probes=None, num_layers=2, source_machine=None, target_machine=None,
-                               link=None, source_zero_stage=3)
+    phases, _ = predict_phases(m, _change(), Inputs())
     assert phases == m.phases_ms
     assert sum(phases.values()) + m.unattributed_ms == pytest.approx(m.step_ms)
 
 
-def test_grad_accum_world_size_and_probes():
+def test_grad_accum_and_world_size():
     m = _measured()
-    phases, _ = predict_phases(m, _change(grad_accum=2), probes=None, num_layers=2, source_machine=None,
-                               target_machine=None, link=None, source_zero_stage=3)
+    phases, _ = predict_phases(m, _change(grad_accum=2), Inputs())
     assert (phases["forward"], phases["backward"], phases["optimizer"]) == (40.0, 80.0, 10.0)
     assert phases["comm_exposed"] == pytest.approx(5.0 * 2 + 20.0)  # forward gathers repeat per micro batch
-    one, notes = predict_phases(m, _change(world_size=1, state_elements_per_rank=1000.0), probes=None, num_layers=2,
-                                source_machine=None, target_machine=None, link=None, source_zero_stage=3)
-    assert one["comm_exposed"] == 0.0 and one["optimizer"] == 20.0 and "one rank" in notes[-1]
-    probe_s = {"layer_forward_ms": 5.0, "layer_backward_ms": 10.0, "model_forward_ms": 12.0, "model_backward_ms": 24.0}
-    probe_t = {"layer_forward_ms": 9.0, "layer_backward_ms": 18.0, "model_forward_ms": 21.0, "model_backward_ms": 42.0}
-    big, _ = predict_phases(m, _change(micro_batch=8, recompute=True), probes=(probe_s, probe_t), num_layers=2,
-                            source_machine=None, target_machine=None, link=None, source_zero_stage=3)
-    assert big["forward"] == pytest.approx(20.0 * (2 * 9.0 + 3.0) / (2 * 5.0 + 2.0))
-    assert big["backward"] == pytest.approx(40.0 * (2 * 18.0 + 6.0) / (2 * 10.0 + 4.0))
-    # recompute re-runs the decoder layers' measured forward (15 ms), x one layer's probed forward ratio
-    assert big["recompute"] == pytest.approx(15.0 * 9.0 / 5.0)
-    rowless, _ = predict_phases(_measured(forward_layers_ms=None), _change(micro_batch=8, recompute=True),
-                                probes=(probe_s, probe_t), num_layers=2, source_machine=None, target_machine=None,
-                                link=None, source_zero_stage=3)
-    kappa = 20.0 / (2 * 5.0 + 2.0)  # without decoder-layer rows: measured over probed forward at the source shape
-    assert rowless["recompute"] == pytest.approx(kappa * 2 * 9.0)
+    one, notes = predict_phases(m, _change(world_size=1, state=1000.0), Inputs())
+    assert one["comm_exposed"] == 0.0 and one["optimizer"] == 20.0
+    assert [a.kind for a in notes][-1] == "comm_one_rank"
+    assert _values(notes, "optimizer_scaled")["ratio"] == 2.0
 
 
-def test_the_engines_own_work_in_the_leaves_does_not_grow_with_the_shape():
-    # leaves: 18 ms forward, 36 ms backward, of which the engine's per-call work is 6 and 12 ms; the bare
-    # model probes 12 -> 24 ms forward and 24 -> 48 ms backward when the micro batch doubles
-    m = _measured(leaf_ms=(18.0, 36.0))
-    probe_s = {"layer_forward_ms": 5.0, "layer_backward_ms": 10.0, "model_forward_ms": 12.0, "model_backward_ms": 24.0}
-    probe_t = {"layer_forward_ms": 10.0, "layer_backward_ms": 20.0, "model_forward_ms": 24.0, "model_backward_ms": 48.0}
-    kept, notes = predict_phases(m, _change(micro_batch=8), probes=(probe_s, probe_t), num_layers=2,
-                                 source_machine=None, target_machine=None, link=None, source_zero_stage=3,
-                                 engine_overhead=(6.0, 12.0))
-    # parents' 2 + 4 ms and the engine's 6 + 12 ms stay; the model's 12 + 24 ms double
-    assert (kept["forward"], kept["backward"]) == pytest.approx((2.0 + 6.0 + 24.0, 4.0 + 12.0 + 48.0))
-    assert any("6.00 ms forward and 12.00 ms backward per micro batch are the engine's own work" in n for n in notes)
-    scaled, _ = predict_phases(m, _change(micro_batch=8), probes=(probe_s, probe_t), num_layers=2,
-                               source_machine=None, target_machine=None, link=None, source_zero_stage=3)
-    assert (scaled["forward"], scaled["backward"]) == pytest.approx((2.0 + 36.0, 4.0 + 72.0))  # without: all doubles
+def test_probed_parts_scale_the_layers_and_the_rest_and_keep_the_outside():
+    """Layers x their probed ratio and the layer count, the rest of the model x its ratio; the time outside
+    the model (forward 20 - 18, backward 40 - 36) stays; recompute turned on re-runs the target's layers'
+    forward."""
+    m = _measured()
+    parts = Parts(layer={"forward": 1.5, "backward": 2.0}, rest={"forward": 3.0, "backward": 1.0}, layers_probed=2)
+    deeper = _work(shape=dataclasses.replace(TINY, num_layers=4))
+    phases, notes = predict_phases(m, _change(work=deeper, recompute=True), Inputs(parts=parts))
+    assert phases["forward"] == pytest.approx(12.0 * 1.5 * 2 + 6.0 * 3.0 + 2.0)
+    assert phases["backward"] == pytest.approx(30.0 * 2.0 * 2 + 6.0 * 1.0 + 4.0)
+    assert phases["recompute"] == pytest.approx(12.0 * 1.5 * 2)
+    assert _values(notes, "parts_probed")["target_layers"] == 4
+    assert _values(notes, "recompute_on")["layers_forward_ms"] == pytest.approx(36.0)
+
+
+def test_the_engines_own_work_does_not_grow_with_the_shape_but_zero3s_copies_do():
+    m = _measured()
+    parts = Parts(layer={"forward": 2.0, "backward": 2.0}, rest={"forward": 2.0, "backward": 2.0}, layers_probed=2)
+    over = Overhead(forward_ms=6.0, backward_ms=12.0, layer_share=0.5, gathers=False)
+    phases, notes = predict_phases(m, _change(), Inputs(parts=parts, overhead=over))
+    # layers: (12 - 3) x 2 + 3; rest: (6 - 3) x 2 + 3; outside 2
+    assert phases["forward"] == pytest.approx((12 - 3) * 2 + 3 + (6 - 3) * 2 + 3 + 2)
+    assert _values(notes, "engine_overhead")["forward_ms"] == 6.0
+    # ZeRO-3's work copies the gathered parameters: 1e9 -> 3e9 bytes at 1000 GB/s moves 2 B per byte
+    gathers = Overhead(forward_ms=6.0, backward_ms=12.0, layer_share=0.5, gathers=True)
+    moved, _ = predict_phases(m, _change(), Inputs(parts=parts, overhead=gathers, zero3_bytes=(1e9, 3e9),
+                                                   memory_gbps=1000.0))
+    extra = 2 * (3e9 - 1e9) / 1e12 * 1e3  # ms over both parts
+    assert moved["forward"] == pytest.approx(phases["forward"] + extra)
 
 
 def test_an_engine_change_scales_the_whole_compute_phases_by_the_probed_engine_ratio():
     m = _measured()
-    probe = {"layer_forward_ms": 5.0, "layer_backward_ms": 10.0, "model_forward_ms": 12.0, "model_backward_ms": 24.0}
-    engine = EngineProbe(forward=0.75, backward=0.9, step=0.6,
-                         target_step=StepProbe(step_ms=3.0, state_elements=1000.0))
-    phases, notes = predict_phases(m, _change(zero_stage=2), probes=(probe, probe), num_layers=2,
-                                   source_machine=None, target_machine=None, link=None, source_zero_stage=3,
-                                   engine=engine)
+    engine = EngineProbe(forward=0.75, backward=0.9, step=0.6, target_step=StepProbe(step_ms=3.0, state_elements=1000.0))
+    phases, notes = predict_phases(m, _change(zero_stage=2, source_zero_stage=3), Inputs(engine=engine,
+                                                                                        link=_link()))
     assert (phases["forward"], phases["backward"]) == pytest.approx((20.0 * 0.75, 40.0 * 0.9))
-    assert any(n.startswith("engine change: forward x0.75, backward x0.90") for n in notes)
+    assert _values(notes, "engine_change") == {"forward": 0.75, "backward": 0.9}
     # no bandwidth to re-price Adam's pass with: the probed step() ratio
     assert phases["optimizer"] == pytest.approx(10.0 * 0.6)
-    assert any(n.startswith("engine change: optimizer step x0.60") for n in notes)
+    assert _values(notes, "optimizer_engine_ratio")["ratio"] == 0.6
     # below ZeRO-3 the target's own probed step, Adam's pass moved from the probe's 1000 state elements
     # to this rank's 500 (28 B each at 0.01 GB/s: 2.8 ms per 1000 elements)
-    below3, notes = predict_phases(m, _change(zero_stage=2), probes=(probe, probe), num_layers=2, source_machine=None,
-                                   target_machine=None, link=None, source_zero_stage=3, engine=engine,
-                                   memory_gbps=0.01)
+    below3, notes = predict_phases(m, _change(zero_stage=2), Inputs(engine=engine, memory_gbps=0.01, link=_link()))
     assert below3["optimizer"] == pytest.approx(3.0 - 2.8 + 1.4)
-    assert any(n.startswith("optimizer: the target engine's step() probed in a group of one") for n in notes)
+    assert _values(notes, "optimizer_probed_step")["step_ms"] == 3.0
     # a ZeRO-3 target keeps the source's step (its gathers after the step) x the probed ratio
-    to3, _ = predict_phases(m, _change(zero_stage=3), probes=(probe, probe), num_layers=2, source_machine=None,
-                            target_machine=None, link=None, source_zero_stage=2, engine=engine, memory_gbps=0.01)
+    to3, _ = predict_phases(m, _change(zero_stage=3, source_zero_stage=2), Inputs(engine=engine, memory_gbps=0.01))
     assert to3["optimizer"] == pytest.approx(10.0 * 0.6)
-    # the same ZeRO-3 engine on one rank: no gathers after the step, so its own probed step, all 1000
+    # the same ZeRO-3 engine on one rank: no gathers after the step, its own probed step with all 1000
     # elements on the rank; on two ranks the source's measured step stays
     probed = StepProbe(step_ms=3.0, state_elements=1000.0)
-    one, _ = predict_phases(m, _change(world_size=1, state_elements_per_rank=1000.0), probes=None, num_layers=2,
-                            source_machine=None, target_machine=None, link=None, source_zero_stage=3,
-                            step_probe=probed, memory_gbps=0.01)
+    one, _ = predict_phases(m, _change(world_size=1, state=1000.0), Inputs(step_probe=probed, memory_gbps=0.01))
     assert one["optimizer"] == pytest.approx(3.0)
-    two, _ = predict_phases(m, _change(), probes=None, num_layers=2, source_machine=None, target_machine=None,
-                            link=None, source_zero_stage=3, step_probe=probed, memory_gbps=0.01)
+    two, _ = predict_phases(m, _change(), Inputs(step_probe=probed, memory_gbps=0.01))
     assert two["optimizer"] == 10.0
+
+
+def _link(**kw) -> Link:
+    return Link(**{**dict(alpha_ms=0.5, busbw_gbps=1.0, source="test link"), **kw})
 
 
 def test_zero_stage_0_to_2_collectives_are_derived_from_the_trainable_parameters():
@@ -192,59 +344,47 @@ def test_zero_stage_0_to_2_collectives_are_derived_from_the_trainable_parameters
     scatter = {"op": "reduce_scatter_tensor", "phase": "backward", "calls": 1, "bytes": 4e6, "total_ms": 8.0,
                "exposed_ms": 2.0}
     m = _measured(comm=[*_measured().comm, small, scatter], trainable_param_bytes=4e6, dtype_bytes=2)
-    link = Link(alpha_ms=0.5, busbw_gbps=1.0, source="test link")
     reduce_ms, gather_ms = 0.5 + 4.0, 2 * (0.5 + 1.0)  # all_reduce bus factor 1 at n=2; all-gather 1/2, 2 MB a call
     for stage, expected in ((2, 2 * reduce_ms + gather_ms + 0.8), (1, reduce_ms + gather_ms + 0.8), (0, reduce_ms + 0.8)):
-        phases, notes = predict_phases(m, _change(zero_stage=stage, grad_accum=2), probes=None, num_layers=2,
-                                       source_machine=None, target_machine=None, link=link, source_zero_stage=3)
+        phases, notes = predict_phases(m, _change(zero_stage=stage, grad_accum=2), Inputs(link=_link()))
         assert phases["comm_exposed"] == pytest.approx(expected), stage
-        assert any(f"ZeRO stage {stage}'s collectives derived" in n for n in notes)
+        assert _values(notes, "comm_zero_derived")["stage"] == stage
     # a fit measured on this machine at the source's world size: each of the target's blocking calls (one
     # all_reduce a micro batch, two all-gathers) also waits what a blocking call of the source waited beyond
     # its price by that fit (the small all_reduces and the optimizer's 4 MB reduce-scatter; the backward
     # one was 3/4 hidden, so not blocking)
-    here = Link(alpha_ms=0.5, busbw_gbps=1.0, source="gloo here", measured_here=True)
+    here = _link(measured_here=True)
     wait = ((0.8 + 20.0) - (2 * 0.5 + (0.5 + 2.0))) / 3  # measured 0.8 + 20 ms; priced 2 x α and α + 4 MB x 1/2
-    phases, notes = predict_phases(m, _change(zero_stage=2), probes=None, num_layers=2, source_machine=None,
-                                   target_machine=None, link=here, source_zero_stage=3)
+    phases, notes = predict_phases(m, _change(zero_stage=2), Inputs(link=here))
     assert phases["comm_exposed"] == pytest.approx(reduce_ms + gather_ms + 3 * wait + 0.8, rel=1e-4)  # + 16 B
-    assert any(n.startswith(f"comm: + {wait:.2f} ms a blocking call waited in training") for n in notes)
+    assert _values(notes, "comm_wait")["wait_ms"] == pytest.approx(wait)
     # overlap_comm: the reduction is exposed at the source's measured fraction of its backward reductions
-    overlapped, _ = predict_phases(m, _change(zero_stage=2, overlap_comm=True), probes=None, num_layers=2,
-                                   source_machine=None, target_machine=None, link=link, source_zero_stage=3)
+    overlapped, _ = predict_phases(m, _change(zero_stage=2, overlap_comm=True), Inputs(link=_link()))
     assert overlapped["comm_exposed"] == pytest.approx(reduce_ms * 2.0 / 8.0 + gather_ms + 0.8)
-    # ZeRO-3 as the target keeps the ZeRO paper's volume ratio (its prefetched gathers are not derivable)
-    to3, notes = predict_phases(m, _change(zero_stage=3), probes=None, num_layers=2, source_machine=None,
-                                target_machine=None, link=None, source_zero_stage=2)
-    assert to3["comm_exposed"] == pytest.approx(25.0 * 3.0 / 2.0) and "volume x1.50" in notes[-1]
-    unpriced, notes = predict_phases(m, _change(zero_stage=2), probes=None, num_layers=2, source_machine=None,
-                                     target_machine=None, link=None, source_zero_stage=3)
-    assert math.isnan(unpriced["comm_exposed"]) and "no collective calibration" in notes[-1]
+    # ZeRO-3 as the target of a stage-2 source at its own world size keeps the ZeRO paper's volume ratio
+    to3, notes = predict_phases(m, _change(zero_stage=3, source_zero_stage=2), Inputs())
+    assert to3["comm_exposed"] == pytest.approx(25.0 * 3.0 / 2.0)
+    assert _values(notes, "comm_zero_volume")["ratio"] == 1.5
+    unpriced, notes = predict_phases(m, _change(zero_stage=2), Inputs())
+    assert math.isnan(unpriced["comm_exposed"]) and "no collective calibration" in notes[-1].values["why"]
 
 
-def test_a_task_change_derives_stage_0_2_collectives_from_the_adapters_and_refuses_zero3():
-    """pretrain -> LoRA trains the adapters only: at ZeRO stage 0-2 the gradient all_reduce and the
-    all-gather after the step carry the adapters' bytes, even at the source's own stage; under ZeRO-3 on
-    several ranks the collectives are not derived (null with the reason), on one rank there are none."""
-    m = _measured(trainable_param_bytes=4e6, dtype_bytes=2)
-    link = Link(alpha_ms=0.5, busbw_gbps=1.0, source="test link")
-    adapters = 2e3  # bytes: 1,000 trainable parameters in bf16
-    lora = _change(zero_stage=2, trainable_param_bytes=adapters, param_groups=1)
-    assert derives_zero_collectives(lora, 2) and not derives_zero_collectives(_change(zero_stage=2), 2)
-    phases, notes = predict_phases(m, lora, probes=None, num_layers=2, source_machine=None, target_machine=None,
-                                   link=link, source_zero_stage=2)
-    # one all_reduce (bus factor 1 at n=2) and one all-gather (1/2) of 2 kB each, then the small optimizer rows
-    # of the source (none here)
-    assert phases["comm_exposed"] == pytest.approx((0.5 + adapters / 1e9 * 1e3) + (0.5 + adapters / 2 / 1e9 * 1e3))
-    assert any("derived from the 0.002 MB of trainable parameters" in n for n in notes), notes
-    zero3 = _change(zero_stage=3, trainable_param_bytes=adapters)
-    why = task_change_not_derived(zero3)
-    assert why and "under DeepSpeed ZeRO-3 is not derived" in why
-    phases, notes = predict_phases(m, zero3, probes=None, num_layers=2, source_machine=None, target_machine=None,
-                                   link=link, source_zero_stage=3)
-    assert math.isnan(phases["comm_exposed"]) and notes[-1] == why
-    assert task_change_not_derived(_change(zero_stage=3, trainable_param_bytes=adapters, world_size=1)) is None
-    assert task_change_not_derived(_change(zero_stage=3)) is None  # no task change
+def test_zero3_collectives_follow_the_census_on_a_model_or_task_change():
+    """A ZeRO-3 target of another model or task re-derives each of the source's rows: the after-step
+    gathers follow the persistent parameters (19 -> 27 with LoRA's adapters), the forward gathers the
+    partitioned ones, the reduce-scatter the trainable ones, each at the exposed fraction the source
+    measured."""
+    src, lora = load_recipe(QUICK), load_recipe(QUICK, ["task.kind=lora"])
+    after = {"op": "all_gather_into_tensor", "phase": "optimizer", "calls": 19, "bytes": 19 * 4000.0,
+             "total_ms": 19.0, "exposed_ms": 9.5}
+    m = _measured(comm=[after], trainable_param_bytes=2 * 664_192, dtype_bytes=2)
+    c = _change(census=census(lora), source_census=census(src), zero3=zero3_settings(lora),
+                source_zero3=zero3_settings(src), trainable_param_bytes=2 * census(lora).trainable)
+    phases, notes = predict_phases(m, c, Inputs(link=_link()))
+    s, t = (zero3_traffic(x, zero3_settings(src)) for x in (census(src), census(lora)))
+    elements = 19 * 4000.0 / 2 * t.persistent_elements / s.persistent_elements
+    assert phases["comm_exposed"] == pytest.approx(27 * _link().ms("all_gather_into_tensor", 2 * elements / 27, 2) * 0.5)
+    assert _values(notes, "comm_zero3_derived")["persistent"] == 27
 
 
 def test_ddp_collectives_are_derived_with_the_last_bucket_exposed():
@@ -252,83 +392,60 @@ def test_ddp_collectives_are_derived_with_the_last_bucket_exposed():
     reverse parameter order); all but the last hide behind the backward, the last (the remainder) is
     launched when the backward ends and is exposed whole, once a step."""
     m = _measured(trainable_param_bytes=4e6, dtype_bytes=2)  # 2e6 bf16 parameters: 8e6 bytes of fp32 gradients
-    link = Link(alpha_ms=0.5, busbw_gbps=1.0, source="test link")
     ddp = _change(engine="torch", zero_stage=0, grad_accum=4)
-    assert derives_ddp_collectives(ddp, 2)
-    phases, notes = predict_phases(m, ddp, probes=None, num_layers=2, source_machine=None, target_machine=None,
-                                   link=link, source_zero_stage=3)
+    phases, notes = predict_phases(m, ddp, Inputs(link=_link()))
     last = 8e6 - 2 ** 20  # one 1 MiB bucket, then the rest in one (< 25 MiB)
     assert phases["comm_exposed"] == pytest.approx(0.5 + last / 1e9 * 1e3)  # all_reduce bus factor 1 at n=2
-    assert "2 bucket(s)" in notes[-2] and f"the last ({last / 1e6:.3g} MB)" in notes[-2]
+    assert _values(notes, "comm_ddp_derived")["buckets"] == 2
     big = _measured(trainable_param_bytes=2 * 100e6, dtype_bytes=2)  # 100M parameters: 400 MB of gradients
-    phases, notes = predict_phases(big, ddp, probes=None, num_layers=2, source_machine=None, target_machine=None,
-                                   link=link, source_zero_stage=3)
+    phases, notes = predict_phases(big, ddp, Inputs(link=_link()))
     rest = 400e6 - 2 ** 20
     buckets = math.ceil(rest / (25 * 2 ** 20))
     assert phases["comm_exposed"] == pytest.approx(0.5 + (rest - 25 * 2 ** 20 * (buckets - 1)) / 1e6)
-    assert f"{1 + buckets} bucket(s)" in notes[-2]
-    # a DDP source at its own world keeps its recorded rows; from one rank, or with other trainable
-    # parameters (a task change), DDP is derived; no calibration for the world: null with the reason
-    assert not derives_ddp_collectives(_change(engine="torch", zero_stage=0, source_engine="torch"), 2)
-    assert derives_ddp_collectives(_change(engine="torch", zero_stage=0, source_engine="torch"), 1)
-    lora = _change(engine="torch", zero_stage=0, source_engine="torch", trainable_param_bytes=2e3)
-    assert derives_ddp_collectives(lora, 2) and task_change_not_derived(lora) is None
-    unpriced, notes = predict_phases(m, ddp, probes=None, num_layers=2, source_machine=None, target_machine=None,
-                                     link=None, source_zero_stage=3)
-    assert math.isnan(unpriced["comm_exposed"]) and "DDP's gradient all_reduce" in notes[-1]
+    assert _values(notes, "comm_ddp_derived")["buckets"] == 1 + buckets
+    # a DDP source at its own world keeps its recorded rows (re-timed); no calibration for the world: null
+    same = _change(engine="torch", zero_stage=0, source_engine="torch", source_zero_stage=0)
+    _, notes = predict_phases(m, same, Inputs(link=_link()))
+    assert "comm_retimed" in [a.kind for a in notes]
+    unpriced, notes = predict_phases(m, ddp, Inputs())
+    assert math.isnan(unpriced["comm_exposed"])
 
 
-def test_keys_the_step_model_does_not_rederive_are_named_and_step_neutral_ones_pass():
-    from trainprof.projection.project import change_kinds, unmodelled_changes
-    from trainprof.recipe import load_recipe
-
-    quick = REPO / "recipes" / "quickstart_cpu.yaml"
-    src = load_recipe(quick, [])
-    assert unmodelled_changes(src, load_recipe(quick, ["optimizer.lr=0.1", "train.steps=5", "profile.ops=false",
-                                                       "task.kind=lora", "engine.zero_stage=2",
-                                                       "train.micro_batch_size=8"])) == []
-    assert unmodelled_changes(src, load_recipe(quick, ["model.dtype=fp32", "model.name=llama2-small",
-                                                       "optimizer.state_bits=8", "data.num_workers=2"])) == [
-        "data.num_workers", "model.dtype", "model.name", "optimizer.state_bits"]
-    kinds = change_kinds(src, load_recipe(quick, ["task.kind=qlora", "engine.zero_stage=2"]), 2, 2, "this")
-    assert kinds == ["zero_stage", "task"]
-    assert change_kinds(src, load_recipe(quick, ["task.lora.r=16"]), 2, 2, "this") == ["none"]  # still pretrain
-    assert change_kinds(src, load_recipe(quick, ["engine.offload=optimizer"]), 2, 2, "this") == ["offload"]
-    assert change_kinds(src, load_recipe(quick, ["engine.kind=torch", "engine.zero_stage=0"]), 2, 1, "this") == [
-        "zero_stage", "engine", "world_size"]
+def _machine(name: str, *, gpu: bool, tflops: float, gbps: float) -> Machine:
+    rate = GemmRate(best_tflops=tflops, memory_gbps=gbps)
+    return Machine(name=name, is_gpu=gpu, gemm={ph: rate for ph in ("forward", "backward", "recompute")},
+                   memory_gbps=gbps)
 
 
-def test_cross_machine_scales_matmul_by_rate_and_the_rest_by_bandwidth():
-    m = _measured()
-    src = Machine(name="src", matmul_tflops=1.0, memory_gbps=10.0)  # forward: 2e9 FLOPs -> 2 ms of matmul
-    dst = Machine(name="dst", matmul_tflops=2.0, memory_gbps=40.0)
-    link = Link(alpha_ms=0.0, busbw_gbps=1.0, source="test link")
-    phases, _ = predict_phases(m, _change(), probes=None, num_layers=2, source_machine=src, target_machine=dst,
-                               link=link, source_zero_stage=3)
-    assert phases["forward"] == pytest.approx(2.0 / 2 + 18.0 / 4)
-    assert phases["backward"] == pytest.approx(4.0 / 2 + 36.0 / 4)
-    assert phases["optimizer"] == pytest.approx(10.0 / 4)
-    # α-β per call x calls x exposed fraction: gathers 2 x 1 MB x 1/2 / 1 GB/s x 0.5; scatter 4 MB x 1/2 x 1.0
-    assert phases["comm_exposed"] == pytest.approx(2 * 0.5 * 0.5 + 2.0 * 1.0)
-    # recomputation turned on there: the decoder layers' measured forward (15 ms) moves as the forward does
-    on, notes = predict_phases(m, _change(recompute=True), probes=None, num_layers=2, source_machine=src,
-                               target_machine=dst, link=link, source_zero_stage=3)
-    assert on["recompute"] == pytest.approx(15.0 * phases["forward"] / 20.0)
-    assert any(n.startswith("recompute: one more forward of every decoder layer") for n in notes)
-    with pytest.raises(ValueError, match="no decoder-layer rows"):
-        predict_phases(_measured(forward_layers_ms=None), _change(recompute=True), probes=None, num_layers=2,
-                       source_machine=src, target_machine=dst, link=link, source_zero_stage=3)
-
-    # rates measured per phase (a CPU whose backward GEMM layouts do not thread): the forward's matmul
-    # share follows the forward rate, the backward's its own, unchanged one
-    src = Machine(name="1 thread", matmul_tflops=4.0, memory_gbps=10.0,
-                  matmul_tflops_by_phase={"forward": 1.0, "backward": 0.5, "recompute": 1.0})
-    dst = Machine(name="2 threads", matmul_tflops=4.0, memory_gbps=10.0,
-                  matmul_tflops_by_phase={"forward": 2.0, "backward": 0.5, "recompute": 2.0})
-    phases, _ = predict_phases(m, _change(), probes=None, num_layers=2, source_machine=src, target_machine=dst,
-                               link=link, source_zero_stage=3)
-    assert phases["forward"] == pytest.approx(2.0 / 2 + 18.0)  # 2e9 FLOPs at 1 TFLOP/s, then twice as fast
-    assert phases["backward"] == pytest.approx(40.0)  # 4e9 FLOPs at 0.5 TFLOP/s: 8 ms of 40, at the same rate
+def test_another_machine_rerates_like_with_like_and_a_gpu_waits_for_its_host():
+    """GPU -> GPU: each phase's GEMM kernel time x the GEMM-time ratio, its other kernels x the bandwidth
+    ratio; a host-bound phase (kernels under 80% of it) keeps its host time: operator calls x the host's
+    time per call, and the phase is the longer of host and device."""
+    ops = {"forward": PhaseOps(layer_calls=100.0, rest_calls=20.0, matmul_ms=8.0, other_ms=8.0),
+           "backward": PhaseOps(layer_calls=200.0, rest_calls=40.0, matmul_ms=10.0, other_ms=10.0)}
+    m = _measured(ops=ops, device_type="cuda")
+    src, dst = _machine("a", gpu=True, tflops=100.0, gbps=1000.0), _machine("b", gpu=True, tflops=200.0, gbps=4000.0)
+    inputs = Inputs(source_machine=src, target_machine=dst, host_us_per_op={"forward": 50.0, "backward": 100.0},
+                    link=_link())
+    phases, notes = predict_phases(m, _change(), inputs)
+    # forward: device 8 x 0.5 + 8 x 0.25 = 6 ms; host 120 calls x 50 us = 6 ms -> 6; backward: device 7.5, host 24
+    assert phases["forward"] == pytest.approx(6.0) and phases["backward"] == pytest.approx(24.0)
+    assert "device_rerated" in [a.kind for a in notes]
+    # a CPU source: the GPU's device work from the target's shapes alone (its efficiency says nothing of a GPU's)
+    cpu = _machine("cpu", gpu=False, tflops=0.1, gbps=10.0)
+    w = _work()
+    analytic = dst.gemm["forward"].ms(w.gemms("forward")) + w.traffic_bytes() / 4000e9 * 1e3
+    phases, notes = predict_phases(_measured(ops=ops), _change(), Inputs(source_machine=cpu, target_machine=dst,
+                                                                         host_us_per_op={"forward": 1e-6,
+                                                                                         "backward": 1e-6},
+                                                                         link=_link()))
+    assert phases["forward"] == pytest.approx(analytic) and "device_analytic" in [a.kind for a in notes]
+    # CPU -> CPU (another thread count): device and host add up on one thread of control
+    cpu2 = _machine("cpu2", gpu=False, tflops=0.2, gbps=10.0)
+    phases, _ = predict_phases(_measured(ops=ops), _change(), Inputs(source_machine=cpu, target_machine=cpu2,
+                                                                     link=_link()))
+    g = cpu.gemm["forward"].ms(w.gemms("forward"))
+    assert phases["forward"] == pytest.approx(8.0 * cpu2.gemm["forward"].ms(w.gemms("forward")) / g + 8.0 + 4.0)
 
 
 def test_the_residual_scales_with_the_phases_so_a_faster_target_keeps_a_positive_step():
@@ -340,47 +457,65 @@ def test_the_residual_scales_with_the_phases_so_a_faster_target_keeps_a_positive
     assert sum(fast.values()) + residual_ms(m, fast) == pytest.approx(0.090)
 
 
-def test_hardware_command_and_one_line_errors():
-    out = subprocess.run([sys.executable, "-m", "trainprof", "hardware", "--sources"], capture_output=True,
-                         text=True, cwd=REPO)
-    assert out.returncode == 0 and "h100-sxm" in out.stdout and "datasheet" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "trainprof", "project", str(REPO / "nope")], capture_output=True,
-                         text=True, cwd=REPO)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "profile.json" in bad.stderr
+def test_confidence_labels_what_was_never_validated():
+    from trainprof.projection.validation import confidence
+
+    table = {"by_kind": {"micro_batch": {"step_mape_pct": 2.5}, "hardware_gpu": {"step_mape_pct": 61.5}}}
+    assert confidence(["none"], table, host_bound=False).text == "as measured"
+    assert confidence(["micro_batch"], table, host_bound=False).text == "±2.5%"
+    cpu_to_gpu = confidence(["micro_batch", "hardware"], table, host_bound=False)
+    assert cpu_to_gpu.label == "unvalidated" and cpu_to_gpu.expected_error_pct is None
+    low = confidence(["hardware_gpu"], table, host_bound=True)
+    assert low.label == "low" and low.expected_error_pct == 61.5 and "host-bound" in low.text
+    assert confidence(["model_size"], table, host_bound=False).text == "unvalidated: model_size"
 
 
-def test_probe_models_times_each_shape_in_one_call():
-    """Two shapes probed together (their models called in turn, as Projector.probe_pair does for a
-    source and a target): four times the tokens take longer, each layer's share is a part of its
-    model's time, and a probe of one gives the same keys."""
-    from trainprof.projection.calibrate import ProbeShape, probe_model, probe_models
-    from trainprof.recipe import Recipe
+def test_assumptions_are_records_whose_text_renders_from_their_values():
+    from trainprof.projection.assumptions import TEMPLATES, assume
 
-    recipe = Recipe()
-    recipe.model.name, recipe.model.dtype, recipe.model.num_layers = "llama2-tiny", "fp32", 2
-    small, large = ProbeShape(1, 32, "sdpa", False), ProbeShape(4, 32, "sdpa", False)
-    s, t = probe_models([(recipe, small), (recipe, large)], threads=1, rounds=3)
+    a = assume("engine_change", forward=0.75, backward=0.9)
+    assert a.to_dict() == {"kind": "engine_change", "values": {"forward": 0.75, "backward": 0.9},
+                           "text": TEMPLATES["engine_change"].format(forward=0.75, backward=0.9)}
+    with pytest.raises(KeyError):
+        assume("engine_change", forward=0.75)  # a value the template needs is missing
+    with pytest.raises(KeyError):
+        assume("no_such_kind")
+
+
+def test_hardware_command_and_one_line_errors(capsys):
+    from trainprof.cli import main
+
+    assert main(["hardware", "--sources"]) == 0
+    out = capsys.readouterr().out
+    assert "h100-sxm" in out and "datasheet" in out and "tuning.cc" in out
+    assert main(["project", str(REPO / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "profile.json" in err
+
+
+def test_probe_parts_times_each_shape_in_one_call():
+    """Two shapes probed together (their models called in turn): four times the tokens take longer in the
+    layers and in the rest of the model, and a layer is timed from the difference of 0 and k layers."""
+    from trainprof.projection.probes import probe_parts
+
+    small = load_recipe(QUICK, ["model.dtype=fp32", "train.micro_batch_size=1", "data.seq_len=32"])
+    large = load_recipe(QUICK, ["model.dtype=fp32", "train.micro_batch_size=4", "data.seq_len=32"])
+    s, t = probe_parts([small, large], threads=1, rounds=3)
     for probe in (s, t):
-        assert 0 < probe["layer_forward_ms"] < probe["model_forward_ms"]
-        assert 0 < probe["layer_backward_ms"] < probe["model_backward_ms"]
-    assert t["model_forward_ms"] > 1.3 * s["model_forward_ms"] and t["model_backward_ms"] > 1.3 * s["model_backward_ms"]
-    assert probe_model(recipe, small, threads=1, rounds=1).keys() == s.keys()
+        assert probe.layer_forward_ms > 0 and probe.rest_forward_ms > 0 and probe.layers_probed == 2
+        assert probe.layer_backward_ms > 0 and probe.rest_backward_ms > 0
+    assert t.layer_forward_ms + t.rest_forward_ms > 1.3 * (s.layer_forward_ms + s.rest_forward_ms)
 
 
 def test_probe_engines_times_the_bare_model_beside_each_engine():
     """With `bare`, the engine probe also calls each recipe's bare model in the same rounds (what
     Projector.engine_overhead subtracts): ZeRO-3's parameter fetch and release at every module make its
     forward far slower than the bare model's, while the plain torch engine is the bare model."""
-    from trainprof.projection.calibrate import probe_engines
-    from trainprof.recipe import Recipe
+    from trainprof.projection.probes import probe_engines
 
-    recipes = []
-    for kind, stage in (("deepspeed", 3), ("torch", 0)):
-        r = Recipe()
-        r.model.name, r.model.dtype, r.model.num_layers = "llama2-tiny", "fp32", 2
-        r.train.micro_batch_size, r.data.seq_len = 1, 32
-        r.engine.kind, r.engine.zero_stage = kind, stage
-        recipes.append(r)
+    recipes = [load_recipe(QUICK, ["model.dtype=fp32", "train.micro_batch_size=1", "data.seq_len=32",
+                                   f"engine.kind={kind}", f"engine.zero_stage={stage}"])
+               for kind, stage in (("deepspeed", 3), ("torch", 0))]
     zero3, plain = probe_engines(recipes, threads=1, rounds=3, bare=True)
     for probe in (zero3, plain):
         assert set(probe) == {"engine_forward_ms", "engine_backward_ms", "engine_step_ms", "model_forward_ms",
@@ -390,3 +525,18 @@ def test_probe_engines_times_the_bare_model_beside_each_engine():
     assert 0.6 < plain["engine_forward_ms"] / plain["model_forward_ms"] < 1.6
     assert set(probe_engines(recipes[1:], threads=1, rounds=1)[0]) == {"engine_forward_ms", "engine_backward_ms",
                                                                        "engine_step_ms"}
+
+
+def test_the_research_tables_rows_are_the_sweep_files_cells():
+    """--table zhang2023 predicts the rows recipes/sweeps/*_gpu.yaml measure: the two lists stay one."""
+    import yaml
+
+    from trainprof.projection import tables
+
+    for name, rows in (("pretrain_methods_gpu", tables.METHODS), ("pretrain_maxbatch_gpu", tables.MAXBATCH_METHODS)):
+        spec = yaml.safe_load((REPO / "recipes" / "sweeps" / f"{name}.yaml").read_text())
+        assert [(c["name"], c["overrides"]) for c in spec["cells"]] == [(n, o) for n, o in rows], name
+        assert spec["overrides"] == tables.METHODS_BASE
+    finetune = yaml.safe_load((REPO / "recipes" / "sweeps" / "finetune_gpu.yaml").read_text())
+    assert finetune["overrides"] == tables.FINETUNE_BASE
+    assert finetune["matrix"] == {"model.name": list(tables.MODEL_SIZES), "task.kind": ["lora", "qlora"]}

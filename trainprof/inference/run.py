@@ -17,7 +17,7 @@ from trainprof.inference.breakdown import module_breakdown, operator_breakdown
 from trainprof.inference.generate import METRICS_METHOD, TIMER_DESCRIPTION, make_prompt, run_request, serving_metrics
 from trainprof.io import atomic_write_json, atomic_write_text
 from trainprof.profiler.flops import FlopCounter
-from trainprof.profiler.peaks import dense_peak, memory_bandwidth
+from trainprof.hardware import dense_peak, memory_bandwidth
 from trainprof.recipe import Recipe
 
 SCHEMA_VERSION = 1

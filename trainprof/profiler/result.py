@@ -23,7 +23,7 @@ from trainprof.analysis.pipeline import BUBBLE_METHOD, rank_block
 from trainprof.env import collect_env
 from trainprof.profiler.flops import FLOPS_CONVENTION
 from trainprof.profiler.memory import ACTIVATION_METHOD, model_state_bytes
-from trainprof.profiler.peaks import dense_peak
+from trainprof.hardware import dense_peak
 
 class Recorded(Protocol):
     """What this module reads from a Profiler (trainprof.profiler.core implements it): the recorded

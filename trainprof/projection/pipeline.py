@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainprof.analysis.pipeline import ANALYTIC_FORMULA, boundary_bytes, gpipe_bubble_fraction, p2p_bytes_per_step
+from trainprof.projection.assumptions import Assumption, assume
 
 P2P_OPS = ("send", "recv", "isend", "irecv")
 
@@ -47,7 +48,7 @@ def check_world(profile: dict[str, Any], world: int) -> str | None:
 
 
 def pipeline_term(profile: dict[str, Any], measured_phases: dict[str, float], predicted: dict[str, float],
-                  target_recipe: Any, link: Any = None) -> tuple[float, dict[str, Any], list[str]]:
+                  target_recipe: Any, link: Any = None) -> tuple[float, dict[str, Any], list[Assumption]]:
     """(predicted bubble ms of the slowest stage, the prediction's `pipeline` block, notes).
 
     Args:
@@ -55,7 +56,7 @@ def pipeline_term(profile: dict[str, Any], measured_phases: dict[str, float], pr
         measured_phases: the step model's measured phases of the pace-setting stage (ms per step).
         predicted: the step model's predicted phases for the target (ms per step).
         target_recipe: the target recipe (grad_accum, micro batch, seq_len).
-        link: the target's point-to-point fit (alpha_ms, busbw_gbps), or None.
+        link: the target's point-to-point link (comm.Link), or None.
     """
     from trainprof.models import resolve_shape
 
@@ -72,10 +73,8 @@ def pipeline_term(profile: dict[str, Any], measured_phases: dict[str, float], pr
     p = pl["num_stages"]
     boundary = boundary_bytes(t.micro_batch_size, target_recipe.data.seq_len, resolve_shape(target_recipe.model).hidden_size)
     volume = p2p_bytes_per_step(m_t, boundary)
-    notes = [f"pipeline: stage {pl['balance']['slowest_stage']} sets the pace (the busiest); its measured bubble "
-             f"{bubble_src:.2f} ms x its predicted / measured compute "
-             f"per micro batch ({per_mb_t:.2f} / {per_mb_s:.2f} ms): fill and drain take (p - 1) micro-batch times "
-             "whatever the number of micro batches"]
+    notes = [assume("pipeline_bubble", stage=pl["balance"]["slowest_stage"], bubble_ms=bubble_src,
+                    target_mb_ms=per_mb_t, source_mb_ms=per_mb_s)]
     block: dict[str, Any] = {
         "num_stages": p, "schedule": pl["schedule"], "micro_batches": m_t,
         "bubble_ms": bubble_t, "bubble_ms_measured": bubble_src,
@@ -84,8 +83,7 @@ def pipeline_term(profile: dict[str, Any], measured_phases: dict[str, float], pr
         "p2p_source": "m x micro_batch_size x seq_len x hidden x 4 B each way (fp32 residual stream)",
     }
     if link is not None and getattr(link, "busbw_gbps", None):
-        per_transfer_ms = link.alpha_ms + boundary / (link.busbw_gbps * 1e9) * 1e3
+        per_transfer_ms = link.ms("send", boundary, 2)
         block["p2p_ms_per_transfer"] = per_transfer_ms
-        notes.append(f"pipeline: one boundary transfer {per_transfer_ms:.3f} ms over {link.source} (alpha + bytes/bw); "
-                     "inside the bubble, not added to it")
+        notes.append(assume("pipeline_transfer", ms=per_transfer_ms, link=link.source))
     return bubble_t, block, notes

@@ -1,7 +1,10 @@
-"""projection.json / .md / .csv / .html with a chart, and the short table `trainprof project` prints."""
+"""A projection's outputs, kept one folder per call: projection.json (with a generic `table` the run
+report lists), .md, .csv, .html and a chart; and the table `trainprof project` prints."""
 
 from __future__ import annotations
 
+import datetime as dt
+import re
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +12,7 @@ from trainprof.io import atomic_write_json
 from trainprof.sweep.tables import Column, figure, fmt_num, fmt_pct, fmt_text, pyplot, save_figure, write_tables
 
 GIB = 2**30
+PROJECTIONS_DIR = "projections"  # <run dir>/projections/<UTC stamp>-<label>/: one per `trainprof project` call
 
 
 def _fmt_bytes(x: Any) -> str:
@@ -19,38 +23,49 @@ def _fmt_bool(x: Any) -> str:
     return "n/a" if x is None else ("yes" if x else "no")
 
 
-def _fmt_err(x: Any) -> str:
-    return "n/a" if x is None else f"±{x:.1f}%"
+def _fmt_days(x: Any) -> str:
+    return "n/a" if x is None else f"{x / 86400:,.1f}"
 
 
-def _fmt_hours(x: Any) -> str:
-    return "n/a" if x is None else f"{x / 3600:,.1f}"
+def _fmt_usd(x: Any) -> str:
+    return "n/a" if x is None else f"${x:,.0f}"
 
 
-COLUMNS = [
-    Column("rank", "rank", fmt_text),
-    Column("hardware", "hardware", fmt_text),
-    Column("world_size", "GPUs", fmt_text),
-    Column("overrides_text", "changes", fmt_text),
-    Column("step_ms", "step ms", fmt_num(1)),
-    Column("expected_error_pct", "expected error", _fmt_err),
-    Column("tokens_per_s", "tokens/s", fmt_num(0)),
-    Column("mfu", "MFU", fmt_pct),
-    Column("scaling_efficiency", "scaling eff.", fmt_pct),
-    Column("memory_per_rank_bytes", "memory/rank GiB", _fmt_bytes),
-    Column("fits", "fits", _fmt_bool),
-    Column("time_to_train_s", "hours to train", _fmt_hours),
-    Column("cost_per_million_tokens_usd", "$ / M tokens", fmt_num(3)),
-]
+def columns(result: dict[str, Any]) -> list[Column]:
+    """The table's columns; time to train and total cost only when tokens (and prices) were given."""
+    preds = result["predictions"]
+    ordered_by = next((p.get("ordered_by") for p in preds if p.get("ordered_by")), "tokens_per_s")
+    order = "order (1 = lowest $/M tokens)" if ordered_by == "cost_per_million_tokens_usd" else "order (1 = most tokens/s)"
+    cols = [
+        Column("order", order, fmt_text),
+        Column("hardware", "hardware", fmt_text),
+        Column("gpus_text", "GPUs (nodes x per node)", fmt_text),
+        Column("model", "model", fmt_text),
+        Column("overrides_text", "changes", fmt_text),
+        Column("step_ms", "step ms", fmt_num(1)),
+        Column("confidence_text", "confidence", fmt_text),
+        Column("tokens_per_s", "tokens/s (all GPUs)", fmt_num(0)),
+        Column("mfu", "MFU", fmt_pct),
+        Column("scaling_efficiency", "scaling eff. vs 1 GPU", fmt_pct),
+        Column("memory_per_rank_bytes", "memory/GPU GiB", _fmt_bytes),
+        Column("fits", "fits", _fmt_bool),
+        Column("cost_per_million_tokens_usd", "$ / M tokens", fmt_num(3)),
+    ]
+    if result.get("tokens"):
+        cols.append(Column("time_to_train_s", f"days to train {result['tokens']:.3g} tokens", _fmt_days))
+        if any(p.get("cost_to_train_usd") is not None for p in preds):
+            cols.append(Column("cost_to_train_usd", "total cost", _fmt_usd))
+    return cols
 
 
-def _rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = []
+def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
     for p in result["predictions"]:
         row = dict(p)
         row["overrides_text"] = " ".join(p["overrides"]) or "none"
-        rows.append(row)
-    return rows
+        row["gpus_text"] = f"{p['world_size']} ({p['nodes']} x {p['gpus_per_node']})" if p["nodes"] > 1 else str(p["world_size"])
+        out.append(row)
+    return out
 
 
 def notes(result: dict[str, Any]) -> list[str]:
@@ -58,37 +73,66 @@ def notes(result: dict[str, Any]) -> list[str]:
     out = [
         f"source: {src['run_dir']} measured on {src['device']} x {src['world_size']} ({src['timer']} timer), "
         f"step {src['step_ms']:.1f} ms (slowest rank's median), peak memory "
-        + (f"{src['peak_memory_bytes'] / GIB:.2f} GiB" if src.get("peak_memory_bytes") else "n/a"),
+        + (f"{src['peak_memory_bytes'] / GIB:.2f} GiB" if src.get("peak_memory_bytes") else "n/a")
+        + ("" if src.get("recipe_origin") == "recipe.yaml" else f"; recipe rebuilt from its {src.get('recipe_origin')}"),
         "step ms: the step model (trainprof/projection/stepmodel.py) re-derives every measured phase for the "
         "target; each prediction's assumptions are listed in projection.json",
-        "expected error: the step-time MAPE that scripts/bench_projection.py measured for that kind of change "
-        "(validation.json); n/a means that kind of change was not validated",
+        "confidence: the step-time error scripts/bench_projection.py measured for that kind of change "
+        "(validation.json, ±%); 'unvalidated' when a kind of change was never checked against real runs (a CPU "
+        "run projected to a GPU always is), 'low' when the source GPU was mostly idle (host-bound)",
         "MFU: PaLM model FLOPs (6N + 12LHQT per token, trainprof plan) over the catalog's datasheet dense peak",
         "scaling eff.: predicted tokens/s at N GPUs over N x the predicted tokens/s on one GPU of the same kind",
-        "memory/rank: trainprof plan's formulas for the target (plus what the source measured beyond them on the "
+        "memory/GPU: trainprof plan's formulas for the target (plus what the source measured beyond them on the "
         "same machine); fits: under the catalog's memory capacity",
         "cost: price x GPUs / tokens/s, only from --price or a price file with source and date (never invented)",
     ]
+    if src.get("unknown"):
+        out.append("not recorded by the wrapped run, recipe defaults used: "
+                   + "; ".join(f"{k} ({why})" for k, why in src["unknown"].items()))
     for p in result["predictions"]:
         if p.get("fit_suggestion"):
             out.append(f"{p['hardware']} x {p['world_size']}: does not fit; would fit with "
                        f"{' '.join(p['fit_suggestion'])} (plan)")
-        for key, why in (p.get("reasons") or {}).items():
-            if key == "step_ms":
-                out.append(f"{p['hardware']} x {p['world_size']}: step not predicted: {why}")
+        why = (p.get("reasons") or {}).get("step_ms")
+        if why:
+            out.append(f"{p['hardware']} x {p['world_size']}: step not predicted: {why}")
     return out
 
 
-def write_projection(result: dict[str, Any], out_dir: Path) -> list[Path]:
-    """projection.json, projection.{md,csv,html} and projection.png in out_dir."""
+def label(targets: list[str], overrides: list[str]) -> str:
+    """A folder-name label for one call: its targets and changes."""
+    text = "_".join(targets) + ("_" + "_".join(overrides) if overrides else "")
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text)[:80].strip("-") or "projection"
+
+
+def new_projection_dir(run_dir: Path, targets: list[str], overrides: list[str]) -> Path:
+    """<run dir>/projections/<UTC stamp>-<label>/, never one an earlier call wrote."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    base = run_dir / PROJECTIONS_DIR / f"{stamp}-{label(targets, overrides)}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    path.mkdir(parents=True)
+    return path
+
+
+def write_projection(result: dict[str, Any], out_dir: Path, *, title: str, command: str) -> list[Path]:
+    """projection.json (with the generic `table` the run report lists), .md, .csv, .html and .png."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out_dir / "projection.json", result)
+    cols, table_rows = columns(result), rows(result)
+    doc = {**result, "title": title, "command": command,
+           "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "table": {"columns": [c.header for c in cols],
+                     "rows": [[c.fmt(r.get(c.key)) for c in cols] for r in table_rows]},
+           "notes": notes(result)}
+    atomic_write_json(out_dir / "projection.json", doc)
     image = None
     if any(p["tokens_per_s"] for p in result["predictions"]):
         image = plot_projection(result, out_dir / "projection.png").name
-    paths = write_tables(out_dir / "projection", _rows(result), COLUMNS, title="trainprof projection",
-                         intro=["Predicted from one measured run; every figure is a prediction with its "
-                                "expected error, not a measurement."], notes=notes(result), image=image)
+    paths = write_tables(out_dir / "projection", table_rows, cols, title=title,
+                         intro=["Predicted from one measured run; every figure is a prediction with its confidence, "
+                                "not a measurement.", f"Command: `{command}`"], notes=doc["notes"], image=image)
     return [out_dir / "projection.json", *paths]
 
 
@@ -101,9 +145,10 @@ def plot_projection(result: dict[str, Any], path: Path) -> Path:
         "Predicted by trainprof project from one measured run; error bars: the validated expected error "
         "(none when not validated).", f"source: {result['source']['run_dir']}"])
     errs = [p["tokens_per_s"] * (p["expected_error_pct"] or 0) / 100 for p in preds]
-    ax1.bar(range(len(preds)), [p["tokens_per_s"] for p in preds], yerr=errs, color="#4c72b0", capsize=3)
+    colors = ["#4c72b0" if p.get("confidence") == "validated" else "#bbbbbb" for p in preds]
+    ax1.bar(range(len(preds)), [p["tokens_per_s"] for p in preds], yerr=errs, color=colors, capsize=3)
     ax1.set_xticks(range(len(preds)), labels, fontsize=7, rotation=30, ha="right")
-    ax1.set_ylabel("predicted tokens/s (all GPUs)")
+    ax1.set_ylabel("predicted tokens/s (all GPUs; grey: unvalidated or low confidence)")
     bottom = [0.0] * len(preds)
     for phase in ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other"):
         vals = [(p["phases_ms"] or {}).get(phase, 0.0) for p in preds]
@@ -117,14 +162,152 @@ def plot_projection(result: dict[str, Any], path: Path) -> Path:
 
 
 def render_short(result: dict[str, Any]) -> str:
-    """The table printed on stdout."""
-    cols = [c for c in COLUMNS if c.key not in ("time_to_train_s",)]
-    rows = _rows(result)
-    table = [[c.header for c in cols]] + [[c.fmt(r.get(c.key)) for c in cols] for r in rows]
+    """The table printed on stdout: the same columns as the files."""
+    cols = columns(result)
+    table = [[c.header for c in cols]] + [[c.fmt(r.get(c.key)) for c in cols] for r in rows(result)]
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in table]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     src = result["source"]
     head = (f"trainprof project: from {src['run_dir']} ({src['device']} x {src['world_size']}, "
             f"measured step {src['step_ms']:.1f} ms)")
     tail = [f"  {n}" for n in notes(result)[1:] if ": step not predicted:" in n or "does not fit" in n]
     return "\n".join([head, *lines, *tail])
+
+
+# ---------------------------------------------------------------------------------------------
+# --best and --table: the same folder layout, their own tables
+# ---------------------------------------------------------------------------------------------
+
+def _setting(row: dict[str, Any] | None) -> str:
+    return "n/a" if row is None else f"{row['setting']} train.micro_batch_size={row['micro_batch']}"
+
+
+def best_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for b in result["best"]:
+        top, cheap = b["best_throughput"], b["best_cost"]
+        out.append({
+            "hardware": b["hardware"], "world_size": b["world_size"],
+            "throughput_setting": _setting(top), "tokens_per_s": top and top["tokens_per_s"],
+            "memory_per_rank_bytes": top and top["memory_per_rank_bytes"],
+            "confidence_text": top and top["confidence_text"],
+            "cost_setting": _setting(cheap) if cheap else "n/a (no price: --price NAME=USD_PER_GPU_HOUR)",
+            "cost_per_million_tokens_usd": cheap and cheap["cost_per_million_tokens_usd"],
+            "runners_up": "; ".join(f"{_setting(r)}: {r['tokens_per_s']:,.0f} tokens/s" for r in b["runners_up_throughput"]),
+            "tried": b["tried"]})
+    return out
+
+
+BEST_COLUMNS = [
+    Column("hardware", "hardware", fmt_text), Column("world_size", "GPUs", fmt_text),
+    Column("throughput_setting", "most tokens/s: setting", fmt_text),
+    Column("tokens_per_s", "tokens/s", fmt_num(0)), Column("memory_per_rank_bytes", "memory/GPU GiB", _fmt_bytes),
+    Column("confidence_text", "confidence", fmt_text),
+    Column("cost_setting", "lowest $/M tokens: setting", fmt_text),
+    Column("cost_per_million_tokens_usd", "$ / M tokens", fmt_num(3)),
+    Column("runners_up", "runners-up (tokens/s)", fmt_text), Column("tried", "settings predicted", fmt_text),
+]
+
+
+def _best_notes(result: dict[str, Any]) -> list[str]:
+    out = [f"searched {result['searched']}; a setting fits when trainprof plan's memory per GPU is at most "
+           f"{int(100 * result['best'][0]['headroom']) if result['best'] else 90}% of the target's capacity",
+           "each setting is one prediction of the step model (its confidence as in `trainprof project`)"]
+    for b in result["best"]:
+        if b["refused"]:
+            out.append(f"{b['hardware']} x {b['world_size']}: refused by the recipe rules: {', '.join(b['refused'])}")
+    return out
+
+
+def write_best(result: dict[str, Any], out_dir: Path, *, command: str) -> list[Path]:
+    rows = best_rows(result)
+    title = "Best settings per target"
+    doc = {**result, "title": title, "command": command,
+           "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "table": {"columns": [c.header for c in BEST_COLUMNS],
+                     "rows": [[c.fmt(r.get(c.key)) for c in BEST_COLUMNS] for r in rows]},
+           "notes": _best_notes(result)}
+    atomic_write_json(out_dir / "projection.json", doc)
+    return [out_dir / "projection.json",
+            *write_tables(out_dir / "best", rows, BEST_COLUMNS, title=title, intro=[f"Command: `{command}`"],
+                          notes=doc["notes"])]
+
+
+def render_best(result: dict[str, Any]) -> str:
+    lines = [f"trainprof project --best: from {result['source']['run_dir']}"]
+    for r in best_rows(result):
+        lines.append(f"{r['hardware']} x {r['world_size']}:")
+        tps = f"{r['tokens_per_s']:,.0f} tokens/s" if r["tokens_per_s"] else "nothing fits"
+        lines.append(f"  most tokens/s   {r['throughput_setting']}  ({tps}, {r['confidence_text']})")
+        cost = f"${r['cost_per_million_tokens_usd']:.3f} / M tokens" if r["cost_per_million_tokens_usd"] else ""
+        lines.append(f"  lowest $/M      {r['cost_setting']}  {cost}".rstrip())
+        if r["runners_up"]:
+            lines.append(f"  runners-up      {r['runners_up']}")
+    return "\n".join(lines)
+
+
+def _table_cell(cell: dict[str, Any]) -> str:
+    if cell.get("micro_batch") is not None:
+        return f"mb {cell['micro_batch']}: {cell['tokens_per_s']:,.0f}" if cell.get("tokens_per_s") else f"mb {cell['micro_batch']}"
+    if cell.get("tokens_per_s") is None:
+        return f"n/a ({cell.get('reason') or 'no prediction'})"
+    mem = f", {cell['memory_gib']:.1f} GiB" if cell.get("memory_gib") else ""
+    fit = "" if cell.get("fits") is not False else ", does not fit"
+    return f"{cell['tokens_per_s']:,.0f}{mem}{fit}"
+
+
+TABLE_TITLES = {"table_iii": "Table III: pretraining, tokens/s (all GPUs) and memory per GPU, per method",
+                "table_iv": "Table IV: the largest micro batch that fits (10% headroom) and tokens/s there",
+                "table_ix": "Table IX: LoRA and QLoRA finetuning, tokens/s and memory per GPU"}
+
+
+def _research_rows(result: dict[str, Any], key: str) -> tuple[list[Column], list[dict[str, Any]]]:
+    targets = result["targets"]
+    cols = [Column("model", "model", fmt_text), Column("method", "method", fmt_text)] + \
+        [Column(t, f"{t} x {result['world_size'][t]}", fmt_text) for t in targets]
+    rows = [{"model": r["model"], "method": r["method"], **{t: _table_cell(r[t]) for t in targets}}
+            for r in result[key]]
+    return cols, rows
+
+
+def _research_notes(result: dict[str, Any]) -> list[str]:
+    confidences = sorted({(r[t].get("confidence") or "n/a") for k in TABLE_TITLES for r in result[k]
+                          for t in result["targets"]})
+    return [f"predicted from one run ({result['source']['run_dir']}) by trainprof's step model at "
+            f"{' '.join(result['defaults'])}; the research measured these on real 8-GPU platforms "
+            "(Zhang et al., arXiv 2311.03687): these cells are predictions, not its figures",
+            "confidence of the cells: " + "; ".join(confidences),
+            "n/a cells say why (a recipe rule refusing the combination, or a change the step model does not re-derive, "
+            "e.g. 4-bit Adam states)"]
+
+
+def write_tables_doc(result: dict[str, Any], out_dir: Path, *, command: str) -> list[Path]:
+    notes_ = _research_notes(result)
+    paths: list[Path] = []
+    md = [f"# Zhang et al. (arXiv 2311.03687) tables, predicted", "", f"Command: `{command}`", ""]
+    for key, title in TABLE_TITLES.items():
+        cols, rows = _research_rows(result, key)
+        paths += write_tables(out_dir / key, rows, cols, title=title, notes=notes_)
+        md += [f"## {title}", "", "| " + " | ".join(c.header for c in cols) + " |", "|" + "---|" * len(cols)]
+        md += ["| " + " | ".join(str(r[c.key]).replace("|", "/") for c in cols) + " |" for r in rows] + [""]
+    md += ["## How these figures were made", ""] + [f"- {n}" for n in notes_]
+    from trainprof.io import atomic_write_text
+
+    atomic_write_text(out_dir / "tables.md", "\n".join(md) + "\n")
+    cols, rows = _research_rows(result, "table_iii")
+    doc = {**result, "title": "Zhang et al. Table III, predicted (Tables IV and IX in tables.md)", "command": command,
+           "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "table": {"columns": [c.header for c in cols], "rows": [[r[c.key] for c in cols] for r in rows]},
+           "notes": notes_}
+    atomic_write_json(out_dir / "projection.json", doc)
+    return [out_dir / "projection.json", out_dir / "tables.md", *paths]
+
+
+def render_tables(result: dict[str, Any]) -> str:
+    out = []
+    for key, title in TABLE_TITLES.items():
+        cols, rows = _research_rows(result, key)
+        table = [[c.header for c in cols]] + [[str(r[c.key]) for c in cols] for r in rows]
+        widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+        out += ["", title] + ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    return "\n".join(out + [""] + _research_notes(result))

@@ -3,7 +3,6 @@ figures (the same step model as `trainprof project`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,11 @@ def project_scaling(points: list[dict[str, Any]], extra_sizes: list[int] | None 
     Returns:
         (rows, notes); rows are empty with a note saying why when the projection cannot be made.
     """
-    from trainprof.projection.catalog import load_catalog
-    from trainprof.projection.project import Projector, load_source, load_validation
+    from trainprof.hardware import load_catalog
+    from trainprof.projection.measured import measured_from_profile
+    from trainprof.projection.project import Projector
+    from trainprof.projection.source import load_source
+    from trainprof.projection.validation import load_validation
 
     pts = sorted(points, key=lambda p: p["world_size"])
     ref = pts[0]
@@ -51,8 +53,6 @@ def project_scaling(points: list[dict[str, Any]], extra_sizes: list[int] | None 
             row["predicted_efficiency"] = pred["tokens_per_s"] * one[0] / (n * one[1])
         if n in measured:
             prof = measured[n]["profile"]
-            from trainprof.projection.stepmodel import measured_from_profile
-
             m = measured_from_profile(prof)
             row["measured_step_ms"] = m.step_ms
             row["measured_tokens_per_s"] = (prof.get("summary") or {}).get("tokens_per_s")
@@ -68,9 +68,3 @@ def project_scaling(points: list[dict[str, Any]], extra_sizes: list[int] | None 
 def write_scaling_projection(out_dir: Path, rows: list[dict[str, Any]], notes: list[str], *, title: str) -> list[Path]:
     return write_tables(out_dir / "scaling_projected", rows, SCALE_PROJECTED_COLUMNS, title=f"{title}: projected",
                         notes=notes)
-
-
-def run_projection(run_dir: Path) -> dict[str, Any] | None:
-    """The projection `trainprof project` wrote for a run (RUN_DIR/projection/projection.json), if any."""
-    path = Path(run_dir) / "projection" / "projection.json"
-    return json.loads(path.read_text()) if path.is_file() else None

@@ -115,7 +115,7 @@ def answer_section(doc: Document, run: RunData) -> None:
         ("closure", f"{100 * s['unattributed_frac']:.2f}% of the step unattributed"
          if s.get("unattributed_frac") is not None else "n/a"),
     ]))
-    projected = run.path / "projection" / "advice.json"  # `trainprof project RUN --advice`
+    projected = run.path / "projections" / "advice.json"  # `trainprof project RUN --advice`
     result = advise(p, json.loads(projected.read_text())["advice"] if projected.is_file() else None)
     sec = doc.section("What to change", id="advice")
     if not result["advice"]:
@@ -416,28 +416,18 @@ def traces_section(doc: Document, run: RunData, scan_bytes: int = TRACE_SCAN_BYT
 
 
 def projection_section(doc: Document, run: RunData) -> None:
-    """Measured next to projected: what `trainprof project` predicted from this run (projection/)."""
-    from trainprof.projection.views import run_projection
+    """What `trainprof project` predicted from this run: every call's projections/<stamp>-<label>/projection.json,
+    newest first, rendered from its generic `table` (placeholder until the report restructure lands)."""
+    import json
 
-    sec = doc.section("Projected", id="projected")
-    proj = run_projection(run.path)
-    if proj is None:
-        sec.blocks.append(Para(f"Not projected yet: `trainprof project {run.path} --to h100-sxm,rtx4090` (or "
-                               "key=value changes) predicts other hardware and settings from this run and adds them "
-                               "here, beside the measurement."))
+    files = sorted((run.path / "projections").glob("*/projection.json"), reverse=True)
+    if not files:
         return
-    src = proj["source"]
-    rows = [["measured (this run)", src["device"], src["world_size"], "none", src["step_ms"], src.get("tokens_per_s"),
-             None, _mib(src.get("peak_memory_bytes")), None]]
-    for p in proj["predictions"]:
-        rows.append([f"projected #{p['rank']}" if p.get("rank") else "projected", p["hardware"], p["world_size"],
-                     " ".join(p["overrides"]) or "none", p["step_ms"], p["tokens_per_s"], p.get("mfu"),
-                     _mib(p.get("memory_per_rank_bytes")), p.get("expected_error_pct")])
-    sec.blocks.append(Table(
-        ["", "hardware", "GPUs", "changes", "step ms", "tokens/s", "MFU", "memory/rank MiB", "expected error %"], rows,
-        method="projected by trainprof's step model from this run (projection/projection.json, which lists each "
-               "prediction's assumptions); expected error: the validated step-time MAPE for that kind of change, "
-               "n/a where not validated", id="projection-table"))
+    sec = doc.section("Projected", id="projected")
+    for f in files:
+        proj = json.loads(f.read_text())
+        sec.blocks.append(Table(proj["table"]["columns"], proj["table"]["rows"],
+                                method=f"{proj['title']} ({proj['created_utc']}): `{proj['command']}`"))
 
 
 SECTIONS = (answer_section, facts_section, method_section, phases_section, pipeline_section, modules_section,

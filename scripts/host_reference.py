@@ -1,0 +1,47 @@
+"""Print the catalog's `gpu_host_us_per_op` block from the GPU reference runs under profiles/: per engine
+kind and phase, the mean over the runs of a host-bound phase's µs per operator call
+(trainprof/projection/hostref.py), with the runs it came from as the source.
+
+    python scripts/host_reference.py            # paste the output into trainprof/hardware.yaml
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def reference_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, dict[str, tuple[float, list[str]]]]:
+    """engine kind -> phase -> (mean µs per call, ['<profile dir>: <µs>', ...]) over host-bound phases."""
+    from trainprof.projection.hostref import HOST_PHASES, host_us_per_op
+
+    found: dict[str, dict[str, list[tuple[str, float]]]] = {}
+    for path in sorted(profiles_dir.glob("*/profile.json")):
+        profile = json.loads(path.read_text())
+        if profile["env"].get("device_type") != "cuda":
+            continue
+        kind = (profile.get("engine") or {}).get("kind") or profile["recipe"]["engine"]["kind"]
+        for phase, us in host_us_per_op(profile).items():
+            if us is not None and phase in HOST_PHASES:
+                found.setdefault(kind, {}).setdefault(phase, []).append((path.parent.name, us))
+    return {kind: {ph: (statistics.mean(v for _, v in runs), [f"{d}: {v:.1f}" for d, v in runs])
+                   for ph, runs in phases.items()} for kind, phases in found.items()}
+
+
+def main() -> int:
+    print("gpu_host_us_per_op:")
+    for kind, phases in sorted(reference_values().items()):
+        print(f"  {kind}:")
+        for phase, (mean, runs) in phases.items():
+            print(f'    {phase}: {{value: {mean:.1f}, source: "mean of host-bound phases, us per operator call '
+                  f'(profiles/ {"; ".join(runs)})"}}')
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

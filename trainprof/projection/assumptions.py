@@ -1,0 +1,122 @@
+"""What a prediction assumed, as records: a kind and its values, with the text rendered from them.
+
+Tests and reports read `values`; people read `text`. Every kind has one template below, so a reader
+sees every sentence the projection can say in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# kind -> str.format template over the record's values
+TEMPLATES: dict[str, str] = {
+    # machines
+    "rates_from_source": ("{target} from {source} measured: matmul x {key} {target_figure:g}/{source_figure:g}, memory x "
+                          "datasheet {target_gbps:g}/{source_gbps:g} GB/s (the source's measured efficiency carries over)"),
+    "datasheet_peak": "{target}: no published MAMF; the datasheet dense peak is used (optimistic)",
+    "host_bound_source": ("the source's GPU ran kernels {busy_frac:.0%} of the step (operator trace): host-bound; the "
+                          "host's part is predicted as host time (the target's host CPU assumed as fast as the source's)"),
+    # compute
+    "parts_probed": ("compute: decoder layers x {layer_forward:.2f} forward / {layer_backward:.2f} backward and the rest of "
+                     "the model x {rest_forward:.2f} / {rest_backward:.2f} (one and {probe_layers} decoder layers of each "
+                     "shape timed on this machine, bare, in one call{neighbours_text}); {target_layers} layers for "
+                     "{source_layers}; time outside the model (engine, hooks) as measured"),
+    "engine_overhead": ("compute: {forward_ms:.2f} ms forward and {backward_ms:.2f} ms backward per micro batch are the "
+                        "engine's own work per module call (its probe minus the bare model's), kept as measured"
+                        "{bytes_text}"),
+    "parts_analytic": ("compute: the shape is not probed here ({why}); decoder layers and the rest of the model scaled by "
+                       "their GEMM time at each shape ({rates}) and their memory traffic"),
+    "recompute_on": ("recompute: one more forward of every decoder layer inside backward ({layers_forward_ms:.2f} ms per "
+                     "micro batch, engine hooks included)"),
+    "engine_change": ("engine change: forward x{forward:.2f}, backward x{backward:.2f} (both engines probed at the source's "
+                      "shape in one process, a group of one, called alternately)"),
+    "engine_change_other_machine": ("engine change on another machine not modelled: compute as under the source's engine "
+                                    "(probe it on the source machine with --to this)"),
+    "device_rerated": ("compute on {target}: each phase's device work re-rated: GEMMs at the target's rate for their shapes "
+                       "({matmul_source}), the rest by memory bandwidth ({memory_source})"),
+    "device_analytic": ("compute on {target}: the device work derived from the target's shapes alone (a CPU's "
+                        "efficiency says nothing of a GPU's): every GEMM at the target's rate for its shape "
+                        "({matmul_source}), the rest of the work's memory traffic at full bandwidth ({memory_source}; "
+                        "optimistic)"),
+    "host_time": ("host: {ops_per_step:,.0f} operator calls a step at {us_per_op:.1f} us each ({us_source}); a phase takes "
+                  "the longer of its host and device time (the GPU runs asynchronously)"),
+    "host_unknown": ("host: not modelled ({why}); the prediction is the device time alone and may be optimistic"),
+    # optimizer
+    "optimizer_probed_step": ("optimizer: the target engine's step() probed in a group of one ({step_ms:.2f} ms over "
+                              "{state_elements:,.0f} state elements), with Adam's pass re-priced for {target_elements:,.0f} "
+                              "elements per rank at {bytes_per_element} B each over {memory_gbps:.3g} GB/s"),
+    "optimizer_fixed_plus_pass": ("optimizer: {fixed_ms:.2f} ms fixed as measured + Adam's pass over {target_elements:,.0f} "
+                                  "state elements per rank at {bytes_per_element} B each over {memory_gbps:.3g} GB/s"),
+    "optimizer_scaled": "optimizer: scaled by state elements per rank ({ratio:.3g}x)",
+    "optimizer_engine_ratio": "engine change: optimizer step x{ratio:.2f} (both engines' step() probed in a group of one)",
+    "optimizer_rerated": "optimizer on {target}: Adam's pass over {target_elements:,.0f} state elements per rank at {memory_gbps:.4g} GB/s",
+    # communication
+    "comm_as_measured": "comm: as measured (same world size and link); forward/backward collectives per micro batch",
+    "comm_zero_volume": "comm: ZeRO stage {source_stage} -> {target_stage} volume x{ratio:.2f} (ZeRO paper)",
+    "comm_retimed": ("comm: each collective re-timed as alpha + bytes*busfactor/busbw over {link}, times the exposed "
+                     "fraction measured at the source (1 when the source had one rank)"),
+    "comm_one_rank": "comm: one rank: no collectives",
+    "comm_gathers_added": ("comm: parameter all-gathers in {phases} added (ZeRO stage {stage}; the one-rank source issued "
+                           "none), one call each"),
+    "comm_slowest_rank": ("comm: + {wait_ms:.2f} ms waiting for the slowest of {ranks} ranks (measured step spread "
+                          "{std_ms:.2f} ms x E[max of {ranks} normals] = {factor:.3f})"),
+    "comm_zero_derived": ("comm: ZeRO stage {stage}'s collectives derived from the {mbytes:.3g} MB of trainable parameters "
+                          "over {link}: gradient all_reduce {reduce_calls} call(s), {reduce_ms:.2f} ms{overlap_text}"
+                          "{gather_text}; the source's small optimizer collectives as measured, {small_ms:.2f} ms"),
+    "comm_zero3_derived": ("comm: ZeRO-3's collectives derived from the {mbytes:.4g} MB of parameters over {link}: "
+                           "{gathers} parameter all-gather(s) in forward and again in backward ({gather_ms:.2f} ms each "
+                           "pass), {scatters} gradient reduce-scatter(s) ({scatter_ms:.2f} ms), {persistent} persistent "
+                           "parameter(s) gathered after the step ({after_ms:.2f} ms); prefetched and overlapped with "
+                           "the phase's compute: exposed = max(0, comm - compute) per phase"),
+    "comm_ddp_derived": ("comm: PyTorch DDP's gradient all_reduce derived from the {mbytes:.3g} MB of fp32 gradients: "
+                         "{buckets} bucket(s), all but the last hidden behind the backward; the last ({last_mbytes:.3g} MB), "
+                         "launched when the backward ends, blocking: {tail_ms:.2f} ms over {link}"),
+    "comm_wait": ("comm: + {wait_ms:.2f} ms a blocking call waited in training: the source's {calls} blocking collectives "
+                  "took {measured_ms:.2f} ms against {priced_ms:.2f} ms priced by the same fit"),
+    "comm_no_wait": "comm: no in-training wait added ({why})",
+    "link_measured": ("link: gloo over {world} local processes, measured on this machine: alpha {alpha_ms:.3f} ms, busbw "
+                      "{busbw_gbps:.3g} GB/s (medians of {fits} collective fits)"),
+    "link_catalog": ("link: {name}, {gbps:g} GB/s per direction per GPU ({gbps_source}){inter_text}; latency per "
+                     "collective from NCCL's ring model: {base_us:g} us + {intra_us:g} us per intra-node step + "
+                     "{net_us:g} us per inter-node step ({latency_source}); the datasheet bandwidth is taken as bus "
+                     "bandwidth (an upper bound)"),
+    # the rest
+    "unattributed": ("unattributed {ms:.2f} ms (the source's {source_ms:.2f} ms, the median step minus the per-phase "
+                     "medians, scaled with the phases); other as measured"),
+    "data_wait_dominates": ("data wait kept as measured is {share:.0%} of the predicted step: it would dominate; raise "
+                            "data.num_workers"),
+    "memory_engine_fixed_part": ("memory: the measured peak's fixed part (libraries, the engine's own buffers) is kept, but "
+                                 "it belongs to the source's engine ({engine}); a change of engine moves it by an amount "
+                                 "the plan's formulas do not see (docs/projection.md)"),
+    "pipeline_bubble": ("pipeline: stage {stage} sets the pace (the busiest); its measured bubble {bubble_ms:.2f} ms x its "
+                        "predicted / measured compute per micro batch ({target_mb_ms:.2f} / {source_mb_ms:.2f} ms): fill "
+                        "and drain take (p - 1) micro-batch times whatever the number of micro batches"),
+    "pipeline_transfer": ("pipeline: one boundary transfer {ms:.3f} ms over {link} (alpha + bytes/bw); inside the "
+                          "bubble, not added to it"),
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Assumption:
+    """One assumption of a prediction: `kind` names its template in TEMPLATES, `values` fill it."""
+
+    kind: str
+    values: dict[str, Any]
+
+    @property
+    def text(self) -> str:
+        return TEMPLATES[self.kind].format(**self.values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "values": self.values, "text": self.text}
+
+
+def assume(kind: str, **values: Any) -> Assumption:
+    """An Assumption, its text rendered once here so a template and its values that disagree fail where
+    they are made, not in a report."""
+    if kind not in TEMPLATES:
+        raise KeyError(f"no assumption template '{kind}'")
+    made = Assumption(kind=kind, values=values)
+    made.text  # noqa: B018  renders, raising KeyError/ValueError on a mismatch
+    return made

@@ -1,0 +1,83 @@
+"""The best settings per target (`trainprof project RUN --best`): for each target and world size, every
+combination of ZeRO stage, recomputation and offload (and LoRA vs QLoRA for a finetuning task) at every
+micro batch that fits the target's memory with headroom, each predicted by the step model; the setting
+with the highest tokens/s and the one with the lowest $/M tokens, with their runners-up. This is the
+research's max-batch table (Zhang et al., arXiv 2311.03687, Table IV) for hardware one does not have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable
+
+HEADROOM = 0.9  # a setting fits when its planned memory is at most this share of the capacity
+MAX_MICRO_BATCH = 256
+RUNNERS_UP = 3
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Setting:
+    """One combination of the searched recipe keys (micro batch apart)."""
+
+    overrides: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.overrides)
+
+
+def settings(recipe: Any, *, same_machine: bool) -> list[Setting]:
+    """The combinations searched for a recipe: DeepSpeed ZeRO stage 1-3, recomputation on/off, offload
+    none / optimizer / optimizer+params (stage 3 only), and for LoRA/QLoRA the two tasks; on the source's
+    machine only recomputation (each engine change is an engine probe there, seconds each)."""
+    recompute = ("model.recompute=false", "model.recompute=true")
+    if same_machine:
+        return [Setting(overrides=(r,)) for r in recompute]
+    engines = [(f"engine.zero_stage={z}", "engine.offload=none") for z in (1, 2, 3)]
+    engines += [("engine.zero_stage=2", "engine.offload=optimizer"), ("engine.zero_stage=3", "engine.offload=optimizer"),
+                ("engine.zero_stage=3", "engine.offload=optimizer+params")]
+    tasks = [("task.kind=lora",), ("task.kind=qlora",)] if recipe.task.kind in ("lora", "qlora") else [()]
+    engine_kind = ("engine.kind=deepspeed",) if recipe.engine.kind == "deepspeed" else ()
+    return [Setting(overrides=(*engine_kind, *e, r, *t)) for e, r, t in itertools.product(engines, recompute, tasks)]
+
+
+def search(predict: Callable[[list[str]], dict[str, Any] | None], capacity_bytes: float | None, base: list[str],
+           candidates: list[Setting], *, start_micro_batch: int = 1) -> dict[str, Any]:
+    """Every candidate at micro batch 1, 2, 4, ... until its planned memory passes HEADROOM x capacity.
+
+    Args:
+        predict: overrides -> a prediction dict (None: the recipe rules refuse the combination).
+        capacity_bytes: the target's memory per GPU (None: only the starting micro batch is tried).
+        base: the user's overrides, applied first.
+    Returns:
+        {best_throughput, best_cost, runners_up_throughput, runners_up_cost, tried, refused}: rows of
+        {setting, micro_batch, step_ms, tokens_per_s, memory_per_rank_bytes, cost_per_million_tokens_usd,
+        confidence_text}.
+    """
+    rows, refused = [], []
+    for cand in candidates:
+        mb = start_micro_batch
+        while mb <= MAX_MICRO_BATCH:
+            overrides = [*base, *cand.overrides, f"train.micro_batch_size={mb}"]
+            pred = predict(overrides)
+            if pred is None:
+                refused.append(cand.text)
+                break
+            memory = pred.get("memory_per_rank_bytes")
+            if capacity_bytes is not None and memory is not None and memory > HEADROOM * capacity_bytes:
+                break
+            if pred.get("tokens_per_s"):
+                rows.append({"setting": cand.text, "micro_batch": mb, "step_ms": pred["step_ms"],
+                             "tokens_per_s": pred["tokens_per_s"], "memory_per_rank_bytes": memory,
+                             "cost_per_million_tokens_usd": pred.get("cost_per_million_tokens_usd"),
+                             "confidence_text": pred.get("confidence_text")})
+            if capacity_bytes is None:
+                break
+            mb *= 2
+    by_tps = sorted(rows, key=lambda r: -r["tokens_per_s"])
+    priced = [r for r in rows if r["cost_per_million_tokens_usd"] is not None]
+    by_cost = sorted(priced, key=lambda r: r["cost_per_million_tokens_usd"])
+    return {"best_throughput": by_tps[0] if by_tps else None, "runners_up_throughput": by_tps[1:1 + RUNNERS_UP],
+            "best_cost": by_cost[0] if by_cost else None, "runners_up_cost": by_cost[1:1 + RUNNERS_UP],
+            "tried": len(rows), "refused": sorted(set(refused)), "headroom": HEADROOM}

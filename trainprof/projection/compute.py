@@ -1,0 +1,267 @@
+"""The compute phases of a predicted step (forward, backward, recompute) and its optimizer phase.
+
+Same machine, shape probed (projection/probes.py): each phase is split as the profiler timed it into
+the decoder layers, the rest of the model (embedding, final norm, LM head, loss) and what lies outside
+the model (the engine's wrapper, hooks). The engine's own work per module call (its probe minus the
+bare model's) is taken out of the model's time first; the rest of the layers' time scales with one
+probed layer's target/source ratio and the layer count, the rest of the model's with its probed ratio;
+the engine's work is kept (ZeRO-3's: its fixed part, plus the parameter bytes it moves at the memory
+bandwidth); outside time stays as measured.
+
+Otherwise (another machine, or a shape too large to probe here) the model's work is re-derived from its
+GEMMs and memory traffic (projection/gemm.py): GEMM time at each machine's rate for each GEMM's shape,
+the rest of the device work by memory traffic over bandwidth. On a GPU target a phase takes the longer
+of its device time and its host time (operator calls x host time per call), as an asynchronous GPU
+does: a host-bound source stays host-bound.
+
+Optimizer: a fixed part (the engine's step machinery) plus Adam's elementwise pass over the state the
+rank holds, at ADAM_BYTES_PER_ELEMENT over the memory bandwidth; an engine change takes the target
+engine's probed step().
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from trainprof.projection.assumptions import Assumption, assume
+from trainprof.projection.gemm import GemmRate, Work
+from trainprof.projection.measured import COMPUTE_PHASES, Measured
+
+ADAM_BYTES_PER_ELEMENT = 28  # fp32 Adam: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
+HOST_BOUND_BUSY = 0.8  # a GPU source phase whose kernels ran less than this share of it waited for its host
+ZERO3_COPIES_PER_BYTE = 2.0
+# passes over the non-GEMM work's bytes: a backward reads the forward's saved tensors and the incoming
+# gradients and writes the outgoing ones, about twice a forward's traffic
+TRAFFIC_PASSES = {"forward": 1.0, "recompute": 1.0, "backward": 2.0}
+# operator calls a task adds per adapted linear and pass, for the host's time: peft's LoraLayer.forward runs
+# dropout, lora_A, lora_B, the scaling and the add; bitsandbytes' Linear4bit dequantizes before its matmul
+LORA_OPS_PER_TARGET = 5
+DEQUANT_OPS_PER_LINEAR = 2  # a ZeRO-3 fetch writes the gathered parameter and reads it back into the module
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Machine:
+    """The rates a machine's work is priced at: GEMM throughput by shape, memory bandwidth, host time."""
+
+    name: str
+    is_gpu: bool
+    gemm: dict[str, GemmRate]  # by phase: forward, backward, recompute
+    memory_gbps: float | None
+    matmul_source: str = ""
+    memory_source: str = ""
+    host_us_per_op: dict[str, float] | None = None  # a GPU host: per phase, time per operator call
+    host_source: str = ""
+
+    @property
+    def matmul_tflops(self) -> float | None:
+        rates = [g.best_tflops for g in self.gemm.values() if g.best_tflops]
+        return max(rates) if rates else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class EngineProbe:
+    """The target's engine against the source's, both probed at the source's shape in one process, in a
+    group of one (probes.probe_engines): what the engine adds around the model, without communication."""
+
+    forward: float  # target / source forward ms
+    backward: float
+    step: float  # target / source optimizer step() ms
+    target_step: "StepProbe"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StepProbe:
+    """An engine's optimizer `step()` probed in a group of one."""
+
+    step_ms: float
+    state_elements: float  # the optimizer state elements of that one rank: every trainable parameter's
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Overhead:
+    """The source engine's own work per micro batch (engine probe minus bare model, at the source's
+    shape) and the parameter bytes it moves per module call when it gathers them (ZeRO-3), for the
+    decoder layers and the rest of the model."""
+
+    forward_ms: float
+    backward_ms: float
+    layer_share: float  # the decoder layers' share of it (their share of the parameters)
+    gathers: bool  # ZeRO-3: the work includes copying parameters (scales with their bytes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Parts:
+    """Target/source ratios of the model's parts' work at the two shapes, from the probes."""
+
+    layer: dict[str, float]  # by phase
+    rest: dict[str, float]
+    layers_probed: int
+
+
+def probed_compute(m: Measured, src: Work, tgt: Work, parts: Parts, overhead: Overhead | None,
+                   memory_gbps: float | None, zero3_bytes: tuple[float, float] | None
+                   ) -> tuple[dict[str, float], float | None, list[Assumption]]:
+    """Forward and backward ms per micro batch on the source's machine at the target's shape.
+
+    Args:
+        zero3_bytes: (source, target) parameter bytes ZeRO-3 gathers per step (engine work that moves them).
+    Returns:
+        ({forward, backward}, the target's decoder layers' forward per micro batch (for recompute) or None,
+        assumptions).
+    """
+    ga = m.grad_accum
+    ratio_layers = tgt.shape.num_layers / max(src.shape.num_layers, 1)
+    out: dict[str, float] = {}
+    layers_fwd_t = None
+    notes: list[Assumption] = []
+    for ph in ("forward", "backward"):
+        phase = m.phases_ms[ph] / ga
+        if m.parts_ms is None:
+            raise ValueError("the shape changed but the profile has no decoder-layer rows to scale "
+                             "(profile with profile.module_depth >= 3)")
+        layers, model = (x / ga for x in m.parts_ms[ph])
+        rest, outside = model - layers, phase - model
+        over = 0.0 if overhead is None else (overhead.forward_ms if ph == "forward" else overhead.backward_ms)
+        over_layers = min(over * (overhead.layer_share if overhead else 0.0), layers)
+        over_rest = min(over - over_layers, max(rest, 0.0))
+        kept_layers, kept_rest = over_layers, over_rest
+        if overhead is not None and overhead.gathers and zero3_bytes and memory_gbps:
+            kept_layers, kept_rest = (_moved(o, share, zero3_bytes, memory_gbps) for o, share in
+                                      ((over_layers, overhead.layer_share), (over_rest, 1 - overhead.layer_share)))
+        layers_t = ((layers - over_layers) * parts.layer[ph] + kept_layers) * ratio_layers
+        rest_t = (rest - over_rest) * parts.rest[ph] + kept_rest
+        out[ph] = max(layers_t + rest_t + outside, 0.0)
+        if ph == "forward":
+            layers_fwd_t = layers_t
+    notes.append(assume("parts_probed", layer_forward=parts.layer["forward"], layer_backward=parts.layer["backward"],
+                        rest_forward=parts.rest["forward"], rest_backward=parts.rest["backward"],
+                        probe_layers=parts.layers_probed, target_layers=tgt.shape.num_layers,
+                        source_layers=src.shape.num_layers,
+                        neighbours_text=f", beside {m.world_size - 1} busy copies" if m.world_size > 1 else ""))
+    if overhead is not None:
+        notes.append(assume("engine_overhead", forward_ms=overhead.forward_ms, backward_ms=overhead.backward_ms,
+                            bytes_text=("; its parameter copies move with the parameters' bytes at "
+                                        f"{memory_gbps:.3g} GB/s" if overhead.gathers and zero3_bytes and memory_gbps
+                                        else "")))
+    return out, layers_fwd_t, notes
+
+
+def _moved(over: float, share: float, zero3_bytes: tuple[float, float], memory_gbps: float) -> float:
+    """Engine work that gathers parameters: its fixed part (per module call) as measured, its copies of
+    the part's parameter bytes at the memory bandwidth."""
+    src_bytes, tgt_bytes = (share * b for b in zero3_bytes)
+    copy = lambda nbytes: nbytes * ZERO3_COPIES_PER_BYTE / (memory_gbps * 1e9) * 1e3  # noqa: E731
+    return max(over - copy(src_bytes), 0.0) + copy(tgt_bytes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Rerated:
+    """One phase per micro batch on the target: device work and host work (None: not modelled)."""
+
+    device_ms: float
+    host_ms: float | None
+
+
+def rerated_phase(m: Measured, ph: str, src: Work, tgt: Work, src_machine: Machine, dst_machine: Machine,
+                  host_us_per_op: float | None) -> Rerated:
+    """A compute phase per micro batch re-derived for another shape or machine from its GEMMs and memory
+    traffic (module docstring). The source phase splits into GEMM work, other device work and host work:
+    from the operator trace where there is one (device self time on a GPU; on a CPU the operators' self
+    time, the rest of the phase being Python and the framework), else its GEMMs at the source's rates
+    (capped at the phase) and the rest as memory-bound work."""
+    ga = m.grad_accum
+    phase = m.phases_ms[ph] / ga
+    g_src = src_machine.gemm[ph].ms(src.gemms(ph))
+    g_tgt = dst_machine.gemm[ph].ms(tgt.gemms(ph))
+    ops = (m.ops or {}).get(ph)
+    host = None
+    if ops is not None and ops.calls:
+        matmul, other = ops.matmul_ms / ga, ops.other_ms / ga
+        host = max(phase - matmul - other, 0.0) if m.device_type == "cpu" else \
+            (phase if (matmul + other) < HOST_BOUND_BUSY * phase else None)
+    else:
+        matmul = min(g_src, phase)
+        other = phase - matmul
+    if src_machine.is_gpu == dst_machine.is_gpu:  # like for like: the source's efficiency carries over
+        matmul_t = matmul * g_tgt / g_src if g_src > 0 else 0.0
+        traffic = tgt.traffic_bytes() / src.traffic_bytes()
+        other_t = other * traffic * (src_machine.memory_gbps or 1.0) / (dst_machine.memory_gbps or 1.0)
+    else:  # a CPU's efficiency says nothing of a GPU's: the target's work from its shapes and rates alone
+        matmul_t = g_tgt
+        other_t = TRAFFIC_PASSES[ph] * tgt.traffic_bytes() / ((dst_machine.memory_gbps or 1.0) * 1e9) * 1e3
+    host_t = None
+    if ops is not None and ops.calls:
+        per_layer = ops.layer_calls / max(src.shape.num_layers, 1) + (task_ops(tgt) - task_ops(src)) * ga
+        calls_t = (max(per_layer, 0.0) * tgt.shape.num_layers + ops.rest_calls) / ga
+        if host_us_per_op is not None:
+            host_t = calls_t * host_us_per_op / 1e3
+        elif host is not None:
+            host_t = host * calls_t / (ops.calls / ga)
+    return Rerated(device_ms=matmul_t + other_t, host_ms=host_t)
+
+
+def task_ops(w: Work) -> float:
+    """Operator calls per layer and pass that LoRA's adapters and QLoRA's dequantization add."""
+    return len(w.lora_targets) * LORA_OPS_PER_TARGET + (7 * DEQUANT_OPS_PER_LINEAR if w.quantized else 0)
+
+
+def combine(r: Rerated, gpu_target: bool) -> float:
+    """A phase's time from its device and host work: the longer of the two on an asynchronous GPU; their
+    sum on a CPU (one thread of control does both)."""
+    if r.host_ms is None:
+        return r.device_ms
+    return max(r.device_ms, r.host_ms) if gpu_target else r.device_ms + r.host_ms
+
+
+def adam_pass_ms(state_elements: float, memory_gbps: float) -> float:
+    return state_elements * ADAM_BYTES_PER_ELEMENT / (memory_gbps * 1e9) * 1e3
+
+
+def optimizer_ms(m: Measured, *, source_elements: float | None, target_elements: float | None,
+                 memory_gbps: float | None, probed: StepProbe | None, engine: EngineProbe | None
+                 ) -> tuple[float, list[Assumption]]:
+    """The optimizer phase on the source's machine for the target's state elements per rank and engine."""
+    opt = m.phases_ms["optimizer"]
+    n_s, n_t = source_elements, target_elements
+    if probed is not None and memory_gbps and n_t:
+        opt = max(probed.step_ms - adam_pass_ms(probed.state_elements, memory_gbps), 0.0) + adam_pass_ms(n_t, memory_gbps)
+        return opt, [assume("optimizer_probed_step", step_ms=probed.step_ms, state_elements=probed.state_elements,
+                            target_elements=n_t, bytes_per_element=ADAM_BYTES_PER_ELEMENT, memory_gbps=memory_gbps)]
+    notes: list[Assumption] = []
+    if n_s and n_t and n_s != n_t:
+        if memory_gbps:
+            fixed = max(opt - adam_pass_ms(n_s, memory_gbps), 0.0)
+            opt = fixed + adam_pass_ms(n_t, memory_gbps)
+            notes.append(assume("optimizer_fixed_plus_pass", fixed_ms=fixed, target_elements=n_t,
+                                bytes_per_element=ADAM_BYTES_PER_ELEMENT, memory_gbps=memory_gbps))
+        else:
+            opt *= n_t / n_s
+            notes.append(assume("optimizer_scaled", ratio=n_t / n_s))
+    if engine is not None:
+        opt *= engine.step
+        notes.append(assume("optimizer_engine_ratio", ratio=engine.step))
+    return opt, notes
+
+
+def engine_scaled(phases: dict[str, float], engine: EngineProbe) -> tuple[dict[str, float], Assumption]:
+    """What the engine adds around the model lands in module hooks and wrappers alike (ZeRO-3 fetches and
+    releases parameters in module hooks): the whole phase scales; a recompute re-runs forwards."""
+    out = dict(phases)
+    out["forward"] *= engine.forward
+    out["backward"] *= engine.backward
+    out["recompute"] = out.get("recompute", 0.0) * engine.forward
+    return out, assume("engine_change", forward=engine.forward, backward=engine.backward)
+
+
+def per_micro_batch(m: Measured) -> dict[str, float]:
+    return {ph: m.phases_ms[ph] / m.grad_accum for ph in (*COMPUTE_PHASES, "data_wait")}
+
+
+def host_reference(engine: str, phase: str, catalog_host: dict[str, Any] | None) -> tuple[float | None, str]:
+    """Host time per operator call on a GPU machine for an engine and phase, from the catalog's
+    reference runs; None where no host-bound reference exists."""
+    entry = ((catalog_host or {}).get(engine) or {}).get(phase)
+    if not entry or entry.get("value") is None:
+        return None, f"no host-bound {engine} {phase} reference in the catalog"
+    return float(entry["value"]), entry["source"]

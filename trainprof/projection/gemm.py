@@ -1,0 +1,188 @@
+"""The work of a Llama model at a shape, analytically: its GEMMs (m, n, k per call, per phase) and its
+memory traffic, split into the decoder layers and the rest of the model; and a machine's GEMM rate at
+a given shape, from a calibration curve over sizes or, without one, the roofline.
+
+Used where a shape cannot be probed (another machine, or a model too large to build here): a part's
+time at the target is its time at the source x (its GEMM time at the target's shapes and rates / at
+the source's) for the matmul share, and x the ratio of memory traffic over bandwidth for the rest.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+
+from trainprof.shapes import LlamaShape
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Gemm:
+    m: int
+    n: int
+    k: int
+    calls: int = 1
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.calls
+
+
+def _linear(tokens: int, fan_in: int, fan_out: int, phase: str, trains_weight: bool = True) -> list[Gemm]:
+    """A Linear's GEMMs: forward y = x w^T; backward dx = dy w and, when the weight trains, dw = dy^T x."""
+    if phase in ("forward", "recompute"):
+        return [Gemm(tokens, fan_out, fan_in)]
+    out = [Gemm(tokens, fan_in, fan_out)]
+    if trains_weight:
+        out.append(Gemm(fan_out, fan_in, tokens))
+    return out
+
+
+def linear_dims(shape: LlamaShape) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each decoder linear."""
+    h, i, kv = shape.hidden_size, shape.intermediate_size, shape.num_kv_heads * shape.head_dim
+    return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def layer_gemms(shape: LlamaShape, micro_batch: int, seq_len: int, phase: str, *, frozen: bool = False) -> list[Gemm]:
+    """One decoder layer's GEMMs in a phase (forward, backward or recompute) for one micro batch.
+
+    Args:
+        frozen: the layer's linear weights do not train (LoRA's base): no weight-gradient GEMMs.
+    """
+    t = micro_batch * seq_len
+    out: list[Gemm] = []
+    for fan_in, fan_out in linear_dims(shape).values():
+        out += _linear(t, fan_in, fan_out, phase, not frozen)
+    # attention: scores q k^T and their product with v, per head (the causal mask's zeros are computed
+    # too by eager kernels; flash-style kernels skip about half, which their own rate absorbs)
+    heads = micro_batch * shape.num_heads
+    d = shape.head_dim
+    per = 1 if phase in ("forward", "recompute") else 2
+    out += [Gemm(seq_len, seq_len, d, heads * per), Gemm(seq_len, d, seq_len, heads * per)]
+    return out
+
+
+def rest_gemms(shape: LlamaShape, micro_batch: int, seq_len: int, phase: str, *, frozen: bool = False) -> list[Gemm]:
+    """The rest of the model's GEMMs: the LM head (the embedding is a lookup)."""
+    if phase == "recompute":
+        return []
+    return _linear(micro_batch * seq_len, shape.hidden_size, shape.vocab_size, phase, not frozen)
+
+
+def layer_traffic_bytes(shape: LlamaShape, micro_batch: int, seq_len: int, dtype: str, attention: str) -> float:
+    """Bytes one decoder layer's non-GEMM work moves per micro batch and pass, to leading order: the
+    elementwise ops read and write activations of width h (norms, residuals, rotary) and I (SwiGLU),
+    the weights are read once, and eager attention also writes and reads its s x s scores per head."""
+    b = DTYPE_BYTES.get(dtype, 2)
+    t, h, i = micro_batch * seq_len, shape.hidden_size, shape.intermediate_size
+    weights = b * (2 * h * h + 2 * h * shape.num_kv_heads * shape.head_dim + 3 * h * i)
+    scores = 4 * micro_batch * shape.num_heads * seq_len * seq_len if attention == "eager" else 0.0
+    return b * t * (8 * h + 4 * i) + weights + scores
+
+
+def rest_traffic_bytes(shape: LlamaShape, micro_batch: int, seq_len: int, dtype: str) -> float:
+    """Bytes of the non-GEMM work outside the decoder layers per micro batch and pass: the embedding
+    lookup, the final norm, and the loss over the logits (kept in fp32 by the HF loss)."""
+    b = DTYPE_BYTES.get(dtype, 2)
+    t, h, v = micro_batch * seq_len, shape.hidden_size, shape.vocab_size
+    return b * t * 3 * h + (b + 8) * t * v
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class GemmRate:
+    """A machine's GEMM throughput as a function of a GEMM's shape: a measured curve (TFLOP/s at square
+    sizes n) interpolated in log-log on the GEMM's geometric-mean size, capped by the roofline of its
+    operand bytes over the memory bandwidth; without a curve, the roofline under the best rate."""
+
+    best_tflops: float
+    memory_gbps: float
+    dtype_bytes: int = 2
+    curve: tuple[tuple[int, float], ...] = ()  # (n, TFLOP/s), ascending n
+    source: str = ""
+
+    def tflops(self, g: Gemm) -> float:
+        size = (g.m * g.n * g.k) ** (1 / 3)
+        rate = self.best_tflops if not self.curve else _interpolate(self.curve, size)
+        intensity = 2.0 * g.m * g.n * g.k / (self.dtype_bytes * (g.m * g.k + g.k * g.n + g.m * g.n))
+        return min(rate, intensity * self.memory_gbps / 1e3)
+
+    def ms(self, gemms: list[Gemm]) -> float:
+        return sum(g.flops / (self.tflops(g) * 1e12) * 1e3 for g in gemms)
+
+
+def _interpolate(curve: tuple[tuple[int, float], ...], size: float) -> float:
+    """TFLOP/s at `size` from (n, TFLOP/s) points: log-log between neighbours, the end values beyond."""
+    ns = [n for n, _ in curve]
+    if size <= ns[0]:
+        return curve[0][1]
+    if size >= ns[-1]:
+        return curve[-1][1]
+    j = bisect.bisect_left(ns, size)
+    (n0, r0), (n1, r1) = curve[j - 1], curve[j]
+    w = (math.log(size) - math.log(n0)) / (math.log(n1) - math.log(n0))
+    return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
+
+
+def curve_from_calibration(cal: dict, phase: str | None = None) -> tuple[tuple[int, float], ...]:
+    """(n, TFLOP/s) from a calibration.json's GEMM rows: per size the layouts of `phase` (forward: the
+    "nt" layout; backward: "nn" and "tn"), else the best layout; ascending n."""
+    layouts = {"forward": ("nt",), "recompute": ("nt",), "backward": ("nn", "tn")}.get(phase or "", None)
+    by_n: dict[int, list[float]] = {}
+    for row in cal.get("matmul", {}).get("gemms") or []:
+        if layouts is None or row.get("layout") in (None, *layouts):  # version 1 timed one layout
+            by_n.setdefault(int(row["n"]), []).append(float(row["tflops"]))
+    if layouts is None:
+        return tuple((n, max(v)) for n, v in sorted(by_n.items()))
+    # equal FLOPs in each layout of a phase: the harmonic mean is the phase's rate
+    return tuple((n, len(v) / sum(1 / x for x in v)) for n, v in sorted(by_n.items()) if all(x > 0 for x in v))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Work:
+    """The work of one micro batch of a recipe's model: its shape and what it runs at."""
+
+    shape: LlamaShape
+    micro_batch: int
+    seq_len: int
+    attention: str
+    dtype: str
+    frozen: bool = False  # LoRA/QLoRA: the base's weights get no weight-gradient GEMMs
+    lora_targets: tuple[str, ...] = ()  # the linears adapted per layer
+    lora_r: int = 0
+    quantized: bool = False  # QLoRA: 4-bit base linears dequantized for every GEMM
+
+    @classmethod
+    def of(cls, recipe) -> "Work":
+        from trainprof.models import resolve_shape
+
+        task = recipe.task
+        tuned = task.kind in ("lora", "qlora")
+        return cls(shape=resolve_shape(recipe.model), micro_batch=recipe.train.micro_batch_size,
+                   seq_len=recipe.data.seq_len, attention=recipe.model.attention, dtype=recipe.model.dtype,
+                   frozen=tuned, lora_targets=tuple(task.lora.target_modules) if tuned else (),
+                   lora_r=task.lora.r if tuned else 0, quantized=task.kind == "qlora")
+
+    def gemms(self, phase: str) -> list[Gemm]:
+        """Every GEMM of the model in a phase (recompute: the decoder layers' forward again), LoRA's
+        adapters (x A^T then B^T, rank r) included."""
+        layer = layer_gemms(self.shape, self.micro_batch, self.seq_len, phase, frozen=self.frozen)
+        dims = linear_dims(self.shape)
+        tokens = self.micro_batch * self.seq_len
+        for name in self.lora_targets:
+            fan_in, fan_out = dims[name]
+            layer += _linear(tokens, fan_in, self.lora_r, phase) + _linear(tokens, self.lora_r, fan_out, phase)
+        return [dataclasses.replace(g, calls=g.calls * self.shape.num_layers) for g in layer] + \
+            rest_gemms(self.shape, self.micro_batch, self.seq_len, phase, frozen=self.frozen)
+
+    def traffic_bytes(self) -> float:
+        """Bytes the model's non-GEMM work moves in one pass; QLoRA also reads each 4-bit weight (0.5 B)
+        and writes its dequantized copy (in the compute dtype) for every GEMM."""
+        per_layer = layer_traffic_bytes(self.shape, self.micro_batch, self.seq_len, self.dtype, self.attention)
+        if self.quantized:
+            per_layer += sum(i * o for i, o in linear_dims(self.shape).values()) * (0.5 + DTYPE_BYTES.get(self.dtype, 2))
+        return self.shape.num_layers * per_layer + rest_traffic_bytes(self.shape, self.micro_batch, self.seq_len,
+                                                                      self.dtype)

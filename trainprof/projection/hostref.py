@@ -1,0 +1,34 @@
+"""Host time per operator call on a GPU machine, from a profile: what a training step's Python, its
+framework and engine hooks, dispatch and kernel launches cost the host per operator call.
+
+A phase whose kernels ran less than HOST_BOUND_BUSY of its time waited for its host: its time over its
+operator calls is the host's time per call. A device-bound phase hides its host time and gives none.
+The catalog's `gpu_host_us_per_op` holds these figures for the reference runs under profiles/
+(scripts/host_reference.py writes them; tests/test_reference_profiles.py recomputes them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainprof.projection.compute import HOST_BOUND_BUSY
+from trainprof.projection.measured import measured_from_profile
+
+HOST_PHASES = ("forward", "backward", "optimizer")
+
+
+def host_us_per_op(profile: dict[str, Any]) -> dict[str, float | None]:
+    """Per phase, µs of host time per operator call of a GPU profile with an operator trace (None where
+    the phase was device-bound or the profile has no trace)."""
+    m = measured_from_profile(profile)
+    out: dict[str, float | None] = {ph: None for ph in HOST_PHASES}
+    if m.device_type != "cuda" or not m.ops:
+        return out
+    for ph in HOST_PHASES:
+        ops = m.ops.get(ph)
+        phase = m.phases_ms.get(ph, 0.0)
+        if ops is None or not ops.calls or phase <= 0:
+            continue
+        if ops.matmul_ms + ops.other_ms < HOST_BOUND_BUSY * phase:
+            out[ph] = phase / ops.calls * 1e3
+    return out

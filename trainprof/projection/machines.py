@@ -1,0 +1,115 @@
+"""The machines and links a prediction prices work on: a source's measured calibration, a catalog
+target's figures (like divided by like when the source is a catalogued GPU), the gloo fit measured
+here, a catalog link with NCCL's latency model, and a GPU host's time per operator call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainprof.hardware import Catalog, Target
+from trainprof.projection.assumptions import Assumption, assume
+from trainprof.projection.comm import Link, NcclLatency
+from trainprof.projection.compute import Machine
+from trainprof.projection.gemm import GemmRate, curve_from_calibration
+
+GEMM_PHASES = ("forward", "backward", "recompute")
+
+
+def machine_from_calibration(cal: dict[str, Any], label: str) -> Machine:
+    """The rates a calibration.json measured: per phase, the GEMM curve of that phase's layouts
+    (calibration version 2; version 1 timed one layout) and the copy bandwidth."""
+    mm, bw = cal["matmul"], float(cal["memory"]["gbps"])
+    by_phase = mm.get("by_phase_tflops") or {}
+    gemm = {ph: GemmRate(best_tflops=float(by_phase.get(ph) or mm["best_tflops"]), memory_gbps=bw,
+                         curve=curve_from_calibration(cal, ph), source=f"{label}: measured GEMM curve")
+            for ph in GEMM_PHASES}
+    rates = (f"forward {by_phase['forward']:.3g}, backward {by_phase['backward']:.3g} TFLOP/s at best (a Linear's GEMM "
+             f"layouts)" if by_phase else f"best {mm['best_tflops']:.3g} TFLOP/s")
+    threads = "" if cal.get("device_type") == "cuda" else f", {cal.get('threads')} threads"
+    return Machine(name=label, is_gpu=cal.get("device_type") == "cuda", gemm=gemm, memory_gbps=bw,
+                   matmul_source=f"{label}: measured GEMMs over sizes, {rates}{threads}",
+                   memory_source=f"{label}: measured copy {bw:.3g} GB/s")
+
+
+def machine_from_target(target: Target, dtype: str, *, source: Target | None = None,
+                        measured: Machine | None = None) -> tuple[Machine, list[Assumption]]:
+    """The target's rates. With `source` (the catalogued accelerator the run was measured on) and its
+    `measured` calibration, like is divided by like: the measured curve x target figure / source figure
+    (MAMF over MAMF when both have one, else dense peak over dense peak; datasheet bandwidth over
+    bandwidth), so the efficiency measured at the source carries over and a measured rate is never
+    compared with a datasheet one. Otherwise the target's own figures: its measured GEMM curve where
+    the catalog has one, else its MAMF (or dense peak) under the roofline of each GEMM's bytes."""
+    bf16 = dtype in ("bf16", "fp16")
+    peak_key = "peak_bf16_dense_tflops" if bf16 else "peak_fp32_tflops"
+    bw = target.figure("memory_gbps")
+    if source is not None and measured is not None and measured.matmul_tflops and measured.memory_gbps:
+        key = "mamf_bf16_tflops" if bf16 and target.figure("mamf_bf16_tflops") and source.figure("mamf_bf16_tflops") \
+            else peak_key
+        if not (target.figure(key) and source.figure(key) and bw and source.figure("memory_gbps")):
+            return Machine(name=target.key, is_gpu=True, gemm={}, memory_gbps=None), []
+        f, b = target.figure(key) / source.figure(key), bw / source.figure("memory_gbps")
+        gemm = {ph: GemmRate(best_tflops=g.best_tflops * f, memory_gbps=g.memory_gbps * b,
+                             curve=tuple((n, r * f) for n, r in g.curve)) for ph, g in measured.gemm.items()}
+        note = assume("rates_from_source", target=target.key, source=source.key, key=key, target_figure=target.figure(key),
+                      source_figure=source.figure(key), target_gbps=bw, source_gbps=source.figure("memory_gbps"))
+        return Machine(name=target.key, is_gpu=True, gemm=gemm, memory_gbps=measured.memory_gbps * b,
+                       matmul_source=f"{measured.matmul_source} x {target.source(key)} / {source.source(key)}",
+                       memory_source=f"{measured.memory_source} x {target.source('memory_gbps')} / "
+                                     f"{source.source('memory_gbps')}"), [note]
+    notes: list[Assumption] = []
+    mamf = target.figure("mamf_bf16_tflops") if bf16 else None
+    rate = mamf or target.figure(peak_key)
+    if rate is None or bw is None:
+        return Machine(name=target.key, is_gpu=True, gemm={}, memory_gbps=None), notes
+    curve_fig = target.accelerator.get("gemm_bf16_curve_tflops") if bf16 else None
+    curve = tuple((int(n), float(r)) for n, r in curve_fig["value"]) if curve_fig else ()
+    if mamf is None:
+        notes.append(assume("datasheet_peak", target=target.key))
+    src = (f"measured GEMM curve ({curve_fig['source']})" if curve else
+           f"{'MAMF' if mamf else 'datasheet dense peak'} {rate:g} TFLOP/s "
+           f"({target.source('mamf_bf16_tflops' if mamf else peak_key)}) under each GEMM's roofline")
+    gemm = {ph: GemmRate(best_tflops=rate, memory_gbps=bw, curve=curve, source=src) for ph in GEMM_PHASES}
+    return Machine(name=target.key, is_gpu=True, gemm=gemm, memory_gbps=bw, matmul_source=src,
+                   memory_source=f"{bw:g} GB/s ({target.source('memory_gbps')})"), notes
+
+
+def catalog_link(catalog: Catalog, target: Target, world: int, gpus_per_node: int) -> Link | None:
+    """The link a target's collectives cross: NVLink/PCIe inside a node; across nodes the slower of the
+    node's link and the network (a ring's bandwidth is its slowest hop), with NCCL's latency model."""
+    if world <= 1:
+        return None
+    nodes = max(1, -(-world // gpus_per_node))
+    intra, inter = target.intra_node_link, target.inter_node_link
+    if intra is None or (nodes > 1 and inter is None):
+        return None
+    base_us, base_src = catalog.base_latency_us()
+    intra_us, intra_src = catalog.step_latency_us(intra.latency_class)
+    net_us, _ = catalog.step_latency_us("net")
+    gbps = intra.gbps if nodes == 1 else min(intra.gbps, inter.gbps)
+    name = intra.name if nodes == 1 else f"{inter.name} between {nodes} nodes ({intra.name} inside)"
+    described = assume("link_catalog", name=name, gbps=gbps,
+                       gbps_source=intra.gbps_source if gbps == intra.gbps else inter.gbps_source,
+                       inter_text="" if nodes == 1 else f", {gpus_per_node} GPUs a node",
+                       base_us=base_us, intra_us=intra_us, net_us=net_us,
+                       latency_source=f"{base_src}; {intra_src}")
+    return Link(busbw_gbps=gbps, source=name, latency=NcclLatency(base_us=base_us, intra_us=intra_us, net_us=net_us,
+                                                                  nodes=nodes, source=base_src), described=described)
+
+
+def measured_link(fits: dict[str, Any], world: int) -> Link:
+    """The gloo fit measured on this machine: the median alpha and bus bandwidth of its collectives."""
+    usable = [f for f in fits.values() if f]
+    alpha = sorted(f["alpha_ms"] for f in usable)[len(usable) // 2]
+    busbw = sorted(f["busbw_gbps"] for f in usable)[len(usable) // 2]
+    return Link(alpha_ms=alpha, busbw_gbps=busbw, source=f"gloo over {world} local processes", measured_here=True,
+                described=assume("link_measured", world=world, alpha_ms=alpha, busbw_gbps=busbw, fits=len(usable)))
+
+
+def gpu_host(catalog: Catalog, engine: str) -> tuple[dict[str, float], str]:
+    """Host µs per operator call on a GPU machine for an engine, per phase, from the catalog's
+    reference runs (an engine without references takes DeepSpeed's, the slower host path)."""
+    ref = catalog.host_us_per_op.get(engine) or catalog.host_us_per_op.get("deepspeed") or {}
+    values = {ph: float(fig["value"]) for ph, fig in ref.items()}
+    if "forward" in values:  # a recomputation re-runs forwards
+        values["recompute"] = values["forward"]
+    return values, "; ".join(f"{ph} {fig['source']}" for ph, fig in ref.items())

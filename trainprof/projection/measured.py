@@ -1,0 +1,168 @@
+"""What the step model reads from a measured profile: the step split into phases, the model's parts
+(decoder layers and the rest), the operators of each phase, the collectives, and the run's shape.
+
+All times are ms per optimizer step of the slowest rank (what tokens/s divides by) unless named
+otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import statistics
+from typing import Any
+
+PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other")
+COMPUTE_PHASES = ("forward", "backward", "recompute")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# operators whose time is GEMM or attention work (scaled by the matmul rate); the rest is memory-bound
+MATMUL_OPS = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm|matmul|linear|_scaled_mm)$|attention|flash|gemm",
+                        re.IGNORECASE)
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class PhaseOps:
+    """One phase's operators per optimizer step (the traced steps' mean), split into the decoder
+    layers' and the rest: how many calls (each a kernel launch on a GPU), and their self time in GEMM or
+    attention work and in the rest (device time on a GPU source, host time on a CPU one)."""
+
+    layer_calls: float
+    rest_calls: float
+    matmul_ms: float
+    other_ms: float
+
+    @property
+    def calls(self) -> float:
+        return self.layer_calls + self.rest_calls
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Measured:
+    """What the step model reads from a profile (per rank, ms per optimizer step)."""
+
+    step_ms: float
+    phases_ms: dict[str, float]
+    unattributed_ms: float
+    flops_by_phase: dict[str, float]
+    comm: list[dict[str, Any]]
+    world_size: int
+    grad_accum: int
+    optimizer_state_elements: int | None
+    peak_memory_bytes: int | None
+    forward_layers_ms: float | None  # decoder layers' forward, summed (for turning recompute on)
+    step_std_ms: float = 0.0  # spread of the measured steps (for the wait on the slowest rank)
+    leaf_ms: tuple[float, float] | None = None  # (forward, backward) of the profiled leaf modules, summed
+    # per compute phase: (the decoder layers' time, the whole model call's time), summed over micro batches
+    parts_ms: dict[str, tuple[float, float]] | None = None
+    num_layers: int = 0  # decoder layers the profile timed
+    param_bytes: float = 0.0  # parameters x bytes per element of the model dtype (collective volumes)
+    trainable_param_bytes: float = 0.0  # the trainable ones: what ZeRO reduces and gathers (the gradients' dtype)
+    dtype_bytes: int = 2  # bytes per element of the model dtype
+    device_type: str = "cpu"
+    # per phase, the operators of the traced steps (None: the profile has no operator trace)
+    ops: dict[str, PhaseOps] | None = None
+
+    @property
+    def kernel_ms(self) -> dict[str, tuple[float, float]] | None:
+        """GPU sources with an operator trace: per phase (matmul kernel ms, other kernel ms)."""
+        if self.device_type != "cuda" or not self.ops:
+            return None
+        return {ph: (o.matmul_ms, o.other_ms) for ph, o in self.ops.items()}
+
+    def busy_frac(self) -> float | None:
+        """The share of the step a GPU source's device ran kernels (operator trace), None elsewhere."""
+        kernels = self.kernel_ms
+        if kernels is None or self.step_ms <= 0:
+            return None
+        return min(sum(mm + rest for mm, rest in kernels.values()) / self.step_ms, 1.0)
+
+
+def measured_from_profile(profile: dict[str, Any]) -> Measured:
+    """The figures the step model needs, from a merged profile.json dict: the slowest rank's median
+    step (what tokens/s divides by) and that rank's phase medians. `unattributed_ms` is the step minus
+    the phases, kept signed (a sum of per-phase medians need not equal the median step), so that the
+    parts add up to the measured step exactly."""
+    s = profile["summary"]
+    ranks = [r for r in profile.get("ranks") or [] if r.get("phases_ms")]
+    if ranks:
+        slowest = max(ranks, key=lambda r: r["step_ms_median"])
+        step, phases = float(slowest["step_ms_median"]), dict(slowest["phases_ms"])
+    else:
+        step, phases = float(s["step_ms"]["median"]), dict(s.get("phases_ms") or {})
+    phases = {k: float(phases.get(k) or 0.0) for k in PHASES}
+    modules = profile.get("modules") or []
+    layers = [m for m in modules if is_decoder_layer(m["name"])]
+    states = profile.get("model_state_bytes") or {}
+    dtype_bytes = DTYPE_BYTES.get(profile["recipe"]["model"]["dtype"], 2)
+    params = profile.get("params") or {}
+    return Measured(
+        step_ms=step, phases_ms=phases, unattributed_ms=step - sum(phases.values()),
+        flops_by_phase={k: float(v) for k, v in (s.get("flops_by_phase") or {}).items()},
+        comm=list(profile.get("comm") or []), world_size=int(profile["env"]["world_size"]),
+        grad_accum=int(profile["recipe"]["train"]["grad_accum"]),
+        optimizer_state_elements=states.get("optimizer_state_elements"),
+        peak_memory_bytes=s.get("peak_memory_bytes_max"),
+        forward_layers_ms=sum(m["forward_ms"] for m in layers) if layers else None,
+        step_std_ms=_step_std(profile),
+        leaf_ms=_leaf_ms(modules),
+        parts_ms=_parts_ms(modules, layers),
+        num_layers=len(layers),
+        param_bytes=float(params.get("total", 0)) * dtype_bytes,
+        trainable_param_bytes=float(params.get("trainable", 0)) * dtype_bytes,
+        dtype_bytes=dtype_bytes,
+        device_type=profile["env"].get("device_type", "cpu"),
+        ops=_phase_ops(profile),
+    )
+
+
+def is_decoder_layer(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] == "layers" and parts[-1].isdigit()
+
+
+def _parts_ms(modules: list[dict[str, Any]], layers: list[dict[str, Any]]) -> dict[str, tuple[float, float]] | None:
+    """Per compute phase: (the decoder layers' time, the whole model call's time). The model call is
+    the root module's (depth 0); without decoder-layer rows (a shallow module_depth) there are no parts."""
+    roots = [m for m in modules if m.get("depth") == 0]
+    if not layers or not roots:
+        return None
+    root = roots[0]
+    return {ph: (sum(m[f"{ph}_ms"] for m in layers), float(root[f"{ph}_ms"])) for ph in COMPUTE_PHASES}
+
+
+def _phase_ops(profile: dict[str, Any]) -> dict[str, PhaseOps] | None:
+    """Per phase, the operator rows (per-step means over the traced steps) summed into PhaseOps."""
+    rows = profile.get("ops") or []
+    if not rows or not (profile.get("ops_info") or {}).get("steps"):
+        return None
+    out: dict[str, PhaseOps] = {}
+    for row in rows:
+        acc = out.setdefault(row.get("phase") or "other", PhaseOps(layer_calls=0.0, rest_calls=0.0, matmul_ms=0.0,
+                                                                   other_ms=0.0))
+        in_layer = any(is_decoder_layer(".".join(row["module"].split(".")[:n]))
+                       for n in range(2, (row.get("module") or "").count(".") + 2))
+        if in_layer:
+            acc.layer_calls += float(row["calls"])
+        else:
+            acc.rest_calls += float(row["calls"])
+        if MATMUL_OPS.search(row["name"]):
+            acc.matmul_ms += float(row["self_ms"] or 0.0)
+        else:
+            acc.other_ms += float(row["self_ms"] or 0.0)
+    return out
+
+
+def _leaf_ms(modules: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """Forward and backward ms of the modules with no profiled children (attention, MLP, norms,
+    embedding, LM head at the default depth): the model's work; what their parents add on top
+    (hooks, engine bookkeeping, the loss) is the rest of the phase."""
+    parents = {m.get("parent") for m in modules}
+    leaves = [m for m in modules if m["name"] not in parents and m["name"]]
+    if not leaves:
+        return None
+    return sum(m["forward_ms"] for m in leaves), sum(m["backward_ms"] for m in leaves)
+
+
+def _step_std(profile: dict[str, Any]) -> float:
+    walls = [s["wall_ms"] for s in profile.get("steps") or [] if not s.get("warmup") and not s.get("instrumented")]
+    return statistics.stdev(walls) if len(walls) >= 3 else 0.0

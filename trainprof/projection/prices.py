@@ -1,0 +1,45 @@
+"""Prices for cost predictions: a file with a source and a date per entry, or --price NAME=USD on the
+command line. Prices are never invented: without one, cost is null with the reason."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+from trainprof.hardware import CatalogError
+from trainprof.io import read_yaml
+
+
+def load_prices(file: str | Path | None = None, cli: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """USD per GPU-hour by catalog key, each with where it came from.
+
+    A price file is YAML: `prices: {h100-sxm: {usd_per_gpu_hour: 2.99, source: "...", date: 2026-11-01}}`.
+    `--price NAME=USD` entries win over the file and are labelled as given on the command line.
+
+    Raises:
+        CatalogError: an entry without a source or a date, or a malformed --price.
+    """
+    prices: dict[str, dict[str, Any]] = {}
+    if file is not None:
+        data = read_yaml(file, what="price file", hint="pass a YAML file with prices: {NAME: {usd_per_gpu_hour, "
+                         "source, date}}", error=CatalogError)
+        for key, entry in ((data or {}).get("prices") or {}).items():
+            if not isinstance(entry, dict) or entry.get("usd_per_gpu_hour") is None:
+                raise CatalogError(f"price file '{file}': prices.{key} needs usd_per_gpu_hour")
+            if not entry.get("source") or not entry.get("date"):
+                raise CatalogError(f"price file '{file}': prices.{key} needs a source and a date (prices are never "
+                                   "taken without them)")
+            prices[key] = {"usd_per_gpu_hour": float(entry["usd_per_gpu_hour"]), "source": str(entry["source"]),
+                           "date": str(entry["date"])}
+    for item in cli or []:
+        name, sep, value = item.partition("=")
+        try:
+            usd = float(value)
+        except ValueError:
+            usd = -1.0
+        if not sep or not name or usd <= 0:
+            raise CatalogError(f"--price '{item}': write NAME=USD_PER_GPU_HOUR, e.g. --price h100-sxm=2.99")
+        prices[name] = {"usd_per_gpu_hour": usd, "source": "--price on the command line",
+                        "date": dt.date.today().isoformat()}
+    return prices

@@ -1,0 +1,295 @@
+"""Probes: the recipe's own model parts and engines, timed at a shape on this machine.
+
+Part probes build the recipe's architecture bare (random init, no engine, no hooks, no recomputation)
+with no decoder layer and with k of them, so that the rest of the model (embedding, final norm, LM head
+and loss) is timed alone, rest = T(0), and one decoder layer is layer = (T(k) - T(0)) / k. Building k
+layers, never the whole model, is what lets a large shape be probed where its model would not fit. Engine probes build each recipe's whole engine in a group of one.
+
+Every figure is the fastest of repeated calls after warm-up, all probes called in turn within each
+round (a slow spell of the machine hits every shape alike), on the host clock, beside as many busy
+processes as the run has other ranks on a CPU (they share its cores and memory bandwidth).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PROBE_ROUNDS = 12  # timed calls per model in a probe (the fastest counts), after 2 warm-up calls
+# above this many parameters per decoder layer a probe on CPU would take longer than the projection is
+# worth; such shapes are re-derived from their GEMMs instead (projection/gemm.py)
+PROBE_MAX_LAYER_PARAMS = 60_000_000
+PROBE_MAX_PARAMS = 200_000_000  # k, the layers of the larger probe model, stays under this
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeShape:
+    """What a probe's timing depends on: the model's dims and the micro batch it runs."""
+
+    dims: tuple[int, ...]
+    micro_batch: int
+    seq_len: int
+    attention: str
+
+    @classmethod
+    def of(cls, recipe: Any) -> "ProbeShape":
+        """The shape a recipe's micro batch runs at (probes run without recomputation)."""
+        from trainprof.projection.changes import model_shape
+
+        return cls(model_shape(recipe), recipe.train.micro_batch_size, recipe.data.seq_len, recipe.model.attention)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PartProbe:
+    """ms per micro batch of one decoder layer and of the rest of the model, bare, on this machine."""
+
+    layer_forward_ms: float
+    layer_backward_ms: float
+    rest_forward_ms: float
+    rest_backward_ms: float
+    layers_probed: int
+
+
+def layer_params(recipe: Any) -> int:
+    from trainprof.models import resolve_shape
+
+    s = resolve_shape(recipe.model)
+    kv = s.num_kv_heads * s.head_dim
+    return 2 * s.hidden_size * (s.hidden_size + kv) + 3 * s.hidden_size * s.intermediate_size + 2 * s.hidden_size
+
+
+def probeable(recipe: Any) -> bool:
+    return layer_params(recipe) <= PROBE_MAX_LAYER_PARAMS
+
+
+def probe_layers(recipe: Any) -> int:
+    """k: the larger probe model's decoder layers: all of the model's, or fewer under PROBE_MAX_PARAMS
+    (more layers make their time a larger part of the difference it is taken from)."""
+    from trainprof.models import resolve_shape
+
+    layers = resolve_shape(recipe.model).num_layers
+    return max(1, min(layers, PROBE_MAX_PARAMS // max(layer_params(recipe), 1)))
+
+
+def bare_model(recipe: Any, shape: ProbeShape, layers: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The model a probe times: the recipe's architecture with `layers` decoder layers, random init, no
+    engine, no hooks, no recomputation, every weight trainable; and a batch at `shape`."""
+    from trainprof.models import build_model, resolve_shape
+
+    model_cfg = dataclasses.replace(recipe.model, num_layers=max(layers, 1), attention=shape.attention, recompute=False)
+    r = dataclasses.replace(recipe, model=model_cfg, task=dataclasses.replace(recipe.task, kind="pretrain"))
+    torch.manual_seed(0)
+    model = build_model(r).train()
+    if layers == 0:  # the rest of the model alone: embedding, final norm, LM head and loss
+        model.model.layers = torch.nn.ModuleList()
+        model.config.num_hidden_layers = 0
+    ids = torch.randint(0, resolve_shape(r.model).vocab_size, (shape.micro_batch, shape.seq_len))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def probe_parts(probes: list[Any], *, threads: int | None = None, rounds: int = PROBE_ROUNDS,
+                neighbours: int = 0) -> list[PartProbe]:
+    """One decoder layer's and the rest of the model's forward and backward ms for each recipe at its
+    shape (see the module docstring), all models called in turn within each round, with `neighbours`
+    busy processes running the first recipe's model meanwhile.
+
+    Args:
+        probes: recipes (each at its own micro batch, seq_len, attention and dims).
+    """
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        models, batches, ks = {}, {}, []
+        for j, recipe in enumerate(probes):
+            k = probe_layers(recipe)
+            ks.append(k)
+            for layers in (0, k):
+                models[(j, layers)], batches[(j, layers)] = bare_model(recipe, ProbeShape.of(recipe), layers)
+        keys = list(models)
+        fwd: dict[Any, list[float]] = {key: [] for key in keys}
+        bwd: dict[Any, list[float]] = {key: [] for key in keys}
+        with busy_neighbours(probes[0], neighbours, torch.get_num_threads()):
+            _probe_rounds(models, batches, keys, rounds, fwd, bwd)
+        out = []
+        for j, k in enumerate(ks):
+            f0, fk, b0, bk = min(fwd[(j, 0)]), min(fwd[(j, k)]), min(bwd[(j, 0)]), min(bwd[(j, k)])
+            out.append(PartProbe(layer_forward_ms=max(fk - f0, 0.0) / k, layer_backward_ms=max(bk - b0, 0.0) / k,
+                                 rest_forward_ms=f0, rest_backward_ms=b0, layers_probed=k))
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def busy_neighbours(recipe: Any, count: int, threads: int):
+    """`count` other processes running the recipe's model at its shape while a probe times it: the
+    ranks of a CPU run share the machine's memory bandwidth and caches, and a probe alone would not."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import yaml
+
+    if count <= 0:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="trainprof-probe-") as tmp:
+        path = Path(tmp) / "recipe.yaml"
+        path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        ready = [Path(tmp) / f"ready{i}" for i in range(count)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        procs = [subprocess.Popen([sys.executable, "-m", "trainprof.projection.probes", "--busy", str(path), str(r)],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in ready]
+        try:
+            deadline = time.monotonic() + 120
+            while not all(r.exists() for r in ready) and time.monotonic() < deadline:
+                if any(p.poll() is not None for p in procs):
+                    break
+                time.sleep(0.1)
+            yield
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+
+
+def _busy_main(argv: list[str]) -> int:
+    from trainprof.models import resolve_shape
+    from trainprof.recipe import load_recipe
+
+    path, ready = argv
+    recipe = load_recipe(path, [])
+    model, batch = bare_model(recipe, ProbeShape.of(recipe), resolve_shape(recipe.model).num_layers)
+    Path(ready).write_text("1")
+    while True:  # until the probe kills it
+        model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+
+def probe_engines(recipes: list[Any], *, threads: int, rounds: int = 8, neighbours: int = 0,
+                  bare: bool = False) -> list[dict[str, float]]:
+    """Forward and backward ms of one micro batch through each recipe's own engine (DeepSpeed at its
+    ZeRO stage and offload, or plain torch), all built in one fresh process in a group of one and
+    called alternately (drift hits all of them), the fastest of `rounds` after 2 warm-up rounds, with
+    `neighbours` busy processes as in probe_parts. What an engine adds around the model (ZeRO-3's
+    parameter fetch and release at every module, gradient bucketing, the optimizer wrapper) is in
+    these times, and the optimizer step (`engine.step()`) is timed apart; communication at world size 1 is
+    not. With `bare`, each recipe's bare model is called in the same rounds too, so engine minus bare
+    keeps little of the drift.
+
+    Returns:
+        per recipe: {engine_forward_ms, engine_backward_ms, engine_step_ms}, and with `bare` also {model_forward_ms,
+        model_backward_ms}
+    Raises:
+        ValueError: the probe process failed (its last error line).
+    """
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    import yaml
+
+    from trainprof.distributed import free_port
+
+    with tempfile.TemporaryDirectory(prefix="trainprof-engine-probe-") as tmp:
+        paths = []
+        for i, recipe in enumerate(recipes):
+            paths.append(Path(tmp) / f"recipe{i}.yaml")
+            paths[-1].write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        out = Path(tmp) / "probe.json"
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        with busy_neighbours(recipes[0], neighbours, threads):
+            proc = subprocess.run([sys.executable, "-m", "trainprof.projection.probes", "--probe-engines",
+                                   str(rounds), str(int(bare)), str(out), *map(str, paths)], env=env,
+                                  capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0 or not out.is_file():
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ValueError(f"the engine probe failed ({last[:200]})")
+        return json.loads(out.read_text())
+
+
+def _probe_engines_main(argv: list[str]) -> int:
+    import json
+
+    from trainprof.distributed import init_distributed, seed_everything
+    from trainprof.engines import DistContext, build_engine
+    from trainprof.models import resolve_shape
+    from trainprof.recipe import load_recipe
+
+    rounds, bare, out, *paths = argv
+    recipes = [load_recipe(p, ["train.grad_accum=1"]) for p in paths]  # every micro batch a boundary
+    ctx = DistContext.from_env()
+    init_distributed(recipes[0], ctx)
+    # the bare models first: one built after a ZeRO-3 engine in the same process runs far slower
+    models = {k: bare_model(recipe, ProbeShape.of(recipe), resolve_shape(recipe.model).num_layers)
+              for k, recipe in enumerate(recipes)} if bare == "1" else {}
+    engines, batches = [], []
+    for recipe in recipes:
+        seed_everything(recipe.train.seed)
+        engines.append(build_engine(recipe, ctx))
+        ids = torch.randint(0, resolve_shape(recipe.model).vocab_size,
+                            (recipe.train.micro_batch_size, recipe.data.seq_len))
+        batches.append({"input_ids": ids, "labels": ids})
+    timed: list[dict[str, list[float]]] = [{"engine_forward_ms": [], "engine_backward_ms": [], "engine_step_ms": [],
+                                            "model_forward_ms": [], "model_backward_ms": []} for _ in recipes]
+    for i in range(int(rounds) + 2):
+        for k, engine in enumerate(engines):
+            t0 = time.perf_counter()
+            loss = engine.forward(batches[k])
+            t1 = time.perf_counter()
+            engine.backward(loss)
+            t2 = time.perf_counter()
+            engine.step()
+            t3 = time.perf_counter()
+            if i >= 2:
+                for key, ms in (("engine_forward_ms", t1 - t0), ("engine_backward_ms", t2 - t1),
+                                ("engine_step_ms", t3 - t2)):
+                    timed[k][key].append(ms * 1e3)
+        for k, (model, batch) in models.items():  # each bare model once a round, beside the engines' calls
+            f_ms, b_ms = _forward_backward_ms(model, batch)
+            if i >= 2:
+                timed[k]["model_forward_ms"].append(f_ms)
+                timed[k]["model_backward_ms"].append(b_ms)
+    Path(out).write_text(json.dumps([{key: min(v) for key, v in t.items() if v} for t in timed]))
+    return 0
+
+
+def _forward_backward_ms(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """One call of a bare model: (forward ms, backward ms); its gradients are dropped after."""
+    t0 = time.perf_counter()
+    loss = model(**batch).loss
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+
+def _probe_rounds(models: dict[Any, Any], batches: dict[Any, Any], keys: list[Any], rounds: int,
+                  fwd: dict[Any, list[float]], bwd: dict[Any, list[float]]) -> None:
+    """2 untimed rounds, then `rounds` timed ones: every model called once a round, in turn."""
+    for i in range(rounds + 2):
+        for n in keys:
+            f_ms, b_ms = _forward_backward_ms(models[n], batches[n])
+            if i >= 2:
+                fwd[n].append(f_ms)
+                bwd[n].append(b_ms)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["--busy"]:
+        sys.exit(_busy_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["--probe-engines"]:
+        sys.exit(_probe_engines_main(sys.argv[2:]))
+    sys.exit(f"usage: python -m trainprof.projection.probes --busy RECIPE READY | --probe-engines ...")

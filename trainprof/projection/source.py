@@ -1,0 +1,109 @@
+"""The run a projection starts from: its profile, its recipe and its calibration.
+
+A run made by `trainprof run` has its recipe.yaml. A run profiled in the user's own script
+(`trainprof wrap`, the HF / Lightning callbacks) has none; its profile records the workload instead
+(`workload`: the model's shape, dtype, task, engine and its settings, micro batch, sequence length,
+gradient accumulation, as recipe keys, and `unknown`: the keys it could not read and why), from which
+a recipe is rebuilt; a key it could not read keeps the recipe default and is named in `unknown`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from trainprof.projection import pipeline
+from trainprof.projection.measured import Measured, measured_from_profile
+
+
+class ProjectionError(ValueError):
+    """A projection the inputs cannot support: one line saying what is missing and what to do."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class Source:
+    run_dir: Path
+    profile: dict[str, Any]
+    recipe: Any
+    measured: Measured
+    calibration: dict[str, Any] | None
+    recipe_origin: str  # "recipe.yaml", "profile.json" (its resolved recipe) or "workload" (a wrapped run's)
+    unknown: dict[str, str]  # recipe keys a wrapped run could not record, and why
+
+
+def load_source(run_dir: str | Path, overrides: list[str] | None = None) -> tuple[Source, Any]:
+    """The measured run and the target recipe (the run's recipe with `overrides` applied).
+
+    Raises:
+        ProjectionError: no profile.json, a partial profile, or neither a recipe nor a workload.
+    """
+    from trainprof.recipe import RecipeError, apply_overrides, load_recipe, recipe_from_dict
+
+    run_dir = Path(run_dir)
+    path = run_dir / "profile.json"
+    if not path.is_file():
+        raise ProjectionError(f"'{run_dir}' has no profile.json; pass a run dir written by `trainprof run`, "
+                              "`trainprof wrap` or a trainprof callback")
+    profile = json.loads(path.read_text())
+    if profile.get("partial"):
+        raise ProjectionError(f"'{run_dir}' holds a partial profile (the run failed); project from a finished run")
+    recipe_path = run_dir / "recipe.yaml"
+    unknown: dict[str, str] = {}
+    try:
+        if recipe_path.is_file():
+            source_recipe, target_recipe = load_recipe(recipe_path, []), load_recipe(recipe_path, overrides or [])
+            origin = "recipe.yaml"
+        elif profile.get("workload") or profile.get("recipe"):
+            origin = "workload" if profile.get("workload") else "profile.json"
+            data = dict(profile.get("workload") or profile["recipe"])
+            unknown = dict(data.pop("unknown", None) or {})
+            source_recipe = recipe_from_dict(copy.deepcopy(data))
+            target_recipe = recipe_from_dict(apply_overrides(copy.deepcopy(data), overrides or []))
+        else:
+            raise ProjectionError(f"'{run_dir}' has no recipe.yaml and its profile records no workload; profile it "
+                                  "again with this trainprof (`trainprof wrap` and the callbacks record it)")
+    except RecipeError as err:
+        raise ProjectionError(f"'{run_dir}': {err}") from None
+    cal_path = run_dir / "calibration.json"
+    calibration = json.loads(cal_path.read_text()) if cal_path.is_file() else None
+    if pipeline.is_pipeline(profile):  # the stage that sets the pace; its transfers are the bubble term's
+        measured = measured_from_profile(pipeline.pace_view(profile))
+        measured.comm = pipeline.without_p2p(measured.comm)
+    else:
+        measured = measured_from_profile(profile)
+    return Source(run_dir=run_dir, profile=profile, recipe=source_recipe, measured=measured, calibration=calibration,
+                  recipe_origin=origin, unknown=unknown), target_recipe
+
+
+def torch_device(env: dict[str, Any]):
+    import torch
+
+    return torch.device("cuda" if env.get("device_type") == "cuda" and torch.cuda.is_available() else "cpu")
+
+
+def same_machine_as_source(src: Source) -> bool:
+    from trainprof.env import collect_env
+
+    env = src.profile["env"]
+    return collect_env(torch_device(env), 1)["device"] == env["device"]
+
+
+def ensure_calibration(source: Source, *, force: bool = False) -> dict[str, Any] | None:
+    """The source's calibration: calibration.json from the run dir, or measured now when the source
+    ran on this kind of machine (then stored in the run dir). None when neither is possible."""
+    from trainprof.io import atomic_write_json
+    from trainprof.projection.calibrate import calibrate
+
+    if source.calibration is not None and not force:
+        return source.calibration
+    if not same_machine_as_source(source):
+        return None
+    env = source.profile["env"]
+    cal = calibrate(torch_device(env), dtype=source.recipe.model.dtype, threads=int(env.get("cpu_threads") or 1),
+                    collectives_world=2 if env.get("device_type") == "cpu" else 0)
+    atomic_write_json(source.run_dir / "calibration.json", cal)
+    source.calibration = cal
+    return cal

@@ -1,0 +1,81 @@
+"""How far to trust a prediction: the error the validation measured for its kinds of change
+(validation.json from scripts/bench_projection.py on CPU; validation_gpu.json from the GPU program),
+and a confidence label for the table: validated, or why not."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+VALIDATION_FILE = Path(__file__).with_name("validation.json")
+# cross-accelerator checks made on lent GPUs (scripts/gpu_check.sh), kept apart from the CPU bench's table
+GPU_VALIDATION_FILE = Path(__file__).with_name("validation_gpu.json")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Confidence:
+    """What the table shows beside a prediction: `label` (measured | validated | unvalidated | low), a short `why`
+    for the table cell and the full `reason`."""
+
+    label: str
+    expected_error_pct: float | None
+    why: str
+    reason: str
+
+    @property
+    def text(self) -> str:
+        if self.label == "validated":
+            return f"±{self.expected_error_pct:.1f}%"
+        if self.label == "measured":
+            return "as measured"
+        err = f" (±{self.expected_error_pct:.0f}% validated)" if self.expected_error_pct is not None else ""
+        return f"{self.label}: {self.why}{err}"
+
+
+def load_validation() -> dict[str, Any] | None:
+    """The CPU bench's table (validation.json) with the GPU checks' kinds (validation_gpu.json) merged in."""
+    doc = json.loads(VALIDATION_FILE.read_text()) if VALIDATION_FILE.is_file() else None
+    if GPU_VALIDATION_FILE.is_file():
+        gpu = json.loads(GPU_VALIDATION_FILE.read_text())
+        kinds = {k: {**v, "file": GPU_VALIDATION_FILE.name, "measured_on": gpu["measured_on"]}
+                 for k, v in gpu["by_kind"].items()}
+        doc = {**(doc or {}), "by_kind": {**((doc or {}).get("by_kind") or {}), **kinds}}
+    return doc
+
+
+def expected_error(kinds: list[str], validation: dict[str, Any] | None) -> tuple[float | None, str]:
+    """The largest validated mean absolute error among the kinds of change, or None with the reason."""
+    if validation is None:
+        return None, "no validation table (run scripts/bench_projection.py --write)"
+    by_kind = validation.get("by_kind", {})
+    missing = [k for k in kinds if k not in by_kind]
+    if missing:
+        return None, (f"not validated for {', '.join(missing)} changes"
+                      + ("; a CPU run projected to an accelerator is not validated (GPU-to-GPU predictions are, "
+                         f"as 'hardware_gpu' in {GPU_VALIDATION_FILE.name})" if "hardware" in missing else ""))
+    worst = max(by_kind[k]["step_mape_pct"] for k in kinds)
+    where = [f"{by_kind[k].get('file', VALIDATION_FILE.name)} ({by_kind[k].get('measured_on') or validation.get('measured_on', '?')})"
+             for k in kinds]
+    return worst, f"largest step-time MAPE among {', '.join(kinds)}: " + "; ".join(dict.fromkeys(where))
+
+
+def confidence(kinds: list[str], validation: dict[str, Any] | None, *, host_bound: bool) -> Confidence:
+    """The label a buyer reads in the table: 'low' when the source GPU was host-bound (its step measures
+    the host, not the GPU), 'unvalidated' when a kind of change was never checked against real runs (a
+    CPU run projected to a GPU always is), else 'validated' with the expected error."""
+    if kinds == ["none"]:
+        return Confidence(label="measured", expected_error_pct=0.0, why="", reason="no change: the measured step")
+    err, why = expected_error(kinds, validation)
+    if "hardware" in kinds:
+        return Confidence(label="unvalidated", expected_error_pct=None, why="CPU run -> GPU",
+                          reason="a CPU run projected to a GPU was never checked against a GPU run")
+    if host_bound:
+        return Confidence(label="low", expected_error_pct=err, why="host-bound source",
+                          reason="the source GPU was mostly idle (host-bound): its step measures the host; " + why)
+    if err is None:
+        missing = [k for k in kinds if k not in ((validation or {}).get("by_kind") or {})]
+        return Confidence(label="unvalidated", expected_error_pct=None, why=f"{', '.join(missing) or 'no table'}",
+                          reason=why)
+    return Confidence(label="validated", expected_error_pct=err, why="", reason=why)
