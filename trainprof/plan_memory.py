@@ -310,11 +310,11 @@ def _zero3_gathered(recipe: Recipe, z: ZeroSettings, census: dict[str, Any], n: 
         "zero3_prefetch": MemoryRow(
             gpu_bytes=b * ahead, phases=(FWD_BWD,),
             source=(f"{ahead:,} params x {b} B more: with stage3_prefetch_bucket_size {z.prefetch_bucket_size:,} > 0 "
-                    f"the prefetcher fetches ahead while fewer than stage3_max_live_parameters {live:,} are live, and "
-                    "its scan of the trace marks the parameters it passes with their later (backward) use, so "
-                    "__params_to_release keeps them (PartitionedParameterCoordinator.fetch_sub_module): the "
-                    "window grows to max_live_parameters, at most the partitioned params (DeepSpeed 0.19.8 on 2 "
-                    "CPU ranks: tests/test_plan_deepspeed_buffers.py)")),
+                    f"the prefetcher fetches ahead while fewer than stage3_max_live_parameters {live:,} are live "
+                    "(PartitionedParameterCoordinator.fetch_sub_module), and its bookkeeping "
+                    "(__most_recent_step_id_param_fetched_for, read by __params_to_release) keeps what it fetched "
+                    "gathered: the window grows to max_live_parameters, at most the partitioned params, even with "
+                    "no reuse distance (DeepSpeed 0.19.8 on 2 CPU ranks: tests/test_plan_deepspeed_buffers.py)")),
         "zero3_persistent_params": MemoryRow(
             gpu_bytes=math.ceil(b * persistent * (1 - 1 / n)),
             source=(f"(1 - 1/{n}) x {persistent:,} params x {b} B: params of at most "
