@@ -8,20 +8,17 @@ formula or call it came from. `render_plan(plan)` turns that dict into a plain-t
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from trainprof.models import LlamaShape, build_model, count_params, logical_numel, resolve_shape
+from trainprof.plan_memory import (CUDA_CONTEXT_BYTES, DTYPE_BYTES, SavedTensors, gpu_memory, quiet_deepspeed,
+                                   render_gpu_memory, tensor_bytes)
 from trainprof.recipe import Recipe
 
 PLAN_SCHEMA_VERSION = 1
 GIB = 2**30
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # DeepSpeed's estimators want a node layout; plans assume HGX/DGX-style nodes of up to 8 GPUs.
 GPUS_PER_NODE = 8
 # DeepSpeed's estimators' default safety margin on their figures.
@@ -30,36 +27,6 @@ DEEPSPEED_BUFFER_FACTOR = 1.5
 # double quantization 256 first-level (8-bit) constants per second-level fp32 constant.
 QLORA_BLOCKSIZE = 64
 QLORA_BLOCKSIZE2 = 256
-
-
-@dataclass(slots=True, kw_only=True)
-class SavedTensors:
-    """What HF Llama keeps for backward, as (count, bytes each) per tensor shape: one decoder layer, the
-    final norm and LM-head input, the logits and loss in the forward and as backward starts, and one
-    layer's input (all that full recomputation keeps per layer). The activation figures are their sums;
-    trainprof.plan_memory rounds each tensor as the CUDA caching allocator does."""
-
-    layer: list[tuple[int, int]]
-    head: list[tuple[int, int]]
-    logits: list[tuple[int, int]]
-    loss_backward: list[tuple[int, int]]
-    layer_input: int
-
-
-def tensor_bytes(tensors: list[tuple[int, int]]) -> int:
-    return sum(count * nbytes for count, nbytes in tensors)
-
-
-@contextlib.contextmanager
-def quiet_deepspeed() -> Iterator[None]:
-    """Around a DeepSpeed import: on a machine without a GPU it logs "Setting accelerator to CPU" to
-    stdout, which would corrupt `trainprof plan --json`; what the plan reads from it is plain arithmetic."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        yield
-    finally:
-        logging.disable(previous)
 
 
 def _figure(value: int | float | None, source: str, unit: str) -> dict[str, Any]:
@@ -432,6 +399,16 @@ def _startup_note(recipe: Recipe, total_params: int) -> str:
             f"it: about {full / GIB:,.1f} GiB per process.")
 
 
+def _params_block(census: dict[str, Any], analytic: dict[str, int]) -> dict[str, Any]:
+    return {
+        "total": _figure(census["total"], "count_params(build_model(recipe, meta=True))", "params"),
+        "trainable": _figure(census["trainable"], "count_params(build_model(recipe, meta=True))", "params"),
+        "analytic_total": _figure(analytic["total"], ANALYTIC_PARAMS_SOURCE, "params"),
+        "analytic_trainable": _figure(analytic["trainable"], ANALYTIC_PARAMS_SOURCE, "params"),
+        "analytic_matches": analytic == {"total": census["total"], "trainable": census["trainable"]},
+    }
+
+
 def _notes(recipe: Recipe, census: dict[str, Any]) -> list[str]:
     engine = recipe.engine
     notes = [
@@ -482,8 +459,6 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
     states = _model_states(recipe, census, world_size)
     saved = hf_saved_tensors(recipe, shape)
     activations = _activations(recipe, shape, saved)
-    from trainprof.plan_memory import CUDA_CONTEXT_BYTES, gpu_memory
-
     memory = gpu_memory(recipe, world_size, census, states["per_rank"], activations, saved, shape.num_layers)
     notes = _notes(recipe, census)
     model = recipe.model
@@ -508,13 +483,7 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
         },
         "world_size": world_size,
         "shape": {**dataclasses.asdict(shape), "head_dim": shape.head_dim},
-        "params": {
-            "total": _figure(census["total"], "count_params(build_model(recipe, meta=True))", "params"),
-            "trainable": _figure(census["trainable"], "count_params(build_model(recipe, meta=True))", "params"),
-            "analytic_total": _figure(analytic["total"], ANALYTIC_PARAMS_SOURCE, "params"),
-            "analytic_trainable": _figure(analytic["trainable"], ANALYTIC_PARAMS_SOURCE, "params"),
-            "analytic_matches": analytic == {"total": census["total"], "trainable": census["trainable"]},
-        },
+        "params": _params_block(census, analytic),
         "model_states": {**states, "deepspeed_estimator": _deepspeed_estimate(recipe, census, world_size)},
         "activations": activations,
         "gpu_memory": memory,
@@ -584,8 +553,6 @@ def render_plan(plan: dict[str, Any]) -> str:
             lines.append(f"  {f'{label}, {who}{mark}':<28}{_gib(fig['value']):>10}  {fig['source']}")
     lines.append(f"  {'logits + loss *':<28}{_gib(act['logits_loss']['value']):>10}  {act['logits_loss']['source']}")
     lines.append("  (* the rows gpu_memory sums below)")
-    from trainprof.plan_memory import render_gpu_memory
-
     lines += render_gpu_memory(plan["gpu_memory"])
 
     fl = plan["flops"]

@@ -13,12 +13,47 @@ and what lives outside it (the CUDA context).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from trainprof.plan import DTYPE_BYTES, SavedTensors, fp32_residual, quiet_deepspeed, tensor_bytes
 from trainprof.recipe import Recipe, RecipeError
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(slots=True, kw_only=True)
+class SavedTensors:
+    """What HF Llama keeps for backward, as (count, bytes each) per tensor shape: one decoder layer, the
+    final norm and LM-head input, the logits and loss in the forward and as backward starts, and one
+    layer's input (all that full recomputation keeps per layer). trainprof.plan.hf_saved_tensors builds
+    it; the plan's activation figures are its sums, and the allocator rounding row rounds each tensor."""
+
+    layer: list[tuple[int, int]]
+    head: list[tuple[int, int]]
+    logits: list[tuple[int, int]]
+    loss_backward: list[tuple[int, int]]
+    layer_input: int
+
+
+def tensor_bytes(tensors: list[tuple[int, int]]) -> int:
+    return sum(count * nbytes for count, nbytes in tensors)
+
+
+@contextlib.contextmanager
+def quiet_deepspeed() -> Iterator[None]:
+    """Around a DeepSpeed import: on a machine without a GPU it logs "Setting accelerator to CPU" to
+    stdout, which would corrupt `trainprof plan --json`; what the plan reads from it is plain arithmetic."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
 
 FWD_BWD, OPT_STEP = "forward_backward", "optimizer_step"
 BOTH = (FWD_BWD, OPT_STEP)
