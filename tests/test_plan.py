@@ -365,7 +365,7 @@ def test_zero_buckets_follow_the_recipes_deepspeed_section() -> None:
 def test_a_key_deepspeed_refuses_names_the_section() -> None:
     recipe = make(stage=3)
     recipe.deepspeed = {"zero_optimization": {"reduce_bucket_sise": 10}}
-    with pytest.raises(RecipeError, match="recipe key 'deepspeed.zero_optimization'"):
+    with pytest.raises(RecipeError, match="recipe key 'deepspeed.zero_optimization.reduce_bucket_sise'"):
         estimate_plan(recipe, 8)
 
 

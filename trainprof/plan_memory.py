@@ -117,8 +117,9 @@ def zero_settings(recipe: Recipe) -> ZeroSettings:
     try:
         z = DeepSpeedZeroConfig(**section)
     except Exception as exc:  # pydantic's ValidationError: an unknown key or a value out of range
-        first = str(exc).splitlines()[1:3]
-        raise RecipeError(f"recipe key 'deepspeed.zero_optimization': DeepSpeed refuses it ({' '.join(first)}); "
+        error = exc.errors()[0] if hasattr(exc, "errors") else {"loc": (), "msg": str(exc)}
+        key = ".".join(["deepspeed.zero_optimization", *map(str, error["loc"])])
+        raise RecipeError(f"recipe key '{key}': DeepSpeed's ZeRO config refuses it ({error['msg']}); "
                           "fix or remove the key") from None
     model_b = DTYPE_BYTES[recipe.model.dtype]
     grad = recipe.deepspeed.get("data_types", {}).get("grad_accum_dtype")
@@ -395,7 +396,9 @@ def _offload_row(recipe: Recipe, z: ZeroSettings, census: dict[str, Any], n: int
     if z.stage == 3:
         subs = _sub_groups(groups, n, z.sub_group_size)
         new = [z.grad_bytes * _partition(census["trainable"], n)] + [4 * s for s in subs]
-        counted = [b * _partition(sum(g), n) for g in groups] if recipe.engine.offload == "optimizer+params" else []
+        # offloaded params: one pinned 16-bit buffer per param group (stage3.py _create_param_groups_fp16_flat_cpu_memory)
+        counted = ([b * sum(_partition(x, n) for x in g) for g in groups]
+                   if recipe.engine.offload == "optimizer+params" else [])
         gpu, what = 0, ("the 16-bit gradient partition (grad_partitions_flat_buffer, on the CPU) and an fp32 "
                         "gradient per sub group (stage3.py initialize_optimizer_states)")
     else:
