@@ -72,6 +72,7 @@ def worker(out: Path, window: str) -> None:
         }))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", list(WINDOWS))
 def test_zero3_rows_match_deepspeeds_own_buffers(window: str, tmp_path: Path) -> None:
     from trainprof.plan import estimate_plan
@@ -94,14 +95,14 @@ def test_zero3_rows_match_deepspeeds_own_buffers(window: str, tmp_path: Path) ->
     assert rows["zero3_persistent_params"]["gpu_bytes"] == 2 * measured["persistent_numel"] // WORLD > 0
     # the first step records the trace and releases everything; from the second on the window holds
     first, *traced = measured["gathered_at_turn"]
-    assert first == 0 and traced[0] == traced[-1] > 0
+    assert first == 0 and traced[0] == traced[-1] > 0, measured
     planned = (rows["zero3_gathered_params"]["gpu_bytes"] + rows["zero3_prefetch"]["gpu_bytes"]) // 2
     if window == "reuse":
-        assert planned == traced[-1] and rows["zero3_prefetch"]["gpu_bytes"] == 0
+        assert planned == traced[-1] and rows["zero3_prefetch"]["gpu_bytes"] == 0, (planned, measured)
     else:  # the prefetcher stops once max_live_parameters are live, past it by at most the param it fetched last
         assert planned == WINDOWS["prefetch"]["stage3_max_live_parameters"]
         largest_param = plan["shape"]["vocab_size"] * plan["shape"]["hidden_size"]  # embedding, lm_head
-        assert 0 <= traced[-1] - planned < largest_param
+        assert 0 <= traced[-1] - planned < largest_param, (planned, measured)
 
 
 if __name__ == "__main__":
