@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import torch
 
 from trainprof.models import build_model, resolve_shape
 from trainprof.plan import estimate_plan, quantized_4bit_bytes, render_plan
-from trainprof.recipe import Recipe, load_recipe, recipe_from_dict
+from trainprof.recipe import Recipe, RecipeError, load_recipe, recipe_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -262,9 +263,13 @@ def test_korthikanti_eq1_figure() -> None:
     assert activation(plan, "korthikanti", "no_recompute") == layers * s * b * h * (34 + 5 * a * s // h)
 
 
-def saved_activation_bytes(recipe: Recipe) -> int:
-    """Bytes autograd saves for backward in one forward of a real model (parameters excluded)."""
+def saved_activation_bytes(recipe: Recipe, *, autocast: bool = False) -> int:
+    """Bytes autograd saves for backward in one forward of a real model (parameters excluded).
+    With `autocast`, as trainprof's torch engine runs it: fp32 weights under 16-bit autocast."""
     model = build_model(recipe)
+    if autocast:
+        for p in model.parameters():
+            p.data = p.data.float()
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -276,7 +281,8 @@ def saved_activation_bytes(recipe: Recipe) -> int:
 
     ids = torch.randint(0, resolve_shape(recipe.model).vocab_size, (recipe.train.micro_batch_size, recipe.data.seq_len))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(input_ids=ids, labels=ids)
     return sum(saved.values())
 
 
@@ -294,6 +300,161 @@ def test_hf_llama_activation_count_matches_autograd(dtype: str, attention: str, 
     log_softmax = 2 * 256 * shape.vocab_size * 4
     expected = activation(plan, "hf_llama", "no_recompute") + log_softmax
     assert saved_activation_bytes(recipe) == pytest.approx(expected, rel=0.03)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_hf_llama_count_under_autocast_matches_autograd(attention: str, kv_heads: int) -> None:
+    # the torch engine: fp32 weights, bf16 autocast; the residual stream and norm outputs stay fp32 and
+    # autocast's weight copies are saved beside the activations
+    recipe = recipe_from_dict({"model": {"name": "llama2-tiny", "dtype": "bf16", "attention": attention,
+                                         "num_kv_heads": kv_heads},
+                               "engine": {"kind": "torch", "zero_stage": 0},
+                               "data": {"seq_len": 256}, "train": {"micro_batch_size": 2}})
+    plan = estimate_plan(recipe, 1)
+    copies = plan["gpu_memory"]["rows"]["autocast_weight_copies"]["gpu_bytes"]
+    log_softmax = 2 * 256 * resolve_shape(recipe.model).vocab_size * 4
+    expected = activation(plan, "hf_llama", "no_recompute") + copies + log_softmax
+    assert saved_activation_bytes(recipe, autocast=True) == pytest.approx(expected, rel=0.03)
+    plain = estimate_plan(recipe_from_dict({**recipe.to_dict(), "engine": {"kind": "deepspeed", "zero_stage": 0}}), 1)
+    assert activation(plan, "hf_llama", "no_recompute") > activation(plain, "hf_llama", "no_recompute")
+
+
+# -- GPU memory rows beyond the model states and activations ----------------------------------------
+
+
+def rows(plan: dict[str, Any]) -> dict[str, Any]:
+    return plan["gpu_memory"]["rows"]
+
+
+@pytest.mark.parametrize("keys", CONSTRUCTED, ids=[json.dumps(k) for k in CONSTRUCTED])
+def test_gpu_totals_sum_the_rows_they_name(keys: dict[str, Any]) -> None:
+    plan = estimate_plan(make(**keys), 8)
+    memory, table = plan["gpu_memory"], rows(plan)
+    for phase, peak in memory["peaks"].items():
+        assert peak["rows"] == [k for k, r in table.items() if phase in r["phases"]]
+        assert peak["gpu_bytes"] == sum(table[k]["gpu_bytes"] for k in peak["rows"])
+    allocated = plan["gpu_allocated_per_rank"]
+    assert allocated["value"] == max(p["gpu_bytes"] for p in memory["peaks"].values())
+    assert allocated["rows"] == memory["peaks"][allocated["phase"]]["rows"]
+    assert plan["gpu_total_per_rank"]["value"] == (allocated["value"] + table["allocator_rounding"]["gpu_bytes"]
+                                                   + table["cuda_context"]["gpu_bytes"])
+    assert plan["gpu_total_per_rank"]["rows"] == ["allocated_peak", "allocator_rounding", "cuda_context"]
+    for key in ("params", "grads", "optimizer_states", "activations", "logits_loss"):
+        assert key in table  # the earlier rows stay, summed where they are live
+
+
+def test_zero_buckets_follow_the_recipes_deepspeed_section() -> None:
+    def bucket(stage: int, **zero: Any) -> dict[str, Any]:
+        recipe = make(stage=stage)
+        recipe.deepspeed = {"zero_optimization": zero}
+        return rows(estimate_plan(recipe, 8))
+
+    # DeepSpeed's default reduce_bucket_size 5e8 elements, in bf16; stage 3 allocates it once
+    assert bucket(3)["zero_reduce_bucket"]["gpu_bytes"] == 2 * 500_000_000
+    assert bucket(3, reduce_bucket_size=10**8)["zero_reduce_bucket"]["gpu_bytes"] == 2 * 10**8
+    assert bucket(3, contiguous_gradients=False)["zero_reduce_bucket"]["gpu_bytes"] == 0
+    # stages 1/2: one buffer during backward, two with overlap_comm; the all-gather runs in place
+    z2 = bucket(2)
+    assert z2["zero_reduce_bucket"]["gpu_bytes"] == 2 * 500_000_000
+    assert z2["zero_reduce_bucket"]["phases"] == ["forward_backward"]
+    assert bucket(2, overlap_comm=True)["zero_reduce_bucket"]["gpu_bytes"] == 2 * 2 * 500_000_000
+    assert z2["zero_allgather_bucket"]["gpu_bytes"] == 0 and "all_gather_into_tensor" in z2["zero_allgather_bucket"]["source"]
+
+
+def test_a_key_deepspeed_refuses_names_the_section() -> None:
+    recipe = make(stage=3)
+    recipe.deepspeed = {"zero_optimization": {"reduce_bucket_sise": 10}}
+    with pytest.raises(RecipeError, match="recipe key 'deepspeed.zero_optimization.reduce_bucket_sise'"):
+        estimate_plan(recipe, 8)
+
+
+def test_zero3_gathered_window() -> None:
+    from trainprof.plan_memory import _kept_at_turn
+
+    one = rows(estimate_plan(make(stage=3), 1))
+    assert one["zero3_gathered_params"]["gpu_bytes"] == one["zero3_prefetch"]["gpu_bytes"] == 0  # no copy on one rank
+    # DeepSpeed's defaults: prefetching keeps the window at stage3_max_live_parameters (1e9) in bf16
+    eight = rows(estimate_plan(make(stage=3), 8))
+    assert eight["zero3_gathered_params"]["gpu_bytes"] + eight["zero3_prefetch"]["gpu_bytes"] == 2 * 10**9
+    # no reuse, no prefetch: only the module backward fetches first (lm_head) is gathered at the turn
+    recipe = make(stage=3)
+    recipe.deepspeed = {"zero_optimization": {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}}
+    bare = rows(estimate_plan(recipe, 8))
+    assert bare["zero3_gathered_params"]["gpu_bytes"] == 2 * 32000 * 4096 and bare["zero3_prefetch"]["gpu_bytes"] == 0
+    # kept when twice the elements after a module are within the reuse distance
+    assert _kept_at_turn([10, 10, 10, 10], 45) == 30
+    assert _kept_at_turn([10, 10, 10, 10], 0) == 10
+    # Llama's norms (<= 1e5 elements) stay whole on every rank
+    norms = (2 * 32 + 1) * 4096
+    assert eight["zero3_persistent_params"]["gpu_bytes"] == math.ceil(2 * norms * 7 / 8)
+
+
+def test_zero_step_transient_is_the_largest_flat_gradient_copy() -> None:
+    from trainprof.plan_memory import _sub_groups
+
+    assert _sub_groups([[5, 5, 5, 5, 5]], 1, 10) == [10, 10, 5]
+    assert _sub_groups([[5, 5, 5, 5, 5]], 2, 10) == [12, 3]  # partitions of ceil(5 / 2)
+    total = 6_738_415_616
+    z3 = rows(estimate_plan(make(stage=3), 8))["optimizer_step_transient"]
+    assert z3["phases"] == ["optimizer_step"] and "_prepare_fp32_grad_for_sub_group" in z3["source"]
+    # one sub group: the 2-D group's partition (< sub_group_size 1e9), bf16 flatten + fp32 copy
+    norms = (2 * 32 + 1) * 4096
+    assert z3["gpu_bytes"] == pytest.approx(6 * (total - norms) / 8, abs=6 * 300)
+    z2 = rows(estimate_plan(make(stage=2), 8))["optimizer_step_transient"]
+    assert z2["gpu_bytes"] == 6 * math.ceil((total - norms) / 8)
+    assert rows(estimate_plan(make(stage=2, offload="optimizer"), 8))["optimizer_step_transient"]["gpu_bytes"] == 0
+
+
+def test_offload_pins_host_buffers_in_powers_of_two() -> None:
+    from trainprof.plan_memory import _pinned
+
+    assert [_pinned(n) for n in (0, 1, 3, 4, 2**20 + 1)] == [0, 1, 4, 4, 2**21]
+    plan = estimate_plan(make(stage=2, offload="optimizer"), 8)
+    row = rows(plan)["offload_pinned_buffers"]
+    assert row["gpu_bytes"] == 2 * 32000 * 4096  # the largest param, staged in bf16 on the GPU
+    fp32_grads = 4 * (6_738_415_616 // 8)
+    assert row["cpu_bytes"] > fp32_grads and "CachingHostAllocator" in row["source"]
+    host = plan["gpu_memory"]["host_total"]
+    assert host["cpu_bytes"] == states(plan, "total")[1] + row["cpu_bytes"]
+    # the gradients live on the host under offload: the model-state row's GPU figure is an upper bound
+    for stage, offload in ((2, "optimizer"), (3, "optimizer"), (3, "optimizer+params")):
+        offloaded = estimate_plan(make(stage=stage, offload=offload), 8)
+        assert rows(offloaded)["grads"]["gpu_bytes"] == 0 < states(offloaded, "grads")[0]
+
+
+def test_torch_engine_rows() -> None:
+    total, embedding = 6_738_415_616, 32000 * 4096
+    norms = (2 * 32 + 1) * 4096
+    one, eight = (rows(estimate_plan(make(engine="torch"), n)) for n in (1, 8))
+    assert one["grads"]["phases"] == ["optimizer_step"]  # zero_grad(set_to_none=True) before the next forward
+    assert one["optimizer_step_transient"]["gpu_bytes"] == 4 * total  # foreach AdamW's sqrt of exp_avg_sq
+    assert one["autocast_weight_copies"]["gpu_bytes"] == 2 * (total - embedding - norms)
+    assert "ddp_buckets" not in one and eight["ddp_buckets"]["gpu_bytes"] == 4 * total
+    accumulating = make(engine="torch")
+    accumulating.train.grad_accum = 2
+    assert rows(estimate_plan(accumulating, 1))["grads"]["phases"] == ["forward_backward", "optimizer_step"]
+
+
+def test_allocator_rounds_blocks_as_the_caching_allocator() -> None:
+    from trainprof.plan_memory import allocator_block_bytes
+
+    mib = 2**20
+    assert allocator_block_bytes(1000) == 1024  # 512 B blocks
+    assert allocator_block_bytes(5 * mib + 1) == 5 * mib + 512  # shares a 20 MiB segment
+    assert allocator_block_bytes(10 * mib) == 10 * mib
+    assert allocator_block_bytes(350 * 8 * 2048 * 2) == 12 * mib  # own segment, rounded to 2 MiB
+    plan = estimate_plan(recipe_from_dict({"model": {"name": "llama2-1b"}, "engine": {"zero_stage": 3},
+                                           "train": {"micro_batch_size": 8}}), 1)
+    assert rows(plan)["allocator_rounding"]["gpu_bytes"] > 0
+
+
+def test_plan_text_shows_the_memory_rows() -> None:
+    text = render_plan(estimate_plan(make(stage=3, offload="optimizer"), 8))
+    for label in ("GPU memory per rank", "zero_reduce_bucket", "zero3_gathered_params", "offload_pinned_buffers",
+                  "optimizer_step_transient", "allocator_rounding", "cuda_context", "allocated peak",
+                  "GPU total per rank", "Host memory per rank"):
+        assert label in text, label
 
 
 # -- FLOPs, tokens, speed --------------------------------------------------------------------------

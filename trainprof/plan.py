@@ -9,16 +9,16 @@ formula or call it came from. `render_plan(plan)` turns that dict into a plain-t
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from typing import Any
 
-from trainprof.models import LlamaShape, build_model, count_params, resolve_shape
+from trainprof.models import LlamaShape, build_model, count_params, logical_numel, resolve_shape
+from trainprof.plan_memory import (CUDA_CONTEXT_BYTES, DTYPE_BYTES, SavedTensors, gpu_memory, quiet_deepspeed,
+                                   render_gpu_memory, tensor_bytes)
 from trainprof.recipe import Recipe
 
 PLAN_SCHEMA_VERSION = 1
 GIB = 2**30
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # DeepSpeed's estimators want a node layout; plans assume HGX/DGX-style nodes of up to 8 GPUs.
 GPUS_PER_NODE = 8
 # DeepSpeed's estimators' default safety margin on their figures.
@@ -89,6 +89,10 @@ def _census(model: Any, recipe: Recipe) -> dict[str, Any]:
     # DeepSpeed's model_to_params convention: the largest parameter count held directly by one module
     # (its data_ptr de-duplication cannot work on meta tensors; Llama2 shares no parameters).
     largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    from trainprof.engines.optim import param_groups
+
+    groups = param_groups(model, recipe.optimizer.weight_decay)
+    embedding_weight = model.get_input_embeddings().weight
     return {
         "total": counts["total"],
         "trainable": counts["trainable"],
@@ -96,6 +100,14 @@ def _census(model: Any, recipe: Recipe) -> dict[str, Any]:
         "layer_params": layer_params,
         "quantized_numels": quantized,
         "largest_layer": largest_layer,
+        # what ZeRO's buffers and partitions are cut from: each module's own parameters in registration
+        # order (HF Llama registers in forward order, but for the tiny norms), and the optimizer's
+        # param groups (the engines' own split) of the trainable ones
+        "module_numels": [[logical_numel(p) for p in m.parameters(recurse=False)] for m in model.modules()],
+        "group_numels": [[logical_numel(p) for p in g["params"]] for g in groups],
+        # trainable weights that go through a matmul (autocast casts them); an embedding lookup does not
+        "matmul_trainable": sum(p.numel() for g in groups for p in g["params"]
+                                if p.dim() >= 2 and p is not embedding_weight),
     }
 
 
@@ -218,15 +230,9 @@ def _deepspeed_estimate(recipe: Recipe, census: dict[str, Any], world_size: int)
         return {"applicable": False,
                 "reason": "DeepSpeed ships estimators for full-model ZeRO-2/3 training only"}
     gpus_per_node, nodes = _node_layout(world_size)
-    # Importing DeepSpeed on a machine without a GPU logs "Setting accelerator to CPU" to stdout, which
-    # would corrupt `trainprof plan --json`; the estimators below are plain arithmetic.
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
+    with quiet_deepspeed():
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-    finally:
-        logging.disable(previous)
     common = dict(total_params=census["total"], num_gpus_per_node=gpus_per_node, num_nodes=nodes,
                   cpu_offload=offload != "none", additional_buffer_factor=DEEPSPEED_BUFFER_FACTOR)
     if stage == 2:
@@ -254,10 +260,57 @@ def _deepspeed_estimate(recipe: Recipe, census: dict[str, Any], world_size: int)
 # ---------------------------------------------------------------------------------------------
 
 
-def _activations(recipe: Recipe, shape: LlamaShape) -> dict[str, Any]:
+def fp32_residual(recipe: Recipe) -> bool:
+    """Whether the forward runs under PyTorch AMP on fp32 weights with an fp32 residual stream: trainprof's
+    torch engine (and its pipeline stages) keeps trainable params in fp32 and autocasts to the 16-bit
+    dtype, so a pretrained model's embedding output and residual additions stay fp32. A LoRA base stays
+    in the recipe's dtype, and so does its residual stream."""
+    return recipe.engine.kind == "torch" and recipe.model.dtype != "fp32" and recipe.task.kind == "pretrain"
+
+
+def hf_saved_tensors(recipe: Recipe, shape: LlamaShape) -> SavedTensors:
+    """The tensors transformers' Llama saves for backward, as torch saved_tensors_hooks count them on CPU
+    (tests/test_plan.py checks the sums, plain and under autocast)."""
+    s, b, h = recipe.data.seq_len, recipe.train.micro_batch_size, shape.hidden_size
+    act_b, amp, sbh = DTYPE_BYTES[recipe.model.dtype], fp32_residual(recipe), s * b * h
+    eager = recipe.model.attention == "eager"
+    # eager's repeat_kv copies k and v out to all heads; sdpa and flash2 take grouped k, v as they are
+    kv_width = h if eager else shape.num_kv_heads * shape.head_dim
+    # Per RMSNorm an fp32 input copy and the normed tensor (4 + B); then in B bytes the q/k/v input, q,
+    # k, v, the attention output, the MLP input and four I-wide SwiGLU tensors. Under AMP the normed
+    # tensor stays fp32 and three more h-wide B-byte tensors are saved (the casts feeding the linears).
+    norms = [(4, 4 * sbh)] if amp else [(2, 4 * sbh), (2, act_b * sbh)]
+    layer = norms + [(7 if amp else 4, act_b * sbh), (2, act_b * s * b * kv_width),
+                     (4, act_b * s * b * shape.intermediate_size)]
+    if eager:  # the fp32 softmax and its B-byte copy (one tensor when B is 4)
+        scores = shape.num_heads * s * s * b
+        layer += [(1, 4 * scores)] + ([(1, act_b * scores)] if act_b != 4 else [])
+    head = [(2, 4 * sbh), (1, act_b * sbh)] if amp else [(1, 4 * sbh), (2, act_b * sbh)]  # final norm + lm_head input
+    # HF ForCausalLMLoss: logits in the model dtype (kept in the output), an fp32 upcast, and
+    # cross_entropy's fp32 log-softmax saved for backward
+    n_logits = s * b * shape.vocab_size
+    logits = [(1, act_b * n_logits)] + ([(1, 4 * n_logits)] if act_b != 4 else []) + [(1, 4 * n_logits)]
+    # as backward starts, log_softmax's backward holds nll_loss's fp32 gradient, its saved fp32 output and
+    # the fp32 gradient it makes, all at once (the 16-bit logits are no longer referenced)
+    return SavedTensors(layer=layer, head=head, logits=logits, loss_backward=[(3, 4 * n_logits)],
+                        layer_input=(4 if amp else act_b) * sbh)
+
+
+def _hf_source(recipe: Recipe) -> str:
+    act_b, eager = DTYPE_BYTES[recipe.model.dtype], recipe.model.attention == "eager"
+    kv = "1" if eager else "kv/a"
+    if fp32_residual(recipe):
+        src = f"L*s*b*h*(2*(4+4) + B*(7 + 2*{kv} + 4*I/h))"
+        head, how = " + s*b*h*(2*4+B)", f"; PyTorch AMP on fp32 weights: fp32 norm outputs, B-byte casts (B={act_b})"
+    else:
+        src, head, how = f"L*s*b*h*(2*(4+B) + B*(4 + 2*{kv} + 4*I/h))", " + s*b*h*(4+2B)", f", B={act_b}"
+    soft_b = 4 + (act_b if act_b != 4 else 0)
+    return src + (f" + L*{soft_b}*a*s^2*b" if eager else "") + head + how
+
+
+def _activations(recipe: Recipe, shape: LlamaShape, saved: SavedTensors) -> dict[str, Any]:
     s, b = recipe.data.seq_len, recipe.train.micro_batch_size
-    h, a, layers, vocab = shape.hidden_size, shape.num_heads, shape.num_layers, shape.vocab_size
-    kv, inter = shape.num_kv_heads, shape.intermediate_size
+    h, a, layers = shape.hidden_size, shape.num_heads, shape.num_layers
     act_b = DTYPE_BYTES[recipe.model.dtype]
     eager = recipe.model.attention == "eager"
     attn_src = "" if eager else "; no s x s term: sdpa/flash2 kernels never store the scores"
@@ -270,42 +323,30 @@ def _activations(recipe: Recipe, shape: LlamaShape) -> dict[str, Any]:
     paper_src = "s*b*h*(34 + 5*a*s/h)" if eager else "s*b*h*34"
     paper_src += ", x2 for fp32" if act_b == 4 else ""
 
-    # What transformers' LlamaDecoderLayer saves for backward, counted with torch saved_tensors_hooks
-    # (tests/test_plan.py checks it on CPU): per RMSNorm an fp32 input copy + the normed tensor
-    # (4 + B), then in B bytes the q/k/v input, q, k, v (k, v: kv/a of h), the attention output, the
-    # MLP input and four I-wide SwiGLU tensors. Eager also keeps the fp32 softmax and its B-byte copy,
-    # and its repeat_kv copies k and v out to all a heads (sdpa and flash2 take grouped k, v as they are).
-    soft_b = 4 + (act_b if act_b != 4 else 0)
-    kv_frac = 1 if eager else kv / a
-    hf_layer = s * b * h * (2 * (4 + act_b) + act_b * (4 + 2 * kv_frac + 4 * inter / h))
-    hf_layer += soft_b * a * s * s * b if eager else 0
-    hf_head = s * b * h * (4 + 2 * act_b)  # final RMSNorm + lm_head input
-    hf_src = f"L*s*b*h*(2*(4+B) + B*(4 + 2*{'1' if eager else 'kv/a'} + 4*I/h))"
-    hf_src += f" + L*{soft_b}*a*s^2*b" if eager else ""
-    hf_src += f" + s*b*h*(4+2B), B={act_b}"
-
+    hf_layer, hf_head = tensor_bytes(saved.layer), tensor_bytes(saved.head)
     # Korthikanti et al. 2022, sec. 5: full recomputation keeps only each layer's input, 2*s*b*h
     # (16-bit), plus one layer's full activations while that layer is recomputed in backward.
-    keep = act_b * s * b * h * layers
-    # HF ForCausalLMLoss: logits in the model dtype (kept in the output), an fp32 upcast, and
-    # cross_entropy's fp32 log-softmax saved for backward.
-    logit_b = act_b + (4 if act_b != 4 else 0) + 4
+    keep = saved.layer_input * layers
+    residual_b = saved.layer_input // (s * b * h)
+    logit_b = tensor_bytes(saved.logits) // (s * b * shape.vocab_size)
     return {
         "used": "full_recompute" if recipe.model.recompute else "no_recompute",
         "korthikanti": {
             "no_recompute": _figure(
                 int(layers * paper_layer), f"L*{paper_src} (Korthikanti 2022 eq. 1{attn_src})", "bytes"),
             "full_recompute": _figure(
-                int(keep + paper_layer), f"L*2*s*b*h + one layer's {paper_src} (Korthikanti 2022 sec. 5)", "bytes"),
+                int(layers * act_b * s * b * h + paper_layer),
+                f"L*2*s*b*h + one layer's {paper_src} (Korthikanti 2022 sec. 5)", "bytes"),
         },
         "hf_llama": {
-            "no_recompute": _figure(
-                int(layers * hf_layer + hf_head), f"{hf_src}: tensors HF Llama saves for backward{attn_src}", "bytes"),
+            "no_recompute": _figure(layers * hf_layer + hf_head,
+                                    f"{_hf_source(recipe)}: tensors HF Llama saves for backward{attn_src}", "bytes"),
             "full_recompute": _figure(
-                int(keep + hf_layer + hf_head), "L*B*s*b*h layer inputs + one layer + final norm (HF count)", "bytes"),
+                keep + hf_layer + hf_head, f"L*{residual_b}*s*b*h layer inputs + one layer + final norm (HF count)",
+                "bytes"),
         },
-        "logits_loss": _figure(
-            s * b * vocab * logit_b, f"s*b*V*{logit_b}: logits + fp32 upcast + fp32 log-softmax (HF loss)", "bytes"),
+        "logits_loss": _figure(tensor_bytes(saved.logits),
+                               f"s*b*V*{logit_b}: logits + fp32 upcast + fp32 log-softmax (HF loss)", "bytes"),
         "micro_batch_size": b,
         "seq_len": s,
     }
@@ -358,6 +399,43 @@ def _startup_note(recipe: Recipe, total_params: int) -> str:
             f"it: about {full / GIB:,.1f} GiB per process.")
 
 
+def _params_block(census: dict[str, Any], analytic: dict[str, int]) -> dict[str, Any]:
+    return {
+        "total": _figure(census["total"], "count_params(build_model(recipe, meta=True))", "params"),
+        "trainable": _figure(census["trainable"], "count_params(build_model(recipe, meta=True))", "params"),
+        "analytic_total": _figure(analytic["total"], ANALYTIC_PARAMS_SOURCE, "params"),
+        "analytic_trainable": _figure(analytic["trainable"], ANALYTIC_PARAMS_SOURCE, "params"),
+        "analytic_matches": analytic == {"total": census["total"], "trainable": census["trainable"]},
+    }
+
+
+def _notes(recipe: Recipe, census: dict[str, Any]) -> list[str]:
+    engine = recipe.engine
+    notes = [
+        "All figures are analytic estimates, not measurements; run the recipe to measure.",
+        "GPU total: the allocated peak (the larger of the forward/backward turn and the optimizer step, summing "
+        "the gpu_memory rows live then) + the allocator's block rounding + the CUDA context. Not modelled: NCCL's "
+        "own buffers (multi-GPU), cuBLAS/attention workspaces, fragmentation beyond block rounding, QLoRA's "
+        "per-forward dequantized weights.",
+        "Korthikanti et al.'s eq. 1 is for a GPT layer (4h GeLU MLP, dropout); the HF Llama count adds "
+        "SwiGLU's I-wide tensors and fp32 RMSNorm copies, matches autograd's saved tensors on CPU within 3% "
+        "(tests/test_plan.py) and is the one summed into the GPU total.",
+        _startup_note(recipe, census["total"]),
+    ]
+    if recipe.task.kind != "pretrain":
+        notes.append("LoRA/QLoRA activations are an upper bound: frozen linears need not save their inputs.")
+    if engine.kind == "deepspeed" and engine.zero_stage == 0 and recipe.model.dtype == "bf16":
+        notes.append("DeepSpeed bf16 at stage 0 uses BF16_Optimizer, which partitions fp32 master/optimizer "
+                     "states like stage 1 and adds a 4 B/param fp32 gradient buffer; the figure shown is the "
+                     "unpartitioned ZeRO-paper baseline.")
+    if engine.offload != "none":
+        notes.append("ZeRO-Offload also streams gradients to host memory; the GPU gradient row is an upper bound.")
+    if recipe.optimizer.state_bits != 32:
+        notes.append(f"DeepSpeed's estimator assumes fp32 Adam states; the optimizer row counts the "
+                     f"{recipe.optimizer.state_bits}-bit ones.")
+    return notes
+
+
 def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
     """What a recipe would take per rank and per step, without training.
 
@@ -379,37 +457,18 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
     data_parallel = 1 if engine.pipeline_stages > 1 else world_size  # a pipeline's stages share their samples
     tokens_per_step = train.micro_batch_size * train.grad_accum * recipe.data.seq_len * data_parallel
     states = _model_states(recipe, census, world_size)
-    activations = _activations(recipe, shape)
-    used = activations["used"]
-    gpu_total = (states["per_rank"]["total"]["gpu_bytes"] + activations["hf_llama"][used]["value"]
-                 + activations["logits_loss"]["value"])
-    notes = [
-        "All figures are analytic estimates, not measurements; run the recipe to measure.",
-        "GPU total excludes communication buckets, ZeRO-3 gathered layers, allocator fragmentation and "
-        "the CUDA context.",
-        "Korthikanti et al.'s eq. 1 is for a GPT layer (4h GeLU MLP, dropout); the HF Llama count adds "
-        "SwiGLU's I-wide tensors and fp32 RMSNorm copies, matches autograd's saved tensors on CPU within 3% "
-        "(tests/test_plan.py) and is the one summed into the GPU total.",
-        _startup_note(recipe, census["total"]),
-    ]
-    if recipe.task.kind != "pretrain":
-        notes.append("LoRA/QLoRA activations are an upper bound: frozen linears need not save their inputs.")
-    if engine.kind == "deepspeed" and engine.zero_stage == 0 and recipe.model.dtype == "bf16":
-        notes.append("DeepSpeed bf16 at stage 0 uses BF16_Optimizer, which partitions fp32 master/optimizer "
-                     "states like stage 1 and adds a 4 B/param fp32 gradient buffer; the figure shown is the "
-                     "unpartitioned ZeRO-paper baseline.")
-    if engine.offload != "none":
-        notes.append("ZeRO-Offload also streams gradients to host memory; the GPU gradient row is an upper bound.")
-    if recipe.optimizer.state_bits != 32:
-        notes.append(f"DeepSpeed's estimator assumes fp32 Adam states; the optimizer row counts the "
-                     f"{recipe.optimizer.state_bits}-bit ones.")
+    saved = hf_saved_tensors(recipe, shape)
+    activations = _activations(recipe, shape, saved)
+    memory = gpu_memory(recipe, world_size, census, states["per_rank"], activations, saved, shape.num_layers)
+    notes = _notes(recipe, census)
     model = recipe.model
     pipeline = None
     if engine.pipeline_stages > 1:
         from trainprof.plan_pipeline import pipeline_plan
 
         pipeline = pipeline_plan(recipe, shape, census, states["per_rank"]["total"]["gpu_bytes"]
-                                 + states["per_rank"]["total"]["cpu_bytes"], activations)
+                                 + states["per_rank"]["total"]["cpu_bytes"], activations,
+                                 head_bytes=tensor_bytes(saved.head), process_bytes=CUDA_CONTEXT_BYTES)
         notes.append(f"Pipeline: {engine.pipeline_stages} stages, one per rank and no data parallelism; the per-rank "
                      "rows above are the unsplit model's, the 'pipeline' rows are per stage.")
     return {
@@ -424,17 +483,18 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
         },
         "world_size": world_size,
         "shape": {**dataclasses.asdict(shape), "head_dim": shape.head_dim},
-        "params": {
-            "total": _figure(census["total"], "count_params(build_model(recipe, meta=True))", "params"),
-            "trainable": _figure(census["trainable"], "count_params(build_model(recipe, meta=True))", "params"),
-            "analytic_total": _figure(analytic["total"], ANALYTIC_PARAMS_SOURCE, "params"),
-            "analytic_trainable": _figure(analytic["trainable"], ANALYTIC_PARAMS_SOURCE, "params"),
-            "analytic_matches": analytic == {"total": census["total"], "trainable": census["trainable"]},
-        },
+        "params": _params_block(census, analytic),
         "model_states": {**states, "deepspeed_estimator": _deepspeed_estimate(recipe, census, world_size)},
         "activations": activations,
-        "gpu_total_per_rank": _figure(
-            int(gpu_total), f"model states on GPU + HF Llama activations ({used}) + logits/loss", "bytes"),
+        "gpu_memory": memory,
+        "gpu_allocated_per_rank": {
+            **_figure(memory["allocated_peak"]["gpu_bytes"], memory["allocated_peak"]["source"], "bytes"),
+            "rows": memory["allocated_peak"]["rows"], "phase": memory["allocated_peak"]["phase"]},
+        "gpu_total_per_rank": {
+            **_figure(memory["device_total"]["gpu_bytes"],
+                      "gpu_memory.device_total: allocated peak (the larger of gpu_memory.peaks: "
+                      f"{' + '.join(memory['allocated_peak']['rows'])}) + allocator_rounding + cuda_context", "bytes"),
+            "rows": memory["device_total"]["rows"]},
         "tokens_per_step": _figure(tokens_per_step, "micro_batch_size * grad_accum * seq_len * data-parallel ranks (1 for a pipeline)", "tokens"),
         "flops": _flops(recipe, shape, census, tokens_per_step),
         "notes": notes,
@@ -492,8 +552,8 @@ def render_plan(plan: dict[str, Any]) -> str:
             fig = act[family][key]
             lines.append(f"  {f'{label}, {who}{mark}':<28}{_gib(fig['value']):>10}  {fig['source']}")
     lines.append(f"  {'logits + loss *':<28}{_gib(act['logits_loss']['value']):>10}  {act['logits_loss']['source']}")
-    total = plan["gpu_total_per_rank"]
-    lines.append(f"{'GPU total per rank':<30}{_gib(total['value']):>10}  {total['source']} (rows marked *)")
+    lines.append("  (* the rows gpu_memory sums below)")
+    lines += render_gpu_memory(plan["gpu_memory"])
 
     fl = plan["flops"]
     lines += ["", f"{'Compute':<30}{'value':>16}  source"]

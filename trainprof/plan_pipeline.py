@@ -26,7 +26,7 @@ def in_flight_micro_batches(schedule: str, stage: int, stages: int, micro_batche
 
 
 def pipeline_plan(recipe: Recipe, shape: LlamaShape, census: dict[str, Any], states_total_bytes: int,
-                  activations: dict[str, Any]) -> dict[str, Any]:
+                  activations: dict[str, Any], *, head_bytes: int, process_bytes: int) -> dict[str, Any]:
     """The plan's `pipeline` block.
 
     Args:
@@ -35,6 +35,8 @@ def pipeline_plan(recipe: Recipe, shape: LlamaShape, census: dict[str, Any], sta
         census: trainprof.plan._census of the meta model (total, embedding, layer_params).
         states_total_bytes: the unsplit model's model-state bytes on one rank (no sharding).
         activations: trainprof.plan._activations (hf_llama per micro batch, logits_loss).
+        head_bytes: what the final norm and LM-head input save per micro batch (trainprof.plan.hf_saved_tensors).
+        process_bytes: what every stage's process holds outside the allocator (the CUDA context).
     """
     e, t = recipe.engine, recipe.train
     p, m = e.pipeline_stages, t.grad_accum
@@ -44,7 +46,7 @@ def pipeline_plan(recipe: Recipe, shape: LlamaShape, census: dict[str, Any], sta
     norm = h
     used = activations["used"]
     act_all = activations["hf_llama"][used]["value"]
-    head_act = s * b * h * (4 + 2 * {"bf16": 2, "fp16": 2, "fp32": 4}[recipe.model.dtype])
+    head_act = head_bytes
     act_per_layer = (act_all - head_act) / layers
     logits = activations["logits_loss"]["value"]
     bytes_per_param = states_total_bytes / census["total"]
@@ -57,7 +59,8 @@ def pipeline_plan(recipe: Recipe, shape: LlamaShape, census: dict[str, Any], sta
         states = int(params * bytes_per_param)
         rows.append({"stage": stage, "layers": [rng.start, rng.stop], "params": params,
                      "model_states_bytes": states, "in_flight_micro_batches": held,
-                     "activations_bytes": int(act), "gpu_total_bytes": int(states + act)})
+                     "activations_bytes": int(act), "cuda_context_bytes": process_bytes,
+                     "gpu_total_bytes": int(states + act + process_bytes)})
     boundary = boundary_bytes(b, s, h)
     return {
         "stages": rows,
@@ -74,6 +77,9 @@ def pipeline_plan(recipe: Recipe, shape: LlamaShape, census: dict[str, Any], sta
             "activations_bytes": (f"in-flight micro batches x (layers x HF Llama activations per layer ({used}) + "
                                   "final norm, logits and loss on the last stage); GPipe holds all m micro batches, "
                                   "1F1B min(p - s, m) on stage s"),
+            "cuda_context_bytes": "each stage's process: gpu_memory.rows.cuda_context",
+            "gpu_total_bytes": ("model states + activations + the CUDA context; the per-rank gpu_memory rows "
+                                "(autocast copies, AdamW's temporary, allocator rounding) are the unsplit model's"),
         },
     }
 
