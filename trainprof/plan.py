@@ -76,6 +76,29 @@ ANALYTIC_PARAMS_SOURCE = (
 )
 
 
+def _meta_census(recipe: Recipe) -> dict[str, Any]:
+    """The census of the recipe's model built on the meta device, cached by what decides it (the model's
+    dims and dtype, the task, the optimizer's groups): a projection's search plans many variants of one
+    model, and each build of a 70B meta model takes about a second."""
+    import json
+
+    key = json.dumps([dataclasses.asdict(recipe.model) | {"attention": "sdpa", "recompute": False},
+                      dataclasses.asdict(recipe.task), recipe.optimizer.weight_decay], sort_keys=True, default=str)
+    return _census_cached(key, recipe)
+
+
+_CENSUS_CACHE: dict[str, dict[str, Any]] = {}
+
+
+def _census_cached(key: str, recipe: Recipe) -> dict[str, Any]:
+    if key not in _CENSUS_CACHE:
+        # Parameter shapes depend on neither the attention kernel nor recomputation; building with sdpa
+        # works without flash-attn installed (flash2 recipes plan on a laptop).
+        meta_model = dataclasses.replace(recipe.model, attention="sdpa", recompute=False)
+        _CENSUS_CACHE[key] = _census(build_model(dataclasses.replace(recipe, model=meta_model), meta=True), recipe)
+    return _CENSUS_CACHE[key]
+
+
 def _census(model: Any, recipe: Recipe) -> dict[str, Any]:
     """What the memory and FLOP formulas need from the meta model, in logical elements."""
     counts = count_params(model)
@@ -448,10 +471,7 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
     if world_size < 1:
         raise ValueError(f"world_size {world_size} must be >= 1; pass the number of data-parallel ranks")
     shape = resolve_shape(recipe.model)
-    # Parameter shapes depend on neither the attention kernel nor recomputation; building with sdpa
-    # works without flash-attn installed (flash2 recipes plan on a laptop).
-    meta_model = dataclasses.replace(recipe.model, attention="sdpa", recompute=False)
-    census = _census(build_model(dataclasses.replace(recipe, model=meta_model), meta=True), recipe)
+    census = _meta_census(recipe)
     analytic = analytic_params(shape, recipe)
     train, engine = recipe.train, recipe.engine
     data_parallel = 1 if engine.pipeline_stages > 1 else world_size  # a pipeline's stages share their samples

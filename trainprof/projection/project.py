@@ -326,13 +326,15 @@ class Projector:
     def _memory(self, recipe: Any, world: int, target: Target | None, overrides: list[str]
                 ) -> tuple[int | None, bool | None, list[str] | None]:
         m, src = self.source.measured, self.source
-        planned = _plan_bytes(recipe, world)
         if target is None:
             if m.peak_memory_bytes is None:
                 return None, None, None
             # measured + (plan(target) - plan(source)): the process's fixed part (libraries, CUDA context,
             # allocator slack) stays as measured, what the formulas see moves with the recipe
-            return int(m.peak_memory_bytes + planned - _plan_bytes(src.recipe, m.world_size)), None, None
+            alloc = "gpu_allocated_per_rank"
+            return int(m.peak_memory_bytes + _plan_bytes(recipe, world, alloc)
+                       - _plan_bytes(src.recipe, m.world_size, alloc)), None, None
+        planned = _plan_bytes(recipe, world)
         capacity = target.figure("memory_gb")
         if capacity is None:
             return planned, None, None
@@ -488,11 +490,13 @@ def _plan_cached(recipe_json: str, world: int) -> dict[str, Any]:
     return estimate_plan(recipe_from_dict(json.loads(recipe_json)), world)
 
 
-def _plan_bytes(recipe: Any, world: int) -> int:
+def _plan_bytes(recipe: Any, world: int, key: str = "gpu_total_per_rank") -> int:
+    """trainprof plan's bytes per rank: the device total (what must fit) or, with key
+    "gpu_allocated_per_rank", what the allocator hands out (what a measured peak compares with)."""
     plan = _plan(recipe, world)
     if plan.get("pipeline"):  # per stage: the fullest stage is the one that must fit
         return max(st["gpu_total_bytes"] for st in plan["pipeline"]["stages"])
-    return int(plan["gpu_total_per_rank"]["value"])
+    return int(plan[key]["value"])
 
 
 def _plan_flops(recipe: Any, world: int) -> float:
