@@ -14,7 +14,7 @@ from trainprof.hardware import CatalogError, find_accelerator, load_catalog
 from trainprof.projection.calibrate import bus_factor, collective_ms, fit_alpha_beta
 from trainprof.projection.census import census, zero3_settings, zero3_traffic
 from trainprof.projection.comm import CommTarget, Link, NcclLatency
-from trainprof.projection.compute import EngineProbe, Machine, Overhead, Parts, StepProbe
+from trainprof.projection.compute import EngineProbe, Machine, Parts, StepProbe
 from trainprof.projection.gemm import GemmRate, Work
 from trainprof.projection.measured import Measured, PhaseOps
 from trainprof.projection.prices import load_prices
@@ -273,35 +273,31 @@ def test_grad_accum_and_world_size():
     assert _values(notes, "optimizer_scaled")["ratio"] == 2.0
 
 
-def test_probed_parts_scale_the_layers_and_the_rest_and_keep_the_outside():
-    """Layers x their probed ratio and the layer count, the rest of the model x its ratio; the time outside
-    the model (forward 20 - 18, backward 40 - 36) stays; recompute turned on re-runs the target's layers'
-    forward."""
-    m = _measured()
-    parts = Parts(layer={"forward": 1.5, "backward": 2.0}, rest={"forward": 3.0, "backward": 1.0}, layers_probed=2)
+def test_probed_parts_add_the_work_they_change_and_keep_what_the_measurement_holds_beyond_it():
+    """Each decoder layer's measured time plus the change of one bare layer's probed work, x the target's
+    layer count; the rest of the model's measured time plus its probed change; the time outside the model
+    (forward 20 - 18, backward 40 - 36) as measured. Turning recompute on re-runs the target's layers'
+    forward; ZeRO-3's copies of the gathered parameters add their bytes at the memory bandwidth."""
+    m = _measured()  # layers 12 of the forward's 20 ms (2 layers: 6 each), the model call 18; backward 30 / 36
+    parts = Parts(layer_source={"forward": 5.0, "backward": 10.0}, layer_target={"forward": 8.0, "backward": 16.0},
+                  rest_source={"forward": 2.0, "backward": 3.0}, rest_target={"forward": 4.0, "backward": 3.0},
+                  layers_probed=2)
     deeper = _work(shape=dataclasses.replace(TINY, num_layers=4))
     phases, notes = predict_phases(m, _change(work=deeper, recompute=True), Inputs(parts=parts))
-    assert phases["forward"] == pytest.approx(12.0 * 1.5 * 2 + 6.0 * 3.0 + 2.0)
-    assert phases["backward"] == pytest.approx(30.0 * 2.0 * 2 + 6.0 * 1.0 + 4.0)
-    assert phases["recompute"] == pytest.approx(12.0 * 1.5 * 2)
+    assert phases["forward"] == pytest.approx((6.0 + 8.0 - 5.0) * 4 + (6.0 + 4.0 - 2.0) + 2.0)
+    assert phases["backward"] == pytest.approx((15.0 + 16.0 - 10.0) * 4 + (6.0 + 3.0 - 3.0) + 4.0)
+    assert phases["recompute"] == pytest.approx((6.0 + 8.0 - 5.0) * 4)
     assert _values(notes, "parts_probed")["target_layers"] == 4
     assert _values(notes, "recompute_on")["layers_forward_ms"] == pytest.approx(36.0)
-
-
-def test_the_engines_own_work_does_not_grow_with_the_shape_but_zero3s_copies_do():
-    m = _measured()
-    parts = Parts(layer={"forward": 2.0, "backward": 2.0}, rest={"forward": 2.0, "backward": 2.0}, layers_probed=2)
-    over = Overhead(forward_ms=6.0, backward_ms=12.0, layer_share=0.5, gathers=False)
-    phases, notes = predict_phases(m, _change(), Inputs(parts=parts, overhead=over))
-    # layers: (12 - 3) x 2 + 3; rest: (6 - 3) x 2 + 3; outside 2
-    assert phases["forward"] == pytest.approx((12 - 3) * 2 + 3 + (6 - 3) * 2 + 3 + 2)
-    assert _values(notes, "engine_overhead")["forward_ms"] == 6.0
-    # ZeRO-3's work copies the gathered parameters: 1e9 -> 3e9 bytes at 1000 GB/s moves 2 B per byte
-    gathers = Overhead(forward_ms=6.0, backward_ms=12.0, layer_share=0.5, gathers=True)
-    moved, _ = predict_phases(m, _change(), Inputs(parts=parts, overhead=gathers, zero3_bytes=(1e9, 3e9),
-                                                   memory_gbps=1000.0))
-    extra = 2 * (3e9 - 1e9) / 1e12 * 1e3  # ms over both parts
-    assert moved["forward"] == pytest.approx(phases["forward"] + extra)
+    # ZeRO-3 gathers 1e9 -> 3e9 bytes a forward; its copies move 2 B per byte at 1000 GB/s: +4 ms
+    same = Parts(layer_source={"forward": 5.0, "backward": 10.0}, layer_target={"forward": 5.0, "backward": 10.0},
+                 rest_source={"forward": 2.0, "backward": 3.0}, rest_target={"forward": 2.0, "backward": 3.0},
+                 layers_probed=2)
+    moved, notes = predict_phases(m, _change(), Inputs(parts=same, zero3_bytes=(1e9, 3e9), memory_gbps=1000.0))
+    assert moved["forward"] == pytest.approx(20.0 + 4.0) and moved["backward"] == pytest.approx(40.0)
+    assert _values(notes, "parts_probed")["copies_ms"] == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="no decoder-layer rows"):
+        predict_phases(_measured(parts_ms=None), _change(), Inputs(parts=same))
 
 
 def test_an_engine_change_scales_the_whole_compute_phases_by_the_probed_engine_ratio():

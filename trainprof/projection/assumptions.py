@@ -18,13 +18,13 @@ TEMPLATES: dict[str, str] = {
     "host_bound_source": ("the source's GPU ran kernels {busy_frac:.0%} of the step (operator trace): host-bound; the "
                           "host's part is predicted as host time (the target's host CPU assumed as fast as the source's)"),
     # compute
-    "parts_probed": ("compute: decoder layers x {layer_forward:.2f} forward / {layer_backward:.2f} backward and the rest of "
-                     "the model x {rest_forward:.2f} / {rest_backward:.2f} (one and {probe_layers} decoder layers of each "
-                     "shape timed on this machine, bare, in one call{neighbours_text}); {target_layers} layers for "
-                     "{source_layers}; time outside the model (engine, hooks) as measured"),
-    "engine_overhead": ("compute: {forward_ms:.2f} ms forward and {backward_ms:.2f} ms backward per micro batch are the "
-                        "engine's own work per module call (its probe minus the bare model's), kept as measured"
-                        "{bytes_text}"),
+    "parts_probed": ("compute: each decoder layer's measured time plus the change of one bare layer's work "
+                     "({layer_source_ms:.2f} -> {layer_target_ms:.2f} ms forward per micro batch), x {target_layers} "
+                     "layers for {source_layers}; the rest of the model's measured time plus the change of its bare "
+                     "work ({rest_source_ms:.2f} -> {rest_target_ms:.2f} ms); both shapes timed on this machine in one "
+                     "call with no decoder layer and with {probe_layers}{neighbours_text}; hooks and engine work per "
+                     "module call kept as measured; ZeRO-3's parameter copies {copies_ms:+.2f} ms; time outside the "
+                     "model as measured"),
     "parts_analytic": ("compute: the shape is not probed here ({why}); decoder layers and the rest of the model scaled by "
                        "their GEMM time at each shape ({rates}) and their memory traffic"),
     "recompute_on": ("recompute: one more forward of every decoder layer inside backward ({layers_forward_ms:.2f} ms per "

@@ -79,80 +79,57 @@ class StepProbe:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Overhead:
-    """The source engine's own work per micro batch (engine probe minus bare model, at the source's
-    shape) and the parameter bytes it moves per module call when it gathers them (ZeRO-3), for the
-    decoder layers and the rest of the model."""
-
-    forward_ms: float
-    backward_ms: float
-    layer_share: float  # the decoder layers' share of it (their share of the parameters)
-    gathers: bool  # ZeRO-3: the work includes copying parameters (scales with their bytes)
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Parts:
-    """Target/source ratios of the model's parts' work at the two shapes, from the probes."""
+    """One decoder layer's and the rest of the model's bare work per micro batch (ms, by phase), at the
+    source's shape and at the target's, probed on this machine (probes.probe_parts)."""
 
-    layer: dict[str, float]  # by phase
-    rest: dict[str, float]
+    layer_source: dict[str, float]
+    layer_target: dict[str, float]
+    rest_source: dict[str, float]
+    rest_target: dict[str, float]
     layers_probed: int
 
 
-def probed_compute(m: Measured, src: Work, tgt: Work, parts: Parts, overhead: Overhead | None,
-                   memory_gbps: float | None, zero3_bytes: tuple[float, float] | None
-                   ) -> tuple[dict[str, float], float | None, list[Assumption]]:
-    """Forward and backward ms per micro batch on the source's machine at the target's shape.
+def probed_compute(m: Measured, src: Work, tgt: Work, parts: Parts, memory_gbps: float | None,
+                   zero3_bytes: tuple[float, float] | None) -> tuple[dict[str, float], float, list[Assumption]]:
+    """Forward and backward ms per micro batch on the source's machine at the target's shape: each
+    decoder layer's measured time plus the probed change of one layer's work, times the target's layer
+    count; the rest of the model's measured time plus its probed change; the time outside the model as
+    measured. What the measurement holds beyond the bare work (hooks, the engine's work per module call,
+    the loss's glue) is kept, per layer where it is per layer; ZeRO-3's copies of the gathered parameters
+    move with their bytes at the memory bandwidth.
 
     Args:
-        zero3_bytes: (source, target) parameter bytes ZeRO-3 gathers per step (engine work that moves them).
+        zero3_bytes: (source, target) parameter bytes ZeRO-3 gathers in a forward.
     Returns:
-        ({forward, backward}, the target's decoder layers' forward per micro batch (for recompute) or None,
+        ({forward, backward}, the target's decoder layers' forward per micro batch (for recompute),
         assumptions).
+    Raises:
+        ValueError: the profile has no decoder-layer rows.
     """
-    ga = m.grad_accum
-    ratio_layers = tgt.shape.num_layers / max(src.shape.num_layers, 1)
+    if m.parts_ms is None:
+        raise ValueError("the shape changed but the profile has no decoder-layer rows to scale "
+                         "(profile with profile.module_depth >= 3)")
+    ga, layers_s, layers_t = m.grad_accum, max(src.shape.num_layers, 1), tgt.shape.num_layers
     out: dict[str, float] = {}
-    layers_fwd_t = None
-    notes: list[Assumption] = []
+    layers_by_phase: dict[str, float] = {}
     for ph in ("forward", "backward"):
-        phase = m.phases_ms[ph] / ga
-        if m.parts_ms is None:
-            raise ValueError("the shape changed but the profile has no decoder-layer rows to scale "
-                             "(profile with profile.module_depth >= 3)")
         layers, model = (x / ga for x in m.parts_ms[ph])
-        rest, outside = model - layers, phase - model
-        over = 0.0 if overhead is None else (overhead.forward_ms if ph == "forward" else overhead.backward_ms)
-        over_layers = min(over * (overhead.layer_share if overhead else 0.0), layers)
-        over_rest = min(over - over_layers, max(rest, 0.0))
-        kept_layers, kept_rest = over_layers, over_rest
-        if overhead is not None and overhead.gathers and zero3_bytes and memory_gbps:
-            kept_layers, kept_rest = (_moved(o, share, zero3_bytes, memory_gbps) for o, share in
-                                      ((over_layers, overhead.layer_share), (over_rest, 1 - overhead.layer_share)))
-        layers_t = ((layers - over_layers) * parts.layer[ph] + kept_layers) * ratio_layers
-        rest_t = (rest - over_rest) * parts.rest[ph] + kept_rest
-        out[ph] = max(layers_t + rest_t + outside, 0.0)
-        if ph == "forward":
-            layers_fwd_t = layers_t
-    notes.append(assume("parts_probed", layer_forward=parts.layer["forward"], layer_backward=parts.layer["backward"],
-                        rest_forward=parts.rest["forward"], rest_backward=parts.rest["backward"],
-                        probe_layers=parts.layers_probed, target_layers=tgt.shape.num_layers,
-                        source_layers=src.shape.num_layers,
-                        neighbours_text=f", beside {m.world_size - 1} busy copies" if m.world_size > 1 else ""))
-    if overhead is not None:
-        notes.append(assume("engine_overhead", forward_ms=overhead.forward_ms, backward_ms=overhead.backward_ms,
-                            bytes_text=("; its parameter copies move with the parameters' bytes at "
-                                        f"{memory_gbps:.3g} GB/s" if overhead.gathers and zero3_bytes and memory_gbps
-                                        else "")))
-    return out, layers_fwd_t, notes
-
-
-def _moved(over: float, share: float, zero3_bytes: tuple[float, float], memory_gbps: float) -> float:
-    """Engine work that gathers parameters: its fixed part (per module call) as measured, its copies of
-    the part's parameter bytes at the memory bandwidth."""
-    src_bytes, tgt_bytes = (share * b for b in zero3_bytes)
-    copy = lambda nbytes: nbytes * ZERO3_COPIES_PER_BYTE / (memory_gbps * 1e9) * 1e3  # noqa: E731
-    return max(over - copy(src_bytes), 0.0) + copy(tgt_bytes)
+        outside = m.phases_ms[ph] / ga - model
+        per_layer = layers / layers_s + parts.layer_target[ph] - parts.layer_source[ph]
+        layers_by_phase[ph] = max(per_layer, 0.0) * layers_t
+        rest = max(model - layers + parts.rest_target[ph] - parts.rest_source[ph], 0.0)
+        out[ph] = max(layers_by_phase[ph] + rest + outside, 0.0)
+    copies = 0.0
+    if zero3_bytes and memory_gbps:
+        copies = (zero3_bytes[1] - zero3_bytes[0]) * ZERO3_COPIES_PER_BYTE / (memory_gbps * 1e9) * 1e3
+        out["forward"] = max(out["forward"] + copies, 0.0)
+    notes = [assume("parts_probed", layer_source_ms=parts.layer_source["forward"],
+                    layer_target_ms=parts.layer_target["forward"], rest_source_ms=parts.rest_source["forward"],
+                    rest_target_ms=parts.rest_target["forward"], probe_layers=parts.layers_probed,
+                    target_layers=layers_t, source_layers=layers_s, copies_ms=copies,
+                    neighbours_text=f", beside {m.world_size - 1} busy copies" if m.world_size > 1 else "")]
+    return out, layers_by_phase["forward"], notes
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -25,7 +25,7 @@ from trainprof.projection.census import census, zero3_settings, zero3_traffic
 from trainprof.projection.changes import (KINDS, THIS, change_kinds, engine_key, recipe_kinds, task_key,
                                           unmodelled_changes)
 from trainprof.projection.comm import CommTarget, Link
-from trainprof.projection.compute import HOST_BOUND_BUSY, EngineProbe, Overhead, Parts, StepProbe
+from trainprof.projection.compute import HOST_BOUND_BUSY, EngineProbe, Parts, StepProbe
 from trainprof.projection.gemm import Work
 from trainprof.projection.machines import (catalog_link, gpu_host, machine_from_calibration, machine_from_target,
                                            measured_link)
@@ -143,7 +143,6 @@ class Projector:
             if (reshaped or neighbours_differ) and self.probe and probeable(src.recipe) and probeable(t.recipe) \
                     and same_machine_as_source(src):
                 inputs.parts = self.parts(t.recipe, t.world)
-                inputs.overhead = self.engine_overhead()  # the engine's own work does not grow with the probe
                 inputs.zero3_bytes = self._zero3_gathered_bytes(t)
             elif reshaped:
                 self._rerate_here(t, inputs, reasons)
@@ -357,7 +356,7 @@ class Projector:
         return world - 1 if self.source.profile["env"].get("device_type") == "cpu" else 0
 
     def parts(self, target_recipe: Any, world: int) -> Parts:
-        """Target/source ratios of one decoder layer's and the rest of the model's work, probed on this
+        """One decoder layer's and the rest of the model's bare work at both shapes, probed on this
         machine. Shapes with as many CPU neighbours are probed in one call, called in turn (a slow spell
         of the machine during one probe taken alone moved a ratio by up to 15% here); otherwise each
         with its own neighbours."""
@@ -372,13 +371,10 @@ class Projector:
             else:
                 (s,) = probe_parts([src], threads=self.source_threads, neighbours=nb_s)
                 (t,) = probe_parts([target_recipe], threads=self.source_threads, neighbours=nb_t)
-            ratio = lambda a, b: a / b if b > 0 else 1.0  # noqa: E731
-            self._cache[key] = Parts(
-                layer={"forward": ratio(t.layer_forward_ms, s.layer_forward_ms),
-                       "backward": ratio(t.layer_backward_ms, s.layer_backward_ms)},
-                rest={"forward": ratio(t.rest_forward_ms, s.rest_forward_ms),
-                      "backward": ratio(t.rest_backward_ms, s.rest_backward_ms)},
-                layers_probed=max(s.layers_probed, t.layers_probed))
+            by_phase = lambda probe, part: {ph: getattr(probe, f"{part}_{ph}_ms") for ph in ("forward", "backward")}  # noqa: E731
+            self._cache[key] = Parts(layer_source=by_phase(s, "layer"), layer_target=by_phase(t, "layer"),
+                                     rest_source=by_phase(s, "rest"), rest_target=by_phase(t, "rest"),
+                                     layers_probed=max(s.layers_probed, t.layers_probed))
         return self._cache[key]
 
     def engine_probe(self, target_recipe: Any) -> EngineProbe:
@@ -401,18 +397,8 @@ class Projector:
                 target_step=StepProbe(step_ms=t["engine_step_ms"], state_elements=census(target_engine).trainable))
         return self._cache[key]
 
-    def engine_overhead(self) -> Overhead:
-        """What the source's engine adds to the bare model per micro batch at the source's shape: its engine
-        in a group of one minus the bare model, called in turn in one process, never below 0."""
-        probe = self._source_engine_probe()
-        c = self.source_census
-        layer_share = sum(x.numel for x in c.tensors if x.in_layer) / max(c.total, 1)
-        return Overhead(forward_ms=max(probe["engine_forward_ms"] - probe["model_forward_ms"], 0.0),
-                        backward_ms=max(probe["engine_backward_ms"] - probe["model_backward_ms"], 0.0),
-                        layer_share=layer_share, gathers=_zero(self.source.recipe) == 3)
-
     def source_step(self) -> StepProbe:
-        """The source's engine's step() in a group of one (the probe `engine_overhead` makes)."""
+        """The source's engine's step() in a group of one."""
         return StepProbe(step_ms=self._source_engine_probe()["engine_step_ms"],
                          state_elements=float(self.source.profile["params"]["trainable"]))
 
@@ -422,7 +408,7 @@ class Projector:
         key = ("source_engine",)
         if key not in self._cache:
             (self._cache[key],) = probe_engines([self.source.recipe], threads=self.source_threads,
-                                                neighbours=self.neighbours(self.source.measured.world_size), bare=True)
+                                                neighbours=self.neighbours(self.source.measured.world_size))
         return self._cache[key]
 
     def _zero3_gathered_bytes(self, t: TargetRun) -> tuple[float, float] | None:

@@ -30,7 +30,7 @@ import dataclasses
 
 from trainprof.projection.assumptions import Assumption, assume
 from trainprof.projection.comm import CommTarget, Link, exposed_comm
-from trainprof.projection.compute import (EngineProbe, Machine, Overhead, Parts, StepProbe, adam_pass_ms, combine,
+from trainprof.projection.compute import (EngineProbe, Machine, Parts, StepProbe, adam_pass_ms, combine,
                                           engine_scaled, optimizer_ms, per_micro_batch, probed_compute,
                                           rerated_phase)
 from trainprof.projection.gemm import Work
@@ -59,7 +59,6 @@ class Inputs:
     """What a prediction measured or looked up besides the profile."""
 
     parts: Parts | None = None  # the source's machine, the shape probed
-    overhead: Overhead | None = None  # the source engine's own work, when the shape changes
     zero3_bytes: tuple[float, float] | None = None  # (source, target) parameter bytes ZeRO-3 gathers
     engine: EngineProbe | None = None  # an engine or task change, probed
     step_probe: StepProbe | None = None  # the target engine's step(), probed
@@ -109,7 +108,7 @@ def _compute_per_micro_batch(m: Measured, change: Change, inputs: Inputs, notes:
     if inputs.target_machine is not None and inputs.source_machine is not None:
         return _rerated(m, change, inputs, notes, mb, layers_f)
     if inputs.parts is not None:
-        phases, layers_f_t, more = probed_compute(m, change.source_work, change.work, inputs.parts, inputs.overhead,
+        phases, layers_f_t, more = probed_compute(m, change.source_work, change.work, inputs.parts,
                                                   inputs.memory_gbps, inputs.zero3_bytes)
         notes += more
         if mb["recompute"] and layers_f:
