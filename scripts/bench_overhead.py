@@ -203,7 +203,8 @@ def hook_breakdown(model: torch.nn.Module, depth: int) -> None:
     """Time the pieces of one module call's hooks in isolation (a loop of many invocations each)."""
     import functools
 
-    from trainprof.profiler.log import F_OPEN
+    from trainprof.profiler.hooks import NodeWatch
+    from trainprof.profiler.log import F_OPEN, Event
 
     prof = Profiler(model, optimizer=None, module_depth=depth, flops=False)
     hooks, timer = prof.hooks, prof.timer
@@ -215,8 +216,8 @@ def hook_breakdown(model: torch.nn.Module, depth: int) -> None:
     noop = functools.partial(print)
     pieces = [
         ("timer stamp (timer.now)", timer.now),
-        ("log append (events.append of a tuple)", lambda: events.append((F_OPEN, 3, 0))),
-        ("functools.partial creation", lambda: functools.partial(hooks._on_grad, [0, (1, -1, 1)])),
+        ("log append (events.append of an Event)", lambda: events.append(Event(F_OPEN, 3, 0))),
+        ("functools.partial creation", lambda: functools.partial(hooks._on_grad, NodeWatch(0, 1, []))),
         ("node pre-hook registration (grad_fn.register_prehook)", lambda: x.view_as(x).grad_fn.register_prehook(noop)),
         ("  (x.view_as(x) alone, to subtract)", lambda: x.view_as(x)),
     ]

@@ -16,7 +16,7 @@ from typing import Any
 from trainprof.analysis.bandwidth import bandwidth_gbps
 from trainprof.analysis.breakdown import PHASES, CommEvent, ModuleStep, StepBreakdown, analyze_step
 from trainprof.analysis.pipeline import step_pipeline
-from trainprof.analysis.records import ModuleInfo
+from trainprof.analysis.records import Event, ModuleInfo
 
 SCHEMA_VERSION = 1
 _TIME_FIELDS = ("forward_ms", "backward_ms", "recompute_ms", "self_forward_ms", "self_backward_ms",
@@ -44,7 +44,7 @@ class StepTimeline:
     """A recorded step as the hooks left it, stamps resolved to ms since the step began: kept until
     `complete_step` analyses it, so the analysis runs after training rather than between its steps."""
 
-    events: list[tuple[int, Any, float]]  # (code, module index or region label, ms), in recording order
+    events: list[Event]  # in recording order, `at` in ms
     comms: list[CommEvent]
     wall_ms: float
     losses: list[float] = field(default_factory=list)  # the micro batches' losses

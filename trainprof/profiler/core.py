@@ -28,7 +28,7 @@ from trainprof.profiler.comm import CommTracer, comm_total_ms
 from trainprof.profiler.flops import FlopCounter, analytic_flops
 from trainprof.profiler.hooks import ModuleHooks
 from trainprof.profiler.journal import JOURNAL_INTERVAL_S, Journal, journal_path
-from trainprof.profiler.log import ACTION_CLOSE, ACTION_OPEN, REGION_CLOSE, REGION_OPEN, StepLog
+from trainprof.profiler.log import ACTION_CLOSE, ACTION_OPEN, REGION_CLOSE, REGION_OPEN, Event, StepLog
 from trainprof.profiler.memory import PhaseMemory, SavedActivations, model_state_bytes
 from trainprof.profiler.ops import OpTracer, range_names, region_range_name
 from trainprof.profiler.patches import wrap_autograd_backward, wrap_optimizer_method
@@ -281,8 +281,8 @@ class Profiler:
                     torch.ops.profiler._record_function_exit._RecordFunction(handle)
             t1 = now()
             if self.log.active:
-                self.log.events.append((REGION_OPEN, "data_wait", t0))
-                self.log.events.append((REGION_CLOSE, "data_wait", t1))
+                self.log.events.append(Event(REGION_OPEN, "data_wait", t0))
+                self.log.events.append(Event(REGION_CLOSE, "data_wait", t1))
             else:
                 self._pending_fetch = (t0, t1)
             yield batch
@@ -325,8 +325,8 @@ class Profiler:
         if self.pipeline is not None:  # places this rank's step beside the other stages' (analysis/pipeline.py)
             self._origin_unix_ns = time.time_ns() - (time.perf_counter_ns() - origin if self.timer.kind == "host" else 0)
         if pending is not None:
-            log.events.append((REGION_OPEN, "data_wait", pending[0]))
-            log.events.append((REGION_CLOSE, "data_wait", pending[1]))
+            log.events.append(Event(REGION_OPEN, "data_wait", pending[0]))
+            log.events.append(Event(REGION_CLOSE, "data_wait", pending[1]))
         log.active = True
         try:
             yield self
@@ -387,13 +387,13 @@ class Profiler:
         if not log.active:
             yield
             return
-        log.events.append((ACTION_OPEN, (kind, micro_batch), self.timer.now()))
+        log.events.append(Event(ACTION_OPEN, (kind, micro_batch), self.timer.now()))
         self._region_open(kind)
         try:
             yield
         finally:
             self._region_close(kind)
-            log.events.append((ACTION_CLOSE, (kind, micro_batch), self.timer.now()))
+            log.events.append(Event(ACTION_CLOSE, (kind, micro_batch), self.timer.now()))
 
     def phase(self, label: str) -> contextlib.AbstractContextManager[None]:
         """Mark a region of the step as a phase: "optimizer" (e.g. around DeepSpeed's engine.step()),
@@ -428,7 +428,7 @@ class Profiler:
             if label == "backward":
                 self.hooks.flush()  # a backward started inside a profiled forward (see hooks.flush)
             self.hooks.settle()  # e.g. a reentrant checkpoint's backward inside backward
-        self.log.events.append((REGION_OPEN, label, self.timer.now()))
+        self.log.events.append(Event(REGION_OPEN, label, self.timer.now()))
         if self.memory is not None:
             self.memory.begin(label)
         if label == "backward" and self._activations is not None:
@@ -459,7 +459,7 @@ class Profiler:
             self.flops_running = True
         if self.hooks is not None:
             self.hooks.settle()
-        self.log.events.append((REGION_CLOSE, label, self.timer.now()))
+        self.log.events.append(Event(REGION_CLOSE, label, self.timer.now()))
         if self.memory is not None:
             self.memory.end(label)
 
@@ -484,7 +484,8 @@ class Profiler:
 
     def _finish_step(self, index: int, origin: Any, end: Any, *, warm: bool, instrumented: list[str]) -> None:
         log = self.log
-        stamps: list[Any] = [e[2] for e in log.events]
+        events = log.events
+        stamps: list[Any] = [e.at for e in events]
         for c in log.comms:
             stamps.append(c.issue)
             stamps.append(c.ret)
@@ -494,7 +495,8 @@ class Profiler:
                 stamps.append(c.done)
         stamps.append(end)
         ms = iter(self.timer.resolve(origin, stamps))
-        events = [(code, payload, next(ms)) for code, payload, _ in log.events]
+        for e in events:  # in place: the log starts a new list next step, so these become the timeline's
+            e.at = next(ms)
         comms = []
         for c in log.comms:
             issue, ret = next(ms), next(ms)
