@@ -289,7 +289,7 @@ def test_launch_timeout_kills_the_whole_tree(tmp_path):
 
 
 def test_multi_node_cells_use_srun_inside_slurm_only(monkeypatch):
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
     from trainprof.sweep.launch import torchrun_command
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import os
-import random
 import signal
 import sys
 import time
@@ -26,61 +24,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("recipe", help="recipe YAML file (see recipes/)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.micro_batch_size=4")
     return parser.parse_args(argv)
-
-
-def seed_everything(seed: int) -> None:
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def init_distributed(recipe: Recipe, ctx) -> None:
-    """Join the process group torchrun set up (gloo on CPU, NCCL on GPU)."""
-    import torch
-
-    backend = "nccl" if ctx.device.type == "cuda" else "gloo"
-    if ctx.device.type == "cuda":
-        torch.cuda.set_device(ctx.device)
-    if recipe.engine.kind == "deepspeed":
-        import deepspeed
-
-        if "RANK" not in os.environ:  # a single process without torchrun: a group of one
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
-
-        deepspeed.init_distributed(dist_backend=backend)
-    elif ctx.distributed:
-        torch.distributed.init_process_group(backend=backend)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def make_run_dir(recipe: Recipe, ctx) -> Path:
-    """runs/<name>-<UTC timestamp>/, chosen on rank 0 and shared with every rank."""
-    import torch.distributed as dist
-
-    name = [None]
-    if ctx.rank == 0:
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        base = Path(recipe.output.dir) / f"{recipe.output.name}-{stamp}"
-        path, n = base, 1
-        while path.exists():
-            n += 1
-            path = base.with_name(f"{base.name}-{n}")
-        path.mkdir(parents=True)
-        name[0] = str(path)
-    if dist.is_available() and dist.is_initialized():
-        dist.broadcast_object_list(name, src=0)
-    return Path(name[0])
 
 
 def train_step(engine, batches, grad_accum: int, prof=None) -> float | None:
@@ -128,12 +71,12 @@ def train(recipe: Recipe) -> Path:
     """Run warm-up and measured steps; write the run dir; return its path."""
     import yaml
 
-    from trainprof.engines import DistContext
+    from trainprof.distributed import DistContext, init_distributed, shared_run_dir
     from trainprof.io import atomic_write_text
 
     ctx = DistContext.from_env()
-    init_distributed(recipe, ctx)
-    run_dir = make_run_dir(recipe, ctx)
+    init_distributed(ctx, engine_kind=recipe.engine.kind)
+    run_dir = shared_run_dir(recipe.output.dir, recipe.output.name)
     if ctx.rank == 0:
         atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     with record_failure(run_dir, ctx):
@@ -179,6 +122,7 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
     from tqdm import tqdm
 
     from trainprof.data import build_loader
+    from trainprof.distributed import seed_everything
     from trainprof.engines import build_engine
     from trainprof.env import apply_memory_cap, check_memory_cap, collect_env, memory_meter
     from trainprof.io import atomic_write_json

@@ -21,8 +21,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other")
-MODULE_PHASES = ("forward", "backward", "recompute")
+
+from trainprof.phases import MODULE_PHASES, PHASES, PIPELINE_PHASES
+
 STATS = ("median", "min")
 DEFAULT_BAND = {"median": 0.25, "min": 0.15}  # measured, see docs/reports.md
 DEFAULT_MIN_MS = 1.0  # rows under 1 ms: a single preemption (~1 ms) is most of them
@@ -212,7 +213,7 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
     has_phases = all(s and "phases_ms" in s[0] for s in (steps_a, steps_b))
     if has_phases:
         pipeline = a.get("pipeline") or b.get("pipeline")  # the bubble is a phase of pipeline runs only
-        for phase in (*PHASES, "pipeline_bubble") if pipeline else PHASES:
+        for phase in PIPELINE_PHASES if pipeline else PHASES:
             out.phases.append(series_row("phase", phase, phase, lambda s, p=phase: s["phases_ms"].get(p),
                                          (sa.get("phases_ms") or {}).get(phase),
                                          (sb.get("phases_ms") or {}).get(phase)))

@@ -12,7 +12,7 @@ from trainprof.commands.run import positive_int
 def _maxbatch(args: argparse.Namespace) -> int:
     import torch
 
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
     from trainprof.recipe import check_environment
     from trainprof.sweep.launch import check_launchable
     from trainprof.sweep.tables import require_matplotlib

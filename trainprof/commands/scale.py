@@ -70,7 +70,7 @@ def _launch_points(args: argparse.Namespace) -> tuple[list[dict], str, Path, boo
 
 
 def _scale(args: argparse.Namespace) -> int:
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
     from trainprof.sweep.scaling import analyze, collect_runs, comm_rows, measurement_notes, write_scale_report
 
     if args.runs:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,19 +14,15 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from trainprof.distributed import free_port
+
 HOST = "127.0.0.1"  # loopback only: traces name hosts, paths and code; do not serve them to the network
 START_TIMEOUT_S = 90
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
 def tb_dir(path: str | Path) -> Path:
     """A run dir's tb/ (or the path itself when it already is a TensorBoard logdir)."""
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
 
     path = Path(path)
     if (path / "tb").is_dir():
@@ -82,7 +77,7 @@ def start_tensorboard(logdir: str | Path, port: int | None = None, *,
     Returns:
         (the process, its base URL). Stop it with `stop_tensorboard`.
     """
-    port = port or free_port()
+    port = port or free_port(HOST)
     cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", HOST, "--port", str(port)]
     out = subprocess.DEVNULL if quiet else None
     proc = subprocess.Popen(cmd, stdout=out, stderr=out)

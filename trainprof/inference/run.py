@@ -4,7 +4,6 @@ breakdown, written to runs/<recipe>-infer-<UTC timestamp>/inference.json plus a 
 
 from __future__ import annotations
 
-import datetime as dt
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from trainprof.env import collect_env, device_name, memory_meter, peak_memory_by
 from trainprof.inference.breakdown import module_breakdown, operator_breakdown
 from trainprof.inference.generate import METRICS_METHOD, TIMER_DESCRIPTION, make_prompt, run_request, serving_metrics
 from trainprof.io import atomic_write_json, atomic_write_text
+from trainprof.layout import new_run_dir
 from trainprof.profiler.flops import FlopCounter
 from trainprof.profiler.peaks import dense_peak, memory_bandwidth
 from trainprof.recipe import Recipe
@@ -46,18 +46,6 @@ def load_inference_model(recipe: Recipe, device: torch.device) -> torch.nn.Modul
     model.config.use_cache = True
     model.generation_config.use_cache = True
     return model
-
-
-def make_infer_dir(recipe: Recipe) -> Path:
-    """<output.dir>/<name>-infer-<UTC timestamp>/ (a suffix -2, -3... when it exists)."""
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    base = Path(recipe.output.dir) / f"{recipe.output.name}-infer-{stamp}"
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    path.mkdir(parents=True)
-    return path
 
 
 def _prefill_flops(model: torch.nn.Module, input_ids: torch.Tensor) -> int:
@@ -93,7 +81,7 @@ def infer(recipe: Recipe, settings: InferSettings, *, progress: bool = True) -> 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     model = load_inference_model(recipe, device)
-    run_dir = make_infer_dir(recipe)
+    run_dir = new_run_dir(recipe.output.dir, f"{recipe.output.name}-infer")
     vocab = model.config.vocab_size
     env = collect_env(device, world_size=1)
     env["timer"] = "host_after_cuda_synchronize" if cuda else "host"

@@ -24,6 +24,7 @@ import torch
 from trainprof.analysis.aggregate import StepRecord, StepTimeline, complete_step
 from trainprof.analysis.breakdown import CommEvent
 from trainprof.analysis.pipeline import PipelineInfo
+from trainprof.phases import REGION_PHASES
 from trainprof.profiler.comm import CommTracer, comm_total_ms
 from trainprof.profiler.flops import FlopCounter, analytic_flops
 from trainprof.profiler.hooks import ModuleHooks
@@ -35,7 +36,6 @@ from trainprof.profiler.patches import wrap_autograd_backward, wrap_optimizer_me
 from trainprof.profiler.result import profile_env, rank_profile
 from trainprof.profiler.timers import make_timer
 
-REGION_LABELS = ("data_wait", "forward", "backward", "recompute", "optimizer", "other")
 # Steps are analysed when `Profiler.steps` is read (at save, typically after training); a longer backlog
 # is analysed at once, which bounds the memory the timelines hold (a few hundred kB per 100 steps).
 ANALYSE_BACKLOG_STEPS = 256
@@ -399,8 +399,8 @@ class Profiler:
         """Mark a region of the step as a phase: "optimizer" (e.g. around DeepSpeed's engine.step()),
         "backward" (around engine.backward(loss), so ZeRO's post-backward reduction counts as
         backward), "forward", "data_wait" or "other"."""
-        if label not in REGION_LABELS:
-            raise ValueError(f"phase '{label}' is not one of {', '.join(REGION_LABELS)}")
+        if label not in REGION_PHASES:
+            raise ValueError(f"phase '{label}' is not one of {', '.join(REGION_PHASES)}")
         return self._phase(label)
 
     @contextlib.contextmanager

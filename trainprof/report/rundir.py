@@ -12,8 +12,7 @@ from typing import Any
 
 from trainprof.analysis.trace import find_traces
 
-PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other")
-PIPELINE_PHASES = (*PHASES[:-1], "pipeline_bubble", PHASES[-1])
+from trainprof.phases import PHASES, PIPELINE_PHASES
 
 
 def module_label(m: dict[str, Any]) -> str:

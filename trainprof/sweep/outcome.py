@@ -21,9 +21,9 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from trainprof.phases import PHASES
 from trainprof.sweep.launch import Launch
 
-PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other")
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 _ANY_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*exitcode\s*:\s*(-?\d+)")
 _KIND_ORDER = {"oom": 0, "error": 1, "interrupted": 2}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainprof.sweep.outcome import PHASES
+from trainprof.phases import PHASES
 from trainprof.sweep.spec import Sweep
 from trainprof.sweep.tables import Column, figure, fmt_num, fmt_pct, fmt_text, pyplot, save_figure, write_tables
 

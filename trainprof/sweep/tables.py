@@ -151,7 +151,7 @@ def require_matplotlib() -> None:
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
-        from trainprof.cli import UserError
+        from trainprof.errors import UserError
 
         raise UserError("charts need matplotlib; pip install 'trainprof[report]' (or matplotlib)")
 
