@@ -18,7 +18,7 @@ from trainprof.sweep.maxbatch import search_max_batch
 from trainprof.sweep.outcome import failure_record, metrics_row
 from trainprof.sweep.scaling import PARTS, analyze, comm_rows, strong_overrides
 from trainprof.sweep.spec import SweepError, load_sweep
-from trainprof.sweep.tables import Column, fmt_num, write_tables
+from trainprof.report.tables import Column, fmt_num, write_tables
 
 from conftest import QUICKSTART, REPO
 

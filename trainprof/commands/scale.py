@@ -26,7 +26,7 @@ def _launch_points(args: argparse.Namespace) -> tuple[list[dict], str, Path, boo
 
     from trainprof.recipe import check_environment
     from trainprof.sweep.launch import check_launchable
-    from trainprof.sweep.tables import require_matplotlib
+    from trainprof.report.plots import require_matplotlib
     from trainprof.sweep.runner import interrupt_on_sigterm, run_cells
     from trainprof.sweep.scaling import strong_overrides
     from trainprof.sweep.spec import make_cell

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.analysis.bandwidth import bandwidth_gbps
-from trainprof.sweep.tables import Column, figure, fmt_num, fmt_pct, fmt_text, pyplot, save_figure, write_tables
+from trainprof.report.plots import figure, pyplot, save_figure
+from trainprof.report.tables import Column, fmt_num, fmt_pct, fmt_text, write_tables
 
 PARTS = ("comm", "idle", "imbalance", "compute", "other")
 PART_LABELS = {"comm": "exposed communication growth", "idle": "idle (data wait + unattributed) growth",
