@@ -128,6 +128,8 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
     from trainprof.io import atomic_write_json
     from trainprof.models import count_params, resolve_shape
     from trainprof.profiler import Profiler
+    from trainprof.report.run_report import write_run_files
+    from trainprof.report.summary import terminal_summary
 
     seed_everything(recipe.train.seed)
     apply_memory_cap(ctx.device, recipe.train.memory_cap_gb)
@@ -199,7 +201,7 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
         profile["summary"]["peak_memory_bytes_max"] = max(e["peak_memory_bytes_max"] for e in rank_extras)
         profile["summary"]["memory_meter"] = extra["memory_meter"]
         write_run_files(profile, run_dir)
-        print(render_summary(profile, run_dir), file=sys.stderr)
+        print(terminal_summary(profile, run_dir), file=sys.stderr)
     atomic_write_json(run_dir / f"profile.rank{ctx.rank}.json", prof.rank_result())
     prof.discard_journal()
     if recipe.profile.calibrate:
@@ -219,22 +221,6 @@ def write_calibration(recipe: Recipe, ctx, run_dir: Path) -> None:
         atomic_write_json(run_dir / "calibration.json", cal)
 
 
-def write_run_files(profile: dict[str, Any], run_dir: Path) -> None:
-    """profile.json and what is derived from it (csv tables, summary.md)."""
-    from trainprof.io import atomic_write_json
-    from trainprof.report.summary import write_report
-
-    from trainprof.report.run_report import write_reports
-
-    atomic_write_json(run_dir / "profile.json", profile)
-    write_report(profile, run_dir)
-    try:
-        write_reports(run_dir)  # report.md, report.html, TensorBoard scalars under tb/
-    except Exception as err:  # a report problem must not fail a finished run; `trainprof report` retries
-        print(f"trainprof: report not written ({type(err).__name__}: {err}); run `trainprof report {run_dir}`",
-              file=sys.stderr)
-
-
 def gather_to_rank0(obj: Any, ctx) -> list[Any]:
     import torch.distributed as dist
 
@@ -243,61 +229,6 @@ def gather_to_rank0(obj: Any, ctx) -> list[Any]:
     out = [None] * ctx.world_size if ctx.rank == 0 else None
     dist.gather_object(obj, out, dst=0)
     return out or []
-
-
-def render_summary(profile: dict[str, Any], run_dir: Path) -> str:
-    """The short table rank 0 prints at the end of a run."""
-    from trainprof.report.rundir import trace_size_text
-    from trainprof.report.summary import model_states_text
-
-    s, env = profile["summary"], profile["env"]
-    steps = [st for st in profile["steps"] if not st.get("warmup")]
-    phases = s.get("phases_ms") or {}
-    phase_text = ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if v) or "profiler off"
-    tflops = s.get("achieved_tflops")
-    mfu = s.get("mfu")
-    rows = [
-        ("run dir", str(run_dir)),
-        ("device", f"{env['device']} x {env['world_size']} ({env['timer']} timer)"),
-        ("step ms (min/median/max)",
-         f"{s['step_ms']['min']:.1f} / {s['step_ms']['median']:.1f} / {s['step_ms']['max']:.1f}"),
-        ("phases, median ms", phase_text),
-        ("unattributed", f"{100 * s['unattributed_frac']:.2f}% of the step"
-         if s.get("unattributed_frac") is not None else "n/a"),
-        ("tokens/s (all ranks)", f"{s['tokens_per_s']:,.0f}" if s.get("tokens_per_s") else "n/a"),
-        ("achieved TFLOP/s", f"{tflops:.4f}" if tflops is not None else "n/a"),
-        ("MFU", f"{100 * mfu:.1f}%" if mfu is not None else f"n/a ({s.get('mfu_reason', 'no known peak')})"),
-        ("loss first -> last", f"{steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}"
-         if steps and steps[0].get("loss") is not None else "n/a"),
-        ("peak memory", f"{s['peak_memory_bytes_max'] / 2**20:,.0f} MiB ({s['memory_meter'].split(':')[0]})"),
-        ("activations (rank 0)", f"{s['activation_bytes'] / 2**20:,.1f} MiB saved for backward per micro batch"
-         if s.get("activation_bytes") is not None else "n/a"),
-        ("model states (rank 0)", model_states_text(profile["model_state_bytes"])
-         if profile.get("model_state_bytes") else "n/a"),
-        ("params total / trainable", f"{profile['params']['total']:,} / {profile['params']['trainable']:,}"),
-        ("trace per step", trace_size_text(profile)),
-    ]
-    pl = profile.get("pipeline")
-    timeline: list[str] = []
-    if pl and "stages" in pl:
-        from trainprof.report.pipeline import bubble_text, timeline_text
-
-        bal = pl.get("balance") or {}
-        rows.append(("pipeline bubble", bubble_text(pl)))
-        rows.append(("stage imbalance", f"{100 * bal['imbalance']:.1f}% (slowest stage {bal['slowest_stage']})"
-                     if bal.get("imbalance") is not None else "n/a"))
-        if pl.get("timeline"):
-            timeline = [f"  stage timeline, step {pl['timeline']['step']} (F/B forward/backward, . waiting for a "
-                        "neighbour, c collective, o optimizer):",
-                        *("    " + line for line in timeline_text(pl["timeline"]["stages"], width=60).splitlines())]
-    width = max(len(k) for k, _ in rows)
-    from trainprof.report.advisor import advise
-
-    advice = advise(profile)["advice"]
-    changes = [f"  - {a['title']}: {a['trigger']['text']}; gain: {a['gain']['text']}" for a in advice] \
-        or ["  nothing triggered (checks listed in summary.md)"]
-    return "\n".join(["", "trainprof run summary", "what to change:", *changes,
-                      *(f"  {k:<{width}}  {v}" for k, v in rows), *timeline])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -134,7 +134,7 @@ class ProfileSession:
         from trainprof.env import collect_env, memory_meter
         from trainprof.io import atomic_write_json
         from trainprof.models import count_params
-        from trainprof.run import write_run_files
+        from trainprof.report.run_report import write_run_files
 
         if self.prof is None or self.finished:
             return None

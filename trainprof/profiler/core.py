@@ -8,7 +8,7 @@ timer, the collective wrappers, memory and FLOP counting, and delegates analysis
                 loss.backward()
                 opt.step(); opt.zero_grad()
     prof.result()                                 # the profile.json dict
-    prof.save("runs/my-run")
+    prof.save("runs/my-run")                      # profile.json; `trainprof report runs/my-run` renders it
 """
 
 from __future__ import annotations
@@ -588,14 +588,15 @@ class Profiler:
 
     def save(self, run_dir: str | Path, *, recipe: dict[str, Any] | None = None,
              env: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Write this rank's profile.rank<r>.json; rank 0 also writes the merged profile.json,
-        modules.csv, ops.csv, comm.csv and summary.md. A collective with several ranks.
+        """Write this rank's profile.rank<r>.json; rank 0 also writes the merged profile.json. A
+        collective with several ranks. The renderings (summary.md, the CSV tables, report.md/html,
+        TensorBoard scalars) are the report layer's: `trainprof report RUN_DIR`, or
+        trainprof.report.run_report.write_run_files(profile, run_dir) in place of this call.
 
         Returns:
             The merged profile.
         """
         from trainprof.io import atomic_write_json
-        from trainprof.report.summary import write_report
 
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -604,5 +605,4 @@ class Profiler:
         self.discard_journal()
         if self.rank == 0:
             atomic_write_json(run_dir / "profile.json", merged)
-            write_report(merged, run_dir)
         return merged

@@ -30,14 +30,12 @@ from typing import Any
 
 import torch
 
-from trainprof.analysis.records import ModuleInfo
-
-RANGE_PREFIX = "trainprof::"
+from trainprof.analysis.records import RANGE_PREFIX, ROOT_LABEL, ModuleInfo, module_label
 
 
 def range_names(modules: list[ModuleInfo]) -> list[dict[str, str]]:
     """record_function names per module and phase."""
-    return [{phase: f"{RANGE_PREFIX}{phase}::{m.name or '<model>'}" for phase in ("forward", "recompute", "backward")}
+    return [{phase: f"{RANGE_PREFIX}{phase}::{module_label(m.name)}" for phase in ("forward", "recompute", "backward")}
             for m in modules]
 
 
@@ -151,7 +149,7 @@ class OpTracer:
         active = list(range(first + self.wait + self.warmup, first + self.wait + self.warmup + self.active))
         meta = {"rank": self.rank, "world_size": self.world_size, "steps": active, "range_prefix": RANGE_PREFIX,
                 "ranges": "trainprof::<phase>::<module> per module call (forward, backward, recompute; the "
-                          "model itself is <model>) and trainprof::<phase> for phase regions"}
+                          f"model itself is {ROOT_LABEL}) and trainprof::<phase> for phase regions"}
         prof.preset_metadata_json("trainprof", json.dumps(meta))
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             prof.preset_metadata_json("distributedInfo", json.dumps(

@@ -71,6 +71,13 @@ class Image:
 
 
 @dataclass
+class Pre:
+    """Preformatted text (a text timeline): a fenced block in Markdown, <pre> in HTML."""
+
+    text: str
+
+
+@dataclass
 class Details:
     """Collapsed raw text (the resolved recipe) in HTML, a fenced block in Markdown."""
 
@@ -78,7 +85,7 @@ class Details:
     text: str
 
 
-Block = Union[Table, Figure, Image, Missing, Para, Facts, Bullets, Details]
+Block = Union[Table, Figure, Image, Missing, Para, Facts, Bullets, Pre, Details]
 
 
 @dataclass
@@ -90,9 +97,14 @@ class Section:
 
 @dataclass
 class Document:
+    """A report. Section builders read `plots` (False: no matplotlib figures; text stands in where it can)
+    and `compact` (True: the short form, e.g. summary.md, without per-step and per-module detail)."""
+
     title: str
     subtitle: str = ""
     sections: list[Section] = field(default_factory=list)
+    plots: bool = True
+    compact: bool = False
 
     def section(self, title: str, id: str | None = None) -> Section:
         s = Section(title, id=id)
@@ -146,6 +158,8 @@ def render_markdown(doc: Document) -> str:
                 lines += [f"- **{k}**: {v}" for k, v in b.items] + [""]
             elif isinstance(b, Bullets):
                 lines += [f"- {item}" for item in b.items] + [""]
+            elif isinstance(b, Pre):
+                lines += ["```", b.text.rstrip(), "```", ""]
             elif isinstance(b, Image):
                 lines += [f"![{b.caption}]({b.file})", ""]
             elif isinstance(b, Missing):
@@ -214,6 +228,8 @@ def render_html(doc: Document) -> str:
                 out.append(f"<p>{e(b.text)}</p>")
             elif isinstance(b, Bullets):
                 out.append("<ul>" + "".join(f"<li>{e(item)}</li>" for item in b.items) + "</ul>")
+            elif isinstance(b, Pre):
+                out.append(f"<pre>{e(b.text)}</pre>")
             elif isinstance(b, Image):
                 out.append(f'<figure><img alt="{e(b.caption)}" src="{e(b.file)}"></figure>')
             elif isinstance(b, Facts):

@@ -16,6 +16,7 @@ PHASE_COLORS = {
     "step": "#4c78a8",
 }
 DPI = 110
+PLOTS_DIR = "report_plots"  # the run report's PNGs, beside report.md
 INSTALL_HINT = "pip install matplotlib (a dependency of trainprof: `pip install -e .` installs it)"
 
 

@@ -10,14 +10,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainprof.analysis import records
 from trainprof.analysis.trace import find_traces
-
 from trainprof.phases import PHASES, PIPELINE_PHASES
+
+
+def dig(d: Any, *keys: str) -> Any:
+    """d[k1][k2]..., or None where a level is missing or not a dict (run dirs of any version)."""
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
 
 
 def module_label(m: dict[str, Any]) -> str:
     """A module row's name for tables; a pipeline stage's rows say which stage ran them."""
-    return (m["name"] or "<model>") + (f" [stage {m['stage']}]" if "stage" in m else "")
+    return records.module_label(m["name"]) + (f" [stage {m['stage']}]" if "stage" in m else "")
 
 
 def report_phases(profile: dict[str, Any] | None) -> tuple[str, ...]:
@@ -61,6 +70,11 @@ class RunData:
     traces: list[TraceFile] = field(default_factory=list)
     scalars: list[Path] = field(default_factory=list)
     inference: dict[str, Any] | None = None
+
+    @classmethod
+    def of_profile(cls, profile: dict[str, Any], path: str | Path) -> RunData:
+        """A run being written: its profile in hand, the run dir's other files not read."""
+        return cls(path=Path(path), profile=profile, source="profile.json")
 
     @property
     def name(self) -> str:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainprof.analysis.records import module_label
 from trainprof.report.rundir import report_phases, step_peak_memory, step_tflops, step_tokens_per_s, top_modules
 
 SCALARS_SUFFIX = ".trainprof"  # our event files end in this; rewriting replaces only them
@@ -65,7 +66,7 @@ def scalar_series(profile: dict[str, Any], top: int = TOP_MODULES) -> dict[str, 
             times = per_module.get(name)
             if times is None:
                 continue
-            label = name or "<model>"
+            label = module_label(name)
             for i, phase in enumerate(("forward", "backward", "recompute")):
                 add(f"module/{label}/{phase}_ms", n, times[i] if isinstance(times, list) else times.get(phase))
     return series
@@ -88,7 +89,7 @@ def _summary_text(profile: dict[str, Any], run_name: str) -> str:
     if mods and not any((st.get("modules_ms") for st in profile.get("steps") or [])):
         lines += ["", "Top modules by self time (median per step, ms; this profile has no per-step module times):", "",
                   "| module | forward | backward | recompute |", "|---|---|---|---|"]
-        lines += [f"| {m['name'] or '<model>'} | {m.get('forward_ms', 0):.3f} | {m.get('backward_ms', 0):.3f} | "
+        lines += [f"| {module_label(m['name'])} | {m.get('forward_ms', 0):.3f} | {m.get('backward_ms', 0):.3f} | "
                   f"{m.get('recompute_ms', 0):.3f} |" for m in mods]
     return "\n".join(lines)
 
