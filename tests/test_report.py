@@ -131,7 +131,7 @@ def test_real_run_with_operator_tracing_writes_traces_that_report(tmp_path):
     from trainprof.analysis.trace import summarize_trace
 
     run_dir, profile = run_trainprof(tmp_path, 2, "profile.ops=true", "profile.ops_steps=2", "train.steps=5")
-    traces = sorted((run_dir / "tb").glob("rank*.pt.trace.json.gz"))
+    traces = sorted((run_dir / "tb" / run_dir.name).glob("rank*.pt.trace.json.gz"))  # tb/<run name>/
     assert [t.name.split(".")[0] for t in traces] == ["rank0", "rank1"]
     info = profile["ops_info"]
     assert info["trace_steps"] == [1, 2] and info["trace_bytes_per_step"] > 0

@@ -15,7 +15,7 @@ from trainprof.env import collect_env, device_name, memory_meter, peak_memory_by
 from trainprof.inference.breakdown import module_breakdown, operator_breakdown
 from trainprof.inference.generate import METRICS_METHOD, TIMER_DESCRIPTION, make_prompt, run_request, serving_metrics
 from trainprof.io import atomic_write_json, atomic_write_text
-from trainprof.layout import new_run_dir
+from trainprof.layout import new_run_dir, tb_run_dir
 from trainprof.profiler.flops import FlopCounter
 from trainprof.profiler.peaks import dense_peak, memory_bandwidth
 from trainprof.recipe import Recipe
@@ -135,7 +135,7 @@ def infer(recipe: Recipe, settings: InferSettings, *, progress: bool = True) -> 
     if settings.ops:
         b = max(settings.batch_sizes)
         ids = make_prompt(b, settings.prompt_len, vocab, recipe.train.seed, device)
-        ops = operator_breakdown(model, ids, settings.new_tokens, recipe.profile.module_depth, run_dir / "tb")
+        ops = operator_breakdown(model, ids, settings.new_tokens, recipe.profile.module_depth, tb_run_dir(run_dir))
         bar.update()
     bar.close()
 

@@ -24,6 +24,7 @@ import torch
 from trainprof.analysis.aggregate import StepRecord, StepTimeline, complete_step
 from trainprof.analysis.breakdown import CommEvent
 from trainprof.analysis.pipeline import PipelineInfo
+from trainprof.layout import tb_run_dir
 from trainprof.phases import REGION_PHASES
 from trainprof.profiler.comm import CommTracer, comm_total_ms
 from trainprof.profiler.flops import FlopCounter, analytic_flops
@@ -181,7 +182,7 @@ class Profiler:
         kwargs: dict[str, Any] = dict(
             module_depth=p.module_depth + wrapper_levels, enabled=p.enabled, ops=p.ops, ops_steps=p.ops_steps,
             warmup_steps=t.warmup_steps, active_steps=t.steps, recipe=recipe.to_dict(),
-            trace_dir=(Path(run_dir) / "tb") if (run_dir is not None and p.ops) else None,
+            trace_dir=tb_run_dir(run_dir) if (run_dir is not None and p.ops) else None,
             trace_wait=p.trace_wait, trace_warmup=p.trace_warmup, record_shapes=p.record_shapes,
             with_stack=p.with_stack, trace_gzip=p.trace_gzip, journal_dir=run_dir,
         )

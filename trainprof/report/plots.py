@@ -79,7 +79,7 @@ def save_figure(fig, path: Path, rect: tuple[float, float, float, float] = (0, 0
     return path
 
 
-def _png(fig) -> bytes:
+def png_bytes(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
     pyplot().close(fig)
@@ -109,7 +109,7 @@ def phase_bars(steps: list[dict[str, Any]], phases: tuple[str, ...]) -> bytes:
     ax.set_ylabel("ms")
     ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def step_bars(steps: list[dict[str, Any]]) -> bytes:
@@ -120,7 +120,7 @@ def step_bars(steps: list[dict[str, Any]]) -> bytes:
     ax.set_xlabel("step")
     ax.set_ylabel("wall ms")
     ax.spines[["top", "right"]].set_visible(False)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def module_bars(labels: list[str], parts: dict[str, list[float]], xlabel: str) -> bytes:
@@ -138,7 +138,7 @@ def module_bars(labels: list[str], parts: dict[str, list[float]], xlabel: str) -
     ax.set_xlabel(xlabel)
     ax.legend(fontsize=8, frameon=False, loc="lower right")
     ax.spines[["top", "right"]].set_visible(False)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def memory_bars(peaks: dict[str, float], ylabel: str) -> bytes:
@@ -151,7 +151,7 @@ def memory_bars(peaks: dict[str, float], ylabel: str) -> bytes:
         ax.annotate(f"{peaks[n]:,.0f}", (i, peaks[n]), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel(ylabel)
     ax.spines[["top", "right"]].set_visible(False)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def speedup_bars(labels: list[str], changes: list[float], noise: float | None) -> bytes:
@@ -169,7 +169,7 @@ def speedup_bars(labels: list[str], changes: list[float], noise: float | None) -
     ax.set_yticks(y, labels, fontsize=8)
     ax.set_xlabel("time change B vs A, % (negative = B faster)")
     ax.spines[["top", "right"]].set_visible(False)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 TIMELINE_COLORS = {"forward": PHASE_COLORS["forward"], "backward": PHASE_COLORS["backward"],
@@ -206,4 +206,4 @@ def pipeline_timeline(stages: list[dict[str, Any]]) -> bytes:
     ax.set_xlabel("ms since the first stage's step start")
     ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
-    return _png(fig)
+    return png_bytes(fig)

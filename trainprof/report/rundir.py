@@ -150,7 +150,7 @@ def load_run(path: str | Path) -> RunData:
     recipe = path / "recipe.yaml"
     traces = [TraceFile(p, p.stat().st_size, _worker(p.name)) for p in find_traces(path)]
     tb = path / "tb"
-    scalars = sorted(tb.glob("events.out.tfevents.*")) if tb.is_dir() else []
+    scalars = sorted([*tb.glob("events.out.tfevents.*"), *tb.glob("*/events.out.tfevents.*")]) if tb.is_dir() else []
     return RunData(
         path=path, profile=profile, source=source,
         recipe_text=recipe.read_text() if recipe.is_file() else None,
