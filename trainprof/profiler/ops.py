@@ -31,6 +31,9 @@ from typing import Any
 import torch
 
 from trainprof.analysis.records import RANGE_PREFIX, ROOT_LABEL, ModuleInfo, module_label
+from trainprof.env import native_chatter_to
+
+KINETO_LOG = "kineto.log"  # Kineto's USDT lines, kept off the terminal (env.native_chatter_to)
 
 
 def range_names(modules: list[ModuleInfo]) -> list[dict[str, str]]:
@@ -96,6 +99,11 @@ class OpTracer:
         self._lookup: dict[str, tuple[str, str]] = {}
         self._rows: list[list[dict[str, Any]]] | None = None
 
+    @property
+    def chatter_log(self) -> Path | None:
+        """Where Kineto's USDT lines go instead of the terminal (beside the trace)."""
+        return self.trace_dir / KINETO_LOG if self.trace_dir is not None else None
+
     def phase(self, step: int) -> str | None:
         """Where `step` falls in the schedule: "wait", "warmup", "active" or None (before or after)."""
         if self._first is None or self.done or step < self._first:
@@ -154,7 +162,8 @@ class OpTracer:
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             prof.preset_metadata_json("distributedInfo", json.dumps(
                 {"backend": "none", "rank": self.rank, "world_size": self.world_size}))
-        prof.__enter__()
+        with native_chatter_to(self.chatter_log):
+            prof.__enter__()
         self._prof = prof
 
     def end_step(self, step: int) -> list[list[dict[str, Any]]] | None:
@@ -166,7 +175,8 @@ class OpTracer:
         """
         if self._prof is None or self.done:
             return None
-        self._prof.step()
+        with native_chatter_to(self.chatter_log):  # starting, stopping and writing the trace print USDT lines
+            self._prof.step()
         if self.phase(step + 1) is None:
             return self.close()
         return None
@@ -175,7 +185,8 @@ class OpTracer:
         """Stop the profiler (a trace cut short by the end of training is still written)."""
         prof, self._prof = self._prof, None
         if prof is not None:
-            prof.__exit__(None, None, None)
+            with native_chatter_to(self.chatter_log):
+                prof.__exit__(None, None, None)
         self.done = True
         rows, self._rows = self._rows, None
         return rows
