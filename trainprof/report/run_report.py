@@ -230,7 +230,7 @@ def build_run_report(run: RunData, *, trace_scan_bytes: int = TRACE_SCAN_BYTES, 
     traces_section(doc, run, trace_scan_bytes)
     if p.get("schema_version", 1) < 1:
         doc.sections[0].blocks.insert(0, Missing("profile.json", "only the runner's per-rank step files exist"))
-    if not plots:
+    if not plots and run.measured_steps:
         doc.sections[0].blocks.insert(0, Missing("plots", f"matplotlib is not installed; {INSTALL_HINT}"))
     return doc
 
@@ -267,7 +267,7 @@ def write_reports(run_dir: str | Path, *, scalars: bool = True,
         except ImportError:
             missing.append(NotWritten(part="TensorBoard scalars", package="tensorboard"))
     plots = importable("matplotlib")
-    if not plots:
+    if not plots and run.measured_steps:  # a run that failed before its first step has nothing to plot
         missing.append(NotWritten(part="plots (report_plots/, figures in report.html)", package="matplotlib"))
     doc = build_run_report(run, trace_scan_bytes=trace_scan_bytes, plots=plots)
     for fig in doc.figures():
