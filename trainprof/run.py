@@ -243,11 +243,27 @@ def main(argv: list[str] | None = None) -> int:
         check_environment(recipe, cuda_available=torch.cuda.is_available())
         check_world_size(recipe, int(os.environ.get("WORLD_SIZE", 1)))
     except RecipeError as err:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"trainprof: {err}", file=sys.stderr)
-        return 2
+        return user_error(err)
     train(recipe)
     return 0
+
+
+def user_error(err: Exception) -> int:
+    """A recipe mistake: one line on rank 0's stderr, exit code 2. Under torchrun each rank also writes
+    it to its TORCHELASTIC_ERROR_FILE (the format torch.distributed.elastic's @record writes), so
+    torchrun's failure report names this line as the root cause instead of a link to its docs; torchrun
+    itself still prints that report and exits 1 (README, "Use")."""
+    import json
+
+    line = f"trainprof: {err}"
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(line, file=sys.stderr)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": f"{type(err).__name__}: {err}",
+                                   "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+    return 2
 
 
 if __name__ == "__main__":
