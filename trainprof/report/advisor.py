@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from trainprof.report.rundir import dig
+from trainprof.io import dig
 
 # Thresholds, as fractions of the median step unless named otherwise. Each is where the upper bound
 # of the gain is worth a change of settings, not a property of any hardware.

@@ -16,13 +16,13 @@ from typing import Any
 from trainprof.analysis.records import ROOT_LABEL
 from trainprof.analysis.trace import TraceFormatError, summarize_trace
 from trainprof.errors import UserError
-from trainprof.io import atomic_write_text
+from trainprof.io import atomic_write_text, dig
 from trainprof.report.document import Details, Document, Facts, Missing, Para, Table, fmt
 from trainprof.report.document import render_html, render_markdown
 from trainprof.report.pipeline import pipeline_section
 from trainprof.report.plots import INSTALL_HINT
 from trainprof.report.projections import how_to_project, projections_section
-from trainprof.report.rundir import RunData, dig, load_run, recipe_of
+from trainprof.report.rundir import RunData, load_run, recipe_of
 from trainprof.report.sections import (MiB, advice_section, categories_section, comm_section, headline_facts,
                                        memory_section, methods_section, module_phase_section, ops_section,
                                        phases_section, ranks_section, top_modules_section)

@@ -15,15 +15,6 @@ from trainprof.analysis.trace import find_traces
 from trainprof.phases import PHASES, PIPELINE_PHASES
 
 
-def dig(d: Any, *keys: str) -> Any:
-    """d[k1][k2]..., or None where a level is missing or not a dict (run dirs of any version)."""
-    for k in keys:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(k)
-    return d
-
-
 def module_label(m: dict[str, Any]) -> str:
     """A module row's name for tables; a pipeline stage's rows say which stage ran them."""
     return records.module_label(m["name"]) + (f" [stage {m['stage']}]" if "stage" in m else "")

@@ -13,7 +13,8 @@ from trainprof.report import plots
 from trainprof.report.advisor import advise, bottleneck, checks_text, overrides_text
 from trainprof.report.document import Document, Figure, Missing, Para, Table, fmt
 from trainprof.report.pipeline import bubble_text
-from trainprof.report.rundir import (RunData, dig, module_label, module_time, report_phases, step_peak_memory,
+from trainprof.io import dig
+from trainprof.report.rundir import (RunData, module_label, module_time, report_phases, step_peak_memory,
                                      top_modules, trace_size_text)
 
 TOP_MODULES = 15

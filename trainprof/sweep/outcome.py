@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.phases import PHASES
-from trainprof.report.rundir import dig
+from trainprof.io import dig
 from trainprof.sweep.launch import Launch
 
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
