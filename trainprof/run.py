@@ -118,24 +118,35 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 
 def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
+    """Build the engine and the profiler, run the warm-up and measured steps, write the run dir; a rank
+    that fails or is stopped keeps what it finished."""
+    engine, loader, prof = build_run(recipe, ctx, run_dir)
+    steps: list[dict[str, Any]] = []
+    try:
+        run_steps(recipe, ctx, engine, loader, prof, steps)
+    except BaseException as err:
+        write_partial(recipe, ctx, prof, steps, err, run_dir)
+        raise
+    finish_run(recipe, ctx, engine, prof, steps, run_dir)
+    return run_dir
+
+
+def build_run(recipe: Recipe, ctx, run_dir: Path):
+    """Seeded engine, this rank's data loader and the recipe's Profiler (watching pipeline stages and
+    DDP buckets where the engine has them). Returns (engine, loader, profiler)."""
     import torch
-    from tqdm import tqdm
 
     from trainprof.data import build_loader
     from trainprof.distributed import seed_everything
     from trainprof.engines import build_engine
-    from trainprof.env import apply_memory_cap, check_memory_cap, collect_env, memory_meter
-    from trainprof.io import atomic_write_json
-    from trainprof.models import count_params, resolve_shape
+    from trainprof.env import apply_memory_cap, check_memory_cap
+    from trainprof.models import resolve_shape
     from trainprof.profiler import Profiler
-    from trainprof.report.run_report import write_run_files
-    from trainprof.report.summary import terminal_summary
 
     seed_everything(recipe.train.seed)
     apply_memory_cap(ctx.device, recipe.train.memory_cap_gb)
     engine = build_engine(recipe, ctx)
     check_memory_cap(ctx.device, recipe.train.memory_cap_gb)
-
     pipeline = engine.name == "pipeline"  # every stage reads the same samples (no data parallelism)
     loader = build_loader(recipe, vocab_size=resolve_shape(recipe.model).vocab_size,
                           rank=0 if pipeline else ctx.rank, world_size=1 if pipeline else ctx.world_size)
@@ -147,43 +158,69 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
         engine.set_action_callback(prof.pipeline_action)
     if isinstance(engine.loop_module, torch.nn.parallel.DistributedDataParallel) and recipe.profile.enabled:
         prof.watch_ddp(engine.loop_module)
+    return engine, loader, prof
+
+
+def run_steps(recipe: Recipe, ctx, engine, loader, prof, steps: list[dict[str, Any]]) -> None:
+    """The warm-up and measured steps under the profiler, each appended to `steps` as it finishes, with a
+    progress bar on rank 0."""
+    from tqdm import tqdm
+
+    from trainprof.env import check_memory_cap
+
     t = recipe.train
-    steps: list[dict[str, Any]] = []
     bar = tqdm(total=t.warmup_steps + t.steps, desc=f"{recipe.output.name}", unit="step",
                disable=ctx.rank != 0, file=sys.stderr)
+    with prof:
+        batches = prof.wrap_loader(loader)
+        for step in range(t.warmup_steps + t.steps):
+            with prof.step():
+                record = timed_step(engine, batches, t.grad_accum, ctx.device, prof)
+            record.update(step=step - t.warmup_steps, warmup=step < t.warmup_steps)
+            steps.append(record)
+            check_memory_cap(ctx.device, t.memory_cap_gb)
+            bar.set_postfix(loss=f"{record['loss']:.3f}" if record["loss"] is not None else "n/a",
+                            ms=f"{record['wall_ms']:.0f}")
+            bar.update()
+        bar.close()
+
+
+def write_partial(recipe: Recipe, ctx, prof, steps: list[dict[str, Any]], err: BaseException, run_dir: Path) -> None:
+    """A rank that failed or was stopped: the steps it finished, marked partial, and the profiler's
+    breakdown of them (`trainprof report` merges these files)."""
+    from trainprof.io import atomic_write_json
+
+    # already stopping: a second SIGTERM must not cut the partial files short (torchrun SIGKILLs later)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # rank<N>.json is the name of a finished rank
+    atomic_write_json(run_dir / f"rank{ctx.rank}.partial.json", {"rank": ctx.rank, "partial": True, "steps": steps})
+    # written once, here (an exception or torchrun's SIGTERM), so the finished run pays nothing for it
+    prof.close()  # the hooks come off, and the journal writes the steps it holds back (profiler/journal.py)
+    if not (recipe.profile.enabled and prof.steps):
+        return
+    reason = f"rank {ctx.rank} stopped after {len(prof.steps)} profiled steps: {type(err).__name__}: {err}"
     try:
-        with prof:
-            batches = prof.wrap_loader(loader)
-            for step in range(t.warmup_steps + t.steps):
-                with prof.step():
-                    record = timed_step(engine, batches, t.grad_accum, ctx.device, prof)
-                record.update(step=step - t.warmup_steps, warmup=step < t.warmup_steps)
-                steps.append(record)
-                check_memory_cap(ctx.device, t.memory_cap_gb)
-                bar.set_postfix(loss=f"{record['loss']:.3f}" if record["loss"] is not None else "n/a",
-                                ms=f"{record['wall_ms']:.0f}")
-                bar.update()
-            bar.close()
-    except BaseException as err:
-        # already stopping: a second SIGTERM must not cut the partial files short (torchrun SIGKILLs later)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        # keep the steps that finished, marked partial (rank<N>.json is the name of a finished rank)
-        atomic_write_json(run_dir / f"rank{ctx.rank}.partial.json", {"rank": ctx.rank, "partial": True, "steps": steps})
-        # and the profiler's breakdown of them: written once, here (an exception or torchrun's SIGTERM),
-        # so the finished run pays nothing for it; `trainprof report` merges these files
-        prof.close()  # the hooks come off, and the journal writes the steps it holds back (profiler/journal.py)
-        if recipe.profile.enabled and prof.steps:
-            reason = f"rank {ctx.rank} stopped after {len(prof.steps)} profiled steps: {type(err).__name__}: {err}"
-            try:
-                rank_doc = prof.rank_result()
-            except Exception as why:  # noqa: BLE001  the original error matters more than its partial profile
-                print(f"trainprof: rank {ctx.rank}: partial profile not written ({type(why).__name__}: {why}); "
-                      "its journal keeps the finished steps and `trainprof report` rebuilds them", file=sys.stderr)
-                raise err from None
-            rank_doc.update(partial=True, partial_reason=reason.strip().splitlines()[0][:300])
-            atomic_write_json(run_dir / f"profile.rank{ctx.rank}.partial.json", rank_doc)
-            prof.discard_journal()
-        raise
+        rank_doc = prof.rank_result()
+    except Exception as why:  # noqa: BLE001  the original error matters more than its partial profile
+        print(f"trainprof: rank {ctx.rank}: partial profile not written ({type(why).__name__}: {why}); "
+              "its journal keeps the finished steps and `trainprof report` rebuilds them", file=sys.stderr)
+        raise err from None
+    rank_doc.update(partial=True, partial_reason=reason.strip().splitlines()[0][:300])
+    atomic_write_json(run_dir / f"profile.rank{ctx.rank}.partial.json", rank_doc)
+    prof.discard_journal()
+
+
+def finish_run(recipe: Recipe, ctx, engine, prof, steps: list[dict[str, Any]], run_dir: Path) -> None:
+    """Every rank: its step log, the merged profile (a collective), its rank file and the calibration;
+    rank 0 also writes the run dir's files and prints the summary."""
+    import torch
+
+    from trainprof.env import collect_env, memory_meter
+    from trainprof.io import atomic_write_json
+    from trainprof.models import count_params
+    from trainprof.report.run_report import write_run_files
+    from trainprof.report.summary import terminal_summary
+
     # the runner's own per-step log (warm-up included), written before the collective merge so a
     # rank that dies there still leaves it
     atomic_write_json(run_dir / f"rank{ctx.rank}.json", {"rank": ctx.rank, "partial": False, "steps": steps})
@@ -208,7 +245,6 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
         write_calibration(recipe, ctx, run_dir)
     if ctx.distributed:
         torch.distributed.barrier()
-    return run_dir
 
 
 def write_calibration(recipe: Recipe, ctx, run_dir: Path) -> None:
