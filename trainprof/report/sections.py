@@ -58,10 +58,8 @@ def model_states_text(state: dict[str, Any]) -> str:
 
 
 def _loss_text(run: RunData) -> str:
-    steps = run.measured_steps
-    if not steps or steps[0].get("loss") is None:
-        return "n/a"
-    return f"{steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}"
+    losses = [s["loss"] for s in run.measured_steps if s.get("loss") is not None]  # a partial run may lack some
+    return f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "n/a"
 
 
 def _flops_text(s: dict[str, Any]) -> str:

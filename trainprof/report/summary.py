@@ -72,9 +72,9 @@ def write_summary(profile: dict[str, Any], run_dir: str | Path) -> None:
         run_dir: the run directory.
     """
     run_dir = Path(run_dir)
-    atomic_write_text(run_dir / "modules.csv", _csv(profile["modules"], MODULE_COLUMNS))
-    atomic_write_text(run_dir / "ops.csv", _csv(profile["ops"], OP_COLUMNS))
-    atomic_write_text(run_dir / "comm.csv", _csv(profile["comm"], COMM_COLUMNS))
+    for name, key, columns in (("modules.csv", "modules", MODULE_COLUMNS), ("ops.csv", "ops", OP_COLUMNS),
+                               ("comm.csv", "comm", COMM_COLUMNS)):
+        atomic_write_text(run_dir / name, _csv(profile.get(key) or [], columns))
     atomic_write_text(run_dir / "summary.md", render_summary(profile, run_dir))
 
 
