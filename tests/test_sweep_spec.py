@@ -18,7 +18,7 @@ from trainprof.sweep.maxbatch import search_max_batch
 from trainprof.sweep.outcome import failure_record, metrics_row
 from trainprof.sweep.scaling import PARTS, analyze, comm_rows, strong_overrides
 from trainprof.sweep.spec import SweepError, load_sweep
-from trainprof.sweep.tables import Column, fmt_num, write_tables
+from trainprof.report.tables import Column, fmt_num, write_tables
 
 from conftest import QUICKSTART, REPO
 
@@ -289,7 +289,7 @@ def test_launch_timeout_kills_the_whole_tree(tmp_path):
 
 
 def test_multi_node_cells_use_srun_inside_slurm_only(monkeypatch):
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
     from trainprof.sweep.launch import torchrun_command
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)

@@ -384,8 +384,15 @@ def _require(cond: bool, message: str) -> None:
 
 
 def validate(recipe: Recipe) -> None:
-    """Every rule that needs only the recipe (and local paths). Raises RecipeError."""
-    m, t, d, tr, e, o = recipe.model, recipe.task, recipe.data, recipe.train, recipe.engine, recipe.optimizer
+    """Every rule that needs only the recipe (and local paths), in RULES order: the first one broken
+    raises RecipeError naming its key."""
+    for rule in RULES:
+        rule(recipe)
+
+
+def _check_model(recipe: Recipe) -> None:
+    """A known shape (or custom dims that resolve), and a local checkpoint dir when one is named."""
+    m = recipe.model
     _require(
         m.name in SHAPES or m.name == "custom",
         f"recipe key 'model.name': unknown shape {m.name!r}{did_you_mean(m.name, [*SHAPES, 'custom'])}",
@@ -397,7 +404,13 @@ def validate(recipe: Recipe) -> None:
             f"recipe key 'model.checkpoint': '{ckpt}' has no config.json; give a local Hugging Face "
             "checkpoint dir or remove the key for random init",
         )
-    shape = resolve_shape(m)  # raises RecipeError for missing/inconsistent dims
+    resolve_shape(m)  # raises RecipeError for missing/inconsistent dims
+
+
+def _check_data(recipe: Recipe) -> None:
+    """Sequence length within the model's positions; a local text file and tokenizer for source file."""
+    m, d = recipe.model, recipe.data
+    shape = resolve_shape(m)
     _require(d.seq_len >= 2, "recipe key 'data.seq_len' must be >= 2")
     _require(
         d.seq_len <= shape.max_position_embeddings,
@@ -406,44 +419,55 @@ def validate(recipe: Recipe) -> None:
     )
     _require(d.synthetic_pattern_len >= 1, "recipe key 'data.synthetic_pattern_len' must be >= 1")
     _require(d.num_workers >= 0, "recipe key 'data.num_workers' must be >= 0")
-    if d.source == "file":
-        _require(d.path is not None, "recipe key 'data.path' is required when data.source is 'file'")
-        _require(
-            Path(d.path).is_file(),
-            f"recipe key 'data.path': file '{d.path}' not found; give a local .txt or .jsonl file",
-        )
-        _require(
-            Path(d.path).suffix in (".txt", ".jsonl"),
-            f"recipe key 'data.path': '{d.path}' must end in .txt or .jsonl",
-        )
-        tok = d.tokenizer or m.checkpoint
-        _require(
-            tok is not None,
-            "recipe key 'data.tokenizer' is required for data.source 'file' (a local tokenizer dir)",
-        )
-        _require(
-            Path(tok).is_dir(),
-            f"recipe key 'data.tokenizer': '{tok}' is not a local directory; give a local tokenizer dir",
-        )
+    if d.source != "file":
+        return
+    _require(d.path is not None, "recipe key 'data.path' is required when data.source is 'file'")
+    _require(
+        Path(d.path).is_file(),
+        f"recipe key 'data.path': file '{d.path}' not found; give a local .txt or .jsonl file",
+    )
+    _require(
+        Path(d.path).suffix in (".txt", ".jsonl"),
+        f"recipe key 'data.path': '{d.path}' must end in .txt or .jsonl",
+    )
+    tok = d.tokenizer or m.checkpoint
+    _require(
+        tok is not None,
+        "recipe key 'data.tokenizer' is required for data.source 'file' (a local tokenizer dir)",
+    )
+    _require(
+        Path(tok).is_dir(),
+        f"recipe key 'data.tokenizer': '{tok}' is not a local directory; give a local tokenizer dir",
+    )
+
+
+def _check_ranges(recipe: Recipe) -> None:
+    """Counts and sizes within their ranges."""
+    tr, p = recipe.train, recipe.profile
     for key, value, low in (
         ("train.micro_batch_size", tr.micro_batch_size, 1),
         ("train.grad_accum", tr.grad_accum, 1),
         ("train.steps", tr.steps, 1),
         ("train.warmup_steps", tr.warmup_steps, 0),
-        ("profile.module_depth", recipe.profile.module_depth, 0),
-        ("profile.ops_steps", recipe.profile.ops_steps, 1),
-        ("profile.trace_wait", recipe.profile.trace_wait, 0),
-        ("profile.trace_warmup", recipe.profile.trace_warmup, 0),
+        ("profile.module_depth", p.module_depth, 0),
+        ("profile.ops_steps", p.ops_steps, 1),
+        ("profile.trace_wait", p.trace_wait, 0),
+        ("profile.trace_warmup", p.trace_warmup, 0),
     ):
         _require(value >= low, f"recipe key '{key}': {value} is out of range; it must be >= {low}")
     _require(
-        0 <= e.zero_stage <= 3,
-        f"recipe key 'engine.zero_stage': {e.zero_stage} is out of range; use 0, 1, 2 or 3",
+        0 <= recipe.engine.zero_stage <= 3,
+        f"recipe key 'engine.zero_stage': {recipe.engine.zero_stage} is out of range; use 0, 1, 2 or 3",
     )
     _require(
         tr.memory_cap_gb is None or tr.memory_cap_gb > 0,
         f"recipe key 'train.memory_cap_gb': {tr.memory_cap_gb} must be > 0 (or null for no cap)",
     )
+
+
+def _check_optimizer(recipe: Recipe) -> None:
+    """AdamW's settings, and what quantized optimizer states cannot combine with."""
+    o, e, tr = recipe.optimizer, recipe.engine, recipe.train
     _require(o.lr > 0, f"recipe key 'optimizer.lr': {o.lr} must be > 0")
     _require(o.grad_clip >= 0, f"recipe key 'optimizer.grad_clip': {o.grad_clip} must be >= 0 (0 disables)")
     _require(
@@ -451,18 +475,24 @@ def validate(recipe: Recipe) -> None:
         f"recipe key 'optimizer.betas': {o.betas} must be two numbers in [0, 1)",
     )
     _require(o.eps > 0, f"recipe key 'optimizer.eps': {o.eps} must be > 0")
-    if o.state_bits != 32:
-        _require(
-            e.offload == "none",
-            f"recipe key 'optimizer.state_bits': {o.state_bits}-bit states cannot combine with engine.offload="
-            f"{e.offload} (ZeRO-Offload runs DeepSpeed's own fp32 CPU Adam); set optimizer.state_bits=32 or "
-            "engine.offload=none",
-        )
-        _require(
-            tr.warmup_steps >= 1,
-            f"recipe key 'train.warmup_steps': {o.state_bits}-bit optimizer states compile their update on the "
-            "first optimizer step; set train.warmup_steps >= 1 so compilation is not measured",
-        )
+    if o.state_bits == 32:
+        return
+    _require(
+        e.offload == "none",
+        f"recipe key 'optimizer.state_bits': {o.state_bits}-bit states cannot combine with engine.offload="
+        f"{e.offload} (ZeRO-Offload runs DeepSpeed's own fp32 CPU Adam); set optimizer.state_bits=32 or "
+        "engine.offload=none",
+    )
+    _require(
+        tr.warmup_steps >= 1,
+        f"recipe key 'train.warmup_steps': {o.state_bits}-bit optimizer states compile their update on the "
+        "first optimizer step; set train.warmup_steps >= 1 so compilation is not measured",
+    )
+
+
+def _check_engine(recipe: Recipe) -> None:
+    """ZeRO and offload need DeepSpeed; parameter offload needs stage 3."""
+    e = recipe.engine
     if e.kind == "torch":
         _require(
             e.zero_stage == 0,
@@ -485,43 +515,68 @@ def validate(recipe: Recipe) -> None:
             "recipe key 'engine.offload': parameter offload needs ZeRO stage 3; "
             "set engine.zero_stage=3 or engine.offload=optimizer",
         )
-    _validate_pipeline(recipe, shape)
-    if t.kind in ("lora", "qlora"):
-        lo = t.lora
-        _require(lo.r >= 1, f"recipe key 'task.lora.r': {lo.r} must be >= 1")
-        _require(lo.alpha >= 1, f"recipe key 'task.lora.alpha': {lo.alpha} must be >= 1")
-        _require(0 <= lo.dropout < 1, f"recipe key 'task.lora.dropout': {lo.dropout} must be in [0, 1)")
-        known = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-        _require(len(lo.target_modules) > 0, "recipe key 'task.lora.target_modules' must name at least one module")
-        for name in lo.target_modules:
-            _require(
-                name in known,
-                f"recipe key 'task.lora.target_modules': {name!r} is not a Llama linear layer"
-                f"{did_you_mean(name, known)}",
-            )
-    if t.kind == "qlora":
+
+
+def _check_pipeline(recipe: Recipe) -> None:
+    _validate_pipeline(recipe, resolve_shape(recipe.model))
+
+
+def _check_lora(recipe: Recipe) -> None:
+    """Adapter rank, scale, dropout and the Llama linear layers they attach to."""
+    if recipe.task.kind not in ("lora", "qlora"):
+        return
+    lo = recipe.task.lora
+    _require(lo.r >= 1, f"recipe key 'task.lora.r': {lo.r} must be >= 1")
+    _require(lo.alpha >= 1, f"recipe key 'task.lora.alpha': {lo.alpha} must be >= 1")
+    _require(0 <= lo.dropout < 1, f"recipe key 'task.lora.dropout': {lo.dropout} must be in [0, 1)")
+    known = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    _require(len(lo.target_modules) > 0, "recipe key 'task.lora.target_modules' must name at least one module")
+    for name in lo.target_modules:
         _require(
-            e.zero_stage in QLORA_ZERO_STAGES,
-            f"recipe key 'engine.zero_stage': qlora with ZeRO stage {e.zero_stage} is not supported by the "
-            f"installed bitsandbytes/DeepSpeed (4-bit weights cannot be partitioned); use engine.zero_stage "
-            f"in {sorted(QLORA_ZERO_STAGES)}",
+            name in known,
+            f"recipe key 'task.lora.target_modules': {name!r} is not a Llama linear layer"
+            f"{did_you_mean(name, known)}",
         )
+
+
+def _check_qlora(recipe: Recipe) -> None:
+    """4-bit weights cannot be partitioned: only the ZeRO stages that leave them whole."""
+    e = recipe.engine
+    if recipe.task.kind != "qlora":
+        return
+    _require(
+        e.zero_stage in QLORA_ZERO_STAGES,
+        f"recipe key 'engine.zero_stage': qlora with ZeRO stage {e.zero_stage} is not supported by the "
+        f"installed bitsandbytes/DeepSpeed (4-bit weights cannot be partitioned); use engine.zero_stage "
+        f"in {sorted(QLORA_ZERO_STAGES)}",
+    )
+    _require(
+        e.offload == "none" or e.zero_stage in QLORA_ZERO_STAGES,
+        "recipe key 'engine.offload': offload with qlora needs a ZeRO stage qlora supports",
+    )
+
+
+def _check_deepspeed_section(recipe: Recipe) -> None:
+    """The verbatim deepspeed: section may not set what a recipe key derives."""
+    flat = _flatten(recipe.deepspeed) if recipe.deepspeed else {}
+    for ds_key, recipe_key in DEEPSPEED_KEYS_FROM_RECIPE.items():
         _require(
-            e.offload == "none" or e.zero_stage in QLORA_ZERO_STAGES,
-            "recipe key 'engine.offload': offload with qlora needs a ZeRO stage qlora supports",
+            ds_key not in flat,
+            f"recipe key 'deepspeed.{ds_key}' conflicts with '{recipe_key}', which sets it; "
+            f"remove it from the deepspeed section and set {recipe_key}",
         )
-    if recipe.deepspeed:
-        flat = _flatten(recipe.deepspeed)
-        for ds_key, recipe_key in DEEPSPEED_KEYS_FROM_RECIPE.items():
-            _require(
-                ds_key not in flat,
-                f"recipe key 'deepspeed.{ds_key}' conflicts with '{recipe_key}', which sets it; "
-                f"remove it from the deepspeed section and set {recipe_key}",
-            )
+
+
+def _check_output(recipe: Recipe) -> None:
     _require(
         recipe.output.name is None or ("/" not in recipe.output.name and recipe.output.name.strip() != ""),
         f"recipe key 'output.name': {recipe.output.name!r} must be a plain name without '/'",
     )
+
+
+# validate() runs these in order; the first broken rule is the one error the user sees
+RULES = (_check_model, _check_data, _check_ranges, _check_optimizer, _check_engine, _check_pipeline, _check_lora,
+         _check_qlora, _check_deepspeed_section, _check_output)
 
 
 def _validate_pipeline(recipe: Recipe, shape: LlamaShape) -> None:

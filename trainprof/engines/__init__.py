@@ -3,7 +3,8 @@ stages on torch.distributed.pipelining."""
 
 from __future__ import annotations
 
-from trainprof.engines.base import DistContext, Engine
+from trainprof.distributed import DistContext
+from trainprof.engines.base import Engine
 from trainprof.recipe import Recipe
 
 

@@ -1,34 +1,10 @@
-"""The engine interface the runner and the profiler rely on, and the process's distributed context."""
+"""The engine interface the runner and the profiler rely on."""
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-
-
-@dataclass(frozen=True, kw_only=True)
-class DistContext:
-    """Where this process sits: rank, world size, device. Read from torchrun's environment."""
-
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    device: torch.device = torch.device("cpu")
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    @classmethod
-    def from_env(cls) -> DistContext:
-        rank = int(os.environ.get("RANK", 0))
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        world_size = int(os.environ.get("WORLD_SIZE", 1))
-        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-        return cls(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 
 class Engine(Protocol):

@@ -8,7 +8,7 @@ timer, the collective wrappers, memory and FLOP counting, and delegates analysis
                 loss.backward()
                 opt.step(); opt.zero_grad()
     prof.result()                                 # the profile.json dict
-    prof.save("runs/my-run")
+    prof.save("runs/my-run")                      # profile.json; `trainprof report runs/my-run` renders it
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import torch
 from trainprof.analysis.aggregate import StepRecord, StepTimeline, complete_step
 from trainprof.analysis.breakdown import CommEvent
 from trainprof.analysis.pipeline import PipelineInfo
+from trainprof.layout import tb_run_dir
+from trainprof.phases import REGION_PHASES
 from trainprof.profiler.comm import CommTracer, comm_total_ms
 from trainprof.profiler.flops import FlopCounter, analytic_flops
 from trainprof.profiler.hooks import ModuleHooks
@@ -35,7 +37,6 @@ from trainprof.profiler.patches import wrap_autograd_backward, wrap_optimizer_me
 from trainprof.profiler.result import profile_env, rank_profile
 from trainprof.profiler.timers import make_timer
 
-REGION_LABELS = ("data_wait", "forward", "backward", "recompute", "optimizer", "other")
 # Steps are analysed when `Profiler.steps` is read (at save, typically after training); a longer backlog
 # is analysed at once, which bounds the memory the timelines hold (a few hundred kB per 100 steps).
 ANALYSE_BACKLOG_STEPS = 256
@@ -181,7 +182,7 @@ class Profiler:
         kwargs: dict[str, Any] = dict(
             module_depth=p.module_depth + wrapper_levels, enabled=p.enabled, ops=p.ops, ops_steps=p.ops_steps,
             warmup_steps=t.warmup_steps, active_steps=t.steps, recipe=recipe.to_dict(),
-            trace_dir=(Path(run_dir) / "tb") if (run_dir is not None and p.ops) else None,
+            trace_dir=tb_run_dir(run_dir) if (run_dir is not None and p.ops) else None,
             trace_wait=p.trace_wait, trace_warmup=p.trace_warmup, record_shapes=p.record_shapes,
             with_stack=p.with_stack, trace_gzip=p.trace_gzip, journal_dir=run_dir,
         )
@@ -399,8 +400,8 @@ class Profiler:
         """Mark a region of the step as a phase: "optimizer" (e.g. around DeepSpeed's engine.step()),
         "backward" (around engine.backward(loss), so ZeRO's post-backward reduction counts as
         backward), "forward", "data_wait" or "other"."""
-        if label not in REGION_LABELS:
-            raise ValueError(f"phase '{label}' is not one of {', '.join(REGION_LABELS)}")
+        if label not in REGION_PHASES:
+            raise ValueError(f"phase '{label}' is not one of {', '.join(REGION_PHASES)}")
         return self._phase(label)
 
     @contextlib.contextmanager
@@ -590,14 +591,15 @@ class Profiler:
 
     def save(self, run_dir: str | Path, *, recipe: dict[str, Any] | None = None,
              env: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Write this rank's profile.rank<r>.json; rank 0 also writes the merged profile.json,
-        modules.csv, ops.csv, comm.csv and summary.md. A collective with several ranks.
+        """Write this rank's profile.rank<r>.json; rank 0 also writes the merged profile.json. A
+        collective with several ranks. The renderings (summary.md, the CSV tables, report.md/html,
+        TensorBoard scalars) are the report layer's: `trainprof report RUN_DIR`, or
+        trainprof.report.run_report.write_run_files(profile, run_dir) in place of this call.
 
         Returns:
             The merged profile.
         """
         from trainprof.io import atomic_write_json
-        from trainprof.report.summary import write_report
 
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -606,5 +608,4 @@ class Profiler:
         self.discard_journal()
         if self.rank == 0:
             atomic_write_json(run_dir / "profile.json", merged)
-            write_report(merged, run_dir)
         return merged
