@@ -731,12 +731,12 @@ def _check_megatron_environment(recipe: Recipe, *, cuda_available: bool) -> None
     if recipe.engine.kind != "megatron":
         return
     _require(
-        importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None,
-        "recipe key 'engine.kind': megatron needs megatron-core; pip install 'trainprof[megatron]' "
-        "(megatron-core==0.16.1) or set engine.kind=deepspeed",
-    )
-    _require(
         cuda_available,
         "recipe key 'engine.kind': megatron trains on a CUDA GPU only (megatron-core calls torch.cuda in its "
         "rotary embedding and gradient buffers); run it on a GPU machine, or `trainprof plan` it here",
+    )
+    _require(
+        importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None,
+        "recipe key 'engine.kind': megatron needs megatron-core; pip install 'trainprof[megatron]' "
+        "(megatron-core==0.16.1) or set engine.kind=deepspeed",
     )
