@@ -2,19 +2,21 @@
 # The checks only a GPU can run, in one call (a lent GPU is scarce): the GPU tests, the reference
 # recipe on one GPU (DeepSpeed ZeRO-3 and plain PyTorch), QLoRA's 4-bit base on CUDA, and (with
 # --project) the projection of the ZeRO-3 run to other accelerators, which measures this GPU's
-# calibration (GEMM rate, copy bandwidth) into its run dir.
+# calibration (GEMM rate, copy bandwidth) into its run dir. --megatron: llama2-1b on megatron-core and on
+# DeepSpeed ZeRO-1 at the same micro batch and seq_len, their diff, and the Megatron GPU tests.
 #
-#   bash scripts/gpu_check.sh [--project] [--qlora] [--tests] OUTDIR
+#   bash scripts/gpu_check.sh [--project] [--qlora] [--tests] [--megatron] OUTDIR
 #
 # Run dirs (without their tb/ traces) are packed into OUTDIR/runs.tgz, the log into OUTDIR/gpu_check.log.
 # Missing Python packages can sit as wheels in .whl/ (installed into /tmp/site first).
 set -u
-project=0; qlora=0; tests=0
+project=0; qlora=0; tests=0; megatron=0
 while [ $# -gt 1 ]; do
-  case "$1" in --project) project=1;; --qlora) qlora=1;; --tests) tests=1;; *) echo "unknown option $1"; exit 2;; esac
+  case "$1" in --project) project=1;; --qlora) qlora=1;; --tests) tests=1;; --megatron) megatron=1;;
+    *) echo "unknown option $1"; exit 2;; esac
   shift
 done
-out=${1:?usage: gpu_check.sh [--project] [--qlora] [--tests] OUTDIR}
+out=${1:?usage: gpu_check.sh [--project] [--qlora] [--tests] [--megatron] OUTDIR}
 mkdir -p "$out"
 exec > >(tee "$out/gpu_check.log") 2>&1
 echo "TORCH_CUDA_ARCH_LIST as found: '${TORCH_CUDA_ARCH_LIST:-}'"
@@ -61,6 +63,28 @@ if [ "$qlora" = 1 ]; then
     python3 -m torch.distributed.run --nproc_per_node 1 -m trainprof.run recipes/llama70b_qlora.yaml \
     model.name=llama2-7b train.steps=8 output.dir=$runs
 fi
+# --- Megatron vs DeepSpeed, one GPU (issue 28; docs/megatron.md) ---------------------------------------
+# megatron-core is not in the GPU image: carry its cp312 wheel in .whl/ (docs/megatron.md says how).
+if [ "$megatron" = 1 ]; then
+  if python3 -c "import megatron.core" 2>/dev/null; then
+    same="train.micro_batch_size=8 data.seq_len=350 model.attention=sdpa model.recompute=false"
+    step "GPU tests: Megatron engine" 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_megatron.py
+    step "llama1b Megatron + distributed optimizer (1 GPU)" 300 \
+      python3 -m torch.distributed.run --nproc_per_node 1 -m trainprof.run recipes/llama1b_megatron.yaml $same output.dir=$runs
+    megatron_run=$(newest)
+    step "llama1b DeepSpeed ZeRO-1 (1 GPU, same micro batch and seq_len)" 300 \
+      python3 -m torch.distributed.run --nproc_per_node 1 -m trainprof.run recipes/llama1b_zero3_sdpa.yaml \
+      engine.zero_stage=1 $same output.dir=$runs
+    deepspeed_run=$(newest)
+    if [ -n "$megatron_run" ] && [ -n "$deepspeed_run" ] && [ "$megatron_run" != "$deepspeed_run" ]; then
+      step "diff DeepSpeed ZeRO-1 -> Megatron" 120 python3 -m trainprof diff "$deepspeed_run" "$megatron_run"
+    fi
+  else
+    echo "=== Megatron steps skipped: megatron-core is not importable (no wheel in .whl/)"
+  fi
+fi
+# --- end of the Megatron block ------------------------------------------------------------------------
+
 for d in "$runs"/*/; do
   echo "--- $d"; head -c 1500 "$d/summary.md" 2>/dev/null; echo
 done

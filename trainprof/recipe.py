@@ -88,12 +88,16 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class EngineConfig:
-    kind: Literal["deepspeed", "torch"] = "deepspeed"  # torch = single process or DDP
+    kind: Literal["deepspeed", "torch", "megatron"] = "deepspeed"  # torch = single process or DDP; megatron = megatron-core GPTModel (CUDA only)
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"  # ZeRO-Offload to CPU
     pipeline_stages: int = 1  # > 1: one pipeline stage per rank (torch.distributed.pipelining, engine.kind torch); must equal the number of ranks
     pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"  # pipeline schedule over train.grad_accum micro batches
     pipeline_layers: list[int] | None = None  # decoder layers per stage, e.g. [3, 1]; None = even split, extra layers to the first stages
+    tensor_parallel: int = 1  # megatron: ranks that split each layer's matrices (Megatron TP); 1 = off
+    pipeline_parallel: int = 1  # megatron: ranks that split the decoder layers (Megatron 1F1B pipeline); 1 = off
+    distributed_optimizer: bool | None = None  # megatron: shard fp32 master weights + Adam states over data-parallel ranks; null = on
+    megatron_recompute: Literal["full", "selective"] | None = None  # megatron, with model.recompute: full = every layer (null), selective = core attention only
 
 
 @dataclass(kw_only=True)
@@ -574,9 +578,17 @@ def _check_output(recipe: Recipe) -> None:
     )
 
 
+def _check_megatron(recipe: Recipe) -> None:
+    """The Megatron-only keys, and what engine.kind megatron cannot run or split."""
+    _validate_megatron_keys(recipe)
+    if recipe.engine.kind == "megatron":
+        _validate_megatron_combination(recipe)
+        _validate_megatron_split(recipe, resolve_shape(recipe.model))
+
+
 # validate() runs these in order; the first broken rule is the one error the user sees
-RULES = (_check_model, _check_data, _check_ranges, _check_optimizer, _check_engine, _check_pipeline, _check_lora,
-         _check_qlora, _check_deepspeed_section, _check_output)
+RULES = (_check_model, _check_data, _check_ranges, _check_optimizer, _check_engine, _check_pipeline, _check_megatron,
+         _check_lora, _check_qlora, _check_deepspeed_section, _check_output)
 
 
 def _validate_pipeline(recipe: Recipe, shape: LlamaShape) -> None:
@@ -624,8 +636,77 @@ def _validate_pipeline(recipe: Recipe, shape: LlamaShape) -> None:
         )
 
 
+MEGATRON_ONLY_KEYS = ("tensor_parallel", "pipeline_parallel", "distributed_optimizer", "megatron_recompute")
+MEGATRON_KEY_DEFAULTS = {"tensor_parallel": 1, "pipeline_parallel": 1, "distributed_optimizer": None,
+                         "megatron_recompute": None}
+
+
+def _validate_megatron_keys(recipe: Recipe) -> None:
+    """The engine.* keys only the Megatron engine reads: set on another engine, they would be ignored."""
+    e = recipe.engine
+    for key in MEGATRON_ONLY_KEYS:
+        value = getattr(e, key)
+        if key in ("tensor_parallel", "pipeline_parallel"):
+            _require(value >= 1, f"recipe key 'engine.{key}': {value} is out of range; it must be >= 1")
+        _require(
+            e.kind == "megatron" or value == MEGATRON_KEY_DEFAULTS[key],
+            f"recipe key 'engine.{key}': {value!r} is read by engine.kind megatron only (this recipe runs "
+            f"{e.kind}); set engine.kind=megatron or remove engine.{key}",
+        )
+    _require(
+        e.megatron_recompute is None or recipe.model.recompute,
+        f"recipe key 'engine.megatron_recompute': {e.megatron_recompute} picks how model.recompute recomputes; "
+        "set model.recompute=true or remove engine.megatron_recompute",
+    )
+
+
+# What the Megatron engine cannot run: (recipe key, refused?, why and what to do instead)
+def _megatron_refusals(recipe: Recipe) -> list[tuple[str, bool, str]]:
+    e, m = recipe.engine, recipe.model
+    return [
+        ("engine.zero_stage", e.zero_stage != 0, "ZeRO stages are DeepSpeed's; Megatron's counterpart of ZeRO-1 "
+         "is engine.distributed_optimizer; set engine.zero_stage=0"),
+        ("engine.offload", e.offload != "none", "ZeRO-Offload is DeepSpeed's; set engine.offload=none"),
+        ("task.kind", recipe.task.kind != "pretrain", f"{recipe.task.kind} (peft adapters, bitsandbytes 4-bit) "
+         "wraps the Hugging Face model, not Megatron's GPTModel; set task.kind=pretrain or engine.kind=deepspeed"),
+        ("optimizer.state_bits", recipe.optimizer.state_bits != 32, "Megatron runs its own Adam with fp32 "
+         "states; set optimizer.state_bits=32"),
+        ("engine.pipeline_stages", e.pipeline_stages != 1, "is the torch engine's pipeline; Megatron's is "
+         "engine.pipeline_parallel; set engine.pipeline_stages=1"),
+        ("model.attention", m.attention == "flash2", "flash2 is the flash-attn package under transformers; "
+         "Megatron's sdpa runs torch SDPA, whose CUDA flash backend is FlashAttention-2; use model.attention=sdpa"),
+        ("model.checkpoint", m.checkpoint is not None, "a Hugging Face checkpoint does not load into Megatron's "
+         "GPTModel (it needs a weight conversion); remove model.checkpoint for random init"),
+        ("deepspeed", bool(recipe.deepspeed), "the deepspeed section is only read by engine.kind deepspeed; remove it"),
+    ]
+
+
+def _validate_megatron_combination(recipe: Recipe) -> None:
+    """engine.kind megatron with a key only another engine or task supports: one line naming both keys."""
+    for key, refused, why in _megatron_refusals(recipe):
+        _require(not refused, f"recipe key '{key}' with engine.kind megatron: {why}")
+
+
+def _validate_megatron_split(recipe: Recipe, shape: LlamaShape) -> None:
+    """Tensor parallelism splits heads, key/value groups, the MLP width and the vocabulary across ranks;
+    pipeline parallelism splits the decoder layers evenly (megatron-core's default layout)."""
+    tp, pp = recipe.engine.tensor_parallel, recipe.engine.pipeline_parallel
+    for dim in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
+        _require(
+            getattr(shape, dim) % tp == 0,
+            f"recipe key 'engine.tensor_parallel': {tp} does not divide model.{dim} ({getattr(shape, dim)}); "
+            f"pick a tensor_parallel that divides it",
+        )
+    _require(
+        shape.num_layers % pp == 0,
+        f"recipe key 'engine.pipeline_parallel': {pp} does not divide model.num_layers ({shape.num_layers}); "
+        "pick a pipeline_parallel that divides it",
+    )
+
+
 def check_world_size(recipe: Recipe, world_size: int) -> None:
     """Rules that need the number of ranks. Raises RecipeError."""
+    _check_megatron_world_size(recipe, world_size)
     p = recipe.engine.pipeline_stages
     if p > 1:
         _require(
@@ -634,6 +715,20 @@ def check_world_size(recipe: Recipe, world_size: int) -> None:
             f"data parallelism across pipelines), got {world_size}; run {p} ranks (trainprof run --nproc {p}, "
             f"torchrun --nproc_per_node {p}) or set engine.pipeline_stages={world_size}",
         )
+
+
+def _check_megatron_world_size(recipe: Recipe, world_size: int) -> None:
+    """Megatron's ranks form data-parallel replicas of tensor_parallel x pipeline_parallel ranks each."""
+    e = recipe.engine
+    if e.kind != "megatron":
+        return
+    per_replica = e.tensor_parallel * e.pipeline_parallel
+    _require(
+        world_size % per_replica == 0,
+        f"recipe key 'engine.tensor_parallel': tensor_parallel x pipeline_parallel = {per_replica} ranks per model "
+        f"replica does not divide the {world_size} ranks; run a multiple of {per_replica} ranks or lower "
+        "engine.tensor_parallel / engine.pipeline_parallel",
+    )
 
 
 # ZeRO stages under which bitsandbytes 4-bit base weights train with LoRA: stage 3 would partition
@@ -648,6 +743,7 @@ QLORA_ZERO_STAGES = frozenset({0, 1, 2})
 
 def check_environment(recipe: Recipe, *, cuda_available: bool) -> None:
     """Rules that need the machine: CUDA, installed packages. Raises RecipeError."""
+    _check_megatron_environment(recipe, cuda_available=cuda_available)
     m = recipe.model
     if m.attention == "flash2":
         _require(
@@ -686,3 +782,20 @@ def check_environment(recipe: Recipe, *, cuda_available: bool) -> None:
             importlib.util.find_spec("deepspeed") is not None,
             "recipe key 'engine.kind': deepspeed is not installed; pip install deepspeed or set engine.kind=torch",
         )
+
+
+def _check_megatron_environment(recipe: Recipe, *, cuda_available: bool) -> None:
+    """megatron-core trains on CUDA only: its rotary embedding, RNG tracker and gradient buffers call
+    torch.cuda unconditionally (`trainprof plan` still plans a Megatron recipe anywhere)."""
+    if recipe.engine.kind != "megatron":
+        return
+    _require(
+        cuda_available,
+        "recipe key 'engine.kind': megatron trains on a CUDA GPU only (megatron-core calls torch.cuda in its "
+        "rotary embedding and gradient buffers); run it on a GPU machine, or `trainprof plan` it here",
+    )
+    _require(
+        importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None,
+        "recipe key 'engine.kind': megatron needs megatron-core; pip install 'trainprof[megatron]' "
+        "(megatron-core==0.16.1) or set engine.kind=deepspeed",
+    )

@@ -34,7 +34,7 @@ def train_step(engine, batches, grad_accum: int, prof=None) -> float | None:
     the loss)."""
     import torch
 
-    if getattr(engine, "name", None) == "pipeline":  # the schedule runs all micro batches of the step
+    if hasattr(engine, "train_step"):  # a schedule (pipeline, Megatron) runs all micro batches of the step
         return engine.train_step(batches, prof)
     phase = prof.phase if prof is not None else (lambda label: contextlib.nullcontext())
     losses = []
@@ -138,7 +138,7 @@ def build_run(recipe: Recipe, ctx, run_dir: Path):
 
     from trainprof.data import build_loader
     from trainprof.distributed import seed_everything
-    from trainprof.engines import build_engine
+    from trainprof.engines import build_engine, data_split
     from trainprof.env import apply_memory_cap, check_memory_cap
     from trainprof.models import resolve_shape
     from trainprof.profiler import Profiler
@@ -147,9 +147,10 @@ def build_run(recipe: Recipe, ctx, run_dir: Path):
     apply_memory_cap(ctx.device, recipe.train.memory_cap_gb)
     engine = build_engine(recipe, ctx)
     check_memory_cap(ctx.device, recipe.train.memory_cap_gb)
-    pipeline = engine.name == "pipeline"  # every stage reads the same samples (no data parallelism)
-    loader = build_loader(recipe, vocab_size=resolve_shape(recipe.model).vocab_size,
-                          rank=0 if pipeline else ctx.rank, world_size=1 if pipeline else ctx.world_size)
+    pipeline = engine.name == "pipeline"
+    data_rank, data_ranks = data_split(engine, ctx)  # pipeline stages and model-parallel ranks share samples
+    loader = build_loader(recipe, vocab_size=resolve_shape(recipe.model).vocab_size, rank=data_rank,
+                          world_size=data_ranks)
     prof = Profiler.for_recipe(engine.loop_module, engine.optimizer, recipe, run_dir=run_dir, device=ctx.device)
     if pipeline and recipe.profile.enabled:
         prof.watch_pipeline(stage=engine.stage_index, num_stages=engine.num_stages,

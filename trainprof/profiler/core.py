@@ -14,10 +14,11 @@ timer, the collective wrappers, memory and FLOP counting, and delegates analysis
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
@@ -54,6 +55,17 @@ def _dist_rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def megatron_profiler_kwargs(model: torch.nn.Module, recipe: Any) -> dict[str, Any]:
+    """What profiling a Megatron GPTModel adds: its modules under the HF Llama's names, re-runs seen below
+    module_depth (selective recomputation re-runs only the core attention), and the ranks of one model
+    replica, which read the same samples (the merge counts their tokens once)."""
+    from trainprof.megatron_names import hf_module_names
+
+    e = recipe.engine
+    return {"module_names": hf_module_names(model), "recompute_sentinels": recipe.model.recompute,
+            "env": {"model_parallel_size": e.tensor_parallel * e.pipeline_parallel}}
+
+
 class Profiler:
     """Hook-based step profiler: module x phase, operators, optimizer, communication, data wait,
     memory and FLOPs per optimizer step, with phases that add up to the step's wall time.
@@ -80,6 +92,9 @@ class Profiler:
         trace_gzip: write the trace as .pt.trace.json.gz.
         memory: measure peak memory per phase.
         comm: wrap torch.distributed collectives.
+        module_names: native module name -> the name profiles show (the Megatron engine's modules take the
+            HF Llama's names, trainprof.megatron_names); names not in it stay.
+        recompute_sentinels: see ModuleHooks (None: ask the model whether it checkpoints activations).
         device: the compute device (default: the model's first parameter's device).
         rank, world_size: default from torch.distributed (or RANK/WORLD_SIZE).
         recipe, env: put into the result as `recipe` and merged into `env`.
@@ -96,7 +111,8 @@ class Profiler:
                  device: torch.device | str | None = None, rank: int | None = None,
                  world_size: int | None = None, recipe: dict[str, Any] | None = None,
                  env: dict[str, Any] | None = None, journal_dir: str | Path | None = None,
-                 journal_interval_s: float = JOURNAL_INTERVAL_S) -> None:
+                 journal_interval_s: float = JOURNAL_INTERVAL_S, module_names: Mapping[str, str] | None = None,
+                 recompute_sentinels: bool | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.module_depth = module_depth
@@ -147,7 +163,11 @@ class Profiler:
         if not enabled:
             return
         self.hooks = ModuleHooks(model, module_depth, self.log, self.timer.now,
-                                 on_root=self._on_root if self.memory else None)
+                                 on_root=self._on_root if self.memory else None,
+                                 recompute_sentinels=recompute_sentinels)
+        if module_names:
+            self.hooks.modules = [dataclasses.replace(m, name=module_names.get(m.name, m.name))
+                                  for m in self.hooks.modules]
         self._range_names = range_names(self.hooks.modules)
         if comm:
             self.comm = CommTracer(self.log, self.timer.now, self.hooks.current, host_timer=self.timer.kind == "host")
@@ -166,7 +186,7 @@ class Profiler:
         added (DDP: 1, peft's PeftModel -> LoraModel: 2), so one depth means the same modules for every
         engine and task. Pass DDP itself (not .module), so DDP's own forward work (buffer broadcast,
         reducer bookkeeping) lands in the forward phase, and call `watch_ddp`. Operator traces go to
-        <run_dir>/tb when `profile.ops` is on.
+        <run_dir>/tb when `profile.ops` is on. A Megatron recipe adds `megatron_profiler_kwargs`.
 
         Args:
             model: the module the loop calls (engine.module).
@@ -186,6 +206,8 @@ class Profiler:
             trace_wait=p.trace_wait, trace_warmup=p.trace_warmup, record_shapes=p.record_shapes,
             with_stack=p.with_stack, trace_gzip=p.trace_gzip, journal_dir=run_dir,
         )
+        if recipe.engine.kind == "megatron":
+            kwargs.update(megatron_profiler_kwargs(model, recipe))
         kwargs.update(overrides)
         return cls(model, optimizer, **kwargs)
 

@@ -25,7 +25,7 @@ ADVICE_FILE = ("projection", "advice.json")  # `trainprof project RUN --advice`:
 # Zhang et al.'s (arXiv 2311.03687) Llama2-7B rows: (label, which modules belong to it)
 CATEGORIES: list[tuple[str, Callable[[dict[str, Any]], bool]]] = [
     ("embedding", lambda m: m["type"] == "Embedding" or m["name"].endswith("embed_tokens")),
-    ("decoder layers", lambda m: m["type"].endswith("DecoderLayer")),
+    ("decoder layers", lambda m: m["type"].endswith(("DecoderLayer", "TransformerLayer"))),  # HF | Megatron
     ("attention", lambda m: m["type"].endswith("Attention")),
     ("MLP", lambda m: m["type"].endswith("MLP")),
     ("norms", lambda m: m["type"].endswith(("RMSNorm", "LayerNorm"))),
