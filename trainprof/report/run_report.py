@@ -16,6 +16,7 @@ from trainprof.io import atomic_write_text
 from trainprof.report import plots
 from trainprof.report.document import Details, Document, Facts, Figure, Missing, Para, Table, fmt
 from trainprof.report.document import render_html, render_markdown
+from trainprof.report.gpu import gpu_section
 from trainprof.report.pipeline import pipeline_section
 from trainprof.report.rundir import (RunData, load_run, module_label, module_time, recipe_of, report_phases,
                                      step_peak_memory, top_modules)
@@ -441,7 +442,7 @@ def projection_section(doc: Document, run: RunData) -> None:
 
 
 SECTIONS = (answer_section, facts_section, method_section, phases_section, pipeline_section, modules_section,
-            ops_section, comm_section, memory_section, flops_section, ranks_section, projection_section)
+            ops_section, gpu_section, comm_section, memory_section, flops_section, ranks_section, projection_section)
 
 
 def build_run_report(run: RunData, *, trace_scan_bytes: int = TRACE_SCAN_BYTES) -> Document:

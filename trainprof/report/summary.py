@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainprof.io import atomic_write_text
+from trainprof.report.gpu import summary_lines as gpu_summary_lines
 from trainprof.report.pipeline import pipeline_summary_lines
 from trainprof.report.rundir import report_phases
 
@@ -148,6 +149,7 @@ def render_markdown(profile: dict[str, Any]) -> str:
         cost = profile.get("ops_info", {}).get("cost_frac")
         if cost is not None:
             lines.append(f"\nOperator tracing made its steps {100 * cost:.1f}% slower (those steps are excluded above).")
+    lines += gpu_summary_lines(profile)
     peaks = s.get("peak_memory_bytes", {})
     lines += ["", "## Memory", "",
               f"- peak per phase: forward {_bytes(peaks.get('forward'))}, backward {_bytes(peaks.get('backward'))}, "

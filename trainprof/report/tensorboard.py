@@ -7,6 +7,7 @@ Series (x axis = the profile's step number; warm-up steps are left out):
     phase/<phase>_ms for data_wait, forward, backward, recompute, optimizer, comm_exposed, other,
     unattributed; comm/exposed_ms and comm/exposed_frac (exposed communication over the step)
     memory/peak_<phase>_mib (forward, backward, optimizer; or the step's peak in older run dirs)
+    telemetry/<metric>_{mean,max}: NVML telemetry per step on a GPU (report/gpu.py)
     module/<name>/{forward,backward,recompute}_ms for the top modules by self time, when the profile
     has per-step module times (steps[].modules_ms); otherwise their medians as text in the summary
 
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainprof.report.gpu import telemetry_series
 from trainprof.report.rundir import report_phases, step_peak_memory, step_tflops, step_tokens_per_s, top_modules
 
 SCALARS_SUFFIX = ".trainprof"  # our event files end in this; rewriting replaces only them
@@ -68,6 +70,7 @@ def scalar_series(profile: dict[str, Any], top: int = TOP_MODULES) -> dict[str, 
             label = name or "<model>"
             for i, phase in enumerate(("forward", "backward", "recompute")):
                 add(f"module/{label}/{phase}_ms", n, times[i] if isinstance(times, list) else times.get(phase))
+    series.update(telemetry_series(profile))
     return series
 
 
