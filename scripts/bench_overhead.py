@@ -6,6 +6,7 @@ run, and the ratio of their median times is printed. Not a timed test.
     python scripts/bench_overhead.py --depth 5 --pairs 40  # deeper module level
     python scripts/bench_overhead.py --breakdown-only      # where the time of one hook goes
     python scripts/bench_overhead.py --in-situ-only        # each piece timed where it runs, inside real steps
+    python scripts/bench_overhead.py --device cuda --pairs 20 --json-out OUT.json  # on a GPU (bench_overhead_cuda.py)
 
 Besides the ratio, it prints the cost per module call in microseconds: (profiled - unprofiled step
 time, median over pairs) / the number of module calls the hooks saw in one step (an upper bound: the
@@ -66,6 +67,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="micro batch size (default 4, the CPU quickstart's)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="model dtype (default bf16)")
     p.add_argument("--ops-pairs", type=int, default=6, help="pairs for the operator-level figure (default 6)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: the GPU bench of scripts/bench_overhead_cuda.py (llama2-1b and a Llama2-7B LoRA step of "
+                        "the runner; pass --pairs, e.g. 20)")
+    p.add_argument("--json-out", help="with --device cuda: write the result, every pair's times included, as JSON")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: on a shared 2-core machine more threads make "
                         "step times swing by 10x and the ratio meaningless)")
@@ -75,6 +80,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     quiet_library_noise()
+    if args.device == "cuda":
+        from bench_overhead_cuda import main_cuda
+
+        main_cuda(args)
+        return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     recipe = Recipe()
