@@ -50,7 +50,8 @@ def main_cuda(args: Any) -> dict[str, Any]:
     from bench_overhead import median_ci
 
     if not torch.cuda.is_available():
-        sys.exit("bench_overhead.py --device cuda: no CUDA device here; run it on a GPU machine")
+        print("bench_overhead.py --device cuda: no CUDA device here; run it on a GPU machine", file=sys.stderr)
+        sys.exit(2)
     doc: dict[str, Any] = {
         "bench": "profiler overhead on a GPU (scripts/bench_overhead.py --device cuda)",
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -225,3 +225,54 @@ def test_nvml_telemetry_on_a_real_gpu():
     assert s["gpu_util_pct"]["max"] > 50  # the matmuls kept it busy
     assert all(st["samples"] >= 1 for st in block["steps"])
     assert block["stopped_reason"] is None
+
+
+def test_trace_device_time_sums_and_unites_the_device_intervals(tmp_path):
+    """trace_device_time on a small Kineto-shaped trace: two overlapping kernels on two streams, a memcpy,
+    a host op that must not count, and the ProfilerStep marker."""
+    import gzip
+
+    from trainprof.analysis.gpu_busy import trace_device_time
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#4", "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 10, "dur": 500},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 100, "dur": 300, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "nccl", "ts": 200, "dur": 400, "args": {"stream": 20}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 700, "dur": 50},
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 800},
+    ]
+    path = tmp_path / "rank0.1.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"schemaVersion": 1, "traceEvents": events}, f)
+    t = trace_device_time(path)
+    assert t.steps == [4] and t.step_ms == 1.0
+    assert t.by_category == {"kernel": 0.7, "gpu_memcpy": 0.05}
+    assert t.device_ms == pytest.approx(0.75)
+    assert t.union_ms == pytest.approx(0.55)  # 100-600 and 700-750
+
+
+def test_the_evidence_check_of_telemetry_rejects_an_impossible_reading():
+    """tests/helpers/evidence.check_telemetry, which the kept GPU runs go through, on a block of plausible
+    readings and on one with a 5 kW board."""
+    from helpers.evidence import check_telemetry
+
+    class Plausible(CountingSource):
+        def read(self):
+            i = self.reads
+            self.reads += 1
+            return {"sm_clock_mhz": 1980.0 - i, "power_w": self.watts + i, "pcie_tx_gbps": 1.5}
+
+    for watts, sane in ((650.0, True), (5000.0, False)):
+        source = Plausible()
+        source.watts = watts
+        tele = StepTelemetry(source, period_ms=5.0)
+        begin = tele.step_begins()
+        time.sleep(0.04)
+        tele.step_ends(0, begin, time.perf_counter_ns())
+        tele.close()
+        if sane:
+            check_telemetry(tele.block())
+        else:
+            with pytest.raises(AssertionError, match="power_w"):
+                check_telemetry(tele.block())
