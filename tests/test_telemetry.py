@@ -276,3 +276,21 @@ def test_the_evidence_check_of_telemetry_rejects_an_impossible_reading():
         else:
             with pytest.raises(AssertionError, match="power_w"):
                 check_telemetry(tele.block())
+
+
+def test_report_of_a_checked_in_h100_run_shows_its_gpu_busy_share(tmp_path):
+    """A profile written before `gpu_busy` existed: the report computes the share from its operator table,
+    and names the telemetry as absent, with the reason."""
+    import shutil
+
+    from trainprof.report.run_report import write_reports
+    from trainprof.report.summary import render_markdown
+
+    run = tmp_path / "h100"
+    shutil.copytree(REPO / "profiles" / "h100-llama1b_zero3_sdpa-torch", run)
+    html = write_reports(run, scalars=False)["html"].read_text()
+    assert '<table id="gpu-busy-table">' in html
+    assert "58.6%" in html  # the step: 117.3 ms of device time in a 200.1 ms step
+    assert "not available: GPU telemetry" in html and "predates GPU telemetry" in html
+    md = render_markdown(json.loads((run / "profile.json").read_text()))
+    assert "| step | 200.12 | 117.26 | 58.6% | 41.4% |" in md

@@ -83,6 +83,11 @@ def gpu_section(doc: Document, run: Any) -> None:
     """report.html / report.md: GPU busy per phase, then the telemetry plot and table."""
     p = run.profile or {}
     sec = doc.section("GPU busy and telemetry", id="gpu")
+    device_type = (p.get("env") or {}).get("device_type")
+    if device_type != "cuda" and not p.get("telemetry"):  # not missing from the run: it had no GPU
+        sec.blocks.append(Para(f"This run ran on {device_type or 'a device not recorded'}: the GPU's busy share per "
+                               "phase and its NVML telemetry exist for CUDA runs only."))
+        return
     busy, reason = busy_of(p)
     if busy is None:
         sec.blocks.append(Missing("GPU busy per phase", reason or "not recorded"))
