@@ -21,8 +21,10 @@ LEAVES = {"a": (4.0, 8.0), "block.c": (2.0, 5.0), "block.d": (6.0, 3.0), "e": (3
 
 
 def cycles_per_ms() -> float:
-    """The GPU's _sleep cycles per millisecond, timed with CUDA events (median of 5 long sleeps)."""
-    torch.cuda._sleep(1_000_000)
+    """The GPU's _sleep cycles per millisecond (the SM clock), timed with CUDA events: median of 5 sleeps
+    of about 10 ms, after 0.1 s of spinning that lets the clock leave its idle state."""
+    torch.cuda._sleep(200_000_000)
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     rates = []
     for _ in range(5):
@@ -84,7 +86,8 @@ def expected_ms(name: str, phase: str) -> float:
 def test_cuda_sleep_cycles_recovered_per_module_without_a_synchronize():
     from trainprof.profiler import Profiler
 
-    model = SleepModel(cycles_per_ms())
+    rate = cycles_per_ms()
+    model = SleepModel(rate)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(64, device="cuda")
     with Profiler(model, optimizer=opt, module_depth=2, warmup_steps=2, flops=False) as prof:
@@ -98,6 +101,7 @@ def test_cuda_sleep_cycles_recovered_per_module_without_a_synchronize():
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
     result = prof.result()
+    rate_after = cycles_per_ms()  # a clock that moved during the steps would move the truth: say so on failure
     assert result["env"]["timer"] == "cuda_event"
     rows, index = module_rows_per_step(prof)
     assert len(rows) == 5
@@ -108,7 +112,7 @@ def test_cuda_sleep_cycles_recovered_per_module_without_a_synchronize():
             measured = statistics.median(r[index[name]][f"{phase}_ms"] for r in rows)
             if abs(measured - truth) > REL * truth:
                 failures.append(f"{name or '(model)'} {phase}: {measured:.3f} ms against {truth:.3f} ms")
-    assert not failures, failures
+    assert not failures, (failures, f"SM cycles per ms {rate:.0f} before, {rate_after:.0f} after the steps")
     step_truth = expected_ms("", "forward") + expected_ms("", "backward")
     assert result["summary"]["step_ms"]["median"] == pytest.approx(step_truth, rel=REL)
     check_closure(result)
