@@ -30,8 +30,9 @@
 #   --program lora (<= 4 min): Llama2-7B LoRA bf16 (ZeRO-2), Llama2-7B QLoRA NF4   ~3.5 min
 # Each kept run leaves OUTDIR/<kind>-<name>/ as profiles/ keeps it: profile.json (CUDA-event profile,
 # NVML telemetry, GPU busy per phase), summary.md, recipe.yaml, calibration.json and the one traced
-# step's Kineto trace (rank0.*.pt.trace.json.gz; no stacks, no shapes); the bench leaves
-# OUTDIR/<kind>-overhead/overhead.json. OUTDIR/failed.txt names every step that failed or was skipped.
+# step's Kineto trace (rank0.*.pt.trace.json.gz; no stacks, no shapes), packed as OUTDIR/<kind>-<name>.tgz
+# (the device tool returns 8 files at most); the bench's <kind>-overhead/overhead.json likewise. The log's
+# last lines name every step that failed or was skipped; the exit code is 0 only when none did.
 # The H100 -> H200 projection of the kept pairs runs afterwards on a CPU, from profiles/ (calibration.json).
 
 # the program's options; the rest are the per-part flags parsed below
@@ -55,7 +56,7 @@ done
 out=${1:?usage: gpu_check.sh [--project] [--qlora] [--tests] OUTDIR}
 mkdir -p "$out"
 exec > >(tee "$out/gpu_check.log") 2>&1
-failed=()  # steps that failed or were skipped, for OUTDIR/failed.txt
+failed=()  # steps that failed or were skipped, listed at the end of the log
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 if [ "$dry_run" = 0 ]; then
 echo "TORCH_CUDA_ARCH_LIST as found: '${TORCH_CUDA_ARCH_LIST:-}'"
@@ -106,8 +107,21 @@ KEEP="profile.ops=true profile.ops_steps=1 profile.trace_warmup=1 profile.with_s
 profile.trace_gzip=true profile.calibrate=true"
 GPU_BOUND="train.micro_batch_size=16 data.seq_len=1024 train.steps=10"  # = bench_overhead_cuda.py's llama2-1b step
 TORCH="engine.kind=torch engine.zero_stage=0"
-keep() {  # keep NAME RUN_DIR: what profiles/ keeps of the run, into OUTDIR/<kind>-NAME/
-  local name=$1 run=$2 dest="$out/$kind-$1"
+# The device tool brings back at most 8 files of 16 MiB from OUTDIR: each kept folder travels as one
+# archive, OUTDIR/<kind>-NAME.tgz (`tar xzf OUTDIR/<kind>-NAME.tgz -C profiles/` puts it in place).
+kept=/tmp/trainprof_kept
+rm -rf "$kept"; mkdir -p "$kept"
+pack() {  # pack NAME: OUTDIR/<kind>-NAME.tgz from $kept/<kind>-NAME/ (without its trace if over 15 MiB)
+  local folder=$kind-$1
+  tar czf "$out/$folder.tgz" -C "$kept" "$folder"
+  if [ "$(stat -c %s "$out/$folder.tgz")" -gt $((15 * 1048576)) ]; then
+    tar czf "$out/$folder.tgz" --exclude='*.pt.trace.json.gz' -C "$kept" "$folder"
+    failed+=("$1: trace left out, the archive was over the 16 MiB a returned file may have")
+  fi
+  echo "--- kept $folder.tgz ($(stat -c %s "$out/$folder.tgz") bytes):"; tar tzvf "$out/$folder.tgz"
+}
+keep() {  # keep NAME RUN_DIR: what profiles/ keeps of the run, packed as OUTDIR/<kind>-NAME.tgz
+  local name=$1 run=$2 dest="$kept/$kind-$1"
   [ "$dry_run" = 1 ] && return 0
   if [ ! -f "$run/profile.json" ]; then
     echo "--- $name: no profile.json in $run, nothing kept"; failed+=("$name: no profile.json"); return 0
@@ -117,7 +131,7 @@ keep() {  # keep NAME RUN_DIR: what profiles/ keeps of the run, into OUTDIR/<kin
   [ -f "$run/calibration.json" ] && cp "$run/calibration.json" "$dest/"
   local trace; trace=$(ls "$run"/tb/rank0.*.pt.trace.json.gz 2>/dev/null | head -1)
   if [ -n "$trace" ]; then cp "$trace" "$dest/"; else failed+=("$name: no trace in $run/tb"); fi
-  echo "--- kept $dest ($(du -sh "$dest" | cut -f1)):"; ls -la "$dest"
+  pack "$name"
 }
 run_recipe() {  # run_recipe NAME LIMIT_S RECIPE [KEY=VALUE...]: one run on this GPU, kept as <kind>-NAME
   local name=$1 limit=$2; shift 2
@@ -129,7 +143,7 @@ run_recipe() {  # run_recipe NAME LIMIT_S RECIPE [KEY=VALUE...]: one run on this
     failed+=("$name: no run dir written"); fi
 }
 program_core() {
-  export TRAINPROF_GPU_TEST_OUT=$out/gpu_test_steps.json
+  export TRAINPROF_GPU_TEST_OUT=$runs/gpu_test_steps.json  # into runs.tgz: OUTDIR keeps to 8 files
   step "GPU tests" 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_profiler_gpu.py \
     tests/test_profiler_gpu_sleep.py tests/test_telemetry.py tests/test_infer.py
   # shellcheck disable=SC2086
@@ -137,7 +151,8 @@ program_core() {
   # shellcheck disable=SC2086
   run_recipe llama1b_zero3_sdpa-gpubound 240 recipes/llama1b_zero3_sdpa.yaml $GPU_BOUND
   step "profiler overhead bench" 200 python3 scripts/bench_overhead.py --device cuda --pairs 20 \
-    --json-out "$out/$kind-overhead/overhead.json"
+    --json-out "$kept/$kind-overhead/overhead.json"
+  [ -f "$kept/$kind-overhead/overhead.json" ] && pack overhead
   run_recipe llama1b_zero3_sdpa-hostbound 150 recipes/llama1b_zero3_sdpa.yaml
   # shellcheck disable=SC2086
   run_recipe llama1b_zero3_sdpa-torch-hostbound 110 recipes/llama1b_zero3_sdpa.yaml $TORCH
@@ -178,9 +193,8 @@ for d in "$runs"/*/; do
 done
 tar czf "$out/runs.tgz" --exclude=tb --exclude='profile.rank*.json' -C "$runs" .
 ls -la "$out"
-printf '%s\n' ${failed[@]+"${failed[@]}"} > "$out/failed.txt"
 if [ "${#failed[@]}" -gt 0 ]; then
-  echo "=== failed or skipped (${#failed[@]}):"; cat "$out/failed.txt"
+  echo "=== failed or skipped (${#failed[@]}):"; printf '  %s\n' "${failed[@]}"
 else
   echo "=== every step passed ($SECONDS s)"
 fi
