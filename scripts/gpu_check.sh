@@ -12,7 +12,7 @@
 # The GPU program (issue 27; /work/shared/GPU.md): what a lent GPU machine runs first, one command per
 # part, each within the device tool's 10 minutes (steps that no longer fit are skipped and named):
 #
-#   bash scripts/gpu_wheels.sh                                  # on the CPU machine: .whl/ (15 MiB)
+#   bash scripts/gpu_wheels.sh                                  # on the CPU machine: .whl/ (14 MiB)
 #   bash scripts/gpu_check.sh --program core OUTDIR             # on the GPU, carry .whl/
 #   bash scripts/gpu_check.sh --program lora OUTDIR             # the same machine, a second command
 #   bash scripts/gpu_check.sh --program core --dry-run OUTDIR   # anywhere: the command list, every recipe loaded
@@ -110,6 +110,7 @@ TORCH="engine.kind=torch engine.zero_stage=0"
 # The device tool brings back at most 8 files of 16 MiB from OUTDIR: each kept folder travels as one
 # archive, OUTDIR/<kind>-NAME.tgz (`tar xzf OUTDIR/<kind>-NAME.tgz -C profiles/` puts it in place).
 kept=/tmp/trainprof_kept
+[ "$dry_run" = 1 ] && kept=$out/kept
 rm -rf "$kept"; mkdir -p "$kept"
 pack() {  # pack NAME: OUTDIR/<kind>-NAME.tgz from $kept/<kind>-NAME/ (without its trace if over 15 MiB)
   local folder=$kind-$1

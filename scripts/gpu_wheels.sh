@@ -10,8 +10,9 @@
 # - bitsandbytes: the manylinux wheel slimmed to its CPU library and the CUDA 13.0 one the image's torch
 #   (2.11+cu130) loads (the full wheel carries every CUDA and ROCm build: 43 MB);
 # - torchao, megatron-core: binary wheels for CPython 3.12 (the image's Python), manylinux x86_64;
-# - their dependencies the image lacks (hjson, ninja, py-cpuinfo, msgpack, einops, pydantic and
-#   pydantic-core, jsonschema and its referencing stack, typing helpers).
+# - their dependencies the image lacks (hjson, pydantic and pydantic-core, jsonschema and its referencing
+#   stack), by the image's package list (/work/.library/device/KINDS.md: ninja, py-cpuinfo, msgpack,
+#   einops and attrs are there), and typing-extensions, whose version there may be older than pydantic's floor.
 # Versions: the ones installed and tested on this machine, so the GPU runs what the CPU suite ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,9 +37,8 @@ echo "deepspeed $(installed deepspeed): built from the sdist without prebuilt op
 DS_BUILD_OPS=0 pip wheel -q --no-cache-dir --no-deps --no-build-isolation "$(pin deepspeed)" -w "$dest"
 
 echo "binary wheels for CPython $py_version"
-binaries=(torchao megatron-core bitsandbytes hjson ninja py-cpuinfo msgpack einops pydantic pydantic-core
-          annotated-types typing-inspection typing-extensions jsonschema jsonschema-specifications referencing
-          rpds-py attrs)
+binaries=(torchao megatron-core bitsandbytes hjson pydantic pydantic-core annotated-types typing-inspection
+          typing-extensions jsonschema jsonschema-specifications referencing rpds-py)
 pins=()
 for name in "${binaries[@]}"; do pins+=("$(pin "$name")"); done
 pip download -q --no-deps --only-binary=:all: --python-version "$py_version" --implementation cp \
