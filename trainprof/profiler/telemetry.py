@@ -134,6 +134,7 @@ class Sampler:
         now = time.perf_counter_ns
         next_ns = now()
         period_ns = int(self.period_s * 1e9)
+        primed = False
         while not self._stop.is_set():
             t0 = now()
             try:
@@ -143,7 +144,9 @@ class Sampler:
                 return
             t1 = now()
             self.reads += 1
-            self.samples.append(Sample(t_ns=(t0 + t1) // 2, read_ns=t1 - t0, values=values))
+            if primed:  # the first read only primes: a counter's first rate spans back to the source's opening
+                self.samples.append(Sample(t_ns=(t0 + t1) // 2, read_ns=t1 - t0, values=values))
+            primed = True
             next_ns += period_ns
             wait_ns = next_ns - now()
             if wait_ns < 0:  # the read took longer than the period: go on from now, no burst of reads
