@@ -26,8 +26,9 @@ def check_run(args: list[str]) -> str:
     recipe_path, overrides = args[0], args[1:]
     recipe = load_recipe(REPO / recipe_path, overrides)
     check_world_size(recipe, 1)
-    return f"{recipe_path}: {recipe.model.name}, {recipe.task.kind}, {recipe.engine.kind} ZeRO {recipe.engine.zero_stage}, " \
-           f"micro batch {recipe.train.micro_batch_size} x seq {recipe.data.seq_len}, {recipe.train.steps} steps"
+    m, e, t = recipe.model, recipe.engine, recipe.train
+    return (f"{recipe_path}: {m.name}, {recipe.task.kind}, {e.kind} ZeRO {e.zero_stage}, "
+            f"micro batch {t.micro_batch_size} x seq {recipe.data.seq_len}, {t.steps} steps")
 
 
 def check_bench(args: list[str]) -> str:

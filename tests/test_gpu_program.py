@@ -40,7 +40,8 @@ def test_dry_run_lists_every_command_and_loads_every_recipe(tmp_path, part, name
     for name, command in rows:
         words = shlex.split(command)
         if "trainprof.run" in words:  # every kept run traces one step without stacks, with calibration
-            for key in ("profile.ops=true", "profile.ops_steps=1", "profile.with_stack=false", "profile.calibrate=true"):
+            for key in ("profile.ops=true", "profile.ops_steps=1", "profile.with_stack=false",
+                        "profile.calibrate=true"):
                 assert key in words, (name, key)
     if part == "core":
         import bench_overhead_cuda
@@ -76,7 +77,8 @@ def test_bench_gpu_path_runs_on_a_tiny_model_on_cpu(tmp_path):
         ["engine.kind=torch", "engine.zero_stage=0", "train.micro_batch_size=2", "data.seq_len=32"], 4,
         median_ci(), torch.device("cpu"))
     ratios = check_overhead_config(cfg)
-    assert set(ratios) == {"A/A control: unprofiled vs unprofiled", "one Profiler (as a run)", "a fresh Profiler a step"}
+    assert set(ratios) == {"A/A control: unprofiled vs unprofiled", "one Profiler (as a run)",
+                           "a fresh Profiler a step"}
     assert cfg["module_calls_per_step"] > 0 and cfg["gpu_busy_frac"] is None
     assert cfg["telemetry"].startswith("the device is cpu")
 

@@ -16,8 +16,8 @@ import torch
 from trainprof.analysis.gpu_busy import gpu_busy_fields, phase_busy
 from trainprof.profiler import Profiler
 from trainprof.profiler.schema import validate_profile
-from trainprof.profiler.telemetry import (Sample, StepTelemetry, open_nvml, open_step_telemetry, telemetry_fields,
-                                          window_stats)
+from trainprof.profiler.nvml import open_nvml
+from trainprof.profiler.telemetry import Sample, StepTelemetry, open_step_telemetry, telemetry_fields, window_stats
 
 from conftest import REPO
 
