@@ -123,6 +123,7 @@ class ProfileConfig:
     with_stack: bool = False  # Python stack per operator in traces; much larger traces
     trace_gzip: bool = True  # traces as .pt.trace.json.gz (TensorBoard, Perfetto and HTA read them)
     calibrate: bool = True  # after training: matmul, memory and collective microbenchmarks (seconds) -> calibration.json
+    telemetry_period_ms: float = 50.0  # NVML telemetry sampling period on CUDA (clocks, power, PCIe, NVLink); 0 = off
 
 
 @dataclass(kw_only=True)
@@ -457,6 +458,7 @@ def _check_ranges(recipe: Recipe) -> None:
         ("profile.ops_steps", p.ops_steps, 1),
         ("profile.trace_wait", p.trace_wait, 0),
         ("profile.trace_warmup", p.trace_warmup, 0),
+        ("profile.telemetry_period_ms", p.telemetry_period_ms, 0),
     ):
         _require(value >= low, f"recipe key '{key}': {value} is out of range; it must be >= {low}")
     _require(

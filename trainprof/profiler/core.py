@@ -24,6 +24,7 @@ import torch
 
 from trainprof.analysis.aggregate import StepRecord, StepTimeline, complete_step
 from trainprof.analysis.breakdown import CommEvent
+from trainprof.analysis.gpu_busy import gpu_busy_fields
 from trainprof.analysis.pipeline import PipelineInfo
 from trainprof.layout import tb_run_dir
 from trainprof.phases import REGION_PHASES
@@ -36,6 +37,7 @@ from trainprof.profiler.memory import PhaseMemory, SavedActivations, model_state
 from trainprof.profiler.ops import OpTracer, range_names, region_range_name
 from trainprof.profiler.patches import wrap_autograd_backward, wrap_optimizer_method
 from trainprof.profiler.result import profile_env, rank_profile
+from trainprof.profiler.telemetry import DEFAULT_PERIOD_MS, open_step_telemetry, telemetry_fields
 from trainprof.profiler.timers import make_timer
 
 # Steps are analysed when `Profiler.steps` is read (at save, typically after training); a longer backlog
@@ -100,6 +102,8 @@ class Profiler:
         recipe, env: put into the result as `recipe` and merged into `env`.
         journal_dir: where profile.rank<N>.journal.jsonl goes (None: no journal; see profiler/journal.py).
         journal_interval_s: the most time between two journal writes (0: every step as it ends).
+        telemetry_period_ms: NVML telemetry sampling period on a CUDA device (0 or None: off); see
+            profiler/telemetry.py. Elsewhere `telemetry` is null with the reason.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = None, *, module_depth: int = 3,
@@ -112,7 +116,8 @@ class Profiler:
                  world_size: int | None = None, recipe: dict[str, Any] | None = None,
                  env: dict[str, Any] | None = None, journal_dir: str | Path | None = None,
                  journal_interval_s: float = JOURNAL_INTERVAL_S, module_names: Mapping[str, str] | None = None,
-                 recompute_sentinels: bool | None = None) -> None:
+                 recompute_sentinels: bool | None = None,
+                 telemetry_period_ms: float | None = DEFAULT_PERIOD_MS) -> None:
         self.model = model
         self.optimizer = optimizer
         self.module_depth = module_depth
@@ -160,6 +165,8 @@ class Profiler:
         # profile.rank<N>.journal.jsonl: finished steps appended as the run goes (a killed rank keeps them)
         self.journal = Journal(journal_path(journal_dir, self.rank), journal_interval_s) \
             if (journal_dir is not None and enabled) else None
+        self.telemetry, self.telemetry_reason = open_step_telemetry(self.device, telemetry_period_ms) if enabled \
+            else (None, "the profiler is disabled (profile.enabled false)")
         if not enabled:
             return
         self.hooks = ModuleHooks(model, module_depth, self.log, self.timer.now,
@@ -205,6 +212,7 @@ class Profiler:
             trace_dir=tb_run_dir(run_dir) if (run_dir is not None and p.ops) else None,
             trace_wait=p.trace_wait, trace_warmup=p.trace_warmup, record_shapes=p.record_shapes,
             with_stack=p.with_stack, trace_gzip=p.trace_gzip, journal_dir=run_dir,
+            telemetry_period_ms=p.telemetry_period_ms,
         )
         if recipe.engine.kind == "megatron":
             kwargs.update(megatron_profiler_kwargs(model, recipe))
@@ -272,6 +280,8 @@ class Profiler:
             self.comm.close()
         if self.memory is not None:
             self.memory.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
         rows = self._op_tracer.close()  # a schedule cut short by the end of training: write what it has
         if rows:
             self.ops_rows.extend(rows)
@@ -344,6 +354,8 @@ class Profiler:
             counter = self._flop_counter = FlopCounter(self._where)
             counter.__enter__()
             self.flops_running = True
+        # the host-clock window that NVML samples are assigned by (measured steps only)
+        telemetry_begin = self.telemetry.step_begins() if (self.telemetry is not None and measured) else None
         origin = pending[0] if pending is not None else self.timer.now()
         if self.pipeline is not None:  # places this rank's step beside the other stages' (analysis/pipeline.py)
             self._origin_unix_ns = time.time_ns() - (time.perf_counter_ns() - origin if self.timer.kind == "host" else 0)
@@ -355,6 +367,7 @@ class Profiler:
             yield self
         finally:
             end = self.timer.now()
+            end_ns = time.perf_counter_ns()
             log.active = False
             if self.hooks is not None:
                 self.hooks.end_step()
@@ -376,6 +389,8 @@ class Profiler:
                 if traced:
                     instrumented.append("ops" if ops_phase == "active" else "trace_warmup")
             self._finish_step(index, origin, end, warm=not measured, instrumented=instrumented)
+            if telemetry_begin is not None:
+                self.telemetry.step_ends(index - self.warmup_steps, telemetry_begin, end_ns, counted=not instrumented)
             if counter is not None:
                 self._store_flops(counter)
                 self.activation_bytes = self._activations.max_bytes
@@ -588,6 +603,8 @@ class Profiler:
         out = rank_profile(self)
         if self.ops:
             out["ops_info"].update(self._op_tracer.info())
+        out.update(telemetry_fields(self.telemetry, self.telemetry_reason))
+        out.update(gpu_busy_fields(out))
         return out
 
     def result(self, *, recipe: dict[str, Any] | None = None, env: dict[str, Any] | None = None) -> dict[str, Any]:

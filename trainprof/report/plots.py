@@ -207,3 +207,34 @@ def pipeline_timeline(stages: list[dict[str, Any]]) -> bytes:
     ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     return png_bytes(fig)
+
+
+def telemetry_lines(steps: list[int], panels: dict[str, dict[str, list[float | None]]], units: dict[str, str]) -> bytes:
+    """One small panel per telemetry metric: the per-step mean as a line, the per-step max as dots.
+
+    Args:
+        steps: the step numbers (x axis).
+        panels: metric -> {"mean": [...], "max": [...]} aligned with `steps` (None where no sample).
+        units: metric -> unit (y labels).
+    """
+    plt = pyplot()
+    names = list(panels)
+    cols = 2
+    rows = max(1, (len(names) + cols - 1) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(9, 1.9 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        series = panels[name]
+        for key, style in (("mean", dict(color=PHASE_COLORS["forward"], linewidth=1.2, marker=".")),
+                           ("max", dict(color=PHASE_COLORS["backward"], linestyle="none", marker="^", markersize=3))):
+            pts = [(x, y) for x, y in zip(steps, series.get(key) or []) if y is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=key, **style)
+        ax.set_title(f"{name} ({units.get(name, '')})", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.spines[["top", "right"]].set_visible(False)
+    for ax in list(axes.flat)[len(names):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=7, frameon=False)
+    fig.supxlabel("step", fontsize=8)
+    fig.tight_layout()
+    return png_bytes(fig)

@@ -19,6 +19,7 @@ from trainprof.errors import UserError
 from trainprof.io import atomic_write_text, dig
 from trainprof.report.document import Details, Document, Facts, Missing, Para, Table, fmt
 from trainprof.report.document import render_html, render_markdown
+from trainprof.report.gpu import gpu_section
 from trainprof.report.pipeline import pipeline_section
 from trainprof.report.plots import INSTALL_HINT
 from trainprof.report.projections import how_to_project, projections_section
@@ -201,7 +202,7 @@ def traces_section(doc: Document, run: RunData, scan_bytes: int = TRACE_SCAN_BYT
 
 SECTIONS = (answer_section, advice_and_projections, facts_section, methods_section, phases_section,
             pipeline_section, categories_section, top_modules_section, module_phase_section, ops_section,
-            comm_section, memory_section, flops_section, ranks_section)
+            gpu_section, comm_section, memory_section, flops_section, ranks_section)
 
 
 def build_run_report(run: RunData, *, trace_scan_bytes: int = TRACE_SCAN_BYTES, plots: bool = True) -> Document:

@@ -17,6 +17,7 @@ from typing import Any
 from trainprof.io import atomic_write_text
 from trainprof.report.advisor import advice_lines
 from trainprof.report.document import Bullets, Document, Facts, render_markdown
+from trainprof.report.gpu import gpu_section
 from trainprof.report.pipeline import pipeline_section, timeline_text
 from trainprof.report.rundir import RunData
 from trainprof.report.sections import (advice_result, categories_section, comm_section, headline_facts,
@@ -48,7 +49,8 @@ def _measurements(doc: Document, run: RunData) -> None:
 
 # summary.md's sections, in order
 SUMMARY_SECTIONS = (_advice_bullets, _measurements, categories_section, phases_section, pipeline_section,
-                    ranks_section, top_modules_section, comm_section, ops_section, memory_section, methods_section)
+                    ranks_section, top_modules_section, gpu_section, comm_section, ops_section, memory_section,
+                    methods_section)
 
 
 def build_summary(run: RunData) -> Document:

@@ -8,6 +8,7 @@ Series (x axis = the profile's step number; warm-up steps are left out):
     phase/<phase>_ms for data_wait, forward, backward, recompute, optimizer, comm_exposed, other,
     unattributed; comm/exposed_ms and comm/exposed_frac (exposed communication over the step)
     memory/peak_<phase>_mib (forward, backward, optimizer; or the step's peak in older run dirs)
+    telemetry/<metric>_{mean,max}: NVML telemetry per step on a GPU (report/gpu.py)
     module/<name>/{forward,backward,recompute}_ms for the top modules by self time, when the profile
     has per-step module times (steps[].modules_ms); otherwise their medians as text in the summary
 
@@ -23,6 +24,7 @@ from typing import Any
 from trainprof.analysis.records import module_label
 from trainprof.analysis.trace import is_trace_file
 from trainprof.layout import tb_run_dir
+from trainprof.report.gpu import telemetry_series
 from trainprof.report.rundir import report_phases, step_peak_memory, step_tflops, step_tokens_per_s, top_modules
 
 SCALARS_SUFFIX = ".trainprof"  # our event files end in this; rewriting replaces only them
@@ -72,6 +74,7 @@ def scalar_series(profile: dict[str, Any], top: int = TOP_MODULES) -> dict[str, 
             label = module_label(name)
             for i, phase in enumerate(("forward", "backward", "recompute")):
                 add(f"module/{label}/{phase}_ms", n, times[i] if isinstance(times, list) else times.get(phase))
+    series.update(telemetry_series(profile))
     return series
 
 
