@@ -83,7 +83,8 @@ def bench_config(name: str, recipe_path: str, overrides: list[str], pairs: int,
     from trainprof.engines.torch_engine import TorchEngine
     from trainprof.profiler import Profiler
     from trainprof.recipe import load_recipe
-    from trainprof.run import seed_everything, train_step
+    from trainprof.distributed import seed_everything
+    from trainprof.run import train_step
 
     recipe = load_recipe(REPO / recipe_path, overrides)
     seed_everything(recipe.train.seed)
