@@ -4,8 +4,10 @@ run, and the ratio of their median times is printed. Not a timed test.
     python scripts/bench_overhead.py --layers 4             # module hooks every step, a ~100 ms step
     python scripts/bench_overhead.py --batch 16 --pairs 150  # a ~400 ms step, as issue 15 measured (goal <= 1.01)
     python scripts/bench_overhead.py --depth 5 --pairs 40  # deeper module level
+    python scripts/bench_overhead.py --device cuda --pairs 20 --json-out OUT.json  # on a GPU (bench_overhead_cuda.py)
     python scripts/bench_overhead.py --breakdown-only      # where the time of one hook goes
     python scripts/bench_overhead.py --in-situ-only        # each piece timed where it runs, inside real steps
+    python scripts/bench_overhead.py --clock thread        # CPU time of this thread: on a busy shared machine
 
 Besides the ratio, it prints the cost per module call in microseconds: (profiled - unprofiled step
 time, median over pairs) / the number of module calls the hooks saw in one step (an upper bound: the
@@ -51,6 +53,9 @@ from trainprof.profiler.core import ANALYSE_BACKLOG_STEPS  # noqa: E402
 from trainprof.recipe import Recipe  # noqa: E402
 
 
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pairs", type=int, default=200,
@@ -58,6 +63,10 @@ def parse_args() -> argparse.Namespace:
                         "+-1%% on a shared 2-core machine)")
     p.add_argument("--depth", type=int, default=4, help="module_depth of the profiler (default 4, the recipe default)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the tiny Llama (default 4)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: the GPU bench of scripts/bench_overhead_cuda.py (llama2-1b and a Llama2-7B LoRA step of "
+                        "the runner; pass --pairs, e.g. 20)")
+    p.add_argument("--json-out", help="with --device cuda: write the result, every pair's times included, as JSON")
     p.add_argument("--breakdown-only", action="store_true", help="print only the per-piece hook breakdown")
     p.add_argument("--in-situ-only", action="store_true",
                    help="print only the in-situ cost of each profiler piece per step (timed inside real steps)")
@@ -66,6 +75,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="micro batch size (default 4, the CPU quickstart's)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="model dtype (default bf16)")
     p.add_argument("--ops-pairs", type=int, default=6, help="pairs for the operator-level figure (default 6)")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="clock of the step times in the ratio rows (the in-situ pieces stay on perf_counter_ns: "
+                        "reading the thread clock is a system call, microseconds on a VM): "
+                        "wall (default): time.perf_counter; thread: time.thread_time, this thread's CPU time, which "
+                        "other processes on a shared machine do not inflate by preempting it (CPU and --threads 1 "
+                        "only: the step's forward, backward and optimizer then all run on this thread)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: on a shared 2-core machine more threads make "
                         "step times swing by 10x and the ratio meaningless)")
@@ -74,7 +89,17 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.clock == "thread" and args.threads != 1:
+        print("bench_overhead: --clock thread needs --threads 1 (other threads' work would not be counted)",
+              file=sys.stderr)
+        sys.exit(2)
+    clock = CLOCKS[args.clock]
     quiet_library_noise()
+    if args.device == "cuda":
+        from bench_overhead_cuda import main_cuda
+
+        main_cuda(args)
+        return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     recipe = Recipe()
@@ -91,18 +116,18 @@ def main() -> None:
         opt.zero_grad()
 
     def plain() -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         train_step()
-        return time.perf_counter() - t0
+        return clock() - t0
 
     def profiled(**kwargs: object) -> Callable[[], float]:
         """A fresh Profiler per step, closed after it: its unprofiled neighbours run with no hooks at all."""
         def run() -> float:
             prof = Profiler(model, optimizer=opt, module_depth=args.depth, **kwargs)
-            t0 = time.perf_counter()
+            t0 = clock()
             with prof.step():
                 train_step()
-            elapsed = time.perf_counter() - t0  # includes the profiler's analysis at step exit
+            elapsed = clock() - t0  # includes the profiler's analysis at step exit
             prof.close()
             return elapsed
         return run
@@ -111,16 +136,16 @@ def main() -> None:
         """One Profiler for every step, as in `trainprof run`, with its journal (steps appended and
         flushed once a second); between its steps the hooks stay installed and return at once."""
         def run() -> float:
-            t0 = time.perf_counter()
+            t0 = clock()
             with prof.step():
                 train_step()
-            return time.perf_counter() - t0
+            return clock() - t0
         return run
 
     for _ in range(5):
         train_step()
     print(f"tiny Llama ({args.layers} layers), batch {args.batch} x seq {args.seq}, {args.dtype}, "
-          f"{torch.get_num_threads()} threads, module_depth {args.depth}")
+          f"{torch.get_num_threads()} threads, module_depth {args.depth}, clock {args.clock}")
     if not args.in_situ_only:
         hook_breakdown(model, args.depth)
     if args.breakdown_only:
@@ -203,7 +228,8 @@ def hook_breakdown(model: torch.nn.Module, depth: int) -> None:
     """Time the pieces of one module call's hooks in isolation (a loop of many invocations each)."""
     import functools
 
-    from trainprof.profiler.log import F_OPEN
+    from trainprof.profiler.hooks import NodeWatch
+    from trainprof.profiler.log import F_OPEN, Event
 
     prof = Profiler(model, optimizer=None, module_depth=depth, flops=False)
     hooks, timer = prof.hooks, prof.timer
@@ -215,8 +241,8 @@ def hook_breakdown(model: torch.nn.Module, depth: int) -> None:
     noop = functools.partial(print)
     pieces = [
         ("timer stamp (timer.now)", timer.now),
-        ("log append (events.append of a tuple)", lambda: events.append((F_OPEN, 3, 0))),
-        ("functools.partial creation", lambda: functools.partial(hooks._on_grad, [0, (1, -1, 1)])),
+        ("log append (events.append of an Event)", lambda: events.append(Event(F_OPEN, 3, 0))),
+        ("functools.partial creation", lambda: functools.partial(hooks._on_grad, NodeWatch(0, 1, []))),
         ("node pre-hook registration (grad_fn.register_prehook)", lambda: x.view_as(x).grad_fn.register_prehook(noop)),
         ("  (x.view_as(x) alone, to subtract)", lambda: x.view_as(x)),
     ]

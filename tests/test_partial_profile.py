@@ -138,3 +138,28 @@ def test_the_journal_writes_at_most_once_an_interval_and_the_rest_at_close(tmp_p
         model(x).sum().backward()
     prof.close()
     assert steps_written() == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_journal_written_before_the_hooks_records_became_classes_still_replays():
+    """tests/data/journal_v2 was written by the code whose hooks logged (code, subject, stamp) tuples
+    (tests/data/scripts/write_journal.py): the on-disk timeline (codes, payloads, ns) is unchanged, so
+    `replay` (what `trainprof report` runs on a killed rank's journal) reads every kind of event in it:
+    forward, backward and recompute windows per module and the data-wait and optimizer regions."""
+    from trainprof.profiler.journal import replay
+    from trainprof.profiler.schema import validate_profile
+
+    doc = replay(REPO / "tests" / "data" / "journal_v2" / "profile.rank0.journal.jsonl")
+    validate_profile(doc)
+    assert doc["partial"] and "after 2 measured steps" in doc["partial_reason"]
+    measured = [s for s in doc["steps"] if not s["warmup"]]
+    assert len(measured) == 2
+    for step in measured:
+        assert abs(sum(step["phases_ms"].values()) + step["unattributed_ms"] - step["wall_ms"]) < 1e-6
+        for phase in ("data_wait", "forward", "backward", "recompute", "optimizer"):
+            assert step["phases_ms"][phase] > 0, (phase, step["phases_ms"])
+        assert 0 <= step["unattributed_ms"] < 0.1 * step["wall_ms"]
+    layers = [m for m in doc["modules"] if m["type"] == "LlamaDecoderLayer"]
+    assert len(layers) == 2
+    for layer in layers:  # checkpointed layers: re-run inside backward once a step
+        assert layer["forward_ms"] > 0 and layer["backward_ms"] > 0 and layer["recompute_ms"] > 0, layer
+        assert layer["calls"] == 1 and layer["recompute_calls"] == 1, layer

@@ -11,7 +11,7 @@ from trainprof.analysis.breakdown import CommEvent, analyze_step, recompute_burs
 from trainprof.analysis.intervals import IntervalSet, label_timeline
 from trainprof.analysis.merge import find_straggler, merge_ranks
 from trainprof.analysis.records import (
-    B_CLOSE, B_OPEN, F_CLOSE, F_OPEN, R_CLOSE, R_OPEN, REGION_CLOSE, REGION_OPEN, ModuleInfo)
+    B_CLOSE, B_OPEN, F_CLOSE, F_OPEN, R_CLOSE, R_OPEN, REGION_CLOSE, REGION_OPEN, Event, ModuleInfo)
 
 
 def test_interval_set_overlap():
@@ -36,13 +36,13 @@ def _infos(parents: list[int]) -> list[ModuleInfo]:
 
 def test_step_partition_closes_and_carves_out_comm_and_recompute():
     # model 0 with children 1 and 2; child 2 is re-run (recompute) inside the backward of the model
-    events = [
+    events = [Event(*e) for e in [
         (REGION_OPEN, "data_wait", 0.0), (REGION_CLOSE, "data_wait", 1.0),
         (F_OPEN, 0, 1.0), (F_OPEN, 1, 1.5), (F_CLOSE, 1, 3.5), (F_OPEN, 2, 3.5), (F_CLOSE, 2, 5.0), (F_CLOSE, 0, 5.0),
         (B_OPEN, 0, 5.2), (B_OPEN, 2, 5.2), (R_OPEN, 2, 5.3), (R_CLOSE, 2, 6.3), (B_CLOSE, 2, 7.3),
         (B_OPEN, 1, 7.3), (B_CLOSE, 1, 9.3), (B_CLOSE, 0, 9.5),
         (REGION_OPEN, "optimizer", 9.6), (REGION_CLOSE, "optimizer", 10.6),
-    ]
+    ]]
     comm = CommEvent(op="all_reduce", nbytes=1024, group_size=2, module=1, is_async=False, issue=2.0, ret=3.0,
                      total_ms=1.0)
     step = analyze_step(events, [comm], wall_ms=11.0, parents=[-1, 0, 0])
@@ -68,8 +68,8 @@ def test_step_partition_closes_and_carves_out_comm_and_recompute():
 
 def test_recompute_burst_is_credited_to_the_rerun_parent():
     # transformers re-runs a layer's forward(), not its __call__: only the children (2, 3) fire
-    events = [(B_OPEN, 1, 0.0), (R_OPEN, 2, 1.0), (R_CLOSE, 2, 2.0), (R_OPEN, 3, 2.2), (R_CLOSE, 3, 3.0),
-              (B_OPEN, 3, 3.1), (B_CLOSE, 3, 4.0), (B_CLOSE, 1, 5.0)]
+    events = [Event(*e) for e in [(B_OPEN, 1, 0.0), (R_OPEN, 2, 1.0), (R_CLOSE, 2, 2.0), (R_OPEN, 3, 2.2),
+                                  (R_CLOSE, 3, 3.0), (B_OPEN, 3, 3.1), (B_CLOSE, 3, 4.0), (B_CLOSE, 1, 5.0)]]
     assert recompute_bursts(events) == [(1.0, 3.0, [2, 3])]
     step = analyze_step(events, [], wall_ms=5.0, parents=[-1, 0, 1, 1])
     assert step.phases_ms["recompute"] == pytest.approx(2.0)  # the glue between the children included
@@ -82,7 +82,7 @@ def test_recompute_burst_is_credited_to_the_rerun_parent():
 def test_async_comm_exposed_is_the_wait_only():
     comm = CommEvent(op="all_gather_into_tensor", nbytes=4096, group_size=4, module=-1, is_async=True, issue=1.0,
                      ret=1.1, waits=[(3.0, 3.5)], total_ms=2.5)
-    step = analyze_step([(F_OPEN, 0, 0.0), (F_CLOSE, 0, 4.0)], [comm], wall_ms=4.0)
+    step = analyze_step([Event(F_OPEN, 0, 0.0), Event(F_CLOSE, 0, 4.0)], [comm], wall_ms=4.0)
     assert step.phases_ms["comm_exposed"] == pytest.approx(0.5)
     assert step.phases_ms["forward"] == pytest.approx(3.5)
     assert step.comm[0]["total_ms"] == 2.5 and step.comm[0]["exposed_ms"] == pytest.approx(0.5)

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainprof.analysis.bandwidth import bandwidth_gbps
-from trainprof.analysis.breakdown import PHASES, CommEvent, ModuleStep, StepBreakdown, analyze_step
+from trainprof.analysis.breakdown import CommEvent, ModuleStep, StepBreakdown, analyze_step
+from trainprof.phases import PIPELINE_PHASES
 from trainprof.analysis.pipeline import step_pipeline
-from trainprof.analysis.records import ModuleInfo
+from trainprof.analysis.records import Event, ModuleInfo
 
 SCHEMA_VERSION = 1
 _TIME_FIELDS = ("forward_ms", "backward_ms", "recompute_ms", "self_forward_ms", "self_backward_ms",
@@ -44,7 +45,7 @@ class StepTimeline:
     """A recorded step as the hooks left it, stamps resolved to ms since the step began: kept until
     `complete_step` analyses it, so the analysis runs after training rather than between its steps."""
 
-    events: list[tuple[int, Any, float]]  # (code, module index or region label, ms), in recording order
+    events: list[Event]  # in recording order, `at` in ms
     comms: list[CommEvent]
     wall_ms: float
     losses: list[float] = field(default_factory=list)  # the micro batches' losses
@@ -229,7 +230,7 @@ def summarize(steps_used: list[StepRecord], all_steps: list[StepRecord], *, flop
                     "max": max(walls) if walls else None},
         "tokens_per_step": _median(tokens) if tokens else None,
         "tokens_per_s": (_median(tokens) / (median_ms / 1e3)) if tokens and median_ms else None,
-        "phases_ms": {p: _median([s.breakdown.phases_ms[p] for s in steps_used]) for p in PHASES},
+        "phases_ms": {p: _median([s.breakdown.phases_ms[p] for s in steps_used]) for p in PIPELINE_PHASES},
         "unattributed_ms": _median([s.breakdown.unattributed_ms for s in steps_used]),
         "unattributed_frac": _median(fracs) if fracs else None,
         "unattributed_frac_max": max(fracs) if fracs else None,
@@ -303,6 +304,6 @@ def rank_entry(rank: int, steps_used: list[StepRecord]) -> dict[str, Any]:
         "rank": rank,
         "step_ms_median": _median(walls),
         "busy_ms_median": _median(busy),
-        "phases_ms": {p: _median([s.breakdown.phases_ms[p] for s in steps_used]) for p in PHASES},
+        "phases_ms": {p: _median([s.breakdown.phases_ms[p] for s in steps_used]) for p in PIPELINE_PHASES},
         "unattributed_ms": _median([s.breakdown.unattributed_ms for s in steps_used]),
     }

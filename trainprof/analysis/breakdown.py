@@ -31,15 +31,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainprof.analysis.intervals import IntervalSet, label_timeline
-from trainprof.analysis.records import MODULE_CLOSE, MODULE_OPEN, R_CLOSE, R_OPEN, REGION_CLOSE, REGION_OPEN
+from trainprof.analysis.records import MODULE_CLOSE, MODULE_OPEN, R_CLOSE, R_OPEN, REGION_CLOSE, REGION_OPEN, Event
+from trainprof.phases import MODULE_PHASES, PIPELINE_PHASES
 
-PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "pipeline_bubble", "other")
 PRIORITY = {"other": 1, "forward": 2, "backward": 2, "optimizer": 3, "data_wait": 4, "recompute": 5,
             "comm_exposed": 6, "pipeline_bubble": 6}  # one thread cannot wait on both at once
-MODULE_KINDS = ("forward", "backward", "recompute")
 
 
-@dataclass
+@dataclass(slots=True, kw_only=True)
 class CommEvent:
     """One collective with its stamps in ms since the step began."""
 
@@ -66,7 +65,7 @@ class CommEvent:
         return list(self.waits)
 
 
-@dataclass
+@dataclass(slots=True, kw_only=True)
 class ModuleStep:
     """One module in one step: own windows summed over its calls (inclusive of children)."""
 
@@ -88,8 +87,10 @@ class ModuleStep:
         return bool(self.calls or self.recompute_calls or self.backward_calls or self.recompute_burst_calls)
 
 
-@dataclass
+@dataclass(slots=True, kw_only=True)
 class StepBreakdown:
+    """One step broken down: its phase partition, closure, module windows and collectives (see the module docstring)."""
+
     wall_ms: float
     phases_ms: dict[str, float]
     unattributed_ms: float
@@ -97,26 +98,27 @@ class StepBreakdown:
     comm: list[dict[str, Any]]
 
 
-def _pair_windows(events: list[tuple[int, Any, float]], wall_ms: float) -> tuple[
+def _pair_windows(events: list[Event], wall_ms: float) -> tuple[
         dict[str, list[tuple[int, float, float]]], list[tuple[float, float, str]]]:
     """Module windows per kind as (module, t0, t1), and phase regions as (t0, t1, label)."""
     open_modules: dict[tuple[str, int], list[float]] = defaultdict(list)
     open_regions: dict[str, list[float]] = defaultdict(list)
-    windows: dict[str, list[tuple[int, float, float]]] = {k: [] for k in MODULE_KINDS}
+    windows: dict[str, list[tuple[int, float, float]]] = {k: [] for k in MODULE_PHASES}
     regions: list[tuple[float, float, str]] = []
-    for code, payload, t in events:
+    for e in events:
+        code, t = e.code, e.at
         if code in MODULE_OPEN:
-            open_modules[(MODULE_OPEN[code], payload)].append(t)
+            open_modules[(MODULE_OPEN[code], e.subject)].append(t)
         elif code in MODULE_CLOSE:
-            stack = open_modules.get((MODULE_CLOSE[code], payload))
+            stack = open_modules.get((MODULE_CLOSE[code], e.subject))
             if stack:
-                windows[MODULE_CLOSE[code]].append((payload, stack.pop(), t))
+                windows[MODULE_CLOSE[code]].append((e.subject, stack.pop(), t))
         elif code == REGION_OPEN:
-            open_regions[payload].append(t)
+            open_regions[e.subject].append(t)
         elif code == REGION_CLOSE:
-            stack = open_regions.get(payload)
+            stack = open_regions.get(e.subject)
             if stack:
-                regions.append((stack.pop(), t, payload))
+                regions.append((stack.pop(), t, e.subject))
     for (kind, mi), stack in open_modules.items():  # never closed (should not happen): clip at step end
         windows[kind].extend((mi, t0, wall_ms) for t0 in stack)
     for label, stack in open_regions.items():
@@ -124,23 +126,24 @@ def _pair_windows(events: list[tuple[int, Any, float]], wall_ms: float) -> tuple
     return windows, regions
 
 
-def recompute_bursts(events: list[tuple[int, Any, float]]) -> list[tuple[float, float, list[int]]]:
+def recompute_bursts(events: list[Event]) -> list[tuple[float, float, list[int]]]:
     """Back-to-back re-run windows merged: (start, end, modules re-run at the outermost level)."""
     bursts: list[tuple[float, float, list[int]]] = []
     depth, start, end, outer = 0, 0.0, 0.0, []
     pending = False  # a burst ended at depth 0; the next event decides whether it continues
-    for code, payload, t in events:
+    for e in events:
+        code = e.code
         if code == R_OPEN:
             if depth == 0:
                 if not pending:
-                    start, outer = t, []
-                outer.append(payload)
+                    start, outer = e.at, []
+                outer.append(e.subject)
             pending = False
             depth += 1
         elif code == R_CLOSE and depth:
             depth -= 1
             if depth == 0:
-                end, pending = t, True
+                end, pending = e.at, True
         elif pending:
             bursts.append((start, end, outer))
             pending = False
@@ -163,12 +166,12 @@ def _common_ancestor(modules: list[int], parents: list[int]) -> int:
     return common[0] if common else 0
 
 
-def analyze_step(events: list[tuple[int, Any, float]], comms: list[CommEvent], wall_ms: float,
+def analyze_step(events: list[Event], comms: list[CommEvent], wall_ms: float,
                  parents: list[int] | None = None) -> StepBreakdown:
     """Break one step down.
 
     Args:
-        events: (code, module index or region label, ms) in recording order, codes from analysis.records.
+        events: the step's timeline in recording order, stamps in ms (analysis.records.Event).
         comms: the step's collectives.
         wall_ms: the step's measured wall time (events lie in [0, wall_ms]).
         parents: parent index per module (-1 for the model), to credit recompute bursts.
@@ -206,7 +209,7 @@ def analyze_step(events: list[tuple[int, Any, float]], comms: list[CommEvent], w
                + [(a, b, "recompute") for a, b, _ in bursts] + list(regions))
     without_comm = label_timeline(labeled, PRIORITY, 0.0, wall_ms)
     segments = label_timeline(labeled + exposed_labeled, PRIORITY, 0.0, wall_ms) if exposed_labeled else without_comm
-    phases = {p: 0.0 for p in PHASES}
+    phases = {p: 0.0 for p in PIPELINE_PHASES}  # pipeline_bubble stays 0 off pipelines
     for a, b, label in segments:
         phases[label] += b - a
     unattributed = wall_ms - sum(phases.values())

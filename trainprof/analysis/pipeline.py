@@ -25,7 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from trainprof.analysis.records import REGION_CLOSE, REGION_OPEN
+from trainprof.analysis.records import ACTION_CLOSE, ACTION_OPEN, REGION_CLOSE, REGION_OPEN, Event
 
 ACTION_KINDS = ("forward", "backward")
 BUBBLE_METHOD = ("time blocked in a point-to-point transfer with a neighbouring stage (the isend/irecv call and "
@@ -84,23 +84,22 @@ class PipelineInfo:
                 "micro_batches": self.micro_batches, "prev_rank": self.prev_rank, "next_rank": self.next_rank}
 
 
-def step_timeline(events: list[tuple[int, Any, float]], waits: list[tuple[float, float, str]]) -> list[list[Any]]:
+def step_timeline(events: list[Event], waits: list[tuple[float, float, str]]) -> list[list[Any]]:
     """One step's intervals on this stage, sorted: [kind, micro batch or None, t0 ms, t1 ms] with kind
     forward | backward (a micro batch's action) | bubble_forward | bubble_backward (blocked on a
     transfer of activations / gradients with a neighbour) | optimizer | comm_exposed (blocked in a
     collective, e.g. the gradient-norm all-reduce across stages inside the optimizer).
 
     Args:
-        events: the step's events in ms (codes from analysis.records; pipeline actions are
-            (ACTION_OPEN | ACTION_CLOSE, (kind, micro batch), ms)).
+        events: the step's events in ms (analysis.records.Event; a pipeline action's subject is
+            (kind, micro batch), a list once read back from a journal).
         waits: (t0, t1, kind) of the blocked intervals, kind bubble_forward | bubble_backward | comm_exposed.
     """
-    from trainprof.analysis.records import ACTION_CLOSE, ACTION_OPEN
-
     out: list[list[Any]] = []
     open_actions: dict[tuple[str, int], float] = {}
     open_optimizer: list[float] = []
-    for code, payload, t in events:
+    for e in events:
+        code, payload, t = e.code, e.subject, e.at
         if code == ACTION_OPEN:
             open_actions[tuple(payload)] = t
         elif code == ACTION_CLOSE and tuple(payload) in open_actions:
@@ -117,7 +116,7 @@ def step_timeline(events: list[tuple[int, Any, float]], waits: list[tuple[float,
     return [[k, mb, round(a, 4), round(b, 4)] for k, mb, a, b in out]
 
 
-def step_pipeline(events: list[tuple[int, Any, float]], comms: list[Any], origin_unix_ns: int | None) -> dict[str, Any]:
+def step_pipeline(events: list[Event], comms: list[Any], origin_unix_ns: int | None) -> dict[str, Any]:
     """What a pipeline stage keeps of one step (StepRecord.pipeline): its timeline, its transfers with
     the neighbours as [op, phase, peer, bytes, issued, first wait began, last wait ended] (ms since the
     step began), and where the step began on the system clock.

@@ -73,7 +73,7 @@ def _refresh_report(args: argparse.Namespace, paths: list[Path]) -> None:
 
 
 def _project(args: argparse.Namespace) -> int:
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
     from trainprof.hardware import CatalogError
     from trainprof.projection.prices import load_prices
     from trainprof.projection.source import ProjectionError
@@ -119,7 +119,7 @@ def _best(args: argparse.Namespace, targets: list[str], prices: dict[str, Any]) 
 
 
 def _tables(args: argparse.Namespace, targets: list[str], prices: dict[str, Any]) -> int:
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
     from trainprof.projection.project import research_tables
     from trainprof.projection.report import render_tables, write_tables_doc
 
@@ -146,7 +146,7 @@ def _print(args: argparse.Namespace, result: dict[str, Any], text: str, paths: l
 def _advice(args: argparse.Namespace) -> int:
     """`--advice`: project each of the advisor's recipe changes; RUN_DIR/projections/advice.json, which
     the run report's "What to change" table reads for its predicted gains."""
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
     from trainprof.io import atomic_write_json
     from trainprof.projection.project import project_advice
     from trainprof.projection.report import PROJECTIONS_DIR
@@ -171,7 +171,7 @@ def _advice(args: argparse.Namespace) -> int:
 
 
 def _hardware(args: argparse.Namespace) -> int:
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
     from trainprof.hardware import CatalogError, load_catalog
 
     try:

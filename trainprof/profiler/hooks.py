@@ -23,38 +23,69 @@ Functions (which would turn in-place ops on module outputs into errors):
     about to run, every open backward whose `pre >= k` is closed. Modules whose inputs need no grad
     (frozen LoRA base, embeddings) close at the next such node or at the end of the graph task (an
     engine callback).
-One node pre-hook (`Node.register_prehook`) per producer node and step carries every action on it, in
-registration order: a module's output is usually the next module's input, so this halves the Python
-calls the engine makes, and an input's close is dropped where the node already closes from a smaller
-value (counter values only grow). Leaves have no producer node: they get a tensor hook. The node
-pre-hooks of a forward are registered together, in one loop, when the outermost profiled call returns
-(`flush`; also when a backward region opens): registered one at a time between the forward's tensor
-ops, each registration found its code and data evicted from the caches by the op before it and cost
-2-3x as much (scripts/bench_overhead.py --in-situ-only). A forward re-run inside backward
-(recomputation) registers at once, since its nodes run right after it. The engine's call on a watched
-node only stamps the time and queues (stamp, actions, graph task); the backward stack is settled from
-that queue in one loop (`settle`) when the graph task ends, and before anything reads the current
-module or appends an event, so the order of the step's events is unchanged. The root module's backward
-opening (the memory meter starts its phase there) and operator-traced steps (whose record_function
-ranges must open live) are settled at once. This gives nested, properly
-ordered backward intervals for calls that run twice, for gradient accumulation (each micro batch has
-its own counter values) and under ZeRO-3's own hooks.
+One node pre-hook (`Node.register_prehook`) per producer node and step carries a `NodeWatch`: the value
+to close from (the first watcher's) and the calls whose backward the node begins, in registration order:
+a module's output is usually the next module's input, so this halves the Python calls the engine makes,
+and a later input's close is dropped since the node already closes from a smaller value (counter values
+only grow). Leaves have no producer node: they get a tensor hook. The node pre-hooks of a forward are
+registered together, in one loop, when the outermost profiled call returns (`flush`; also when a
+backward region opens): registered one at a time between the forward's tensor ops, each registration
+found its code and data evicted from the caches by the op before it and cost 2-3x as much
+(scripts/bench_overhead.py --in-situ-only). A forward re-run inside backward (recomputation) registers
+at once, since its nodes run right after it. The engine's call on a watched node only stamps its
+NodeWatch (time, graph task) and queues it (one stamp per watch: a node runs once per graph task, and a
+task's queue is settled when the task ends); the backward stack is settled from that queue in one loop
+(`settle`) when the graph task ends, and before anything reads the current module or appends an event,
+so the order of the step's events is unchanged. The root module's backward opening (the memory meter
+starts its phase there) and operator-traced steps (whose record_function ranges must open live) are
+settled at once. This gives nested, properly ordered backward intervals for calls that run twice, for
+gradient accumulation (each micro batch has its own counter values) and under ZeRO-3's own hooks.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from trainprof.analysis.records import ModuleInfo
 from trainprof.models import logical_numel
-from trainprof.profiler.log import B_CLOSE, B_OPEN, F_CLOSE, F_OPEN, R_CLOSE, R_OPEN, StepLog
+from trainprof.profiler.log import B_CLOSE, B_OPEN, F_CLOSE, F_OPEN, R_CLOSE, R_OPEN, Event, StepLog
 
 _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled  # bound once: the hooks call these on every module call
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+# The two records below are made on every module call and watched node: built positionally, since a
+# keyword call costs twice as much (scripts/bench_overhead.py); eq=False keeps them compared by identity.
+
+
+@dataclass(slots=True, eq=False)
+class ModuleCall:
+    """One call of a profiled module: on the forward stack while its forward (or its re-run) is open, then
+    on the backward stack from when a watched node begins its backward until that backward closes."""
+
+    module: int  # index into ModuleHooks.modules
+    pre: int  # the counter value its forward pre-hook took; -1 for a sentinel's re-run
+    recompute: bool  # a forward re-run inside backward
+    sentinel: int | None = None  # id() of the module below max_depth whose re-run this records, else None
+    rng: Any = None  # the record_function handle of its open range (forward, then backward) while ops are traced
+    backward_task: int | None = None  # the graph task its backward opened in; None until it opens
+
+
+@dataclass(slots=True, eq=False)
+class NodeWatch:
+    """What happens when the autograd engine is about to run a watched producer node (a leaf's tensor
+    hook: when its grad is ready), see the module docstring."""
+
+    serial: int  # the step that watched it: a hook an earlier step left on a node does nothing
+    close_from: int  # close every open backward whose `pre` is >= this
+    opens: list[ModuleCall]  # the calls whose backward the node begins (its output's modules), in hook order
+    reached_at: Any = None  # the stamp the engine's call took, queued until `settle`
+    task: int = -1  # the graph task that ran it
 
 
 def _local_numel(p: torch.Tensor) -> int:
@@ -165,15 +196,12 @@ class ModuleHooks:
         described = describe_modules(model, max_depth)
         self.modules: list[ModuleInfo] = [info for info, _ in described]
         self.counter = 0
-        # open forward/recompute calls: [mi, pre, is_recompute, range] (+ [id(module)] for a sentinel)
-        self.fstack: list[list[Any]] = []
-        self.bstack: list[list[Any]] = []  # open backward calls: [pre, mi, graph task, range]
-        self.bstate: dict[int, int] = {}  # pre -> 1 open, 2 closed
+        self.forward_stack: list[ModuleCall] = []  # open forward calls and re-runs, innermost last
+        self.backward_stack: list[ModuleCall] = []  # open backwards, `pre` increasing up the stack
         self.callback_tasks: set[int] = set()
-        self.pending: list[tuple[Any, list[Any], int]] = []  # engine calls not yet settled: (stamp, actions, task)
-        # this step's watched producer nodes -> [step serial, (close from, module or -1, pre), ...]
-        self.watched: dict[Any, list[Any]] = {}
-        self.unregistered: list[tuple[Any, list[Any]]] = []  # watched nodes whose pre-hook `flush` registers
+        self.pending: list[NodeWatch] = []  # nodes the engine reached, not yet settled
+        self.watched: dict[Any, NodeWatch] = {}  # this step's watched producer nodes
+        self.unregistered: list[Any] = []  # watched nodes whose pre-hook `flush` registers
         self.serial = 0  # a hook left on a node or leaf by an earlier step does nothing
         self.range_names: list[dict[str, str]] | None = None  # set while operator tracing is on
         self.autocast_dtype: torch.dtype | None = None  # the root forward's autocast dtype, if any
@@ -204,11 +232,11 @@ class ModuleHooks:
         """The innermost open module call and its phase, (-1, None) outside the model."""
         if self.pending:
             self.settle()
-        if self.fstack:
-            top = self.fstack[-1]
-            return top[0], "recompute" if top[2] else "forward"
-        if self.bstack:
-            return self.bstack[-1][1], "backward"
+        if self.forward_stack:
+            top = self.forward_stack[-1]
+            return top.module, "recompute" if top.recompute else "forward"
+        if self.backward_stack:
+            return self.backward_stack[-1].module, "backward"
         return -1, None
 
     def reset_step(self) -> None:
@@ -216,10 +244,9 @@ class ModuleHooks:
         self.watched = {}
         self.unregistered = []
         self.pending = []
-        self.bstate.clear()
         self.callback_tasks.clear()
-        self.fstack.clear()
-        self.bstack.clear()
+        self.forward_stack.clear()
+        self.backward_stack.clear()
 
     def end_step(self) -> None:
         """Settle what the engine reported, then let go of this step's autograd nodes (their saved tensors
@@ -232,16 +259,18 @@ class ModuleHooks:
     def flush(self) -> None:
         """Register the pre-hooks of the nodes watched since the last flush, in one loop (see the module
         docstring); called when the outermost profiled forward call returns and when a backward region opens."""
-        pending = self.unregistered
-        if not pending:
+        nodes = self.unregistered
+        if not nodes:
             return
         self.unregistered = []
+        watched = self.watched
         queue, at_once = self._on_grad, self._on_grad_now
         if self.range_names is not None:  # operator tracing: backward ranges open and close live
             queue = at_once
-        for node, actions in pending:
-            live = any(action[1] == 0 for action in actions[1:])  # the root's backward begins (memory meter)
-            node.register_prehook(functools.partial(at_once if live else queue, actions))
+        for node in nodes:
+            watch = watched[node]
+            live = watch.opens and any(call.module == 0 for call in watch.opens)  # the root's backward (memory meter)
+            node.register_prehook(functools.partial(at_once if live else queue, watch))
 
     def settle(self) -> None:
         """Apply the queued engine calls to the backward stack, in the order the engine made them. The
@@ -250,8 +279,8 @@ class ModuleHooks:
         if not pending:
             return
         self.pending = []
-        for t, actions, task in pending:
-            self._apply(t, actions, task)
+        for watch in pending:
+            self._apply(watch)
 
     def close(self) -> None:
         for handle in self._handles:
@@ -270,12 +299,12 @@ class ModuleHooks:
         recompute = _graph_task_id() != -1
         k = self.counter
         self.counter = k + 1
-        log.events.append((R_OPEN if recompute else F_OPEN, mi, t))
-        rng = None
+        log.events.append(Event(R_OPEN if recompute else F_OPEN, mi, t))
+        call = ModuleCall(mi, k, recompute)
         if self.range_names is not None:
-            rng = torch.ops.profiler._record_function_enter_new(
+            call.rng = torch.ops.profiler._record_function_enter_new(
                 self.range_names[mi]["recompute" if recompute else "forward"], None)
-        self.fstack.append([mi, k, recompute, rng])
+        self.forward_stack.append(call)
         if mi == 0 and not recompute:
             self._count_tokens(args, kwargs)
             self.autocast_dtype = _autocast_dtype()
@@ -286,30 +315,35 @@ class ModuleHooks:
             if kwargs:
                 tensors += _grad_tensors(kwargs)
             if tensors:
-                self._watch(tensors, (k, -1, k))
+                self._watch(tensors, k, None)
                 if recompute:  # a re-run inside backward: its nodes run next
                     self.flush()
         return None
 
     def _post(self, mi: int, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         log = self.log
-        fstack = self.fstack
-        if not log.active or not fstack or fstack[-1][0] != mi or len(fstack[-1]) != 4:
+        forward_stack = self.forward_stack
+        if not log.active or not forward_stack:
+            return None
+        call = forward_stack[-1]
+        if call.module != mi or call.sentinel is not None:  # not this module's call (a sentinel's re-run is open)
             return None
         if self.pending:
             self.settle()
         t = self.now()
-        _, k, recompute, rng = fstack.pop()
-        log.events.append((R_CLOSE if recompute else F_CLOSE, mi, t))
-        if rng is not None:
-            torch.ops.profiler._record_function_exit._RecordFunction(rng)
+        forward_stack.pop()
+        recompute = call.recompute
+        log.events.append(Event(R_CLOSE if recompute else F_CLOSE, mi, t))
+        if call.rng is not None:
+            torch.ops.profiler._record_function_exit._RecordFunction(call.rng)
+            call.rng = None
         post = self.counter
         self.counter = post + 1
         if output is not None and _grad_enabled():
             tensors = _grad_tensors(output)
             if tensors:
-                self._watch(tensors, (post, mi, k))
-        if recompute or not fstack:  # a re-run inside backward (its nodes run next), or the outermost call returned
+                self._watch(tensors, post, call)
+        if recompute or not forward_stack:  # a re-run inside backward (its nodes run next), or the outermost returned
             self.flush()
         if mi == 0 and not recompute and self.on_root is not None:
             self.on_root("forward", False)
@@ -317,22 +351,22 @@ class ModuleHooks:
 
     def _sentinel_pre(self, mi: int, module: torch.nn.Module, args: tuple) -> None:
         """A module below max_depth starts: record only the outermost re-run, under its profiled ancestor."""
-        if not self.log.active or _graph_task_id() == -1 or (self.fstack and self.fstack[-1][2]):
+        if not self.log.active or _graph_task_id() == -1 or (self.forward_stack and self.forward_stack[-1].recompute):
             return None
         if self.pending:
             self.settle()
-        self.log.events.append((R_OPEN, mi, self.now()))
-        self.fstack.append([mi, -1, True, None, id(module)])
+        self.log.events.append(Event(R_OPEN, mi, self.now()))
+        self.forward_stack.append(ModuleCall(mi, -1, True, id(module)))
         return None
 
     def _sentinel_post(self, mi: int, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        stack = self.fstack
-        if not self.log.active or not stack or len(stack[-1]) < 5 or stack[-1][4] != id(module):
+        stack = self.forward_stack
+        if not self.log.active or not stack or stack[-1].sentinel != id(module):
             return None
         stack.pop()
         if self.pending:
             self.settle()
-        self.log.events.append((R_CLOSE, mi, self.now()))
+        self.log.events.append(Event(R_CLOSE, mi, self.now()))
         return None
 
     def _count_tokens(self, args: tuple, kwargs: dict) -> None:
@@ -345,43 +379,50 @@ class ModuleHooks:
 
     # -- backward ----------------------------------------------------------------------------------
 
-    def _watch(self, tensors: list[torch.Tensor], action: tuple[int, int, int]) -> None:
-        """Run `action` = (close from, module to open or -1, its pre) when each tensor's producer node is
-        about to run in backward (see the module docstring)."""
+    def _watch(self, tensors: list[torch.Tensor], close_from: int, call: ModuleCall | None) -> None:
+        """When each tensor's producer node is about to run in backward, close the backwards from
+        `close_from` and begin `call`'s backward (None: a module's inputs, which only close), see the
+        module docstring."""
         watched = self.watched
         for x in tensors:
             node = x.grad_fn
-            if node is None:  # a leaf that requires grad (an input made to require it)
-                x.register_hook(functools.partial(self._on_grad_now, [self.serial, action]))
+            watch = watched.get(node) if node is not None else None
+            if watch is not None:
+                if call is not None:  # a later close is covered by the node's first close_from
+                    watch.opens.append(call)
                 continue
-            actions = watched.get(node)
-            if actions is None:
-                watched[node] = actions = [self.serial, action]
-                self.unregistered.append((node, actions))  # registered by flush() before backward
-            elif action[1] >= 0:  # an open; a close is covered by the node's first action
-                actions.append(action)
+            watch = NodeWatch(self.serial, close_from, [call] if call is not None else [])
+            if node is None:  # a leaf that requires grad (an input made to require it)
+                x.register_hook(functools.partial(self._on_grad_now, watch))
+            else:
+                watched[node] = watch
+                self.unregistered.append(node)  # registered by flush() before backward
 
-    def _on_grad(self, actions: list[Any], grads: Any) -> None:
-        """A watched node is about to run: stamp it and queue its actions for `settle`."""
-        if actions[0] != self.serial or not self.log.active:
+    def _on_grad(self, watch: NodeWatch, grads: Any) -> None:
+        """A watched node is about to run: stamp it and queue it for `settle`."""
+        if watch.serial != self.serial or not self.log.active:
             return None
         task = _graph_task_id()
-        self.pending.append((self.now(), actions, task))
+        watch.reached_at = self.now()
+        watch.task = task
+        self.pending.append(watch)
         if task not in self.callback_tasks:
             self._follow(task)
         return None
 
-    def _on_grad_now(self, actions: list[Any], grads: Any) -> None:
-        """A watched node whose actions must take effect as it runs: the root's, those of an
+    def _on_grad_now(self, watch: NodeWatch, grads: Any) -> None:
+        """A watched node whose effect must be applied as it runs: the root's, those of an
         operator-traced step (see `flush`), and a leaf's tensor hook (rare: an input made to require grad)."""
-        if actions[0] != self.serial or not self.log.active:
+        if watch.serial != self.serial or not self.log.active:
             return None
         if self.pending:
             self.settle()
         task = _graph_task_id()
         if task not in self.callback_tasks:
             self._follow(task)
-        self._apply(self.now(), actions, task)
+        watch.reached_at = self.now()
+        watch.task = task
+        self._apply(watch)
         return None
 
     def _follow(self, task: int) -> None:
@@ -389,48 +430,47 @@ class ModuleHooks:
         self.callback_tasks.add(task)
         _queue_callback(functools.partial(self._graph_task_end, task))
 
-    def _apply(self, t: Any, actions: list[Any], task: int) -> None:
-        """Close the backwards a node's first action closes, then open the modules whose output it
-        produced (their forward hooks ran in this order)."""
-        stack = self.bstack
-        k = actions[1][0]
-        while stack and stack[-1][0] >= k:
+    def _apply(self, watch: NodeWatch) -> None:
+        """Close the backwards the node closes, then open those of the calls whose output it produced
+        (their forward hooks ran in this order), each call's once."""
+        t = watch.reached_at
+        stack = self.backward_stack
+        k = watch.close_from
+        while stack and stack[-1].pre >= k:
             self._pop_backward(t)
-        for i in range(1, len(actions)):
-            _, mi, pre = actions[i]
-            if mi >= 0 and pre not in self.bstate:
-                self._open_backward(mi, pre, t, task)
+        for call in watch.opens:
+            if call.backward_task is None:
+                self._open_backward(call, t, watch.task)
 
-    def _open_backward(self, mi: int, pre: int, t: Any, task: int) -> None:
-        self.bstate[pre] = 1
-        stack = self.bstack
+    def _open_backward(self, call: ModuleCall, t: Any, task: int) -> None:
+        call.backward_task = task
+        stack = self.backward_stack
         # A module returning its child's output (or the same tensor as a sibling) is opened after the
         # child on that node: it goes below the child, keeping `pre` increasing up the stack.
         i = len(stack)
-        while i and stack[i - 1][0] > pre:
+        pre = call.pre
+        while i and stack[i - 1].pre > pre:
             i -= 1
         if self.range_names is not None:
             above = stack[i:]
             for entry in reversed(above):  # ranges must nest: reopen the children inside this one
-                torch.ops.profiler._record_function_exit._RecordFunction(entry[3])
-            rng = torch.ops.profiler._record_function_enter_new(self.range_names[mi]["backward"], None)
+                torch.ops.profiler._record_function_exit._RecordFunction(entry.rng)
+            call.rng = torch.ops.profiler._record_function_enter_new(self.range_names[call.module]["backward"], None)
             for entry in above:
-                entry[3] = torch.ops.profiler._record_function_enter_new(
-                    self.range_names[entry[1]]["backward"], None)
-        else:
-            rng = None
-        stack.insert(i, [pre, mi, task, rng])
-        self.log.events.append((B_OPEN, mi, t))
-        if mi == 0 and self.on_root is not None:
+                entry.rng = torch.ops.profiler._record_function_enter_new(
+                    self.range_names[entry.module]["backward"], None)
+        stack.insert(i, call)
+        self.log.events.append(Event(B_OPEN, call.module, t))
+        if call.module == 0 and self.on_root is not None:
             self.on_root("backward", True)
 
     def _pop_backward(self, t: Any) -> None:
-        pre, mi, _, rng = self.bstack.pop()
-        self.bstate[pre] = 2
-        self.log.events.append((B_CLOSE, mi, t))
-        if rng is not None:
-            torch.ops.profiler._record_function_exit._RecordFunction(rng)
-        if mi == 0 and self.on_root is not None:
+        call = self.backward_stack.pop()
+        self.log.events.append(Event(B_CLOSE, call.module, t))
+        if call.rng is not None:
+            torch.ops.profiler._record_function_exit._RecordFunction(call.rng)
+            call.rng = None
+        if call.module == 0 and self.on_root is not None:
             self.on_root("backward", False)
 
     def _graph_task_end(self, task: int) -> None:
@@ -440,5 +480,5 @@ class ModuleHooks:
         if self.pending:
             self.settle()
         t = self.now()
-        while self.bstack and self.bstack[-1][2] == task:
+        while self.backward_stack and self.backward_stack[-1].backward_task == task:
             self._pop_backward(t)

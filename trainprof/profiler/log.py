@@ -1,6 +1,6 @@
 """The per-step record that hooks append to: module events, phase regions and collectives, each with a
-timer stamp. Appending a tuple is all a hook does on the hot path; the analysis runs when the profiler's
-steps are read (after training, see Profiler.steps)."""
+timer stamp. Appending an Event is all a hook does to the log on the hot path; the analysis runs when the
+profiler's steps are read (after training, see Profiler.steps)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ from trainprof.analysis.records import (  # noqa: F401  (re-exported for the hoo
     R_OPEN,
     REGION_CLOSE,
     REGION_OPEN,
+    Event,
 )
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class CommRecord:
     """One collective call as issued by this rank.
 
@@ -44,12 +45,12 @@ class CommRecord:
     peer: int | None = None  # point-to-point ops: the other rank (global)
 
 
-@dataclass
+@dataclass(slots=True, kw_only=True)
 class StepLog:
     """What one step recorded. `active` gates every hook: outside recorded steps they return at once."""
 
     active: bool = False
-    events: list[tuple[int, Any, Any]] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)  # in recording order
     comms: list[CommRecord] = field(default_factory=list)
     tokens_seen: int = 0  # input_ids elements in root forward calls (recompute excluded)
     seq_len: int | None = None

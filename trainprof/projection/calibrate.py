@@ -203,14 +203,13 @@ def gloo_collectives(world: int = 2, timeout_s: float = 120.0) -> dict[str, Any]
     The ranks are fresh interpreters (`python -m trainprof.projection.calibrate --collective-rank R`),
     so this works from any caller, a REPL or a script read from stdin included."""
     import json
-    import socket
     import subprocess
     import sys
     import tempfile
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from trainprof.distributed import free_port
+
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="trainprof-calibrate-") as tmp:
         out = Path(tmp) / "collectives.json"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -12,8 +12,8 @@ import re
 import statistics
 from typing import Any
 
-PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other")
-COMPUTE_PHASES = ("forward", "backward", "recompute")
+from trainprof.phases import MODULE_PHASES as COMPUTE_PHASES
+from trainprof.phases import PHASES
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # operators whose time is GEMM or attention work (scaled by the matmul rate); the rest is memory-bound
 MATMUL_OPS = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm|matmul|linear|_scaled_mm)$|attention|flash|gemm",

@@ -220,15 +220,15 @@ def probe_engines(recipes: list[Any], *, threads: int, rounds: int = 8, neighbou
 def _probe_engines_main(argv: list[str]) -> int:
     import json
 
-    from trainprof.distributed import init_distributed, seed_everything
-    from trainprof.engines import DistContext, build_engine
+    from trainprof.distributed import DistContext, init_distributed, seed_everything
+    from trainprof.engines import build_engine
     from trainprof.models import resolve_shape
     from trainprof.recipe import load_recipe
 
     rounds, bare, out, *paths = argv
     recipes = [load_recipe(p, ["train.grad_accum=1"]) for p in paths]  # every micro batch a boundary
     ctx = DistContext.from_env()
-    init_distributed(recipes[0], ctx)
+    init_distributed(ctx, engine_kind=recipes[0].engine.kind)
     # the bare models first: one built after a ZeRO-3 engine in the same process runs far slower
     models = {k: bare_model(recipe, ProbeShape.of(recipe), resolve_shape(recipe.model).num_layers)
               for k, recipe in enumerate(recipes)} if bare == "1" else {}
