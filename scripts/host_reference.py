@@ -1,6 +1,7 @@
-"""Print the catalog's `gpu_host_us_per_op` block from the GPU reference runs under profiles/: per engine
-kind and phase, the mean over the runs of a host-bound phase's µs per operator call
-(trainprof/projection/hostref.py), with the runs it came from as the source.
+"""Print the catalog's `gpu_host_us_per_op` and `gpu_optimizer_bytes_per_param` blocks from the GPU
+reference runs under profiles/: per engine kind and phase, the mean over the runs of a host-bound phase's
+µs per operator call, and per engine kind the optimizer kernels' bytes per trainable parameter
+(trainprof/projection/hostref.py), with the runs they came from as the source.
 
     python scripts/host_reference.py            # paste the output into trainprof/hardware.yaml
 """
@@ -33,6 +34,24 @@ def reference_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, dict[s
                    for ph, runs in phases.items()} for kind, phases in found.items()}
 
 
+def optimizer_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, tuple[float, list[str]]]:
+    """engine kind -> (mean bytes per trainable parameter, ['<profile dir>: <bytes>', ...])."""
+    from trainprof.projection.hostref import optimizer_bytes_per_param
+
+    found: dict[str, list[tuple[str, float]]] = {}
+    for path in sorted(profiles_dir.glob("*/profile.json")):
+        cal = path.parent / "calibration.json"
+        profile = json.loads(path.read_text())
+        if profile["env"].get("device_type") != "cuda" or not cal.is_file():
+            continue
+        value = optimizer_bytes_per_param(profile, json.loads(cal.read_text())["memory"]["gbps"])
+        if value is not None:
+            kind = (profile.get("engine") or {}).get("kind") or profile["recipe"]["engine"]["kind"]
+            found.setdefault(kind, []).append((path.parent.name, value))
+    return {kind: (statistics.mean(v for _, v in runs), [f"{d}: {v:.1f}" for d, v in runs])
+            for kind, runs in found.items()}
+
+
 def main() -> int:
     print("gpu_host_us_per_op:")
     for kind, phases in sorted(reference_values().items()):
@@ -40,6 +59,10 @@ def main() -> int:
         for phase, (mean, runs) in phases.items():
             print(f'    {phase}: {{value: {mean:.1f}, source: "mean of host-bound phases, us per operator call '
                   f'(profiles/ {"; ".join(runs)})"}}')
+    print("gpu_optimizer_bytes_per_param:")
+    for kind, (mean, runs) in sorted(optimizer_values().items()):
+        print(f'  {kind}: {{value: {mean:.1f}, source: "mean of the optimizer kernels\' device time x the measured '
+              f'copy bandwidth / trainable parameters (profiles/ {"; ".join(runs)})"}}')
     return 0
 
 

@@ -43,7 +43,7 @@ def test_closure_recomputed_from_the_steps(folder):
 
 @pytest.mark.parametrize("folder", GPU, ids=IDS)
 def test_mfu_recomputed_against_the_catalog_peak(folder):
-    from trainprof.profiler.peaks import dense_peak
+    from trainprof.hardware import dense_peak
 
     doc = load(folder)
     s = doc["summary"]
@@ -157,17 +157,24 @@ def _kind_pairs() -> list[tuple[str, str]]:
             if n.startswith("h100-") and f"h200-{n[5:]}" in names]
 
 
-# PROJECTION API CONTRACT: written against trainprof.projection.project.project(run_dir, targets=[...],
-# gpus_per_node=1, probe=False) as it stands on main 9f45d1b; the projection rewrite adapts this test.
 @pytest.mark.parametrize("source,target", _kind_pairs())
 def test_h100_to_h200_projection_error_of_every_pair_is_the_table_s(source, target):
     """Each recipe measured on both kinds: the H100 folder projected to the H200 reproduces the error that
-    trainprof/projection/validation_gpu.json (and docs/projection.md) state for it."""
+    trainprof/projection/validation_gpu.json (scripts/gpu_validation.py; docs/projection.md) states for it,
+    the prediction cites that table's error and, for a host-bound source, says its confidence is low."""
     from trainprof.projection.project import project
 
     assert (PROFILES / source / "calibration.json").is_file(), f"{source}: no calibration.json to project from"
+    for doc in (load(PROFILES / source), load(PROFILES / target)):
+        # the operator table holds the backward kernels (the CUDA autograd thread's ops), and the
+        # bf16-autocast torch engine's MFU uses the bf16 peak
+        assert sum(r["self_ms"] for r in doc["ops"] if r["phase"] == "backward") > 10
+        assert doc["summary"]["peak"]["key"] == "peak_bf16_dense_tflops"
     out = project(PROFILES / source, targets=["h200"], gpus_per_node=1, probe=False)
     (pred,) = out["predictions"]
+    assert pred["change_kinds"] == ["hardware_gpu"]
+    assert pred["expected_error_pct"] == VALIDATION["by_kind"]["hardware_gpu"]["step_mape_pct"]
+    assert pred["confidence"] == ("low" if pred["host_bound_source"] else "validated")
     measured = load(PROFILES / target)["summary"]["step_ms"]["median"]
     error_pct = (pred["step_ms"] - measured) / measured * 100
     cases = [c for c in VALIDATION["cases"] if c["measured_step_ms"] == pytest.approx(measured, abs=0.05)]

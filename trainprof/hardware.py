@@ -71,6 +71,7 @@ class Catalog:
     latency: dict[str, Any]
     files: list[str]
     host_us_per_op: dict[str, Any] = dataclasses.field(default_factory=dict)  # gpu_host_us_per_op: engine -> phase
+    optimizer_bytes_per_param: dict[str, Any] = dataclasses.field(default_factory=dict)  # engine -> {value, source}
 
     def names(self) -> list[str]:
         return sorted(self.accelerators) + sorted(self.nodes)
@@ -151,7 +152,8 @@ def load_catalog(user_file: str | Path | None = None) -> Catalog:
     return Catalog(accelerators=data["accelerators"], links=data["links"], nodes=data.get("nodes") or {},
                    default_inter_node_link=data.get("default_inter_node_link", "ib-ndr"),
                    latency=data["collective_latency"], files=files,
-                   host_us_per_op=data.get("gpu_host_us_per_op") or {})
+                   host_us_per_op=data.get("gpu_host_us_per_op") or {},
+                   optimizer_bytes_per_param=data.get("gpu_optimizer_bytes_per_param") or {})
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,10 +1,14 @@
-"""Host time per operator call on a GPU machine, from a profile: what a training step's Python, its
-framework and engine hooks, dispatch and kernel launches cost the host per operator call.
+"""Two figures of a GPU training step read from its profile: the host's time per operator call (what a
+step's Python, its framework and engine hooks, dispatch and kernel launches cost the host per call),
+and the bytes the optimizer's kernels move per trainable parameter.
 
 A phase whose kernels ran less than HOST_BOUND_BUSY of its time waited for its host: its time over its
 operator calls is the host's time per call. A device-bound phase hides its host time and gives none.
-The catalog's `gpu_host_us_per_op` holds these figures for the reference runs under profiles/
-(scripts/host_reference.py writes them; tests/test_reference_profiles.py recomputes them).
+The optimizer's kernels (device self time of the traced step) at the machine's measured copy bandwidth
+(calibration.json) give the bytes an engine's Adam moves per trainable parameter on a GPU: fused, multi-
+tensor and per-op implementations differ several-fold from the 28 B of one ideal pass.
+The catalog's `gpu_host_us_per_op` and `gpu_optimizer_bytes_per_param` hold these figures for the
+reference runs under profiles/ (scripts/host_reference.py writes them; tests recompute them).
 """
 
 from __future__ import annotations
@@ -32,3 +36,14 @@ def host_us_per_op(profile: dict[str, Any]) -> dict[str, float | None]:
         if ops.matmul_ms + ops.other_ms < HOST_BOUND_BUSY * phase:
             out[ph] = phase / ops.calls * 1e3
     return out
+
+
+def optimizer_bytes_per_param(profile: dict[str, Any], copy_gbps: float) -> float | None:
+    """Bytes the optimizer phase's kernels moved per trainable parameter, at the measured copy bandwidth
+    (None without a GPU operator trace)."""
+    m = measured_from_profile(profile)
+    ops = (m.ops or {}).get("optimizer") if m.device_type == "cuda" else None
+    trainable = (profile.get("params") or {}).get("trainable")
+    if ops is None or not trainable:
+        return None
+    return (ops.matmul_ms + ops.other_ms) / 1e3 * copy_gbps * 1e9 / trainable

@@ -192,6 +192,9 @@ class Projector:
         if not inputs.target_machine.gemm:
             reasons.setdefault("step_ms", f"{t.machine} lacks a matmul rate or memory bandwidth in the catalog")
         inputs.host_us_per_op = self._gpu_host(notes)
+        ref = self.catalog.optimizer_bytes_per_param.get(t.recipe.engine.kind)
+        if ref:
+            inputs.optimizer_bytes_per_param = (float(ref["value"]), ref["source"])
         if engine_key(src.recipe) != engine_key(t.recipe):
             notes.append(assume("engine_change_other_machine"))
         return inputs

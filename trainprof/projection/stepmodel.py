@@ -30,7 +30,7 @@ import dataclasses
 
 from trainprof.projection.assumptions import Assumption, assume
 from trainprof.projection.comm import CommTarget, Link, exposed_comm
-from trainprof.projection.compute import (EngineProbe, Machine, Parts, StepProbe, adam_pass_ms, combine,
+from trainprof.projection.compute import (ADAM_BYTES_PER_ELEMENT, EngineProbe, Machine, Parts, StepProbe, combine,
                                           engine_scaled, optimizer_ms, per_micro_batch, probed_compute,
                                           rerated_phase)
 from trainprof.projection.gemm import Work
@@ -67,6 +67,7 @@ class Inputs:
     host_us_per_op: dict[str, float] | None = None  # a GPU target from a CPU source: host time per call
     link: Link | None = None
     memory_gbps: float | None = None  # the source machine's measured memory bandwidth
+    optimizer_bytes_per_param: tuple[float, str] | None = None  # a GPU target from a CPU source: its Adam's bytes
 
 
 def predict_phases(m: Measured, change: Change, inputs: Inputs) -> tuple[dict[str, float], list[Assumption]]:
@@ -141,13 +142,7 @@ def _optimizer(m: Measured, change: Change, inputs: Inputs) -> tuple[float, list
     n_s, n_t = change.source_state_elements_per_rank, change.state_elements_per_rank
     dst = inputs.target_machine
     if dst is not None and dst.is_gpu and dst.memory_gbps:
-        # Adam's pass at the target's bandwidth, or the host's operator calls, whichever is longer
-        device = adam_pass_ms(n_t or 0.0, dst.memory_gbps)
-        ops = (m.ops or {}).get("optimizer")
-        host = (inputs.host_us_per_op or {}).get("optimizer")
-        host_ms = ops.calls * host / 1e3 if ops is not None and host else 0.0
-        return max(device, host_ms), [assume("optimizer_rerated", target=dst.name, target_elements=n_t or 0.0,
-                                             memory_gbps=dst.memory_gbps)]
+        return _gpu_optimizer(m, change, inputs, dst)
     probed = inputs.step_probe or (inputs.engine.target_step if inputs.engine is not None else None)
     step_per_rank = change.comm.engine != "deepspeed" or change.comm.zero_stage < 3 or change.world_size == 1
     opt, notes = optimizer_ms(m, source_elements=n_s, target_elements=n_t, memory_gbps=inputs.memory_gbps,
@@ -156,6 +151,27 @@ def _optimizer(m: Measured, change: Change, inputs: Inputs) -> tuple[float, list
     if dst is not None and src is not None and src.memory_gbps and dst.memory_gbps:
         opt *= src.memory_gbps / dst.memory_gbps
     return opt, notes
+
+
+def _gpu_optimizer(m: Measured, change: Change, inputs: Inputs, dst: Machine) -> tuple[float, list[Assumption]]:
+    """The optimizer on a GPU target: the longer of its kernels and the host's operator calls. A GPU
+    source's own optimizer kernels move with the state per rank and the bandwidth (like for like);
+    from a CPU the kernels are the target's state per rank x the bytes its engine's Adam moves per
+    parameter on a GPU (measured on the reference GPUs) over the target's bandwidth."""
+    n_s, n_t = change.source_state_elements_per_rank or 0.0, change.state_elements_per_rank or 0.0
+    ops = (m.ops or {}).get("optimizer")
+    src = inputs.source_machine
+    if m.device_type == "cuda" and ops is not None and src is not None and src.memory_gbps and n_s:
+        device = (ops.matmul_ms + ops.other_ms) * n_t / n_s * src.memory_gbps / dst.memory_gbps
+        note = assume("optimizer_rerated", target=dst.name, target_elements=n_t, memory_gbps=dst.memory_gbps)
+    else:
+        per_param, where = inputs.optimizer_bytes_per_param or (ADAM_BYTES_PER_ELEMENT, "one ideal fp32 Adam pass")
+        device = n_t * per_param / (dst.memory_gbps * 1e9) * 1e3
+        note = assume("optimizer_gpu_bytes", target=dst.name, target_elements=n_t, bytes_per_param=per_param,
+                      source=where, memory_gbps=dst.memory_gbps)
+    host = (inputs.host_us_per_op or {}).get("optimizer")
+    host_ms = ops.calls * host / 1e3 if ops is not None and host else 0.0
+    return max(device, host_ms), [note]
 
 
 def residual_ms(m: Measured, phases: dict[str, float], unattributed: float | None = None) -> float:
