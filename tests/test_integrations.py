@@ -73,6 +73,23 @@ def test_wrap_hf_trainer(tmp_path):
     # the Trainer divides each micro batch's loss by the step's tokens: the recorded loss is the step's
     # (random init over a 256-token vocab: about ln 256 = 5.55)
     assert all(abs(s["loss"] - math.log(256)) < 0.5 for s in profile["steps"])
+    assert_projectable(run_dir, profile, model={"hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
+                                                "num_heads": 4, "vocab_size": 256},
+                       train={"micro_batch_size": 2, "grad_accum": 2}, seq_len=32, engine="torch")
+
+
+def assert_projectable(run_dir: Path, profile: dict, *, model: dict, train: dict, seq_len: int, engine: str) -> None:
+    """The wrapped run recorded what `trainprof project` needs (its shape, engine, batch), and a projection
+    of it to another machine is a prediction, from the rebuilt recipe."""
+    from trainprof.projection.project import project
+
+    w = profile["workload"]
+    assert {k: w["model"][k] for k in model} == model and w["train"] == train and w["data"] == {"seq_len": seq_len}
+    assert w["engine"]["kind"] == engine and w["unknown"] == {}
+    result = project(run_dir, targets=["h100-sxm"], gpus_per_node=1)
+    (pred,) = result["predictions"]
+    assert result["source"]["recipe_origin"] == "workload" and pred["step_ms"] > 0, pred.get("reasons")
+    assert pred["tokens_per_step"] == train["micro_batch_size"] * train["grad_accum"] * seq_len
 
 
 def test_wrap_lightning(tmp_path):
@@ -94,6 +111,9 @@ def test_wrap_deepspeed_zero2_two_ranks(tmp_path):
     assert profile["env"]["world_size"] == 2 and len(profile["ranks"]) == 2
     assert sorted(p.name for p in run_dir.glob("profile.rank*.json")) == ["profile.rank0.json", "profile.rank1.json"]
     assert profile["engine"]["config"]["zero_optimization"]["stage"] == 2
+    assert_projectable(run_dir, profile, model={"hidden_size": 128, "num_layers": 2, "vocab_size": 256},
+                       train={"micro_batch_size": 2, "grad_accum": 2}, seq_len=128, engine="deepspeed")
+    assert profile["workload"]["engine"]["zero_stage"] == 2
     assert any(c["op"] in ("all_reduce", "reduce_scatter", "reduce") or "reduce" in c["op"] for c in profile["comm"]), \
         profile["comm"]
 

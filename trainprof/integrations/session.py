@@ -47,6 +47,7 @@ class ProfileSession:
         self._step_cm = None
         self._other_cm = None
         self._last_end = None  # timer stamp of the previous step's end: the next step's data wait starts there
+        self._shape = None  # the HF model's batch shape and micro batches per step (integrations/workload.py)
         self.finished = False
 
     # -- attaching and steps -----------------------------------------------------------------------
@@ -65,6 +66,10 @@ class ProfileSession:
         kwargs.update(profiler_kwargs)
         self.model = model
         self.prof = Profiler(model, optimizer, **kwargs)
+        from trainprof.integrations.workload import BatchShape, find_llama
+
+        llama = find_llama(model)
+        self._shape = BatchShape(llama) if llama is not None else None  # what `trainprof project` needs
 
     @property
     def in_step(self) -> bool:
@@ -92,6 +97,8 @@ class ProfileSession:
             self._other_cm = None
         cm, self._step_cm = self._step_cm, None
         cm.__exit__(None, None, None)
+        if self._shape is not None:
+            self._shape.step_ended()
         self._last_end = self.prof.timer.now()  # a CUDA event recorded after release() lives until the next step
 
     def mark_data_wait(self, start: Any) -> None:
@@ -155,6 +162,12 @@ class ProfileSession:
         profile = prof.result(env=env)
         profile.update(partial=False, engine={"kind": self.framework, "config": self.engine_config},
                        params=count_params(self.model))
+        from trainprof.integrations.workload import workload
+
+        profile["workload"] = workload(self.model, framework=self.framework, engine_config=self.engine_config,
+                                       shape=self._shape)
+        if self._shape is not None:
+            self._shape.remove()
         profile["summary"]["memory_meter"] = memory_meter(prof.device)
         if prof.rank == 0:
             write_run_files(profile, self.run_dir)

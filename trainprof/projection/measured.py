@@ -93,13 +93,14 @@ def measured_from_profile(profile: dict[str, Any]) -> Measured:
     modules = profile.get("modules") or []
     layers = [m for m in modules if is_decoder_layer(m["name"])]
     states = profile.get("model_state_bytes") or {}
-    dtype_bytes = DTYPE_BYTES.get(profile["recipe"]["model"]["dtype"], 2)
+    recipe = profile.get("recipe") or profile.get("workload") or {}  # a wrapped run records its workload
+    dtype_bytes = DTYPE_BYTES.get(((recipe.get("model") or {}).get("dtype")), 2)
     params = profile.get("params") or {}
     return Measured(
         step_ms=step, phases_ms=phases, unattributed_ms=step - sum(phases.values()),
         flops_by_phase={k: float(v) for k, v in (s.get("flops_by_phase") or {}).items()},
         comm=list(profile.get("comm") or []), world_size=int(profile["env"]["world_size"]),
-        grad_accum=int(profile["recipe"]["train"]["grad_accum"]),
+        grad_accum=int(((recipe.get("train") or {}).get("grad_accum")) or 1),
         optimizer_state_elements=states.get("optimizer_state_elements"),
         peak_memory_bytes=s.get("peak_memory_bytes_max"),
         forward_layers_ms=sum(m["forward_ms"] for m in layers) if layers else None,

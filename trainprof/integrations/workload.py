@@ -1,0 +1,105 @@
+"""What a run profiled in someone else's loop (`trainprof wrap`, the HF / Lightning callbacks) records
+for `trainprof project`: the model's shape, dtype, attention and recomputation, the task (LoRA or QLoRA
+adapters), the engine and its settings, the micro batch, sequence length and gradient accumulation,
+as recipe keys in profile.json's `workload`, and under `unknown` each key it could not read and why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash2"}
+DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+
+
+def find_llama(model: Any) -> Any | None:
+    """The outermost module whose `config` has a decoder's shape (hidden size, layers, heads): the HF
+    model inside a DeepSpeed engine, DDP, peft or a LightningModule."""
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if all(hasattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")):
+            return module
+    return None
+
+
+class BatchShape:
+    """A forward pre-hook on the HF model: the first call's (micro batch, sequence length) and the calls
+    of the first step that counts (its micro batches: the gradient accumulation)."""
+
+    def __init__(self, model: Any) -> None:
+        self.shape: tuple[int, int] | None = None
+        self.calls_in_step = 0
+        self.grad_accum: int | None = None
+        self._handle = model.register_forward_pre_hook(self._pre, with_kwargs=True)
+
+    def _pre(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if self.shape is None and getattr(ids, "dim", lambda: 0)() == 2:
+            self.shape = (int(ids.shape[0]), int(ids.shape[1]))
+        self.calls_in_step += 1
+
+    def step_ended(self) -> None:
+        if self.grad_accum is None and self.calls_in_step:
+            self.grad_accum = self.calls_in_step
+        self.calls_in_step = 0
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def _model_block(llama: Any, model: Any) -> dict[str, Any]:
+    cfg = llama.config
+    param = next(llama.parameters(), None)
+    compute = getattr(cfg, "torch_dtype", None) or getattr(cfg, "dtype", None) or (param.dtype if param is not None else None)
+    return {
+        "name": "custom", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_layers": cfg.num_hidden_layers, "num_heads": cfg.num_attention_heads,
+        "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        "vocab_size": cfg.vocab_size, "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
+        "dtype": DTYPES.get(str(compute), "bf16"),
+        "attention": ATTENTION.get(getattr(cfg, "_attn_implementation", "sdpa") or "sdpa", "sdpa"),
+        "recompute": bool(getattr(llama, "is_gradient_checkpointing", False)),
+    }
+
+
+def _task_block(model: Any) -> dict[str, Any]:
+    peft_config = next((m.peft_config for m in model.modules() if hasattr(m, "peft_config")), None)
+    if not peft_config:
+        return {"kind": "pretrain"}
+    cfg = next(iter(peft_config.values()))
+    quantized = any(type(m).__name__ == "Linear4bit" for m in model.modules())
+    return {"kind": "qlora" if quantized else "lora",
+            "lora": {"r": cfg.r, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
+                     "target_modules": sorted(cfg.target_modules)}}
+
+
+def _engine_block(framework: str, config: dict[str, Any] | None) -> dict[str, Any]:
+    """DeepSpeed's ZeRO stage and offload from its config; anything else runs as PyTorch (DDP on ranks)."""
+    if "deepspeed" not in framework:
+        return {"kind": "torch", "zero_stage": 0, "offload": "none"}
+    zero = (config or {}).get("zero_optimization") or {}
+    device = lambda key: ((zero.get(key) or {}).get("device") or "none")  # noqa: E731
+    offload = "optimizer+params" if device("offload_param") == "cpu" else (
+        "optimizer" if device("offload_optimizer") == "cpu" else "none")
+    return {"kind": "deepspeed", "zero_stage": int(zero.get("stage", 0)), "offload": offload}
+
+
+def workload(model: Any, *, framework: str, engine_config: dict[str, Any] | None,
+             shape: BatchShape | None) -> dict[str, Any]:
+    """The workload block of a wrapped run's profile (recipe keys, and `unknown` with reasons)."""
+    unknown: dict[str, str] = {}
+    out: dict[str, Any] = {"engine": _engine_block(framework, engine_config), "task": _task_block(model)}
+    llama = find_llama(model)
+    if llama is None:
+        unknown["model"] = f"no module of {type(model).__name__} has a decoder config (hidden_size, layers, heads)"
+    else:
+        out["model"] = _model_block(llama, model)
+    if shape is not None and shape.shape is not None:
+        out["train"] = {"micro_batch_size": shape.shape[0], "grad_accum": shape.grad_accum or 1}
+        out["data"] = {"seq_len": shape.shape[1]}
+        if shape.grad_accum is None:
+            unknown["train.grad_accum"] = "no optimizer step finished while the forward was watched; 1 assumed"
+    else:
+        unknown["train.micro_batch_size"] = unknown["data.seq_len"] = (
+            "the model's forward was never called with a 2-D input_ids")
+    return {**out, "unknown": unknown}
