@@ -9,6 +9,7 @@ machine (CUDA, installed packages) live in `check_environment`, called by the ru
 from __future__ import annotations
 
 import dataclasses
+import functools
 import difflib
 import importlib.util
 import types
@@ -241,11 +242,16 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported recipe field type {tp!r} at {key}")  # a bug in this module
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls: type) -> dict[str, Any]:  # resolving the annotations is most of a build's time
+    return typing.get_type_hints(cls)
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
         where = f"section '{prefix}'" if prefix else "the recipe"
         raise RecipeError(f"{where} must be a mapping of keys to values, got {data!r}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
@@ -261,11 +267,16 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 
 
 def leaf_keys(cls: type = Recipe, prefix: str = "") -> dict[str, Any]:
-    """Every dotted leaf key of a recipe dataclass, mapped to its type."""
+    """Every dotted leaf key of a recipe dataclass, mapped to its type (a copy: callers may change it)."""
+    return dict(_leaf_keys(cls, prefix))
+
+
+@functools.lru_cache(maxsize=None)
+def _leaf_keys(cls: type, prefix: str) -> dict[str, Any]:  # the dataclasses do not change: once each
     out: dict[str, Any] = {}
-    for name, tp in typing.get_type_hints(cls).items():
+    for name, tp in _type_hints(cls).items():
         if dataclasses.is_dataclass(tp):
-            out.update(leaf_keys(tp, f"{prefix}{name}."))
+            out.update(_leaf_keys(tp, f"{prefix}{name}."))
         else:
             out[f"{prefix}{name}"] = tp
     return out

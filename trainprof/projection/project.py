@@ -493,11 +493,13 @@ def _plan_flops(recipe: Any, world: int) -> float:
 
 
 def _with_overrides(source: Source, overrides: list[str]) -> Any:
-    from trainprof.recipe import apply_overrides, load_recipe, recipe_from_dict
+    """The source's recipe with `overrides` applied and validated, as `load_recipe` would build it (from the
+    source's own resolved keys: a search builds hundreds of variants, and re-reading the YAML was most of it)."""
+    import copy
 
-    if source.recipe_origin == "recipe.yaml":
-        return load_recipe(source.run_dir / "recipe.yaml", overrides)
-    return recipe_from_dict(apply_overrides(source.recipe.to_dict(), overrides))
+    from trainprof.recipe import apply_overrides, recipe_from_dict
+
+    return recipe_from_dict(apply_overrides(copy.deepcopy(source.recipe.to_dict()), overrides))
 
 
 def _zero_buckets(recipe: Any) -> dict[str, Any]:
