@@ -73,6 +73,9 @@ TEMPLATES: dict[str, str] = {
                            "pass), {scatters} gradient reduce-scatter(s) ({scatter_ms:.2f} ms), {persistent} persistent "
                            "parameter(s) gathered after the step ({after_ms:.2f} ms); prefetched and overlapped with "
                            "the phase's compute: exposed = max(0, comm - compute) per phase"),
+    "comm_fsdp_derived": ("comm: FSDP2's collectives derived from the {mbytes:.4g} MB of parameters over {link}: "
+                          "{units} fully_shard units, each all-gathered before its forward ({gather_ms:.2f} ms a pass)"
+                          "{regather_text} and its fp32 gradients reduce-scattered ({scatter_ms:.2f} ms)"),
     "comm_ddp_derived": ("comm: PyTorch DDP's gradient all_reduce derived from the {mbytes:.3g} MB of fp32 gradients: "
                          "{buckets} bucket(s), all but the last hidden behind the backward; the last ({last_mbytes:.3g} MB), "
                          "launched when the backward ends, blocking: {tail_ms:.2f} ms over {link}"),

@@ -27,9 +27,10 @@ class Tensor:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Census:
-    """Every parameter tensor of the model, in module order."""
+    """Every parameter tensor of the model, in module order, and its decoder-layer count."""
 
     tensors: tuple[Tensor, ...]
+    layers: int
 
     @property
     def total(self) -> int:
@@ -67,7 +68,7 @@ def census(recipe: Any) -> Census:
     layer += [Tensor(numel=h, in_layer=True, trains=not lora)] * 2  # input and post-attention RMSNorm
     embed = Tensor(numel=v * h, in_layer=False, trains=not lora)
     tail = [Tensor(numel=h, in_layer=False, trains=not lora), Tensor(numel=v * h, in_layer=False, trains=not lora)]
-    return Census(tensors=(embed, *(layer * shape.num_layers), *tail))
+    return Census(tensors=(embed, *(layer * shape.num_layers), *tail), layers=shape.num_layers)
 
 
 def zero3_settings(recipe: Any) -> dict[str, int]:

@@ -36,7 +36,8 @@ CHANGE_KINDS: tuple[ChangeKind, ...] = (
     ChangeKind(name="model_size", keys=MODEL_SIZE_KEYS, reshapes=True),
     ChangeKind(name="zero_stage", keys=("engine.zero_stage",), engine=True),
     ChangeKind(name="offload", keys=("engine.offload",), engine=True),
-    ChangeKind(name="engine", keys=("engine.kind",), engine=True),
+    ChangeKind(name="engine", keys=("engine.kind", "engine.reshard_after_forward"), engine=True),
+    ChangeKind(name="compile", keys=("model.compile",), engine=True),
     ChangeKind(name="task", keys=("task.",), engine=True),
 )
 KINDS = {k.name: k for k in CHANGE_KINDS}
@@ -117,6 +118,8 @@ def task_key(recipe: Any) -> str:
                  dataclasses.asdict(t.quant) if t.kind == "qlora" else None))
 
 
-def engine_key(recipe: Any) -> tuple[str, int, str]:
+def engine_key(recipe: Any) -> tuple[Any, ...]:
+    """What decides the engine a probe builds: its kind and settings, and whether the layers are compiled."""
     e = recipe.engine
-    return (e.kind, e.zero_stage if e.kind == "deepspeed" else 0, e.offload if e.kind == "deepspeed" else "none")
+    return (e.kind, e.zero_stage if e.kind == "deepspeed" else 0, e.offload if e.kind in ("deepspeed", "fsdp") else "none",
+            getattr(e, "reshard_after_forward", True) if e.kind == "fsdp" else None, getattr(recipe.model, "compile", False))

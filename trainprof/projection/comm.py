@@ -93,7 +93,8 @@ class CommTarget:
     allgather_bucket_elements: float = 5e8
     overlap_comm: bool = False
     param_groups: int = 2
-    census: Census | None = None  # the target's parameters (ZeRO-3 and model-size changes)
+    census: Census | None = None  # the target's parameters (ZeRO-3, FSDP2 and model-size changes)
+    reshard_after_forward: bool = True  # FSDP2: its gathered parameters are freed after forward
     source_census: Census | None = None
     zero3: dict[str, int] | None = None  # census.zero3_settings of the target
     source_zero3: dict[str, int] | None = None
@@ -118,6 +119,8 @@ def exposed_comm(m: Measured, t: CommTarget, link: Link | None) -> tuple[float, 
         ms, more = _ddp(m, t, link)
     elif t.engine == "deepspeed" and t.zero_stage == 3 and (t.cross_machine or _model_changed(t)):
         ms, more = _zero3(m, t, link)
+    elif t.engine == "fsdp" and (t.cross_machine or _model_changed(t) or t.source_engine != "fsdp"):
+        ms, more = _fsdp(m, t, link)
     else:
         ms, more = _retimed(m, t, link)
     return ms, notes + more
@@ -304,6 +307,36 @@ def _zero3(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumpti
         repeat = ga / m.grad_accum if c["phase"] in ("forward", "backward") else 1.0
         total += calls * link.ms(c["op"], b * elements / calls, n) * frac * repeat
     return total, [note]
+
+
+def _fsdp(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumption]]:
+    """Exposed ms of PyTorch FSDP2's collectives per optimizer step, derived from the target's census: one
+    `fully_shard` unit per decoder layer and one for the root (embedding, final norm, LM head); each unit's
+    parameters all-gathered in the compute dtype before its forward, and again before its backward when
+    reshard_after_forward frees them; its gradients reduce-scattered in fp32 (the MixedPrecisionPolicy's
+    reduce dtype), every micro batch. Another machine: gathers are prefetched and reductions run on
+    their own stream, so each phase exposes what outlasts its compute. The source's machine (gloo): the
+    collectives are synchronous, exposed whole, each with the wait a blocking call of the source had."""
+    if t.census is None:
+        return NAN, [assume("comm_no_wait", why="no parameter census for FSDP2's collectives")]
+    n, b, ga = t.world_size, m.dtype_bytes, t.grad_accum
+    in_layers = sum(x.numel for x in t.census.tensors if x.in_layer)
+    units = [in_layers / max(t.census.layers, 1)] * t.census.layers + [t.census.total - in_layers]
+    gather = sum(link.ms("all_gather_into_tensor", b * u, n) for u in units)
+    trainable_share = t.census.trainable / max(t.census.total, 1)
+    scatter = sum(link.ms("reduce_scatter_tensor", 4 * u * trainable_share, n) for u in units)
+    backward = (gather if t.reshard_after_forward else 0.0) + scatter
+    note = assume("comm_fsdp_derived", units=len(units), mbytes=b * t.census.total / 1e6, link=link.source,
+                  gather_ms=gather, scatter_ms=scatter,
+                  regather_text=" and again before its backward (reshard_after_forward)" if t.reshard_after_forward
+                  else "")
+    if t.cross_machine:
+        compute = t.compute_ms or {}
+        return max(gather * ga - compute.get("forward", 0.0), 0.0) + max(backward * ga - compute.get("backward", 0.0),
+                                                                         0.0), [note]
+    wait, wait_note = in_training_wait(m, n, link)
+    calls = len(units) * (1 + (2 if t.reshard_after_forward else 1)) * ga
+    return (gather + backward) * ga + wait * calls, [note, wait_note]
 
 
 def _zero3_row_share(c: dict[str, Any], src: Any, tgt: Any, b: int) -> tuple[float, float]:

@@ -107,6 +107,7 @@ class Projector:
             trainable_param_bytes=trainable_t * m.dtype_bytes if other_params else None,
             census=tgt_census, source_census=self.source_census,
             zero3=zero3_settings(recipe), source_zero3=zero3_settings(src.recipe),
+            reshard_after_forward=getattr(recipe.engine, "reshard_after_forward", True),
             cross_machine=hardware is not None, **_zero_buckets(recipe))
         change = Change(work=Work.of(recipe), source_work=Work.of(src.recipe), grad_accum=recipe.train.grad_accum,
                         recompute=recipe.model.recompute,
@@ -123,6 +124,10 @@ class Projector:
         if unmodelled:
             reasons["step_ms"] = (f"the step model does not re-derive a change of {', '.join(unmodelled)}: measure "
                                   "a run with it (trainprof.run) and project from that run")
+        elif "compile" in t.kinds and not t.same_machine:
+            reasons["step_ms"] = ("torch.compile's effect is probed on the source's machine only (what inductor "
+                                  "fuses on the target's GPU cannot be derived): project the compile change there, "
+                                  "or measure a compiled run and project that run to other hardware")
 
     # -- inputs on the source's machine -------------------------------------------------------------
 
