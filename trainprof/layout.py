@@ -6,10 +6,11 @@ import datetime as dt
 from pathlib import Path
 
 
-def new_run_dir(parent: str | Path, name: str) -> Path:
-    """Create <parent>/<name>-<UTC timestamp>/ (a suffix -2, -3... when it exists) and return it."""
+def new_run_dir(parent: str | Path, name: str, *, stamp_first: bool = False) -> Path:
+    """Create <parent>/<name>-<UTC timestamp>/ (or <UTC timestamp>-<name>/ with `stamp_first`, so that the
+    folders sort by time) with a suffix -2, -3... when it exists, and return it."""
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    base = Path(parent) / f"{name}-{stamp}"
+    base = Path(parent) / (f"{stamp}-{name}" if stamp_first else f"{name}-{stamp}")
     path, n = base, 1
     while path.exists():
         n += 1

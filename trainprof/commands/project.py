@@ -149,7 +149,7 @@ def _advice(args: argparse.Namespace) -> int:
     from trainprof.errors import UserError
     from trainprof.io import atomic_write_json
     from trainprof.projection.project import project_advice
-    from trainprof.projection.report import PROJECTIONS_DIR
+    from trainprof.report.projections import PROJECTIONS_DIR
     from trainprof.projection.source import ProjectionError
 
     if args.overrides or args.to != "this":

@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.io import atomic_write_json
+from trainprof.report.projections import PROJECTION_FILE, PROJECTIONS_DIR
 from trainprof.phases import PHASES
 from trainprof.report.plots import figure, pyplot, save_figure
 from trainprof.report.tables import Column, fmt_num, fmt_pct, fmt_text, write_tables
 
 GIB = 2**30
-PROJECTIONS_DIR = "projections"  # <run dir>/projections/<UTC stamp>-<label>/: one per `trainprof project` call
 
 
 def _fmt_bytes(x: Any) -> str:
@@ -109,26 +109,26 @@ def label(targets: list[str], overrides: list[str]) -> str:
 
 def new_projection_dir(run_dir: Path, targets: list[str], overrides: list[str]) -> Path:
     """<run dir>/projections/<UTC stamp>-<label>/, never one an earlier call wrote."""
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    base = run_dir / PROJECTIONS_DIR / f"{stamp}-{label(targets, overrides)}"
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    path.mkdir(parents=True)
-    return path
+    from trainprof.layout import new_run_dir
+
+    return new_run_dir(run_dir / PROJECTIONS_DIR, label(targets, overrides), stamp_first=True)
+
+
+def _document(result: dict[str, Any], *, title: str, command: str, header: list[str], cells: list[list[Any]],
+              notes_: list[str]) -> dict[str, Any]:
+    """projection.json: the result with what the run report lists (title, time, command, table, notes)."""
+    return {**result, "title": title, "command": command,
+            "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "table": {"columns": header, "rows": cells}, "notes": notes_}
 
 
 def write_projection(result: dict[str, Any], out_dir: Path, *, title: str, command: str) -> list[Path]:
     """projection.json (with the generic `table` the run report lists), .md, .csv, .html and .png."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cols, table_rows = columns(result), rows(result)
-    doc = {**result, "title": title, "command": command,
-           "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "table": {"columns": [c.header for c in cols],
-                     "rows": [[c.fmt(r.get(c.key)) for c in cols] for r in table_rows]},
-           "notes": notes(result)}
-    atomic_write_json(out_dir / "projection.json", doc)
+    doc = _document(result, title=title, command=command, header=[c.header for c in cols],
+                    cells=[[c.fmt(r.get(c.key)) for c in cols] for r in table_rows], notes_=notes(result))
+    atomic_write_json(out_dir / PROJECTION_FILE, doc)
     image = None
     if any(p["tokens_per_s"] for p in result["predictions"]):
         image = plot_projection(result, out_dir / "projection.png").name
@@ -224,12 +224,9 @@ def _best_notes(result: dict[str, Any]) -> list[str]:
 def write_best(result: dict[str, Any], out_dir: Path, *, command: str) -> list[Path]:
     rows = best_rows(result)
     title = "Best settings per target"
-    doc = {**result, "title": title, "command": command,
-           "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "table": {"columns": [c.header for c in BEST_COLUMNS],
-                     "rows": [[c.fmt(r.get(c.key)) for c in BEST_COLUMNS] for r in rows]},
-           "notes": _best_notes(result)}
-    atomic_write_json(out_dir / "projection.json", doc)
+    doc = _document(result, title=title, command=command, header=[c.header for c in BEST_COLUMNS],
+                    cells=[[c.fmt(r.get(c.key)) for c in BEST_COLUMNS] for r in rows], notes_=_best_notes(result))
+    atomic_write_json(out_dir / PROJECTION_FILE, doc)
     return [out_dir / "projection.json",
             *write_tables(out_dir / "best", rows, BEST_COLUMNS, title=title, intro=[f"Command: `{command}`"],
                           notes=doc["notes"])]
@@ -297,11 +294,9 @@ def write_tables_doc(result: dict[str, Any], out_dir: Path, *, command: str) -> 
 
     atomic_write_text(out_dir / "tables.md", "\n".join(md) + "\n")
     cols, rows = _research_rows(result, "table_iii")
-    doc = {**result, "title": "Zhang et al. Table III, predicted (Tables IV and IX in tables.md)", "command": command,
-           "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "table": {"columns": [c.header for c in cols], "rows": [[r[c.key] for c in cols] for r in rows]},
-           "notes": notes_}
-    atomic_write_json(out_dir / "projection.json", doc)
+    doc = _document(result, title="Zhang et al. Table III, predicted (Tables IV and IX in tables.md)", command=command,
+                    header=[c.header for c in cols], cells=[[r[c.key] for c in cols] for r in rows], notes_=notes_)
+    atomic_write_json(out_dir / PROJECTION_FILE, doc)
     return [out_dir / "projection.json", out_dir / "tables.md", *paths]
 
 

@@ -20,7 +20,7 @@ from trainprof.report.rundir import (RunData, module_label, module_time, report_
 TOP_MODULES = 15
 TOP_OPS = 25
 MiB = 2**20
-ADVICE_FILE = ("projection", "advice.json")  # `trainprof project RUN --advice`: predicted gains of the advice
+ADVICE_FILE = ("projections", "advice.json")  # `trainprof project RUN --advice`: predicted gains of the advice
 
 # Zhang et al.'s (arXiv 2311.03687) Llama2-7B rows: (label, which modules belong to it)
 CATEGORIES: list[tuple[str, Callable[[dict[str, Any]], bool]]] = [
