@@ -124,6 +124,9 @@ class Projector:
         if unmodelled:
             reasons["step_ms"] = (f"the step model does not re-derive a change of {', '.join(unmodelled)}: measure "
                                   "a run with it (trainprof.run) and project from that run")
+        elif "megatron" in (t.recipe.engine.kind, self.source.recipe.engine.kind) and "engine" in t.kinds:
+            reasons["step_ms"] = ("a change to or from Megatron's engine is not derived (its tensor- and pipeline-"
+                                  "parallel collectives and its own kernels): measure a run of the target engine")
         elif "compile" in t.kinds and not t.same_machine:
             reasons["step_ms"] = ("torch.compile's effect is probed on the source's machine only (what inductor "
                                   "fuses on the target's GPU cannot be derived): project the compile change there, "
