@@ -24,7 +24,8 @@ from trainprof.engines import DistContext, build_engine
 from trainprof.models import resolve_shape
 from trainprof.recipe import load_recipe
 from trainprof.env import quiet_library_noise
-from trainprof.run import init_distributed, seed_everything, timed_step
+from trainprof.distributed import init_distributed, seed_everything
+from trainprof.run import timed_step
 
 DEFAULT_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "quickstart_cpu.yaml"
 
@@ -56,7 +57,7 @@ def main() -> int:
     if recipe.engine.kind != "deepspeed":
         sys.exit("bench_loop.py compares against a hand-written DeepSpeed loop: use engine.kind=deepspeed")
     ctx = DistContext.from_env()
-    init_distributed(recipe, ctx)
+    init_distributed(ctx, engine_kind=recipe.engine.kind)
     seed_everything(recipe.train.seed)
     engine = build_engine(recipe, ctx)
     batches = iter(build_loader(recipe, vocab_size=resolve_shape(recipe.model).vocab_size, rank=ctx.rank,

@@ -4,6 +4,7 @@ run, and the ratio of their median times is printed. Not a timed test.
     python scripts/bench_overhead.py --layers 4             # module hooks every step, a ~100 ms step
     python scripts/bench_overhead.py --batch 16 --pairs 150  # a ~400 ms step, as issue 15 measured (goal <= 1.01)
     python scripts/bench_overhead.py --depth 5 --pairs 40  # deeper module level
+    python scripts/bench_overhead.py --device cuda --pairs 20 --json-out OUT.json  # on a GPU (bench_overhead_cuda.py)
     python scripts/bench_overhead.py --breakdown-only      # where the time of one hook goes
     python scripts/bench_overhead.py --in-situ-only        # each piece timed where it runs, inside real steps
     python scripts/bench_overhead.py --clock thread        # CPU time of this thread: on a busy shared machine
@@ -62,6 +63,10 @@ def parse_args() -> argparse.Namespace:
                         "+-1%% on a shared 2-core machine)")
     p.add_argument("--depth", type=int, default=4, help="module_depth of the profiler (default 4, the recipe default)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the tiny Llama (default 4)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: the GPU bench of scripts/bench_overhead_cuda.py (llama2-1b and a Llama2-7B LoRA step of "
+                        "the runner; pass --pairs, e.g. 20)")
+    p.add_argument("--json-out", help="with --device cuda: write the result, every pair's times included, as JSON")
     p.add_argument("--breakdown-only", action="store_true", help="print only the per-piece hook breakdown")
     p.add_argument("--in-situ-only", action="store_true",
                    help="print only the in-situ cost of each profiler piece per step (timed inside real steps)")
@@ -90,6 +95,11 @@ def main() -> None:
         sys.exit(2)
     clock = CLOCKS[args.clock]
     quiet_library_noise()
+    if args.device == "cuda":
+        from bench_overhead_cuda import main_cuda
+
+        main_cuda(args)
+        return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     recipe = Recipe()

@@ -53,11 +53,11 @@ THREAD_CASES = [
 
 
 def run(overrides: list[str], nproc: int, threads: int, out: Path, steps: int) -> Path:
-    from trainprof.commands.run import torchrun_command
+    from trainprof.sweep.launch import torchrun_command
 
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    cmd = torchrun_command(RECIPE, [*COMMON, f"train.steps={steps}", *overrides, f"output.dir={out}"], nproc)
+    cmd = torchrun_command(RECIPE, [*COMMON, f"train.steps={steps}", *overrides, f"output.dir={out}"], nproc=nproc)
     log = out / "launch.log"
     with log.open("w") as f:
         rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

@@ -2,50 +2,179 @@
 # The checks only a GPU can run, in one call (a lent GPU is scarce): the GPU tests, the reference
 # recipe on one GPU (DeepSpeed ZeRO-3 and plain PyTorch), QLoRA's 4-bit base on CUDA, and (with
 # --project) the projection of the ZeRO-3 run to other accelerators, which measures this GPU's
-# calibration (GEMM rate, copy bandwidth) into its run dir.
+# calibration (GEMM rate, copy bandwidth) into its run dir. --megatron: llama2-1b on megatron-core and on
+# DeepSpeed ZeRO-1 at the same micro batch and seq_len, their diff, and the Megatron GPU tests.
 #
-#   bash scripts/gpu_check.sh [--project] [--qlora] [--tests] OUTDIR
+#   bash scripts/gpu_check.sh [--project] [--qlora] [--tests] [--megatron] OUTDIR
 #
 # Run dirs (without their tb/ traces) are packed into OUTDIR/runs.tgz, the log into OUTDIR/gpu_check.log.
 # Missing Python packages can sit as wheels in .whl/ (installed into /tmp/site first).
-set -u
-project=0; qlora=0; tests=0
-while [ $# -gt 1 ]; do
-  case "$1" in --project) project=1;; --qlora) qlora=1;; --tests) tests=1;; *) echo "unknown option $1"; exit 2;; esac
+#
+# The GPU program (issue 27; /work/shared/GPU.md): what a lent GPU machine runs first, one command per
+# part, each within the device tool's 10 minutes (steps that no longer fit are skipped and named):
+#
+#   bash scripts/gpu_wheels.sh                                  # on the CPU machine: .whl/ (14 MiB)
+#   bash scripts/gpu_check.sh --program core OUTDIR             # on the GPU, carry .whl/
+#   bash scripts/gpu_check.sh --program lora OUTDIR             # the same machine, a second command
+#   bash scripts/gpu_check.sh --program core --dry-run OUTDIR   # anywhere: the command list, every recipe loaded
+#
+# Plan per GPU kind (H100 first, then H200; ~15 min of machine time each, start included; the times
+# are estimates until a GPU session writes the measured ones into docs/gpu_program.md):
+#   start of the machine                                                         1-2 min
+#   --program core (<= 9.5 min; in this order, each step skipped when its limit no longer fits):
+#     wheels + versions                                                          ~0.5 min
+#     GPU tests: CUDA-event timer, torch.cuda._sleep ground truth, NVML, infer   ~1.5 min
+#     llama2-1b plain PyTorch, GPU-bound (micro batch 16 x seq 1024)             ~1.5 min
+#     llama2-1b DeepSpeed ZeRO-3, GPU-bound (the same; FusedAdam JIT-built)      ~2.5 min
+#     profiler overhead bench (llama2-1b GPU-bound, Llama2-7B LoRA)              ~2.5 min
+#     llama2-1b ZeRO-3 and plain PyTorch, host-bound (micro batch 8 x seq 350)   what time is left
+#   --program lora (<= 4 min): Llama2-7B LoRA bf16 (ZeRO-2), Llama2-7B QLoRA NF4   ~3.5 min
+# Each kept run leaves OUTDIR/<kind>-<name>/ as profiles/ keeps it: profile.json (CUDA-event profile,
+# NVML telemetry, GPU busy per phase), summary.md, recipe.yaml, calibration.json and the one traced
+# step's Kineto trace (rank0.*.pt.trace.json.gz; no stacks, no shapes), packed as OUTDIR/<kind>-<name>.tgz
+# (the device tool returns 8 files at most); the bench's <kind>-overhead/overhead.json likewise. The log's
+# last lines name every step that failed or was skipped; the exit code is 0 only when none did.
+# The H100 -> H200 projection of the kept pairs runs afterwards on a CPU, from profiles/ (calibration.json).
+
+# the program's options; the rest are the per-part flags parsed below
+program=""; dry_run=0; rest=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --program) program=${2:-}; shift
+      case "$program" in core|lora) ;; *) echo "--program takes core or lora, not '$program'"; exit 2;; esac;;
+    --dry-run) dry_run=1;;
+    *) rest+=("$1");;
+  esac
   shift
 done
-out=${1:?usage: gpu_check.sh [--project] [--qlora] [--tests] OUTDIR}
+set -- ${rest[@]+"${rest[@]}"}
+set -u
+project=0; qlora=0; tests=0; megatron=0
+while [ $# -gt 1 ]; do
+  case "$1" in --project) project=1;; --qlora) qlora=1;; --tests) tests=1;; --megatron) megatron=1;;
+    *) echo "unknown option $1"; exit 2;; esac
+  shift
+done
+out=${1:?usage: gpu_check.sh [--project] [--qlora] [--tests] [--megatron] OUTDIR}
 mkdir -p "$out"
 exec > >(tee "$out/gpu_check.log") 2>&1
+failed=()  # steps that failed or were skipped, listed at the end of the log
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+if [ "$dry_run" = 0 ]; then
 echo "TORCH_CUDA_ARCH_LIST as found: '${TORCH_CUDA_ARCH_LIST:-}'"
 # DeepSpeed 0.19.8's JIT op builder cannot parse arch suffixes ('9.0a': "invalid literal for int() ... '0a'"),
 # which the CUDA image sets; FusedAdam only needs the plain compute capability.
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())") MAX_JOBS=${MAX_JOBS:-16}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export TORCH_CUDA_ARCH_LIST=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+fi
+if [ "$dry_run" = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || failed+=("installing the carried wheels (.whl/)")
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
 fi
 runs=/tmp/trainprof_runs
+[ "$dry_run" = 1 ] && runs=$out/runs
 rm -rf "$runs"; mkdir -p "$runs"
-step() {  # step NAME TIMEOUT_S CMD...: time one step, keep going when it fails
+budget_s=${GPU_CHECK_BUDGET_S:-570}  # the device tool stops a command at 600 s: keep time to pack OUTDIR
+step() {  # step NAME TIMEOUT_S CMD...: time one step, keep going when it fails; skipped when it no longer fits
   local name=$1 limit=$2; shift 2
+  if [ "$dry_run" = 1 ]; then
+    printf '%s\t%s\n' "$name" "$*" >> "$out/commands.tsv"; echo "=== $name (dry run): $*"; return 0
+  fi
+  if [ $((budget_s - SECONDS)) -lt "$limit" ]; then
+    echo "=== $name: skipped, its $limit s no longer fit ($SECONDS s of $budget_s s used)"
+    failed+=("$name: skipped, $SECONDS s of $budget_s s used"); return 0
+  fi
   echo "=== $name ($(date -u +%T))"
   local t0=$SECONDS
   timeout "$limit" "$@"; local rc=$?
   echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+  [ "$rc" = 0 ] || failed+=("$name: rc=$rc after $((SECONDS - t0)) s")
 }
-newest() { ls -td "$runs"/*/ 2>/dev/null | head -1; }
+newest() { if [ "$dry_run" = 1 ]; then echo "$runs/RUN/"; else ls -td "$runs"/*/ 2>/dev/null | head -1; fi; }
 
+if [ "$dry_run" = 0 ]; then
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv
 python3 -c "import torch, transformers, deepspeed; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, torch.cuda.get_device_name())"
+fi
+kind=dry
+[ "$dry_run" = 0 ] && kind=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print tolower($2)}')
+
+# --- the GPU program (issue 27) --------------------------------------------------------------------------
+# what every kept run traces and measures: one traced step (after one discarded Kineto warm-up step), no
+# stacks or shapes (a trace of a few MB), calibration.json for the projection, NVML telemetry (default on)
+KEEP="profile.ops=true profile.ops_steps=1 profile.trace_warmup=1 profile.with_stack=false profile.record_shapes=false \
+profile.trace_gzip=true profile.calibrate=true"
+GPU_BOUND="train.micro_batch_size=16 data.seq_len=1024 train.steps=10"  # = bench_overhead_cuda.py's llama2-1b step
+TORCH="engine.kind=torch engine.zero_stage=0"
+# The device tool brings back at most 8 files of 16 MiB from OUTDIR: each kept folder travels as one
+# archive, OUTDIR/<kind>-NAME.tgz (`tar xzf OUTDIR/<kind>-NAME.tgz -C profiles/` puts it in place).
+kept=/tmp/trainprof_kept
+[ "$dry_run" = 1 ] && kept=$out/kept
+rm -rf "$kept"; mkdir -p "$kept"
+pack() {  # pack NAME: OUTDIR/<kind>-NAME.tgz from $kept/<kind>-NAME/ (without its trace if over 15 MiB)
+  local folder=$kind-$1
+  tar czf "$out/$folder.tgz" -C "$kept" "$folder"
+  if [ "$(stat -c %s "$out/$folder.tgz")" -gt $((15 * 1048576)) ]; then
+    tar czf "$out/$folder.tgz" --exclude='*.pt.trace.json.gz' -C "$kept" "$folder"
+    failed+=("$1: trace left out, the archive was over the 16 MiB a returned file may have")
+  fi
+  echo "--- kept $folder.tgz ($(stat -c %s "$out/$folder.tgz") bytes):"; tar tzvf "$out/$folder.tgz"
+}
+keep() {  # keep NAME RUN_DIR: what profiles/ keeps of the run, packed as OUTDIR/<kind>-NAME.tgz
+  local name=$1 run=$2 dest="$kept/$kind-$1"
+  [ "$dry_run" = 1 ] && return 0
+  if [ ! -f "$run/profile.json" ]; then
+    echo "--- $name: no profile.json in $run, nothing kept"; failed+=("$name: no profile.json"); return 0
+  fi
+  mkdir -p "$dest"
+  cp "$run/profile.json" "$run/summary.md" "$run/recipe.yaml" "$dest/"
+  [ -f "$run/calibration.json" ] && cp "$run/calibration.json" "$dest/"
+  local trace; trace=$(ls "$run"/tb/rank0.*.pt.trace.json.gz 2>/dev/null | head -1)
+  if [ -n "$trace" ]; then cp "$trace" "$dest/"; else failed+=("$name: no trace in $run/tb"); fi
+  pack "$name"
+}
+run_recipe() {  # run_recipe NAME LIMIT_S RECIPE [KEY=VALUE...]: one run on this GPU, kept as <kind>-NAME
+  local name=$1 limit=$2; shift 2
+  local before; before=$(newest)
+  # shellcheck disable=SC2086  # KEEP is a list of overrides
+  step "$name" "$limit" python3 -m torch.distributed.run --nproc_per_node 1 -m trainprof.run "$@" $KEEP output.dir=$runs
+  local after; after=$(newest)
+  if [ "$dry_run" = 1 ] || [ "$after" != "$before" ]; then keep "$name" "$after"; else
+    failed+=("$name: no run dir written"); fi
+}
+program_core() {
+  export TRAINPROF_GPU_TEST_OUT=$runs/gpu_test_steps.json  # into runs.tgz: OUTDIR keeps to 8 files
+  step "GPU tests" 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_profiler_gpu.py \
+    tests/test_profiler_gpu_sleep.py tests/test_telemetry.py tests/test_infer.py
+  # shellcheck disable=SC2086
+  run_recipe llama1b_zero3_sdpa-torch-gpubound 150 recipes/llama1b_zero3_sdpa.yaml $TORCH $GPU_BOUND
+  # shellcheck disable=SC2086
+  run_recipe llama1b_zero3_sdpa-gpubound 240 recipes/llama1b_zero3_sdpa.yaml $GPU_BOUND
+  step "profiler overhead bench" 200 python3 scripts/bench_overhead.py --device cuda --pairs 20 \
+    --json-out "$kept/$kind-overhead/overhead.json"
+  [ -f "$kept/$kind-overhead/overhead.json" ] && pack overhead
+  run_recipe llama1b_zero3_sdpa-hostbound 150 recipes/llama1b_zero3_sdpa.yaml
+  # shellcheck disable=SC2086
+  run_recipe llama1b_zero3_sdpa-torch-hostbound 110 recipes/llama1b_zero3_sdpa.yaml $TORCH
+}
+program_lora() {
+  run_recipe llama7b_lora 120 recipes/llama13b_lora.yaml model.name=llama2-7b train.steps=8
+  run_recipe llama7b_qlora 150 recipes/llama70b_qlora.yaml model.name=llama2-7b train.steps=8
+}
+if [ -n "$program" ]; then
+  tests=0  # the program runs its own GPU tests first
+  "program_$program"
+fi
+# --- end of the GPU program -------------------------------------------------------------------------------
 
 if [ "$tests" = 1 ]; then
   export TRAINPROF_GPU_TEST_OUT=$out/gpu_test_steps.json
   step "GPU tests" 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_profiler_gpu.py tests/test_infer.py
 fi
+if [ -z "$program" ]; then  # the reference recipe once on each engine, as before the program existed
 step "llama1b ZeRO-3 (DeepSpeed, 1 GPU)" 300 \
   python3 -m torch.distributed.run --nproc_per_node 1 -m trainprof.run recipes/llama1b_zero3_sdpa.yaml output.dir=$runs
 zero3=$(newest)
@@ -56,13 +185,45 @@ fi
 step "llama1b plain PyTorch (1 GPU)" 180 \
   python3 -m torch.distributed.run --nproc_per_node 1 -m trainprof.run recipes/llama1b_zero3_sdpa.yaml \
   engine.kind=torch engine.zero_stage=0 output.dir=$runs
+fi
 if [ "$qlora" = 1 ]; then
   step "llama2-7b QLoRA (bitsandbytes 4-bit, ZeRO-2)" 240 \
     python3 -m torch.distributed.run --nproc_per_node 1 -m trainprof.run recipes/llama70b_qlora.yaml \
     model.name=llama2-7b train.steps=8 output.dir=$runs
 fi
+# --- Megatron vs DeepSpeed, one GPU (issue 28; docs/megatron.md) ---------------------------------------
+# megatron-core is not in the GPU image: carry its cp312 wheel in .whl/ (docs/megatron.md says how).
+if [ "$megatron" = 1 ]; then
+  if python3 -c "import megatron.core" 2>/dev/null; then
+    same="train.micro_batch_size=8 data.seq_len=350 model.attention=sdpa model.recompute=false"
+    step "GPU tests: Megatron engine" 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_megatron.py
+    step "llama1b Megatron + distributed optimizer (1 GPU)" 300 \
+      python3 -m torch.distributed.run --nproc_per_node 1 -m trainprof.run recipes/llama1b_megatron.yaml $same output.dir=$runs
+    megatron_run=$(newest)
+    step "llama1b DeepSpeed ZeRO-1 (1 GPU, same micro batch and seq_len)" 300 \
+      python3 -m torch.distributed.run --nproc_per_node 1 -m trainprof.run recipes/llama1b_zero3_sdpa.yaml \
+      engine.zero_stage=1 $same output.dir=$runs
+    deepspeed_run=$(newest)
+    if [ -n "$megatron_run" ] && [ -n "$deepspeed_run" ] && [ "$megatron_run" != "$deepspeed_run" ]; then
+      step "diff DeepSpeed ZeRO-1 -> Megatron" 120 python3 -m trainprof diff "$deepspeed_run" "$megatron_run"
+    fi
+  else
+    echo "=== Megatron steps skipped: megatron-core is not importable (no wheel in .whl/)"
+  fi
+fi
+# --- end of the Megatron block ------------------------------------------------------------------------
+
 for d in "$runs"/*/; do
   echo "--- $d"; head -c 1500 "$d/summary.md" 2>/dev/null; echo
 done
 tar czf "$out/runs.tgz" --exclude=tb --exclude='profile.rank*.json' -C "$runs" .
 ls -la "$out"
+if [ "${#failed[@]}" -gt 0 ]; then
+  echo "=== failed or skipped (${#failed[@]}):"; printf '  %s\n' "${failed[@]}"
+else
+  echo "=== every step passed ($SECONDS s)"
+fi
+if [ "$dry_run" = 1 ]; then  # every command parses, every recipe and override loads, every file exists
+  python3 scripts/gpu_check_commands.py "$out/commands.tsv" || exit 1
+fi
+[ "${#failed[@]}" = 0 ]

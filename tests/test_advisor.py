@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainprof.report.advisor import advise, markdown_lines
+from trainprof.report.advisor import advise, advice_lines
 
 DATA = Path(__file__).parent / "data"
 
@@ -39,7 +39,7 @@ def test_nothing_fires_on_a_quiet_run_and_says_which_checks_ran():
     assert result["advice"] == []
     assert {c["rule"] for c in result["checks"]} == {"data_wait", "comm_exposed", "small_batch", "optimizer_offload",
                                                      "straggler", "memory_headroom"}
-    (line,) = markdown_lines(result)
+    (line,) = advice_lines(result)
     assert line.startswith("Nothing triggered.") and "data_wait (phases_ms.data_wait / step_ms = 1.0%" in line
 
 
@@ -128,9 +128,9 @@ def test_advice_on_a_real_run_dir(tmp_path):
     assert hit["straggler"]["trigger"]["value"] == profile["straggler"]["slower_by_frac"]
 
     from trainprof.report.run_report import write_reports
-    from trainprof.report.summary import write_report
+    from trainprof.report.summary import write_summary
 
-    write_report(profile, run)
+    write_summary(profile, run)
     written = write_reports(run, scalars=False)
     md, html = written["md"].read_text(), written["html"].read_text()
     assert md.index("## The answer") < md.index("## What to change") < md.index("## Run facts")

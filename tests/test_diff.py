@@ -19,7 +19,7 @@ import pytest
 from tests.helpers.checks import retry_on_noise
 from trainprof.analysis.diff import MIN_BAND, NOISE_SAFETY, diff_profiles
 from trainprof.report.diff_report import run_diff, write_diff
-from trainprof.report.summary import CATEGORIES
+from trainprof.report.sections import CATEGORIES
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"

@@ -115,10 +115,10 @@ def test_operator_trace_splits_prefill_and_decode(run) -> None:
     assert ops["batch_size"] == 16
     phases = {(o["module"], o["phase"]) for o in ops["rows"] if o["name"] == "aten::mm" or o["name"] == "aten::addmm"}
     assert ("lm_head", "prefill") in phases and ("lm_head", "decode") in phases
-    (trace,) = list((run_dir / "tb").glob("rank0.*.pt.trace.json.gz"))
+    (trace,) = list((run_dir / "tb" / run_dir.name).glob("rank0.*.pt.trace.json.gz"))  # tb/<run name>/
     names = {e.get("name") for e in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]}
     assert "trainprof::prefill::model.layers.0" in names and "trainprof::decode::model.layers.0" in names
-    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert list((run_dir / "tb" / run_dir.name).glob("events.out.tfevents.*"))
 
 
 def test_decode_cost_flat_in_prompt_length() -> None:

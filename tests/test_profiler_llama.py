@@ -162,7 +162,7 @@ def test_for_recipe_counts_depth_from_the_transformer(tmp_path):
         deepest = max(prof.hooks.modules, key=lambda m: m.depth)
         assert deepest.depth == 5 and deepest.type == "LlamaDecoderLayer"  # 3 below LlamaForCausalLM
         assert prof.warmup_steps == 2 and prof.active_steps == 5 and prof.ops
-        assert prof._op_tracer.trace_dir == tmp_path / "tb"
+        assert prof._op_tracer.trace_dir == tmp_path / "tb" / tmp_path.name  # tb/<run name>/ (layout.tb_run_dir)
         assert prof.recipe["task"]["kind"] == "lora"
 
 

@@ -13,12 +13,13 @@ import pandas as pd
 import psutil
 import pytest
 
+from trainprof.recipe import load_recipe
 from trainprof.sweep.launch import launch
 from trainprof.sweep.maxbatch import search_max_batch
 from trainprof.sweep.outcome import failure_record, metrics_row
 from trainprof.sweep.scaling import PARTS, analyze, comm_rows, strong_overrides
 from trainprof.sweep.spec import SweepError, load_sweep
-from trainprof.sweep.tables import Column, fmt_num, write_tables
+from trainprof.report.tables import Column, fmt_num, write_tables
 
 from conftest import QUICKSTART, REPO
 
@@ -44,11 +45,20 @@ def test_shipped_sweeps_validate_and_open_with_their_command():
         assert first.startswith("# trainprof ") and first.endswith(f"recipes/sweeps/{path.name}"), path
         sweep = load_sweep(path, check_machine=False)  # GPU sweeps validate on a laptop too
         assert sweep.cells, path
-        if path.stem.endswith("_gpu"):  # every GPU table has a CPU version that runs here
+        if path.stem.endswith("_gpu") and _trains_megatron(path):  # megatron-core trains on CUDA only:
+            with pytest.raises(SweepError, match="'engine.kind': megatron trains on a CUDA GPU only"):
+                load_sweep(path, check_machine=True, cuda_available=False)  # no CPU twin; a CPU refuses it
+        elif path.stem.endswith("_gpu"):  # every other GPU table has a CPU version that runs here
             assert path.stem[: -len("_gpu")] + "_cpu" in names, f"{path.name} has no _cpu twin"
     for path in SWEEPS:
         if path.stem.endswith("_cpu"):
             load_sweep(path, check_machine=True, cuda_available=False)
+
+
+def _trains_megatron(path: Path) -> bool:
+    """Whether a sweep file has a cell on engine.kind megatron."""
+    sweep = load_sweep(path, check_machine=False)
+    return any(load_recipe(c.recipe_path, c.overrides).engine.kind == "megatron" for c in sweep.cells)
 
 
 def test_matrix_crossed_with_cells_in_order_with_stable_ids(tmp_path):
@@ -289,7 +299,7 @@ def test_launch_timeout_kills_the_whole_tree(tmp_path):
 
 
 def test_multi_node_cells_use_srun_inside_slurm_only(monkeypatch):
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
     from trainprof.sweep.launch import torchrun_command
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)

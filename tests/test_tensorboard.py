@@ -45,7 +45,8 @@ def test_scalars_of_a_run_dir_without_phases(tmp_path):
     path = write_tensorboard_scalars(profile, tmp_path / "old")
     again = write_tensorboard_scalars(profile, tmp_path / "old")  # replaces, does not add a second file
     assert not path.exists() or path == again
-    assert len(list((tmp_path / "old" / "tb").glob("events.out.tfevents.*"))) == 1
+    assert len(list((tmp_path / "old" / "tb").rglob("events.out.tfevents.*"))) == 1
+    assert path.parent == tmp_path / "old" / "tb" / "old"  # tb/<run name>/: TensorBoard lists the run by name
 
 
 def test_several_runs_are_served_as_named_runs(tmp_path):
@@ -57,7 +58,12 @@ def test_several_runs_are_served_as_named_runs(tmp_path):
         assert (logdir / "a").resolve() == (tmp_path / "a" / "tb").resolve()
     finally:
         shutil.rmtree(tmp)
-    assert logdir_for([RUN]) == (RUN / "tb", None)
+    # one run whose traces sit directly in tb/ (written before tb/<run name>/) is linked under its name too
+    logdir, tmp = logdir_for([RUN])
+    try:
+        assert [p.name for p in logdir.iterdir()] == ["zero3_2rank"] and tmp == logdir
+    finally:
+        shutil.rmtree(tmp)
 
 
 def _get(url: str, timeout: float = 30) -> object:
@@ -89,10 +95,10 @@ def test_trainprof_tb_serves_plugin_views_and_scalars_then_stops(tmp_path):
         assert line.startswith("TensorBoard: http://127.0.0.1:"), line
         base = line.split()[1].split("/#")[0]
         port = int(urllib.parse.urlsplit(base).port)
-        assert _wait_for_runs(base) == ["tb"]
+        assert _wait_for_runs(base) == ["zero3_2rank"]  # the run's name, not `tb`
 
         def q(route: str, **kw: str) -> object:
-            return _get(f"{base}{PLUGIN}/{route}?" + urllib.parse.urlencode({"run": "tb", **kw}))
+            return _get(f"{base}{PLUGIN}/{route}?" + urllib.parse.urlencode({"run": "zero3_2rank", **kw}))
 
         assert {"Overview", "Operator", "Trace"} <= set(q("views"))
         assert q("workers", view="Overview") == ["rank0", "rank1"]  # each rank is a worker
@@ -105,8 +111,8 @@ def test_trainprof_tb_serves_plugin_views_and_scalars_then_stops(tmp_path):
             table = q("operation/table", worker=worker, span=span, group_by="Operation")
             assert any(r["name"] == "aten::mm" and r["calls"] > 0 for r in table["data"])
         tags = _get(f"{base}/data/plugin/scalars/tags")
-        assert "phase/forward_ms" in tags["."] and "phase/comm_exposed_ms" in tags["."]
-        points = _get(f"{base}/data/plugin/scalars/scalars?run=.&tag=phase%2Fbackward_ms")
+        assert "phase/forward_ms" in tags["zero3_2rank"] and "phase/comm_exposed_ms" in tags["zero3_2rank"]
+        points = _get(f"{base}/data/plugin/scalars/scalars?run=zero3_2rank&tag=phase%2Fbackward_ms")
         assert [p[1] for p in points] == [s["step"] for s in PROFILE["steps"] if not s["warmup"]]
     finally:
         proc.send_signal(signal.SIGTERM)  # trainprof tb stops TensorBoard and exits
@@ -114,3 +120,41 @@ def test_trainprof_tb_serves_plugin_views_and_scalars_then_stops(tmp_path):
     assert rc == 0
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "TensorBoard still listening after trainprof tb exited"
+
+
+@pytest.mark.slow
+def test_tensorboard_lists_a_fresh_run_by_its_name(tmp_path):
+    """A run written now keeps its traces and scalars in tb/<run name>/, so `tensorboard --logdir
+    <run>/tb` (the README's command) lists it by name in both the profiler plugin and the scalars."""
+    import torch
+
+    from trainprof.commands.tb import start_tensorboard, stop_tensorboard
+    from trainprof.models import build_model
+    from trainprof.profiler import Profiler
+    from trainprof.recipe import Recipe
+    from trainprof.report.run_report import write_reports
+
+    recipe = Recipe()
+    recipe.model.dtype = "fp32"
+    recipe.profile.ops, recipe.profile.ops_steps, recipe.train.warmup_steps, recipe.train.steps = True, 1, 1, 3
+    run_dir = tmp_path / "quickstart-20260101-000000"
+    torch.manual_seed(0)
+    model = build_model(recipe, device=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, model.config.vocab_size, (1, 32))
+    with Profiler.for_recipe(model, opt, recipe, run_dir=run_dir, device=torch.device("cpu")) as prof:
+        for batch in prof.wrap_loader([{"input_ids": ids, "labels": ids}] * 4):
+            with prof.step():
+                model(**batch).loss.backward()
+                opt.step()
+                opt.zero_grad()
+    prof.save(run_dir, recipe=recipe.to_dict())
+    write_reports(run_dir)
+    assert {p.name for p in (run_dir / "tb").iterdir()} == {run_dir.name}
+    proc, base = start_tensorboard(run_dir / "tb")
+    try:
+        assert _wait_for_runs(base) == [run_dir.name]
+        tags = _get(f"{base}/data/plugin/scalars/tags")
+        assert "phase/forward_ms" in tags[run_dir.name]
+    finally:
+        stop_tensorboard(proc)

@@ -7,6 +7,7 @@ import argparse
 import importlib
 import sys
 
+from trainprof.errors import UserError
 from trainprof.recipe import RecipeError
 from trainprof.report.rundir import RunDirError
 
@@ -16,10 +17,6 @@ COMMANDS = ["trainprof.commands.run", "trainprof.commands.plan", "trainprof.comm
             "trainprof.commands.maxbatch", "trainprof.commands.scale", "trainprof.commands.report",
             "trainprof.commands.diff", "trainprof.commands.tb", "trainprof.commands.project",
             "trainprof.commands.infer", "trainprof.commands.wrap"]
-
-
-class UserError(Exception):
-    """A mistake the user can fix (a path, a value): printed as one line, exit code 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:

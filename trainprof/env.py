@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import platform
-import warnings
 import resource
-from typing import TYPE_CHECKING, Any
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:  # torch is imported where it is used: `trainprof report` should not pay for it
     import torch
@@ -121,6 +123,41 @@ def quiet_library_noise() -> None:
     logging.getLogger("torchao").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=r".* does not implement _stable_hash_for_caching", category=UserWarning)
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # torchao's register_constant() notice
+
+
+@contextlib.contextmanager
+def native_chatter_to(log: Path | None, prefixes: tuple[str, ...] = ("USDT:",)) -> Iterator[None]:
+    """Inside the block, keep native libraries' chatter off the terminal: file descriptor 2 goes to a
+    temp file; afterwards lines starting with one of `prefixes` are appended to `log` (dropped when it
+    is None) and every other line is written back to stderr, so real errors still show.
+
+    Kineto prints `USDT: ... profiler_start` / `profiler_stop` lines from C++ when torch.profiler
+    starts and stops, which breaks the progress bar; its own log level hides errors with them."""
+    import os
+    import sys
+    import tempfile
+
+    marks = tuple(p.encode() for p in prefixes)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines = tmp.read().splitlines(keepends=True)
+            chatter = b"".join(line for line in lines if line.startswith(marks))
+            kept = b"".join(line for line in lines if not line.startswith(marks))
+            if chatter and log is not None:
+                log.parent.mkdir(parents=True, exist_ok=True)
+                with open(log, "ab") as f:
+                    f.write(chatter)
+            if kept:
+                os.write(2, kept)
 
 
 def apply_memory_cap(device: torch.device, cap_gb: float | None) -> None:

@@ -1,4 +1,4 @@
-"""Atomic file writes: a reader (or a crash) never sees half a file."""
+"""Atomic file writes (a reader, or a crash, never sees half a file), and reading back what they hold."""
 
 from __future__ import annotations
 
@@ -43,3 +43,12 @@ def read_yaml(path: str | Path, *, what: str, hint: str, error: type[Exception])
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise error(f"{what} '{path}'{where} is not valid YAML; fix the syntax there") from None
+
+
+def dig(d: Any, *keys: str) -> Any:
+    """d[k1][k2]..., or None where a level is missing or not a dict (documents of any version)."""
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d

@@ -346,6 +346,8 @@ def _flops(recipe: Recipe, shape: LlamaShape, census: dict[str, Any], tokens_per
 def _startup_note(recipe: Recipe, total_params: int) -> str:
     """What building the model costs each process before the engine partitions it."""
     e = recipe.engine
+    if e.kind == "megatron":
+        return "Start-up: each rank builds and initialises only its tensor/pipeline shard, on its GPU."
     if e.kind == "deepspeed" and e.zero_stage == 3 and recipe.model.checkpoint is None:
         return ("Start-up: ZeRO-3 builds the model inside deepspeed.zero.Init, so each process only ever "
                 "holds its partition of the parameters.")
@@ -356,6 +358,11 @@ def _startup_note(recipe: Recipe, total_params: int) -> str:
     full = DTYPE_BYTES[recipe.model.dtype] * total_params
     return (f"Start-up: every process builds the whole model in {recipe.model.dtype} before the engine sees "
             f"it: about {full / GIB:,.1f} GiB per process.")
+
+
+HF_COUNT_NOTE = ("Korthikanti et al.'s eq. 1 is for a GPT layer (4h GeLU MLP, dropout); the HF Llama count adds "
+                 "SwiGLU's I-wide tensors and fp32 RMSNorm copies, matches autograd's saved tensors on CPU within 3% "
+                 "(tests/test_plan.py) and is the one summed into the GPU total.")
 
 
 def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
@@ -376,7 +383,8 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
     census = _census(build_model(dataclasses.replace(recipe, model=meta_model), meta=True), recipe)
     analytic = analytic_params(shape, recipe)
     train, engine = recipe.train, recipe.engine
-    data_parallel = 1 if engine.pipeline_stages > 1 else world_size  # a pipeline's stages share their samples
+    # a pipeline's stages share their samples, and so do Megatron's tensor x pipeline parallel ranks
+    data_parallel = 1 if engine.pipeline_stages > 1 else world_size // (engine.tensor_parallel * engine.pipeline_parallel)
     tokens_per_step = train.micro_batch_size * train.grad_accum * recipe.data.seq_len * data_parallel
     states = _model_states(recipe, census, world_size)
     activations = _activations(recipe, shape)
@@ -387,9 +395,7 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
         "All figures are analytic estimates, not measurements; run the recipe to measure.",
         "GPU total excludes communication buckets, ZeRO-3 gathered layers, allocator fragmentation and "
         "the CUDA context.",
-        "Korthikanti et al.'s eq. 1 is for a GPT layer (4h GeLU MLP, dropout); the HF Llama count adds "
-        "SwiGLU's I-wide tensors and fp32 RMSNorm copies, matches autograd's saved tensors on CPU within 3% "
-        "(tests/test_plan.py) and is the one summed into the GPU total.",
+        HF_COUNT_NOTE,
         _startup_note(recipe, census["total"]),
     ]
     if recipe.task.kind != "pretrain":
@@ -412,7 +418,7 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
                                  + states["per_rank"]["total"]["cpu_bytes"], activations)
         notes.append(f"Pipeline: {engine.pipeline_stages} stages, one per rank and no data parallelism; the per-rank "
                      "rows above are the unsplit model's, the 'pipeline' rows are per stage.")
-    return {
+    plan = {
         "schema_version": PLAN_SCHEMA_VERSION,
         "estimate": True,
         "recipe": {
@@ -440,6 +446,35 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
         "notes": notes,
         **({"pipeline": pipeline} if pipeline is not None else {}),
     }
+    if engine.kind == "megatron":
+        _apply_megatron(plan, recipe, shape, world_size)
+    return plan
+
+
+def _apply_megatron(plan: dict[str, Any], recipe: Recipe, shape: LlamaShape, world_size: int) -> None:
+    """Megatron's accounting in place of the generic one: its split of the parameters over tensor and
+    pipeline ranks, its model-state bytes, Korthikanti's activations with tensor parallelism
+    (trainprof/plan_megatron.py), and selective recomputation's extra FLOPs."""
+    from trainprof.plan_megatron import megatron_plan, recompute_mode
+
+    block = megatron_plan(recipe, shape, world_size)
+    plan["megatron"] = block
+    plan["recipe"].update(block["layout"], distributed_optimizer=recipe.engine.distributed_optimizer is not False,
+                          recompute_mode=recompute_mode(recipe))
+    plan["model_states"].update(per_rank=block["per_rank"], convention=(
+        "Megatron mixed precision (Megatron-Core distributed optimizer guide): 16-bit params, main gradients "
+        "(fp32 for bf16), fp32 master weights + Adam moments; per rank of the fullest pipeline stage"))
+    plan["activations"]["used"] = None  # the HF Llama counts stay for reference; Megatron's are in `megatron`
+    plan["gpu_total_per_rank"] = block["gpu_total_per_rank"]
+    if recompute_mode(recipe) == "selective":
+        attention = 4 * shape.num_layers * shape.num_heads * shape.head_dim * recipe.data.seq_len
+        plan["flops"]["recompute_extra_per_token"] = _figure(
+            attention, "4*L*H*Q*T: the core attention's forward once more (selective recompute)", "flop")
+    plan["notes"].remove(HF_COUNT_NOTE)
+    plan["notes"].append("Megatron: per-rank rows hold this rank's tensor-parallel shard of the fullest pipeline "
+                         "stage; parameter totals above are the whole model's (the same as the HF Llama's). The GPU "
+                         "total sums Korthikanti et al.'s eq. 2 activations (a GPT layer under tensor parallelism), "
+                         "not the HF Llama count shown for reference.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,6 +484,17 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
 
 def _gib(n: int) -> str:
     return f"{n / GIB:,.2f}"
+
+
+def _engine_line(plan: dict[str, Any]) -> str:
+    r = plan["recipe"]
+    batch = f"seq_len {r['seq_len']}, micro batch {r['micro_batch_size']}, grad accum {r['grad_accum']}"
+    if r["engine"] == "megatron":
+        return (f"  megatron tensor {r['tensor_parallel']} x pipeline {r['pipeline_parallel']} x data "
+                f"{r['data_parallel']} ({plan['world_size']} ranks), distributed optimizer "
+                f"{'on' if r['distributed_optimizer'] else 'off'}, recompute {r['recompute_mode']}, {batch}")
+    return (f"  {r['engine']} ZeRO-{r['zero_stage']}, offload {r['offload']}, {plan['world_size']} data-parallel "
+            f"ranks, {batch}")
 
 
 def render_plan(plan: dict[str, Any]) -> str:
@@ -463,8 +509,7 @@ def render_plan(plan: dict[str, Any]) -> str:
     lines = [
         f"Plan (estimates, no training): {r['model']} {r['task']}, {r['dtype']}, attention {r['attention']}, "
         f"recompute {'on' if r['recompute'] else 'off'}",
-        f"  {r['engine']} ZeRO-{r['zero_stage']}, offload {r['offload']}, {plan['world_size']} data-parallel "
-        f"ranks, seq_len {r['seq_len']}, micro batch {r['micro_batch_size']}, grad accum {r['grad_accum']}",
+        _engine_line(plan),
         "",
         f"{'Parameters':<30}{'count':>16}  source",
     ]
@@ -491,9 +536,11 @@ def render_plan(plan: dict[str, Any]) -> str:
             mark = " *" if act["used"] == key and family == "hf_llama" else ""
             fig = act[family][key]
             lines.append(f"  {f'{label}, {who}{mark}':<28}{_gib(fig['value']):>10}  {fig['source']}")
-    lines.append(f"  {'logits + loss *':<28}{_gib(act['logits_loss']['value']):>10}  {act['logits_loss']['source']}")
+    star = " *" if act["used"] is not None else ""  # Megatron plans sum their own activations instead
+    lines.append(f"  {'logits + loss' + star:<28}{_gib(act['logits_loss']['value']):>10}  {act['logits_loss']['source']}")
     total = plan["gpu_total_per_rank"]
-    lines.append(f"{'GPU total per rank':<30}{_gib(total['value']):>10}  {total['source']} (rows marked *)")
+    lines.append(f"{'GPU total per rank':<30}{_gib(total['value']):>10}  {total['source']}"
+                 + (" (rows marked *)" if star else ""))
 
     fl = plan["flops"]
     lines += ["", f"{'Compute':<30}{'value':>16}  source"]
@@ -510,5 +557,9 @@ def render_plan(plan: dict[str, Any]) -> str:
         from trainprof.plan_pipeline import render_pipeline
 
         lines += render_pipeline(plan["pipeline"])
+    if plan.get("megatron"):
+        from trainprof.plan_megatron import render_megatron
+
+        lines += render_megatron(plan["megatron"])
     lines += ["", "Notes"] + [f"  - {n}" for n in plan["notes"]]
     return "\n".join(lines)

@@ -88,12 +88,16 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class EngineConfig:
-    kind: Literal["deepspeed", "torch"] = "deepspeed"  # torch = single process or DDP
+    kind: Literal["deepspeed", "torch", "megatron"] = "deepspeed"  # torch = single process or DDP; megatron = megatron-core GPTModel (CUDA only)
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"  # ZeRO-Offload to CPU
     pipeline_stages: int = 1  # > 1: one pipeline stage per rank (torch.distributed.pipelining, engine.kind torch); must equal the number of ranks
     pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"  # pipeline schedule over train.grad_accum micro batches
     pipeline_layers: list[int] | None = None  # decoder layers per stage, e.g. [3, 1]; None = even split, extra layers to the first stages
+    tensor_parallel: int = 1  # megatron: ranks that split each layer's matrices (Megatron TP); 1 = off
+    pipeline_parallel: int = 1  # megatron: ranks that split the decoder layers (Megatron 1F1B pipeline); 1 = off
+    distributed_optimizer: bool | None = None  # megatron: shard fp32 master weights + Adam states over data-parallel ranks; null = on
+    megatron_recompute: Literal["full", "selective"] | None = None  # megatron, with model.recompute: full = every layer (null), selective = core attention only
 
 
 @dataclass(kw_only=True)
@@ -119,6 +123,7 @@ class ProfileConfig:
     with_stack: bool = False  # Python stack per operator in traces; much larger traces
     trace_gzip: bool = True  # traces as .pt.trace.json.gz (TensorBoard, Perfetto and HTA read them)
     calibrate: bool = True  # after training: matmul, memory and collective microbenchmarks (seconds) -> calibration.json
+    telemetry_period_ms: float = 50.0  # NVML telemetry sampling period on CUDA (clocks, power, PCIe, NVLink); 0 = off
 
 
 @dataclass(kw_only=True)
@@ -384,8 +389,15 @@ def _require(cond: bool, message: str) -> None:
 
 
 def validate(recipe: Recipe) -> None:
-    """Every rule that needs only the recipe (and local paths). Raises RecipeError."""
-    m, t, d, tr, e, o = recipe.model, recipe.task, recipe.data, recipe.train, recipe.engine, recipe.optimizer
+    """Every rule that needs only the recipe (and local paths), in RULES order: the first one broken
+    raises RecipeError naming its key."""
+    for rule in RULES:
+        rule(recipe)
+
+
+def _check_model(recipe: Recipe) -> None:
+    """A known shape (or custom dims that resolve), and a local checkpoint dir when one is named."""
+    m = recipe.model
     _require(
         m.name in SHAPES or m.name == "custom",
         f"recipe key 'model.name': unknown shape {m.name!r}{did_you_mean(m.name, [*SHAPES, 'custom'])}",
@@ -397,7 +409,13 @@ def validate(recipe: Recipe) -> None:
             f"recipe key 'model.checkpoint': '{ckpt}' has no config.json; give a local Hugging Face "
             "checkpoint dir or remove the key for random init",
         )
-    shape = resolve_shape(m)  # raises RecipeError for missing/inconsistent dims
+    resolve_shape(m)  # raises RecipeError for missing/inconsistent dims
+
+
+def _check_data(recipe: Recipe) -> None:
+    """Sequence length within the model's positions; a local text file and tokenizer for source file."""
+    m, d = recipe.model, recipe.data
+    shape = resolve_shape(m)
     _require(d.seq_len >= 2, "recipe key 'data.seq_len' must be >= 2")
     _require(
         d.seq_len <= shape.max_position_embeddings,
@@ -406,44 +424,56 @@ def validate(recipe: Recipe) -> None:
     )
     _require(d.synthetic_pattern_len >= 1, "recipe key 'data.synthetic_pattern_len' must be >= 1")
     _require(d.num_workers >= 0, "recipe key 'data.num_workers' must be >= 0")
-    if d.source == "file":
-        _require(d.path is not None, "recipe key 'data.path' is required when data.source is 'file'")
-        _require(
-            Path(d.path).is_file(),
-            f"recipe key 'data.path': file '{d.path}' not found; give a local .txt or .jsonl file",
-        )
-        _require(
-            Path(d.path).suffix in (".txt", ".jsonl"),
-            f"recipe key 'data.path': '{d.path}' must end in .txt or .jsonl",
-        )
-        tok = d.tokenizer or m.checkpoint
-        _require(
-            tok is not None,
-            "recipe key 'data.tokenizer' is required for data.source 'file' (a local tokenizer dir)",
-        )
-        _require(
-            Path(tok).is_dir(),
-            f"recipe key 'data.tokenizer': '{tok}' is not a local directory; give a local tokenizer dir",
-        )
+    if d.source != "file":
+        return
+    _require(d.path is not None, "recipe key 'data.path' is required when data.source is 'file'")
+    _require(
+        Path(d.path).is_file(),
+        f"recipe key 'data.path': file '{d.path}' not found; give a local .txt or .jsonl file",
+    )
+    _require(
+        Path(d.path).suffix in (".txt", ".jsonl"),
+        f"recipe key 'data.path': '{d.path}' must end in .txt or .jsonl",
+    )
+    tok = d.tokenizer or m.checkpoint
+    _require(
+        tok is not None,
+        "recipe key 'data.tokenizer' is required for data.source 'file' (a local tokenizer dir)",
+    )
+    _require(
+        Path(tok).is_dir(),
+        f"recipe key 'data.tokenizer': '{tok}' is not a local directory; give a local tokenizer dir",
+    )
+
+
+def _check_ranges(recipe: Recipe) -> None:
+    """Counts and sizes within their ranges."""
+    tr, p = recipe.train, recipe.profile
     for key, value, low in (
         ("train.micro_batch_size", tr.micro_batch_size, 1),
         ("train.grad_accum", tr.grad_accum, 1),
         ("train.steps", tr.steps, 1),
         ("train.warmup_steps", tr.warmup_steps, 0),
-        ("profile.module_depth", recipe.profile.module_depth, 0),
-        ("profile.ops_steps", recipe.profile.ops_steps, 1),
-        ("profile.trace_wait", recipe.profile.trace_wait, 0),
-        ("profile.trace_warmup", recipe.profile.trace_warmup, 0),
+        ("profile.module_depth", p.module_depth, 0),
+        ("profile.ops_steps", p.ops_steps, 1),
+        ("profile.trace_wait", p.trace_wait, 0),
+        ("profile.trace_warmup", p.trace_warmup, 0),
+        ("profile.telemetry_period_ms", p.telemetry_period_ms, 0),
     ):
         _require(value >= low, f"recipe key '{key}': {value} is out of range; it must be >= {low}")
     _require(
-        0 <= e.zero_stage <= 3,
-        f"recipe key 'engine.zero_stage': {e.zero_stage} is out of range; use 0, 1, 2 or 3",
+        0 <= recipe.engine.zero_stage <= 3,
+        f"recipe key 'engine.zero_stage': {recipe.engine.zero_stage} is out of range; use 0, 1, 2 or 3",
     )
     _require(
         tr.memory_cap_gb is None or tr.memory_cap_gb > 0,
         f"recipe key 'train.memory_cap_gb': {tr.memory_cap_gb} must be > 0 (or null for no cap)",
     )
+
+
+def _check_optimizer(recipe: Recipe) -> None:
+    """AdamW's settings, and what quantized optimizer states cannot combine with."""
+    o, e, tr = recipe.optimizer, recipe.engine, recipe.train
     _require(o.lr > 0, f"recipe key 'optimizer.lr': {o.lr} must be > 0")
     _require(o.grad_clip >= 0, f"recipe key 'optimizer.grad_clip': {o.grad_clip} must be >= 0 (0 disables)")
     _require(
@@ -451,18 +481,24 @@ def validate(recipe: Recipe) -> None:
         f"recipe key 'optimizer.betas': {o.betas} must be two numbers in [0, 1)",
     )
     _require(o.eps > 0, f"recipe key 'optimizer.eps': {o.eps} must be > 0")
-    if o.state_bits != 32:
-        _require(
-            e.offload == "none",
-            f"recipe key 'optimizer.state_bits': {o.state_bits}-bit states cannot combine with engine.offload="
-            f"{e.offload} (ZeRO-Offload runs DeepSpeed's own fp32 CPU Adam); set optimizer.state_bits=32 or "
-            "engine.offload=none",
-        )
-        _require(
-            tr.warmup_steps >= 1,
-            f"recipe key 'train.warmup_steps': {o.state_bits}-bit optimizer states compile their update on the "
-            "first optimizer step; set train.warmup_steps >= 1 so compilation is not measured",
-        )
+    if o.state_bits == 32:
+        return
+    _require(
+        e.offload == "none",
+        f"recipe key 'optimizer.state_bits': {o.state_bits}-bit states cannot combine with engine.offload="
+        f"{e.offload} (ZeRO-Offload runs DeepSpeed's own fp32 CPU Adam); set optimizer.state_bits=32 or "
+        "engine.offload=none",
+    )
+    _require(
+        tr.warmup_steps >= 1,
+        f"recipe key 'train.warmup_steps': {o.state_bits}-bit optimizer states compile their update on the "
+        "first optimizer step; set train.warmup_steps >= 1 so compilation is not measured",
+    )
+
+
+def _check_engine(recipe: Recipe) -> None:
+    """ZeRO and offload need DeepSpeed; parameter offload needs stage 3."""
+    e = recipe.engine
     if e.kind == "torch":
         _require(
             e.zero_stage == 0,
@@ -485,43 +521,76 @@ def validate(recipe: Recipe) -> None:
             "recipe key 'engine.offload': parameter offload needs ZeRO stage 3; "
             "set engine.zero_stage=3 or engine.offload=optimizer",
         )
-    _validate_pipeline(recipe, shape)
-    if t.kind in ("lora", "qlora"):
-        lo = t.lora
-        _require(lo.r >= 1, f"recipe key 'task.lora.r': {lo.r} must be >= 1")
-        _require(lo.alpha >= 1, f"recipe key 'task.lora.alpha': {lo.alpha} must be >= 1")
-        _require(0 <= lo.dropout < 1, f"recipe key 'task.lora.dropout': {lo.dropout} must be in [0, 1)")
-        known = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-        _require(len(lo.target_modules) > 0, "recipe key 'task.lora.target_modules' must name at least one module")
-        for name in lo.target_modules:
-            _require(
-                name in known,
-                f"recipe key 'task.lora.target_modules': {name!r} is not a Llama linear layer"
-                f"{did_you_mean(name, known)}",
-            )
-    if t.kind == "qlora":
+
+
+def _check_pipeline(recipe: Recipe) -> None:
+    _validate_pipeline(recipe, resolve_shape(recipe.model))
+
+
+def _check_lora(recipe: Recipe) -> None:
+    """Adapter rank, scale, dropout and the Llama linear layers they attach to."""
+    if recipe.task.kind not in ("lora", "qlora"):
+        return
+    lo = recipe.task.lora
+    _require(lo.r >= 1, f"recipe key 'task.lora.r': {lo.r} must be >= 1")
+    _require(lo.alpha >= 1, f"recipe key 'task.lora.alpha': {lo.alpha} must be >= 1")
+    _require(0 <= lo.dropout < 1, f"recipe key 'task.lora.dropout': {lo.dropout} must be in [0, 1)")
+    known = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    _require(len(lo.target_modules) > 0, "recipe key 'task.lora.target_modules' must name at least one module")
+    for name in lo.target_modules:
         _require(
-            e.zero_stage in QLORA_ZERO_STAGES,
-            f"recipe key 'engine.zero_stage': qlora with ZeRO stage {e.zero_stage} is not supported by the "
-            f"installed bitsandbytes/DeepSpeed (4-bit weights cannot be partitioned); use engine.zero_stage "
-            f"in {sorted(QLORA_ZERO_STAGES)}",
+            name in known,
+            f"recipe key 'task.lora.target_modules': {name!r} is not a Llama linear layer"
+            f"{did_you_mean(name, known)}",
         )
+
+
+def _check_qlora(recipe: Recipe) -> None:
+    """4-bit weights cannot be partitioned: only the ZeRO stages that leave them whole."""
+    e = recipe.engine
+    if recipe.task.kind != "qlora":
+        return
+    _require(
+        e.zero_stage in QLORA_ZERO_STAGES,
+        f"recipe key 'engine.zero_stage': qlora with ZeRO stage {e.zero_stage} is not supported by the "
+        f"installed bitsandbytes/DeepSpeed (4-bit weights cannot be partitioned); use engine.zero_stage "
+        f"in {sorted(QLORA_ZERO_STAGES)}",
+    )
+    _require(
+        e.offload == "none" or e.zero_stage in QLORA_ZERO_STAGES,
+        "recipe key 'engine.offload': offload with qlora needs a ZeRO stage qlora supports",
+    )
+
+
+def _check_deepspeed_section(recipe: Recipe) -> None:
+    """The verbatim deepspeed: section may not set what a recipe key derives."""
+    flat = _flatten(recipe.deepspeed) if recipe.deepspeed else {}
+    for ds_key, recipe_key in DEEPSPEED_KEYS_FROM_RECIPE.items():
         _require(
-            e.offload == "none" or e.zero_stage in QLORA_ZERO_STAGES,
-            "recipe key 'engine.offload': offload with qlora needs a ZeRO stage qlora supports",
+            ds_key not in flat,
+            f"recipe key 'deepspeed.{ds_key}' conflicts with '{recipe_key}', which sets it; "
+            f"remove it from the deepspeed section and set {recipe_key}",
         )
-    if recipe.deepspeed:
-        flat = _flatten(recipe.deepspeed)
-        for ds_key, recipe_key in DEEPSPEED_KEYS_FROM_RECIPE.items():
-            _require(
-                ds_key not in flat,
-                f"recipe key 'deepspeed.{ds_key}' conflicts with '{recipe_key}', which sets it; "
-                f"remove it from the deepspeed section and set {recipe_key}",
-            )
+
+
+def _check_output(recipe: Recipe) -> None:
     _require(
         recipe.output.name is None or ("/" not in recipe.output.name and recipe.output.name.strip() != ""),
         f"recipe key 'output.name': {recipe.output.name!r} must be a plain name without '/'",
     )
+
+
+def _check_megatron(recipe: Recipe) -> None:
+    """The Megatron-only keys, and what engine.kind megatron cannot run or split."""
+    _validate_megatron_keys(recipe)
+    if recipe.engine.kind == "megatron":
+        _validate_megatron_combination(recipe)
+        _validate_megatron_split(recipe, resolve_shape(recipe.model))
+
+
+# validate() runs these in order; the first broken rule is the one error the user sees
+RULES = (_check_model, _check_data, _check_ranges, _check_optimizer, _check_engine, _check_pipeline, _check_megatron,
+         _check_lora, _check_qlora, _check_deepspeed_section, _check_output)
 
 
 def _validate_pipeline(recipe: Recipe, shape: LlamaShape) -> None:
@@ -569,8 +638,77 @@ def _validate_pipeline(recipe: Recipe, shape: LlamaShape) -> None:
         )
 
 
+MEGATRON_ONLY_KEYS = ("tensor_parallel", "pipeline_parallel", "distributed_optimizer", "megatron_recompute")
+MEGATRON_KEY_DEFAULTS = {"tensor_parallel": 1, "pipeline_parallel": 1, "distributed_optimizer": None,
+                         "megatron_recompute": None}
+
+
+def _validate_megatron_keys(recipe: Recipe) -> None:
+    """The engine.* keys only the Megatron engine reads: set on another engine, they would be ignored."""
+    e = recipe.engine
+    for key in MEGATRON_ONLY_KEYS:
+        value = getattr(e, key)
+        if key in ("tensor_parallel", "pipeline_parallel"):
+            _require(value >= 1, f"recipe key 'engine.{key}': {value} is out of range; it must be >= 1")
+        _require(
+            e.kind == "megatron" or value == MEGATRON_KEY_DEFAULTS[key],
+            f"recipe key 'engine.{key}': {value!r} is read by engine.kind megatron only (this recipe runs "
+            f"{e.kind}); set engine.kind=megatron or remove engine.{key}",
+        )
+    _require(
+        e.megatron_recompute is None or recipe.model.recompute,
+        f"recipe key 'engine.megatron_recompute': {e.megatron_recompute} picks how model.recompute recomputes; "
+        "set model.recompute=true or remove engine.megatron_recompute",
+    )
+
+
+# What the Megatron engine cannot run: (recipe key, refused?, why and what to do instead)
+def _megatron_refusals(recipe: Recipe) -> list[tuple[str, bool, str]]:
+    e, m = recipe.engine, recipe.model
+    return [
+        ("engine.zero_stage", e.zero_stage != 0, "ZeRO stages are DeepSpeed's; Megatron's counterpart of ZeRO-1 "
+         "is engine.distributed_optimizer; set engine.zero_stage=0"),
+        ("engine.offload", e.offload != "none", "ZeRO-Offload is DeepSpeed's; set engine.offload=none"),
+        ("task.kind", recipe.task.kind != "pretrain", f"{recipe.task.kind} (peft adapters, bitsandbytes 4-bit) "
+         "wraps the Hugging Face model, not Megatron's GPTModel; set task.kind=pretrain or engine.kind=deepspeed"),
+        ("optimizer.state_bits", recipe.optimizer.state_bits != 32, "Megatron runs its own Adam with fp32 "
+         "states; set optimizer.state_bits=32"),
+        ("engine.pipeline_stages", e.pipeline_stages != 1, "is the torch engine's pipeline; Megatron's is "
+         "engine.pipeline_parallel; set engine.pipeline_stages=1"),
+        ("model.attention", m.attention == "flash2", "flash2 is the flash-attn package under transformers; "
+         "Megatron's sdpa runs torch SDPA, whose CUDA flash backend is FlashAttention-2; use model.attention=sdpa"),
+        ("model.checkpoint", m.checkpoint is not None, "a Hugging Face checkpoint does not load into Megatron's "
+         "GPTModel (it needs a weight conversion); remove model.checkpoint for random init"),
+        ("deepspeed", bool(recipe.deepspeed), "the deepspeed section is only read by engine.kind deepspeed; remove it"),
+    ]
+
+
+def _validate_megatron_combination(recipe: Recipe) -> None:
+    """engine.kind megatron with a key only another engine or task supports: one line naming both keys."""
+    for key, refused, why in _megatron_refusals(recipe):
+        _require(not refused, f"recipe key '{key}' with engine.kind megatron: {why}")
+
+
+def _validate_megatron_split(recipe: Recipe, shape: LlamaShape) -> None:
+    """Tensor parallelism splits heads, key/value groups, the MLP width and the vocabulary across ranks;
+    pipeline parallelism splits the decoder layers evenly (megatron-core's default layout)."""
+    tp, pp = recipe.engine.tensor_parallel, recipe.engine.pipeline_parallel
+    for dim in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
+        _require(
+            getattr(shape, dim) % tp == 0,
+            f"recipe key 'engine.tensor_parallel': {tp} does not divide model.{dim} ({getattr(shape, dim)}); "
+            f"pick a tensor_parallel that divides it",
+        )
+    _require(
+        shape.num_layers % pp == 0,
+        f"recipe key 'engine.pipeline_parallel': {pp} does not divide model.num_layers ({shape.num_layers}); "
+        "pick a pipeline_parallel that divides it",
+    )
+
+
 def check_world_size(recipe: Recipe, world_size: int) -> None:
     """Rules that need the number of ranks. Raises RecipeError."""
+    _check_megatron_world_size(recipe, world_size)
     p = recipe.engine.pipeline_stages
     if p > 1:
         _require(
@@ -579,6 +717,20 @@ def check_world_size(recipe: Recipe, world_size: int) -> None:
             f"data parallelism across pipelines), got {world_size}; run {p} ranks (trainprof run --nproc {p}, "
             f"torchrun --nproc_per_node {p}) or set engine.pipeline_stages={world_size}",
         )
+
+
+def _check_megatron_world_size(recipe: Recipe, world_size: int) -> None:
+    """Megatron's ranks form data-parallel replicas of tensor_parallel x pipeline_parallel ranks each."""
+    e = recipe.engine
+    if e.kind != "megatron":
+        return
+    per_replica = e.tensor_parallel * e.pipeline_parallel
+    _require(
+        world_size % per_replica == 0,
+        f"recipe key 'engine.tensor_parallel': tensor_parallel x pipeline_parallel = {per_replica} ranks per model "
+        f"replica does not divide the {world_size} ranks; run a multiple of {per_replica} ranks or lower "
+        "engine.tensor_parallel / engine.pipeline_parallel",
+    )
 
 
 # ZeRO stages under which bitsandbytes 4-bit base weights train with LoRA: stage 3 would partition
@@ -593,6 +745,7 @@ QLORA_ZERO_STAGES = frozenset({0, 1, 2})
 
 def check_environment(recipe: Recipe, *, cuda_available: bool) -> None:
     """Rules that need the machine: CUDA, installed packages. Raises RecipeError."""
+    _check_megatron_environment(recipe, cuda_available=cuda_available)
     m = recipe.model
     if m.attention == "flash2":
         _require(
@@ -631,3 +784,20 @@ def check_environment(recipe: Recipe, *, cuda_available: bool) -> None:
             importlib.util.find_spec("deepspeed") is not None,
             "recipe key 'engine.kind': deepspeed is not installed; pip install deepspeed or set engine.kind=torch",
         )
+
+
+def _check_megatron_environment(recipe: Recipe, *, cuda_available: bool) -> None:
+    """megatron-core trains on CUDA only: its rotary embedding, RNG tracker and gradient buffers call
+    torch.cuda unconditionally (`trainprof plan` still plans a Megatron recipe anywhere)."""
+    if recipe.engine.kind != "megatron":
+        return
+    _require(
+        cuda_available,
+        "recipe key 'engine.kind': megatron trains on a CUDA GPU only (megatron-core calls torch.cuda in its "
+        "rotary embedding and gradient buffers); run it on a GPU machine, or `trainprof plan` it here",
+    )
+    _require(
+        importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None,
+        "recipe key 'engine.kind': megatron needs megatron-core; pip install 'trainprof[megatron]' "
+        "(megatron-core==0.16.1) or set engine.kind=deepspeed",
+    )

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import os
-import random
 import signal
 import sys
 import time
@@ -28,61 +26,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def seed_everything(seed: int) -> None:
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def init_distributed(recipe: Recipe, ctx) -> None:
-    """Join the process group torchrun set up (gloo on CPU, NCCL on GPU)."""
-    import torch
-
-    backend = "nccl" if ctx.device.type == "cuda" else "gloo"
-    if ctx.device.type == "cuda":
-        torch.cuda.set_device(ctx.device)
-    if recipe.engine.kind == "deepspeed":
-        import deepspeed
-
-        if "RANK" not in os.environ:  # a single process without torchrun: a group of one
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
-
-        deepspeed.init_distributed(dist_backend=backend)
-    elif ctx.distributed:
-        torch.distributed.init_process_group(backend=backend)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def make_run_dir(recipe: Recipe, ctx) -> Path:
-    """runs/<name>-<UTC timestamp>/, chosen on rank 0 and shared with every rank."""
-    import torch.distributed as dist
-
-    name = [None]
-    if ctx.rank == 0:
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        base = Path(recipe.output.dir) / f"{recipe.output.name}-{stamp}"
-        path, n = base, 1
-        while path.exists():
-            n += 1
-            path = base.with_name(f"{base.name}-{n}")
-        path.mkdir(parents=True)
-        name[0] = str(path)
-    if dist.is_available() and dist.is_initialized():
-        dist.broadcast_object_list(name, src=0)
-    return Path(name[0])
-
-
 def train_step(engine, batches, grad_accum: int, prof=None) -> float | None:
     """One optimizer step: grad_accum micro batches of forward, backward, step(); the mean loss.
     With a Profiler, backward and the engine's step are marked as phases (so ZeRO's post-backward
@@ -91,7 +34,7 @@ def train_step(engine, batches, grad_accum: int, prof=None) -> float | None:
     the loss)."""
     import torch
 
-    if getattr(engine, "name", None) == "pipeline":  # the schedule runs all micro batches of the step
+    if hasattr(engine, "train_step"):  # a schedule (pipeline, Megatron) runs all micro batches of the step
         return engine.train_step(batches, prof)
     phase = prof.phase if prof is not None else (lambda label: contextlib.nullcontext())
     losses = []
@@ -128,12 +71,12 @@ def train(recipe: Recipe) -> Path:
     """Run warm-up and measured steps; write the run dir; return its path."""
     import yaml
 
-    from trainprof.engines import DistContext
+    from trainprof.distributed import DistContext, init_distributed, shared_run_dir
     from trainprof.io import atomic_write_text
 
     ctx = DistContext.from_env()
-    init_distributed(recipe, ctx)
-    run_dir = make_run_dir(recipe, ctx)
+    init_distributed(ctx, engine_kind=recipe.engine.kind)
+    run_dir = shared_run_dir(recipe.output.dir, recipe.output.name)
     if ctx.rank == 0:
         atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     with record_failure(run_dir, ctx):
@@ -175,24 +118,39 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 
 def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
+    """Build the engine and the profiler, run the warm-up and measured steps, write the run dir; a rank
+    that fails or is stopped keeps what it finished."""
+    engine, loader, prof = build_run(recipe, ctx, run_dir)
+    steps: list[dict[str, Any]] = []
+    try:
+        run_steps(recipe, ctx, engine, loader, prof, steps)
+    except BaseException as err:
+        write_partial(recipe, ctx, prof, steps, err, run_dir)
+        raise
+    finish_run(recipe, ctx, engine, prof, steps, run_dir)
+    return run_dir
+
+
+def build_run(recipe: Recipe, ctx, run_dir: Path):
+    """Seeded engine, this rank's data loader and the recipe's Profiler (watching pipeline stages and
+    DDP buckets where the engine has them). Returns (engine, loader, profiler)."""
     import torch
-    from tqdm import tqdm
 
     from trainprof.data import build_loader
-    from trainprof.engines import build_engine
-    from trainprof.env import apply_memory_cap, check_memory_cap, collect_env, memory_meter
-    from trainprof.io import atomic_write_json
-    from trainprof.models import count_params, resolve_shape
+    from trainprof.distributed import seed_everything
+    from trainprof.engines import build_engine, data_split
+    from trainprof.env import apply_memory_cap, check_memory_cap
+    from trainprof.models import resolve_shape
     from trainprof.profiler import Profiler
 
     seed_everything(recipe.train.seed)
     apply_memory_cap(ctx.device, recipe.train.memory_cap_gb)
     engine = build_engine(recipe, ctx)
     check_memory_cap(ctx.device, recipe.train.memory_cap_gb)
-
-    pipeline = engine.name == "pipeline"  # every stage reads the same samples (no data parallelism)
-    loader = build_loader(recipe, vocab_size=resolve_shape(recipe.model).vocab_size,
-                          rank=0 if pipeline else ctx.rank, world_size=1 if pipeline else ctx.world_size)
+    pipeline = engine.name == "pipeline"
+    data_rank, data_ranks = data_split(engine, ctx)  # pipeline stages and model-parallel ranks share samples
+    loader = build_loader(recipe, vocab_size=resolve_shape(recipe.model).vocab_size, rank=data_rank,
+                          world_size=data_ranks)
     prof = Profiler.for_recipe(engine.loop_module, engine.optimizer, recipe, run_dir=run_dir, device=ctx.device)
     if pipeline and recipe.profile.enabled:
         prof.watch_pipeline(stage=engine.stage_index, num_stages=engine.num_stages,
@@ -201,43 +159,69 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
         engine.set_action_callback(prof.pipeline_action)
     if isinstance(engine.loop_module, torch.nn.parallel.DistributedDataParallel) and recipe.profile.enabled:
         prof.watch_ddp(engine.loop_module)
+    return engine, loader, prof
+
+
+def run_steps(recipe: Recipe, ctx, engine, loader, prof, steps: list[dict[str, Any]]) -> None:
+    """The warm-up and measured steps under the profiler, each appended to `steps` as it finishes, with a
+    progress bar on rank 0."""
+    from tqdm import tqdm
+
+    from trainprof.env import check_memory_cap
+
     t = recipe.train
-    steps: list[dict[str, Any]] = []
     bar = tqdm(total=t.warmup_steps + t.steps, desc=f"{recipe.output.name}", unit="step",
                disable=ctx.rank != 0, file=sys.stderr)
+    with prof:
+        batches = prof.wrap_loader(loader)
+        for step in range(t.warmup_steps + t.steps):
+            with prof.step():
+                record = timed_step(engine, batches, t.grad_accum, ctx.device, prof)
+            record.update(step=step - t.warmup_steps, warmup=step < t.warmup_steps)
+            steps.append(record)
+            check_memory_cap(ctx.device, t.memory_cap_gb)
+            bar.set_postfix(loss=f"{record['loss']:.3f}" if record["loss"] is not None else "n/a",
+                            ms=f"{record['wall_ms']:.0f}")
+            bar.update()
+        bar.close()
+
+
+def write_partial(recipe: Recipe, ctx, prof, steps: list[dict[str, Any]], err: BaseException, run_dir: Path) -> None:
+    """A rank that failed or was stopped: the steps it finished, marked partial, and the profiler's
+    breakdown of them (`trainprof report` merges these files)."""
+    from trainprof.io import atomic_write_json
+
+    # already stopping: a second SIGTERM must not cut the partial files short (torchrun SIGKILLs later)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # rank<N>.json is the name of a finished rank
+    atomic_write_json(run_dir / f"rank{ctx.rank}.partial.json", {"rank": ctx.rank, "partial": True, "steps": steps})
+    # written once, here (an exception or torchrun's SIGTERM), so the finished run pays nothing for it
+    prof.close()  # the hooks come off, and the journal writes the steps it holds back (profiler/journal.py)
+    if not (recipe.profile.enabled and prof.steps):
+        return
+    reason = f"rank {ctx.rank} stopped after {len(prof.steps)} profiled steps: {type(err).__name__}: {err}"
     try:
-        with prof:
-            batches = prof.wrap_loader(loader)
-            for step in range(t.warmup_steps + t.steps):
-                with prof.step():
-                    record = timed_step(engine, batches, t.grad_accum, ctx.device, prof)
-                record.update(step=step - t.warmup_steps, warmup=step < t.warmup_steps)
-                steps.append(record)
-                check_memory_cap(ctx.device, t.memory_cap_gb)
-                bar.set_postfix(loss=f"{record['loss']:.3f}" if record["loss"] is not None else "n/a",
-                                ms=f"{record['wall_ms']:.0f}")
-                bar.update()
-            bar.close()
-    except BaseException as err:
-        # already stopping: a second SIGTERM must not cut the partial files short (torchrun SIGKILLs later)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        # keep the steps that finished, marked partial (rank<N>.json is the name of a finished rank)
-        atomic_write_json(run_dir / f"rank{ctx.rank}.partial.json", {"rank": ctx.rank, "partial": True, "steps": steps})
-        # and the profiler's breakdown of them: written once, here (an exception or torchrun's SIGTERM),
-        # so the finished run pays nothing for it; `trainprof report` merges these files
-        prof.close()  # the hooks come off, and the journal writes the steps it holds back (profiler/journal.py)
-        if recipe.profile.enabled and prof.steps:
-            reason = f"rank {ctx.rank} stopped after {len(prof.steps)} profiled steps: {type(err).__name__}: {err}"
-            try:
-                rank_doc = prof.rank_result()
-            except Exception as why:  # noqa: BLE001  the original error matters more than its partial profile
-                print(f"trainprof: rank {ctx.rank}: partial profile not written ({type(why).__name__}: {why}); "
-                      "its journal keeps the finished steps and `trainprof report` rebuilds them", file=sys.stderr)
-                raise err from None
-            rank_doc.update(partial=True, partial_reason=reason.strip().splitlines()[0][:300])
-            atomic_write_json(run_dir / f"profile.rank{ctx.rank}.partial.json", rank_doc)
-            prof.discard_journal()
-        raise
+        rank_doc = prof.rank_result()
+    except Exception as why:  # noqa: BLE001  the original error matters more than its partial profile
+        print(f"trainprof: rank {ctx.rank}: partial profile not written ({type(why).__name__}: {why}); "
+              "its journal keeps the finished steps and `trainprof report` rebuilds them", file=sys.stderr)
+        raise err from None
+    rank_doc.update(partial=True, partial_reason=reason.strip().splitlines()[0][:300])
+    atomic_write_json(run_dir / f"profile.rank{ctx.rank}.partial.json", rank_doc)
+    prof.discard_journal()
+
+
+def finish_run(recipe: Recipe, ctx, engine, prof, steps: list[dict[str, Any]], run_dir: Path) -> None:
+    """Every rank: its step log, the merged profile (a collective), its rank file and the calibration;
+    rank 0 also writes the run dir's files and prints the summary."""
+    import torch
+
+    from trainprof.env import collect_env, memory_meter
+    from trainprof.io import atomic_write_json
+    from trainprof.models import count_params
+    from trainprof.report.run_report import write_run_files
+    from trainprof.report.summary import terminal_summary
+
     # the runner's own per-step log (warm-up included), written before the collective merge so a
     # rank that dies there still leaves it
     atomic_write_json(run_dir / f"rank{ctx.rank}.json", {"rank": ctx.rank, "partial": False, "steps": steps})
@@ -255,14 +239,13 @@ def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:
         profile["summary"]["peak_memory_bytes_max"] = max(e["peak_memory_bytes_max"] for e in rank_extras)
         profile["summary"]["memory_meter"] = extra["memory_meter"]
         write_run_files(profile, run_dir)
-        print(render_summary(profile, run_dir), file=sys.stderr)
+        print(terminal_summary(profile, run_dir), file=sys.stderr)
     atomic_write_json(run_dir / f"profile.rank{ctx.rank}.json", prof.rank_result())
     prof.discard_journal()
     if recipe.profile.calibrate:
         write_calibration(recipe, ctx, run_dir)
     if ctx.distributed:
         torch.distributed.barrier()
-    return run_dir
 
 
 def write_calibration(recipe: Recipe, ctx, run_dir: Path) -> None:
@@ -275,22 +258,6 @@ def write_calibration(recipe: Recipe, ctx, run_dir: Path) -> None:
         atomic_write_json(run_dir / "calibration.json", cal)
 
 
-def write_run_files(profile: dict[str, Any], run_dir: Path) -> None:
-    """profile.json and what is derived from it (csv tables, summary.md)."""
-    from trainprof.io import atomic_write_json
-    from trainprof.report.summary import write_report
-
-    from trainprof.report.run_report import write_reports
-
-    atomic_write_json(run_dir / "profile.json", profile)
-    write_report(profile, run_dir)
-    try:
-        write_reports(run_dir)  # report.md, report.html, TensorBoard scalars under tb/
-    except Exception as err:  # a report problem must not fail a finished run; `trainprof report` retries
-        print(f"trainprof: report not written ({type(err).__name__}: {err}); run `trainprof report {run_dir}`",
-              file=sys.stderr)
-
-
 def gather_to_rank0(obj: Any, ctx) -> list[Any]:
     import torch.distributed as dist
 
@@ -299,61 +266,6 @@ def gather_to_rank0(obj: Any, ctx) -> list[Any]:
     out = [None] * ctx.world_size if ctx.rank == 0 else None
     dist.gather_object(obj, out, dst=0)
     return out or []
-
-
-def render_summary(profile: dict[str, Any], run_dir: Path) -> str:
-    """The short table rank 0 prints at the end of a run."""
-    from trainprof.report.rundir import trace_size_text
-    from trainprof.report.summary import model_states_text
-
-    s, env = profile["summary"], profile["env"]
-    steps = [st for st in profile["steps"] if not st.get("warmup")]
-    phases = s.get("phases_ms") or {}
-    phase_text = ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if v) or "profiler off"
-    tflops = s.get("achieved_tflops")
-    mfu = s.get("mfu")
-    rows = [
-        ("run dir", str(run_dir)),
-        ("device", f"{env['device']} x {env['world_size']} ({env['timer']} timer)"),
-        ("step ms (min/median/max)",
-         f"{s['step_ms']['min']:.1f} / {s['step_ms']['median']:.1f} / {s['step_ms']['max']:.1f}"),
-        ("phases, median ms", phase_text),
-        ("unattributed", f"{100 * s['unattributed_frac']:.2f}% of the step"
-         if s.get("unattributed_frac") is not None else "n/a"),
-        ("tokens/s (all ranks)", f"{s['tokens_per_s']:,.0f}" if s.get("tokens_per_s") else "n/a"),
-        ("achieved TFLOP/s", f"{tflops:.4f}" if tflops is not None else "n/a"),
-        ("MFU", f"{100 * mfu:.1f}%" if mfu is not None else f"n/a ({s.get('mfu_reason', 'no known peak')})"),
-        ("loss first -> last", f"{steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}"
-         if steps and steps[0].get("loss") is not None else "n/a"),
-        ("peak memory", f"{s['peak_memory_bytes_max'] / 2**20:,.0f} MiB ({s['memory_meter'].split(':')[0]})"),
-        ("activations (rank 0)", f"{s['activation_bytes'] / 2**20:,.1f} MiB saved for backward per micro batch"
-         if s.get("activation_bytes") is not None else "n/a"),
-        ("model states (rank 0)", model_states_text(profile["model_state_bytes"])
-         if profile.get("model_state_bytes") else "n/a"),
-        ("params total / trainable", f"{profile['params']['total']:,} / {profile['params']['trainable']:,}"),
-        ("trace per step", trace_size_text(profile)),
-    ]
-    pl = profile.get("pipeline")
-    timeline: list[str] = []
-    if pl and "stages" in pl:
-        from trainprof.report.pipeline import bubble_text, timeline_text
-
-        bal = pl.get("balance") or {}
-        rows.append(("pipeline bubble", bubble_text(pl)))
-        rows.append(("stage imbalance", f"{100 * bal['imbalance']:.1f}% (slowest stage {bal['slowest_stage']})"
-                     if bal.get("imbalance") is not None else "n/a"))
-        if pl.get("timeline"):
-            timeline = [f"  stage timeline, step {pl['timeline']['step']} (F/B forward/backward, . waiting for a "
-                        "neighbour, c collective, o optimizer):",
-                        *("    " + line for line in timeline_text(pl["timeline"]["stages"], width=60).splitlines())]
-    width = max(len(k) for k, _ in rows)
-    from trainprof.report.advisor import advise
-
-    advice = advise(profile)["advice"]
-    changes = [f"  - {a['title']}: {a['trigger']['text']}; gain: {a['gain']['text']}" for a in advice] \
-        or ["  nothing triggered (checks listed in summary.md)"]
-    return "\n".join(["", "trainprof run summary", "what to change:", *changes,
-                      *(f"  {k:<{width}}  {v}" for k, v in rows), *timeline])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,11 +280,27 @@ def main(argv: list[str] | None = None) -> int:
         check_environment(recipe, cuda_available=torch.cuda.is_available())
         check_world_size(recipe, int(os.environ.get("WORLD_SIZE", 1)))
     except RecipeError as err:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"trainprof: {err}", file=sys.stderr)
-        return 2
+        return user_error(err)
     train(recipe)
     return 0
+
+
+def user_error(err: Exception) -> int:
+    """A recipe mistake: one line on rank 0's stderr, exit code 2. Under torchrun each rank also writes
+    it to its TORCHELASTIC_ERROR_FILE (the format torch.distributed.elastic's @record writes), so
+    torchrun's failure report names this line as the root cause instead of a link to its docs; torchrun
+    itself still prints that report and exits 1 (README, "Use")."""
+    import json
+
+    line = f"trainprof: {err}"
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(line, file=sys.stderr)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": f"{type(err).__name__}: {err}",
+                                   "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+    return 2
 
 
 if __name__ == "__main__":

@@ -30,8 +30,12 @@ def main(out: str) -> None:
     model = Synthetic(with_comm=True, slow_rank_extra_ms=SLOW_MS)
     dist.barrier()
     prof, ledger = train(model, {"module_depth": 2}, steps=STEPS, warmup=WARMUP)
-    prof.save(out, recipe={"name": "synthetic-2rank"})
+    profile = prof.save(out, recipe={"name": "synthetic-2rank"})
     rank = dist.get_rank()
+    if rank == 0:  # the tables and summary.md, as `trainprof report` renders them
+        from trainprof.report.summary import write_summary
+
+        write_summary(profile, out)
     (Path(out) / f"ledger.rank{rank}.json").write_text(
         json.dumps([{f"{n}|{p}": v for (n, p), v in step.items()} for step in ledger]))
     rows, index = module_rows_per_step(prof)  # per-step module rows, for checks against the ledger

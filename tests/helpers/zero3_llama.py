@@ -72,7 +72,11 @@ def main(out: str, stage: int = 3, depth: int = 4, ops_steps: int = 0) -> None:
                     with prof.phase("optimizer"):
                         engine.step()
                     prof.record(loss=loss, tokens=batch["input_ids"].numel())
-    prof.save(out, recipe=recipe.to_dict())
+    profile = prof.save(out, recipe=recipe.to_dict())
+    if prof.rank == 0:  # the tables and summary.md, as `trainprof report` renders them
+        from trainprof.report.summary import write_summary
+
+        write_summary(profile, out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainprof.analysis.bandwidth import bandwidth_gbps
-from trainprof.analysis.breakdown import PHASES, CommEvent, ModuleStep, StepBreakdown, analyze_step
+from trainprof.analysis.breakdown import CommEvent, ModuleStep, StepBreakdown, analyze_step
+from trainprof.phases import PIPELINE_PHASES
 from trainprof.analysis.pipeline import step_pipeline
 from trainprof.analysis.records import Event, ModuleInfo
 
@@ -236,7 +237,7 @@ def summarize(steps_used: list[StepRecord], all_steps: list[StepRecord], *, flop
                     "max": max(walls) if walls else None},
         "tokens_per_step": _median(tokens) if tokens else None,
         "tokens_per_s": (_median(tokens) / (median_ms / 1e3)) if tokens and median_ms else None,
-        "phases_ms": {p: _median([s.breakdown.phases_ms[p] for s in steps_used]) for p in PHASES},
+        "phases_ms": {p: _median([s.breakdown.phases_ms[p] for s in steps_used]) for p in PIPELINE_PHASES},
         "unattributed_ms": _median([s.breakdown.unattributed_ms for s in steps_used]),
         "unattributed_frac": _median(fracs) if fracs else None,
         "unattributed_frac_max": max(fracs) if fracs else None,
@@ -310,6 +311,6 @@ def rank_entry(rank: int, steps_used: list[StepRecord]) -> dict[str, Any]:
         "rank": rank,
         "step_ms_median": _median(walls),
         "busy_ms_median": _median(busy),
-        "phases_ms": {p: _median([s.breakdown.phases_ms[p] for s in steps_used]) for p in PHASES},
+        "phases_ms": {p: _median([s.breakdown.phases_ms[p] for s in steps_used]) for p in PIPELINE_PHASES},
         "unattributed_ms": _median([s.breakdown.unattributed_ms for s in steps_used]),
     }

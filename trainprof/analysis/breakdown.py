@@ -32,11 +32,10 @@ from typing import Any
 
 from trainprof.analysis.intervals import IntervalSet, label_timeline
 from trainprof.analysis.records import MODULE_CLOSE, MODULE_OPEN, R_CLOSE, R_OPEN, REGION_CLOSE, REGION_OPEN, Event
+from trainprof.phases import MODULE_PHASES, PIPELINE_PHASES
 
-PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "pipeline_bubble", "other")
 PRIORITY = {"other": 1, "forward": 2, "backward": 2, "optimizer": 3, "data_wait": 4, "recompute": 5,
             "comm_exposed": 6, "pipeline_bubble": 6}  # one thread cannot wait on both at once
-MODULE_KINDS = ("forward", "backward", "recompute")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -104,7 +103,7 @@ def _pair_windows(events: list[Event], wall_ms: float) -> tuple[
     """Module windows per kind as (module, t0, t1), and phase regions as (t0, t1, label)."""
     open_modules: dict[tuple[str, int], list[float]] = defaultdict(list)
     open_regions: dict[str, list[float]] = defaultdict(list)
-    windows: dict[str, list[tuple[int, float, float]]] = {k: [] for k in MODULE_KINDS}
+    windows: dict[str, list[tuple[int, float, float]]] = {k: [] for k in MODULE_PHASES}
     regions: list[tuple[float, float, str]] = []
     for e in events:
         code, t = e.code, e.at
@@ -210,7 +209,7 @@ def analyze_step(events: list[Event], comms: list[CommEvent], wall_ms: float,
                + [(a, b, "recompute") for a, b, _ in bursts] + list(regions))
     without_comm = label_timeline(labeled, PRIORITY, 0.0, wall_ms)
     segments = label_timeline(labeled + exposed_labeled, PRIORITY, 0.0, wall_ms) if exposed_labeled else without_comm
-    phases = {p: 0.0 for p in PHASES}
+    phases = {p: 0.0 for p in PIPELINE_PHASES}  # pipeline_bubble stays 0 off pipelines
     for a, b, label in segments:
         phases[label] += b - a
     unattributed = wall_ms - sum(phases.values())

@@ -12,7 +12,7 @@ B < A / (1 + band), "slower" when B > A * (1 + band), else "within noise". Rows 
 both runs are "too small" (one preemption is most of them), and so is a model part whose modules are
 each under `min_ms`. The band is measured: from a repeat of run A (`repeat`: an identical run; band =
 NOISE_SAFETY x the largest ratio between A and its repeat over the judged rows), else the default per
-statistic, measured on this project's shared CI machine (docs/reports.md).
+statistic (docs/reports.md says how it was measured).
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other")
-MODULE_PHASES = ("forward", "backward", "recompute")
+from trainprof.io import dig
+from trainprof.phases import MODULE_PHASES, PHASES, PIPELINE_PHASES
+
 STATS = ("median", "min")
 DEFAULT_BAND = {"median": 0.25, "min": 0.15}  # measured, see docs/reports.md
 DEFAULT_MIN_MS = 1.0  # rows under 1 ms: a single preemption (~1 ms) is most of them
 NOISE_SAFETY = 1.5  # one repeat pair samples the noise once; 1.5x its largest ratio covers a second draw
-MIN_BAND = 0.10  # quiet identical runs here differed by 4-10% on judged rows (docs/reports.md)
+MIN_BAND = 0.10  # the noise of identical runs on a quiet machine (docs/reports.md)
 
 
 @dataclass
@@ -164,10 +165,34 @@ def _band_from_repeat(rows: list[DiffRow]) -> tuple[float, float]:
     return max(MIN_BAND, NOISE_SAFETY * noise), noise
 
 
+@dataclass(slots=True, kw_only=True)
+class _Side:
+    """One run as the diff reads it: its used steps, summary, modules by name and per-step module series."""
+
+    steps: list[dict[str, Any]]
+    summary: dict[str, Any]
+    mods: dict[str, dict[str, Any]]
+    series: dict[tuple[str, str], list[float]] | None
+
+    @classmethod
+    def of(cls, profile: dict[str, Any]) -> _Side:
+        return cls(steps=used_steps(profile), summary=profile.get("summary") or {},
+                   mods={m["name"]: m for m in profile.get("modules") or []}, series=_module_series(profile))
+
+    def module_ms(self, name: str, phase: str, stat: str) -> float | None:
+        """A module's ms in a phase: its fastest step (stat min, where per-step series exist) or its median."""
+        if name not in self.mods:
+            return None
+        if stat == "min" and self.series is not None and (name, phase) in self.series:
+            return min(self.series[(name, phase)])
+        return self.mods[name].get(f"{phase}_ms")
+
+
 def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median", band: float | None = None,
                   min_ms: float = DEFAULT_MIN_MS, repeat: dict[str, Any] | None = None,
                   parts: list[tuple[str, Callable[[dict[str, Any]], bool]]] | None = None) -> ProfileDiff:
-    """Compare run B against run A.
+    """Compare run B against run A: the noise band, then the step and phase rows, the model-part rows,
+    the module rows, and each row's verdict.
 
     Args:
         a, b: profile.json documents (older ones without phases/modules give fewer rows, with a note).
@@ -178,7 +203,7 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
         repeat: a repeat of run A (same recipe, same machine): the band becomes NOISE_SAFETY x the
             largest ratio between A and the repeat over the judged rows (at least MIN_BAND).
         parts: (label, module predicate) groups summed per phase (outermost matching modules only),
-            e.g. trainprof.report.summary.CATEGORIES.
+            e.g. trainprof.report.sections.CATEGORIES.
     Returns:
         The diff; `rows()` lists every compared figure.
     """
@@ -194,55 +219,59 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
     out = ProfileDiff(stat=stat, band=band, min_ms=min_ms, recipe_changes=recipe_changes(a.get("recipe"),
                                                                                           b.get("recipe")),
                       band_source=band_source, repeat_noise=measured_noise)
-    steps_a, steps_b = used_steps(a), used_steps(b)
-
-    def series_row(kind: str, name: str, phase: str, get: Callable[[dict[str, Any]], float | None],
-                   summary_a: float | None, summary_b: float | None) -> DiffRow:
-        va = [v for v in (get(s) for s in steps_a) if v is not None]
-        vb = [v for v in (get(s) for s in steps_b) if v is not None]
-        if stat == "median" and summary_a is not None and summary_b is not None:
-            ra, rb = summary_a, summary_b
-        else:
-            ra, rb = _stat(va, stat), _stat(vb, stat)
-        return DiffRow(kind, name, phase, ra, rb, spread_a=_spread(va), spread_b=_spread(vb))
-
-    sa, sb = a.get("summary") or {}, b.get("summary") or {}
-    out.steps.append(series_row("step", "step", "wall", lambda s: s.get("wall_ms"),
-                                (sa.get("step_ms") or {}).get("median"), (sb.get("step_ms") or {}).get("median")))
-    has_phases = all(s and "phases_ms" in s[0] for s in (steps_a, steps_b))
-    if has_phases:
-        pipeline = a.get("pipeline") or b.get("pipeline")  # the bubble is a phase of pipeline runs only
-        for phase in (*PHASES, "pipeline_bubble") if pipeline else PHASES:
-            out.phases.append(series_row("phase", phase, phase, lambda s, p=phase: s["phases_ms"].get(p),
-                                         (sa.get("phases_ms") or {}).get(phase),
-                                         (sb.get("phases_ms") or {}).get(phase)))
-    else:
-        out.notes.append("phases: at least one run has no per-step phase breakdown (an older run dir)")
-
-    mods_a = {m["name"]: m for m in a.get("modules") or []}
-    mods_b = {m["name"]: m for m in b.get("modules") or []}
-    if not mods_a or not mods_b:
+    sa, sb = _Side.of(a), _Side.of(b)
+    _step_and_phase_rows(out, sa, sb, pipeline=bool(a.get("pipeline") or b.get("pipeline")))
+    if not sa.mods or not sb.mods:
         out.notes.append("modules: at least one run has no module times (an older run dir, or the profiler off)")
-    series_a, series_b = _module_series(a), _module_series(b)
-    if stat == "min" and (series_a is None or series_b is None) and mods_a and mods_b:
+    elif stat == "min" and (sa.series is None or sb.series is None):
         out.notes.append("modules: per-step module times are missing in at least one run, so module rows use "
                          "the profiles' medians, not the minimum")
+    out.parts.extend(_part_rows(sa, sb, parts or [], stat, min_ms))
+    out.modules.extend(_module_rows(sa, sb, stat))
+    out.only_a = [n for n in sa.mods if n not in sb.mods]
+    out.only_b = [n for n in sb.mods if n not in sa.mods]
+    for row in out.rows():
+        row.verdict = row.verdict or _verdict(row, band, min_ms)
+    return out
 
-    def module_value(mods: dict[str, dict[str, Any]], series: dict | None, name: str, phase: str) -> float | None:
-        if name not in mods:
-            return None
-        if stat == "min" and series is not None and (name, phase) in series:
-            return min(series[(name, phase)])
-        return mods[name].get(f"{phase}_ms")
 
-    for label, match in parts or []:
+def _series_row(out: ProfileDiff, sa: _Side, sb: _Side, kind: str, name: str, phase: str,
+                get: Callable[[dict[str, Any]], float | None], summary_a: float | None,
+                summary_b: float | None) -> DiffRow:
+    """A row with per-step values on both sides: the profiles' medians (stat median) or the fastest step."""
+    va = [v for v in (get(s) for s in sa.steps) if v is not None]
+    vb = [v for v in (get(s) for s in sb.steps) if v is not None]
+    if out.stat == "median" and summary_a is not None and summary_b is not None:
+        ra, rb = summary_a, summary_b
+    else:
+        ra, rb = _stat(va, out.stat), _stat(vb, out.stat)
+    return DiffRow(kind, name, phase, ra, rb, spread_a=_spread(va), spread_b=_spread(vb))
+
+
+def _step_and_phase_rows(out: ProfileDiff, sa: _Side, sb: _Side, *, pipeline: bool) -> None:
+    """The step's wall time, then each phase (the bubble only where a run is a pipeline stage)."""
+    out.steps.append(_series_row(out, sa, sb, "step", "step", "wall", lambda s: s.get("wall_ms"),
+                                 dig(sa.summary, "step_ms", "median"), dig(sb.summary, "step_ms", "median")))
+    if not all(side.steps and "phases_ms" in side.steps[0] for side in (sa, sb)):
+        out.notes.append("phases: at least one run has no per-step phase breakdown (an older run dir)")
+        return
+    for phase in PIPELINE_PHASES if pipeline else PHASES:
+        out.phases.append(_series_row(out, sa, sb, "phase", phase, phase, lambda s, p=phase: s["phases_ms"].get(p),
+                                      dig(sa.summary, "phases_ms", phase), dig(sb.summary, "phases_ms", phase)))
+
+
+def _part_rows(sa: _Side, sb: _Side, parts: list[tuple[str, Callable[[dict[str, Any]], bool]]], stat: str,
+               min_ms: float) -> list[DiffRow]:
+    """Per model part and module phase, the sum over its outermost matching modules on each side."""
+    rows = []
+    for label, match in parts:
         for phase in MODULE_PHASES:
             values, largest = [], 0.0
-            for mods, series in ((mods_a, series_a), (mods_b, series_b)):
-                members = [m for m in mods.values() if match(m)]
+            for side in (sa, sb):
+                members = [m for m in side.mods.values() if match(m)]
                 names = {m["name"] for m in members}
                 members = [m for m in members if not any(m["name"].startswith(n + ".") for n in names if n)]
-                member_ms = [module_value(mods, series, m["name"], phase) or 0.0 for m in members]
+                member_ms = [side.module_ms(m["name"], phase, stat) or 0.0 for m in members]
                 largest = max([largest, *member_ms])
                 values.append(sum(member_ms) if members else None)
             if any(values) and None not in values:
@@ -251,25 +280,24 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
                 # effects (hook cost, cache state the previous module left) add up in it
                 if largest < min_ms:
                     row.verdict = "too small"
-                out.parts.append(row)
+                rows.append(row)
+    return rows
 
-    for name in [*mods_a, *(n for n in mods_b if n not in mods_a)]:
-        if name not in mods_a or name not in mods_b:
-            continue
+
+def _module_rows(sa: _Side, sb: _Side, stat: str) -> list[DiffRow]:
+    """Per module present in both runs (A's order) and module phase with time on either side."""
+    rows = []
+    for name in (n for n in sa.mods if n in sb.mods):
         for phase in MODULE_PHASES:
-            va, vb = module_value(mods_a, series_a, name, phase), module_value(mods_b, series_b, name, phase)
+            va, vb = sa.module_ms(name, phase, stat), sb.module_ms(name, phase, stat)
             if not va and not vb:
                 continue
             row = DiffRow("module", name, phase, va, vb)
-            if series_a is not None and series_b is not None:
-                row.spread_a = _spread(series_a.get((name, phase), []))
-                row.spread_b = _spread(series_b.get((name, phase), []))
-            out.modules.append(row)
-    out.only_a = [n for n in mods_a if n not in mods_b]
-    out.only_b = [n for n in mods_b if n not in mods_a]
-    for row in out.rows():
-        row.verdict = row.verdict or _verdict(row, band, min_ms)
-    return out
+            if sa.series is not None and sb.series is not None:
+                row.spread_a = _spread(sa.series.get((name, phase), []))
+                row.spread_b = _spread(sb.series.get((name, phase), []))
+            rows.append(row)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,14 +308,11 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
 INFERENCE_LATENCIES = (("ttft_ms", "TTFT p50"), ("tpot_ms", "TPOT p50"), ("itl_ms", "ITL p50"), ("e2el_ms", "E2EL p50"))
 # the latency rows are p50s over requests (and tokens), not one sample each: none is "too small" by default
 DEFAULT_INFER_MIN_MS = 0.0
-# 1.5 x the largest ratio (27%) between the latency rows of three identical `trainprof infer` runs of the
-# quickstart recipe (--batch 1,4 --prompt-len 128 --new-tokens 32, one thread; this project's 2-core
-# machine, 2026-11-24): docs/reports.md
-DEFAULT_BAND["p50"] = 0.40
+DEFAULT_BAND["p50"] = 0.40  # NOISE_SAFETY x the largest ratio between identical runs' latency rows (docs/reports.md)
 MODULE_NOT_JUDGED = "not judged (one call)"
 MODULES_NOT_JUDGED_WHY = ("Each module row is one hooked generate call per batch size (prefill: one forward; decode "
-                          "step: that call's mean), so the rows are shown, not judged: identical runs here differed "
-                          "by up to 177% on them (docs/reports.md).")
+                          "step: that call's mean), so the rows are shown, not judged: one call is too few to tell "
+                          "a change from noise (docs/reports.md says how far identical runs differ on them).")
 
 
 def diff_inference(a: dict[str, Any], b: dict[str, Any], *, band: float | None = None,

@@ -112,8 +112,13 @@ def _merge_summary(merged: dict[str, Any], profiles: list[dict[str, Any]], ranks
             summary["tokens_per_s_scope"] = ("one pipeline: tokens per step (every stage processes the same "
                                              "tokens) / slowest stage's median step")
         else:
-            summary["tokens_per_s"] = sum(tokens) / step_s
+            # Megatron's tensor x pipeline parallel ranks of one model replica process the same tokens
+            shared = int(profiles[0]["env"].get("model_parallel_size") or 1)
+            summary["tokens_per_s"] = sum(tokens) / shared / step_s
             summary["tokens_per_s_scope"] = "all ranks: sum of per-rank tokens per step / slowest rank's median step"
+            if shared > 1:
+                summary["tokens_per_s_scope"] += (f", / {shared} (the tensor x pipeline parallel ranks of a model "
+                                                  "replica process the same tokens)")
     flops = [p["summary"].get("flops_per_step") for p in profiles]
     if step_s > 0 and all(f for f in flops):
         summary["achieved_tflops_all_ranks"] = sum(flops) / step_s / 1e12

@@ -15,6 +15,18 @@ REGION_OPEN, REGION_CLOSE = 6, 7
 # Pipeline micro-batch actions, subject = (kind, micro batch), kind forward | backward:
 ACTION_OPEN, ACTION_CLOSE = 8, 9
 
+RANGE_PREFIX = "trainprof::"  # the profiler's record_function ranges: trainprof::<phase>[::<module>]
+# How tables, TensorBoard tags and trace ranges name the model itself (named_modules() gives it ""): not
+# "<model>", which reads as a twin of a Hugging Face model's own `model` submodule
+ROOT_LABEL = "<whole model>"
+LEGACY_ROOT_LABELS = ("<model>",)  # what traces recorded before this name called it
+
+
+def module_label(name: str) -> str:
+    """A module's name as tables and trace ranges show it."""
+    return name or ROOT_LABEL
+
+
 MODULE_OPEN = {F_OPEN: "forward", R_OPEN: "recompute", B_OPEN: "backward"}
 MODULE_CLOSE = {F_CLOSE: "forward", R_CLOSE: "recompute", B_CLOSE: "backward"}
 

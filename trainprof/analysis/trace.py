@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterator
 
+from trainprof.analysis.records import LEGACY_ROOT_LABELS, RANGE_PREFIX, ROOT_LABEL
+
 TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
 STEP_MARKER = re.compile(r"^ProfilerStep#(\d+)$")
-RANGE_PREFIX = "trainprof::"  # the profiler's record_function ranges: trainprof::<phase>[::<module>]
 CHUNK_CHARS = 1 << 20  # text read per refill; a value longer than this just takes several refills
 MAX_VALUE_CHARS = 1 << 28  # one JSON value (an event, deviceProperties) larger than 256 MiB is an error
 _WS = " \t\n\r"
@@ -229,14 +230,14 @@ def summarize_trace(path: str | Path) -> TraceSummary:
 
 def parse_range_name(name: str) -> tuple[str, str | None] | None:
     """'trainprof::backward::model.layers.0.mlp' -> ('backward', 'model.layers.0.mlp');
-    'trainprof::optimizer' -> ('optimizer', None); '<model>' is the root module (name '' in
-    profile.json). None for other names."""
+    'trainprof::optimizer' -> ('optimizer', None); ROOT_LABEL (or a legacy label) is the root module
+    (name '' in profile.json). None for other names."""
     if not name.startswith(RANGE_PREFIX):
         return None
     phase, _, module = name[len(RANGE_PREFIX):].partition("::")
     if not module:
         return phase, None
-    return phase, "" if module == "<model>" else module
+    return phase, "" if module == ROOT_LABEL or module in LEGACY_ROOT_LABELS else module
 
 
 def find_traces(run_dir: str | Path) -> list[Path]:

@@ -15,7 +15,7 @@ def _fraction(text: str) -> float:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
     from trainprof.report.diff_report import FORMATS, run_diff, write_diff
     from trainprof.report.document import render_markdown
 

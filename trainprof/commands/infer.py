@@ -19,7 +19,7 @@ def batch_list(text: str) -> list[int]:
 
 
 def _infer(args: argparse.Namespace) -> int:
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
     from trainprof.inference.report import stdout_table
     from trainprof.inference.run import InferSettings, infer
 

@@ -12,10 +12,10 @@ from trainprof.commands.run import positive_int
 def _maxbatch(args: argparse.Namespace) -> int:
     import torch
 
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
     from trainprof.recipe import check_environment
     from trainprof.sweep.launch import check_launchable
-    from trainprof.sweep.tables import require_matplotlib
+    from trainprof.report.plots import require_matplotlib
     from trainprof.sweep.maxbatch import run_search, write_maxbatch_report
     from trainprof.sweep.runner import interrupt_on_sigterm
     from trainprof.sweep.spec import is_sweep_file, load_sweep, make_cell

@@ -32,7 +32,7 @@ def _tokens(text: str) -> float:
 
 
 def _project(args: argparse.Namespace) -> int:
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
     from trainprof.projection.catalog import CatalogError, load_prices
     from trainprof.projection.project import ProjectionError, project
     from trainprof.projection.report import render_short, write_projection
@@ -64,7 +64,7 @@ def _project(args: argparse.Namespace) -> int:
 def _advice(args: argparse.Namespace) -> int:
     """`--advice`: project each of the advisor's recipe changes; RUN_DIR/projection/advice.json, which
     the run report's "What to change" table reads for its predicted gains."""
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
     from trainprof.io import atomic_write_json
     from trainprof.projection.project import ProjectionError, project_advice
 
@@ -94,7 +94,7 @@ def _advice(args: argparse.Namespace) -> int:
 
 
 def _hardware(args: argparse.Namespace) -> int:
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
     from trainprof.projection.catalog import CatalogError, load_catalog
 
     try:

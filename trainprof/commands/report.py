@@ -8,16 +8,24 @@ import time
 
 
 def _report(args: argparse.Namespace) -> int:
-    from trainprof.report.run_report import TRACE_SCAN_BYTES, write_reports
+    """Each run dir in turn; a part that cannot be made (a package missing) is one line and exit 2, after
+    the other parts and the other run dirs are written."""
+    from trainprof.report.run_report import TRACE_SCAN_BYTES, ReportIncomplete, write_reports
 
+    code = 0
     for run_dir in args.run_dirs:  # a RunDirError is the CLI's one-line error, exit 2
         start = time.perf_counter()
-        written = write_reports(run_dir, scalars=not args.no_scalars,
-                                trace_scan_bytes=2**62 if args.scan_traces else TRACE_SCAN_BYTES)
+        try:
+            written = write_reports(run_dir, scalars=not args.no_scalars,
+                                    trace_scan_bytes=2**62 if args.scan_traces else TRACE_SCAN_BYTES)
+        except ReportIncomplete as err:
+            print(f"trainprof: {err}", file=sys.stderr)
+            code = 2
+            continue
         took = time.perf_counter() - start
         names = ", ".join(str(p) for k, p in written.items() if k in ("md", "html"))
         print(f"trainprof report: wrote {names} ({took:.1f} s)", file=sys.stderr)
-    return 0
+    return code
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

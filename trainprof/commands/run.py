@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from trainprof.recipe import check_environment, check_world_size, load_recipe
+from trainprof.sweep.launch import torchrun_command
 
 
 def positive_int(text: str) -> int:
@@ -16,11 +17,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-def torchrun_command(recipe_path: str, overrides: list[str], nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "trainprof.run", recipe_path, *overrides]
-
-
 def _run(args: argparse.Namespace) -> int:
     """Validate in this process (one-line errors, no torchrun noise), then launch torchrun."""
     import torch
@@ -28,7 +24,7 @@ def _run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     check_environment(recipe, cuda_available=torch.cuda.is_available())
     check_world_size(recipe, args.nproc)
-    cmd = torchrun_command(args.recipe, args.overrides, args.nproc)
+    cmd = torchrun_command(args.recipe, args.overrides, nproc=args.nproc)
     print("+ " + " ".join(cmd), file=sys.stderr)
     return subprocess.call(cmd)
 

@@ -26,7 +26,7 @@ def _launch_points(args: argparse.Namespace) -> tuple[list[dict], str, Path, boo
 
     from trainprof.recipe import check_environment
     from trainprof.sweep.launch import check_launchable
-    from trainprof.sweep.tables import require_matplotlib
+    from trainprof.report.plots import require_matplotlib
     from trainprof.sweep.runner import interrupt_on_sigterm, run_cells
     from trainprof.sweep.scaling import strong_overrides
     from trainprof.sweep.spec import make_cell
@@ -70,7 +70,7 @@ def _launch_points(args: argparse.Namespace) -> tuple[list[dict], str, Path, boo
 
 
 def _scale(args: argparse.Namespace) -> int:
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
     from trainprof.sweep.scaling import analyze, collect_runs, comm_rows, measurement_notes, write_scale_report
 
     if args.runs:

@@ -16,7 +16,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from trainprof.sweep.runner import interrupt_on_sigterm, run_cells
     from trainprof.sweep.spec import load_sweep
     from trainprof.sweep.state import SweepState
-    from trainprof.sweep.tables import require_matplotlib
+    from trainprof.report.plots import require_matplotlib
 
     # every cell validated before any runs
     sweep = load_sweep(args.sweep, check_machine=not args.dry_run, extra_overrides=args.overrides)

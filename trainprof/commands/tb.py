@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,47 +14,51 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from trainprof.distributed import free_port
+
 HOST = "127.0.0.1"  # loopback only: traces name hosts, paths and code; do not serve them to the network
 START_TIMEOUT_S = 90
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
 def tb_dir(path: str | Path) -> Path:
     """A run dir's tb/ (or the path itself when it already is a TensorBoard logdir)."""
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
 
     path = Path(path)
     if (path / "tb").is_dir():
         return path / "tb"
-    if path.is_dir() and (any(path.glob("*.pt.trace.json*")) or any(path.glob("events.out.tfevents.*"))):
+    if path.is_dir() and (_files_at_top(path) or any(path.glob("*/events.out.tfevents.*"))):
         return path
     raise UserError(f"'{path}' has no tb/ dir with traces or scalars; run with profile.ops=true, or "
                     f"`trainprof report {path}` to write its scalars")
 
 
+def _files_at_top(d: Path) -> bool:
+    """Traces or event files directly in d: a run dir written before tb/<run name>/ (layout.tb_run_dir)."""
+    return any(d.glob("*.pt.trace.json*")) or any(d.glob("events.out.tfevents.*"))
+
+
 def logdir_for(run_dirs: list[str | Path]) -> tuple[Path, Path | None]:
-    """The logdir to serve: a run's tb/ itself, or for several runs a temp dir of symlinks named after
-    the run dirs (so each shows as its own run in both the profiler plugin and the scalars).
+    """The logdir to serve, so that TensorBoard and its profiler plugin list each run by its name: one
+    run's tb/ itself (its files sit in tb/<run name>/), else a temp dir of symlinks named after the run
+    dirs (several runs, or a run dir whose files sit directly in tb/, which would be listed as `tb`).
 
     Returns:
         (logdir, temp dir to remove afterwards or None).
     """
     dirs = [tb_dir(p) for p in run_dirs]
-    if len(dirs) == 1:
+    if len(dirs) == 1 and not _files_at_top(dirs[0]):
         return dirs[0], None
     tmp = Path(tempfile.mkdtemp(prefix="trainprof-tb-"))
     for d, given in zip(dirs, run_dirs):
         name = Path(given).resolve().name if d.name == "tb" else d.name
+        inner = [p for p in d.iterdir() if p.is_dir()]
+        target = inner[0] if len(inner) == 1 and not _files_at_top(d) else d
         link, n = tmp / name, 1
         while link.exists():
             n += 1
             link = tmp / f"{name}-{n}"
-        link.symlink_to(d.resolve(), target_is_directory=True)
+        link.symlink_to(target.resolve(), target_is_directory=True)
     return tmp, tmp
 
 
@@ -82,7 +85,7 @@ def start_tensorboard(logdir: str | Path, port: int | None = None, *,
     Returns:
         (the process, its base URL). Stop it with `stop_tensorboard`.
     """
-    port = port or free_port()
+    port = port or free_port(HOST)
     cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", HOST, "--port", str(port)]
     out = subprocess.DEVNULL if quiet else None
     proc = subprocess.Popen(cmd, stdout=out, stderr=out)
@@ -107,7 +110,22 @@ def stop_tensorboard(proc: subprocess.Popen, timeout_s: float = 15) -> int:
     return proc.returncode
 
 
+def _check_installed() -> None:
+    """tensorboard serves nothing without itself; the PyTorch Profiler tab needs torch-tb-profiler."""
+    import importlib.util
+
+    from trainprof.errors import UserError
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise UserError("tensorboard is not installed; pip install tensorboard torch-tb-profiler (trainprof depends "
+                        "on them: `pip install -e .` installs them)")
+    if importlib.util.find_spec("torch_tb_profiler") is None:
+        print("trainprof: torch-tb-profiler is not installed, so TensorBoard shows the scalars but no PyTorch Profiler "
+              "tab; pip install torch-tb-profiler", file=sys.stderr)
+
+
 def _tb(args: argparse.Namespace) -> int:
+    _check_installed()
     logdir, tmp = logdir_for(args.run_dirs)
     proc = None
 

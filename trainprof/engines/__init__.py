@@ -1,9 +1,10 @@
-"""Training engines behind one small interface (`Engine`): DeepSpeed, plain PyTorch (DDP), and pipeline
-stages on torch.distributed.pipelining."""
+"""Training engines behind one small interface (`Engine`): DeepSpeed, plain PyTorch (DDP), pipeline
+stages on torch.distributed.pipelining, and megatron-core (CUDA only)."""
 
 from __future__ import annotations
 
-from trainprof.engines.base import DistContext, Engine
+from trainprof.distributed import DistContext
+from trainprof.engines.base import Engine
 from trainprof.recipe import Recipe
 
 
@@ -13,6 +14,10 @@ def build_engine(recipe: Recipe, ctx: DistContext) -> Engine:
         from trainprof.engines.pipeline_engine import PipelineEngine
 
         return PipelineEngine(recipe, ctx)
+    if recipe.engine.kind == "megatron":
+        from trainprof.engines.megatron_engine import MegatronEngine
+
+        return MegatronEngine(recipe, ctx)
     if recipe.engine.kind == "deepspeed":
         from trainprof.engines.deepspeed_engine import DeepSpeedEngine
 
@@ -22,4 +27,15 @@ def build_engine(recipe: Recipe, ctx: DistContext) -> Engine:
     return TorchEngine(recipe, ctx)
 
 
-__all__ = ["DistContext", "Engine", "build_engine"]
+def data_split(engine: Engine, ctx: DistContext) -> tuple[int, int]:
+    """(rank, ranks) of the data split this process reads: every data-parallel rank its own samples.
+    A pipeline's stages all read the same samples; Megatron's ranks of one model replica (tensor x
+    pipeline parallel) too, so it splits by its data-parallel rank."""
+    if engine.name == "pipeline":
+        return 0, 1
+    if engine.name == "megatron":
+        return engine.data_rank, engine.data_world_size
+    return ctx.rank, ctx.world_size
+
+
+__all__ = ["DistContext", "Engine", "build_engine", "data_split"]

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from trainprof.engines.base import DistContext
+from trainprof.distributed import DistContext
 from trainprof.engines.optim import param_groups, quantized_adamw
 from trainprof.models import build_model
 from trainprof.recipe import Recipe

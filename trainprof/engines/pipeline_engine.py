@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from trainprof.engines.base import DistContext
+from trainprof.distributed import DistContext
 from trainprof.engines.optim import build_adamw, param_groups
 from trainprof.engines.stages import LlamaStage
 from trainprof.models import build_model, torch_dtype

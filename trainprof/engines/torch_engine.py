@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from trainprof.engines.base import DistContext
+from trainprof.distributed import DistContext
 from trainprof.engines.optim import build_adamw, param_groups
 from trainprof.models import build_model, torch_dtype
 from trainprof.recipe import Recipe

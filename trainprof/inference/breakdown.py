@@ -21,18 +21,18 @@ from typing import Any
 
 import torch
 
-from trainprof.analysis.records import F_CLOSE, F_OPEN
+from trainprof.analysis.records import F_CLOSE, F_OPEN, RANGE_PREFIX, module_label
 from trainprof.inference.generate import RequestTiming, run_request
 from trainprof.profiler.hooks import ModuleHooks
 from trainprof.profiler.log import StepLog
-from trainprof.profiler.ops import RANGE_PREFIX, OpTracer
+from trainprof.profiler.ops import OpTracer
 from trainprof.profiler.timers import make_timer
 
 PHASES = ("prefill", "decode")
 
 
 def _range_names(modules: list[Any]) -> list[dict[str, str]]:
-    return [{phase: f"{RANGE_PREFIX}{phase}::{m.name or '<model>'}" for phase in PHASES} for m in modules]
+    return [{phase: f"{RANGE_PREFIX}{phase}::{module_label(m.name)}" for phase in PHASES} for m in modules]
 
 
 def module_breakdown(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int,
@@ -78,7 +78,7 @@ def module_breakdown(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens
                 decode[mi] += span
                 decode_calls[mi] += 1
     steps = max(root_calls, 1)  # decode steps = model calls after prefill
-    rows = [{"name": m.name or "<model>", "type": m.type, "depth": m.depth, "prefill_ms": prefill[m.index],
+    rows = [{"name": module_label(m.name), "type": m.type, "depth": m.depth, "prefill_ms": prefill[m.index],
              "decode_ms": decode[m.index] / steps, "decode_calls_per_token": decode_calls[m.index] / steps}
             for m in hooks.modules]
     top = [m.index for m in hooks.modules if m.depth == 1] or [0]
@@ -90,7 +90,7 @@ def module_breakdown(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens
             "request_ms": request_ms, "top_level_ms": top_ms, "model_ms": prefill[0] + decode[0],
             "unattributed_ms": request_ms - top_ms,
             "unattributed_frac": (request_ms - top_ms) / request_ms if request_ms else None,
-            "top_level_modules": [hooks.modules[i].name or "<model>" for i in top],
+            "top_level_modules": [module_label(hooks.modules[i].name) for i in top],
             "note": "request_ms (this hooked call, same timer) = sum over top-level modules of their prefill + "
                     "decode windows + unattributed_ms (generate's own work outside the model's children)",
         },
@@ -119,7 +119,7 @@ def operator_breakdown(model: torch.nn.Module, input_ids: torch.Tensor, new_toke
             hooks.range_names = [{"forward": n["decode"]} for n in names]
 
     try:
-        tracer.begin_step(0, names, [m.name or "<model>" for m in hooks.modules])
+        tracer.begin_step(0, names, [module_label(m.name) for m in hooks.modules])
         hooks.range_names = [{"forward": n["prefill"]} for n in names]
         timing: RequestTiming = run_request(model, input_ids, new_tokens, on_token=switch_to_decode)
         rows = tracer.end_step(0) or tracer.close() or [[]]

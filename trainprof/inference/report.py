@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.io import atomic_write_text
+from trainprof.layout import tb_run_dir
 from trainprof.report.document import (Document, Facts, Figure, Missing, Para, Table, render_csv, render_html,
                                       render_markdown)
-from trainprof.report.plots import _png, _pyplot
+from trainprof.report.plots import png_bytes, pyplot
 
 MIB = 2**20
 TOP_OPS = 20
@@ -18,7 +19,7 @@ TOP_OPS = 20
 def throughput_latency_plot(results: list[dict[str, Any]]) -> bytes:
     """Output tokens/s against median end-to-end latency, one point per batch size (the serving studies'
     throughput-latency figure), and TTFT / TPOT medians over batch size."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     x = [r["e2el_ms"]["p50"] for r in results]
     y = [r["output_tokens_per_s"] for r in results]
@@ -41,7 +42,7 @@ def throughput_latency_plot(results: list[dict[str, Any]]) -> bytes:
     right.legend()
     right.grid(alpha=0.3)
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def summary_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
@@ -112,10 +113,10 @@ def build_document(doc: dict[str, Any], run_name: str) -> Document:
 
 
 def write_tensorboard(doc: dict[str, Any], run_dir: Path) -> None:
-    """Scalars in <run_dir>/tb next to the Kineto trace, x axis = batch size."""
+    """Scalars next to the Kineto trace (<run_dir>/tb/<run name>/), x axis = batch size."""
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(str(run_dir / "tb"), filename_suffix=".trainprof-infer")
+    writer = SummaryWriter(str(tb_run_dir(run_dir)), filename_suffix=".trainprof-infer")
     for r in doc["results"]:
         b = r["batch_size"]
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):

@@ -4,7 +4,6 @@ breakdown, written to runs/<recipe>-infer-<UTC timestamp>/inference.json plus a 
 
 from __future__ import annotations
 
-import datetime as dt
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from trainprof.env import collect_env, device_name, memory_meter, peak_memory_by
 from trainprof.inference.breakdown import module_breakdown, operator_breakdown
 from trainprof.inference.generate import METRICS_METHOD, TIMER_DESCRIPTION, make_prompt, run_request, serving_metrics
 from trainprof.io import atomic_write_json, atomic_write_text
+from trainprof.layout import new_run_dir, tb_run_dir
 from trainprof.profiler.flops import FlopCounter
 from trainprof.profiler.peaks import dense_peak, memory_bandwidth
 from trainprof.recipe import Recipe
@@ -48,18 +48,6 @@ def load_inference_model(recipe: Recipe, device: torch.device) -> torch.nn.Modul
     return model
 
 
-def make_infer_dir(recipe: Recipe) -> Path:
-    """<output.dir>/<name>-infer-<UTC timestamp>/ (a suffix -2, -3... when it exists)."""
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    base = Path(recipe.output.dir) / f"{recipe.output.name}-infer-{stamp}"
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    path.mkdir(parents=True)
-    return path
-
-
 def _prefill_flops(model: torch.nn.Module, input_ids: torch.Tensor) -> int:
     """FLOPs of one prefill as generate runs it (counted with torch.utils.flop_counter formulas on a
     1-token generate: the prompt forward, logits for the last position only)."""
@@ -82,76 +70,113 @@ def _dtype_key(model: torch.nn.Module) -> str:
                                                                else "fp32")
 
 
+@dataclass(slots=True, kw_only=True)
+class ServingDevice:
+    """The device a model is served on and the figures its utilizations are measured against."""
+
+    device: torch.device
+    peak: dict[str, Any] | None  # dense peak for the model's dtype (profiles/accelerators.yaml), or None
+    peak_reason: str
+    bandwidth: dict[str, Any] | None  # memory bandwidth, or None
+    bandwidth_reason: str
+    weight_bytes: int  # what a decode step reads besides the KV cache
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, device: torch.device) -> ServingDevice:
+        name = device_name(device)
+        peak, peak_reason = dense_peak(name, device.type, _dtype_key(model))
+        bandwidth, bandwidth_reason = memory_bandwidth(name, device.type)
+        return cls(device=device, peak=peak, peak_reason=peak_reason, bandwidth=bandwidth,
+                   bandwidth_reason=bandwidth_reason, weight_bytes=_weight_bytes(model))
+
+
 def infer(recipe: Recipe, settings: InferSettings, *, progress: bool = True) -> Path:
-    """Run the inference profile and write the run dir.
+    """Run the inference profile and write the run dir: per batch size, warm-up and measured calls, the
+    hooked call (module breakdown) and the FLOP-counting call; then one traced call at the largest
+    batch size.
 
     Returns:
         the run directory.
     """
     from tqdm import tqdm
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cuda = device.type == "cuda"
-    model = load_inference_model(recipe, device)
-    run_dir = make_infer_dir(recipe)
-    vocab = model.config.vocab_size
-    env = collect_env(device, world_size=1)
-    env["timer"] = "host_after_cuda_synchronize" if cuda else "host"
-    name = device_name(device)
-    peak, peak_reason = dense_peak(name, device.type, _dtype_key(model))
-    bandwidth, bandwidth_reason = memory_bandwidth(name, device.type)
-    weight_bytes = _weight_bytes(model)
+    from trainprof.inference.report import write_reports
+    from trainprof.inference.schema import validate_inference
 
-    # per batch size: warm-up + measured calls, the hooked call, the FLOP-counting call; then one traced call
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_inference_model(recipe, device)
+    run_dir = new_run_dir(recipe.output.dir, f"{recipe.output.name}-infer")
+    serving = ServingDevice.of(model, device)
     total = len(settings.batch_sizes) * (settings.warmup + settings.requests + 2) + int(settings.ops)
     bar = tqdm(total=total, desc=f"{recipe.output.name} infer", unit="call", file=sys.stderr, disable=not progress)
-    results: list[dict[str, Any]] = []
-    for b in settings.batch_sizes:
-        ids = make_prompt(b, settings.prompt_len, vocab, recipe.train.seed, device)
-        reset_peak_memory(device)
-        for _ in range(settings.warmup):
-            run_request(model, ids, settings.new_tokens)
-            bar.update()
-        timings = []
-        for _ in range(settings.requests):
-            timings.append(run_request(model, ids, settings.new_tokens))
-            bar.update()
-        peak_mem = peak_memory_bytes(device)
-        metrics = serving_metrics(timings)
-        breakdown = module_breakdown(model, ids, settings.new_tokens, recipe.profile.module_depth)
-        bar.update()
-        flops = _prefill_flops(model, ids)
-        bar.update()
-        kv_bytes = timings[0].cache_bytes
-        prefill_s = metrics["ttft_ms"]["p50"] / 1e3
-        tflops = flops / prefill_s / 1e12
-        tpot = metrics["tpot_ms"]["p50"] if metrics["tpot_ms"] else None
-        bytes_per_step = weight_bytes + kv_bytes
-        gbps = bytes_per_step / (tpot / 1e3) / 1e9 if tpot else None
-        results.append({
-            "batch_size": b,
-            **metrics,
-            "modules": [{"name": m["name"], "prefill_ms": m["prefill_ms"], "decode_ms": m["decode_ms"]}
-                        for m in breakdown["modules"]],
-            "closure": breakdown["closure"],
-            "kv_cache_bytes": kv_bytes,
-            "peak_memory_bytes": peak_mem,
-            "prefill": {"flops": flops, "achieved_tflops": tflops,
-                        "mfu": tflops / peak["tflops"] if peak else None, "mfu_reason": None if peak else peak_reason},
-            "decode": {"bytes_per_step": bytes_per_step, "weight_bytes": weight_bytes, "kv_cache_bytes_read": kv_bytes,
-                       "achieved_gbps": gbps,
-                       "bandwidth_utilization": gbps / bandwidth["gbps"] if bandwidth and gbps else None,
-                       "bandwidth_reason": None if bandwidth else bandwidth_reason},
-        })
+    results = [measure_batch(model, recipe, settings, b, serving, bar.update) for b in settings.batch_sizes]
     ops = None
     if settings.ops:
-        b = max(settings.batch_sizes)
-        ids = make_prompt(b, settings.prompt_len, vocab, recipe.train.seed, device)
-        ops = operator_breakdown(model, ids, settings.new_tokens, recipe.profile.module_depth, run_dir / "tb")
+        ids = make_prompt(max(settings.batch_sizes), settings.prompt_len, model.config.vocab_size, recipe.train.seed,
+                          device)
+        ops = operator_breakdown(model, ids, settings.new_tokens, recipe.profile.module_depth, tb_run_dir(run_dir))
         bar.update()
     bar.close()
+    doc = inference_document(recipe, settings, serving, results, ops)
+    validate_inference(doc)
+    atomic_write_json(run_dir / "inference.json", doc)
+    atomic_write_text(run_dir / "recipe.yaml", __import__("yaml").safe_dump(recipe.to_dict(), sort_keys=False))
+    write_reports(doc, run_dir)
+    return run_dir
 
-    doc = {
+
+def measure_batch(model: torch.nn.Module, recipe: Recipe, settings: InferSettings, batch_size: int,
+                  serving: ServingDevice, tick: Any) -> dict[str, Any]:
+    """One batch size: serving metrics over the measured calls, the module breakdown, prefill MFU and
+    decode bandwidth; `tick()` after each generate call (the progress bar)."""
+    device = serving.device
+    ids = make_prompt(batch_size, settings.prompt_len, model.config.vocab_size, recipe.train.seed, device)
+    reset_peak_memory(device)
+    for _ in range(settings.warmup):
+        run_request(model, ids, settings.new_tokens)
+        tick()
+    timings = []
+    for _ in range(settings.requests):
+        timings.append(run_request(model, ids, settings.new_tokens))
+        tick()
+    peak_mem = peak_memory_bytes(device)
+    metrics = serving_metrics(timings)
+    breakdown = module_breakdown(model, ids, settings.new_tokens, recipe.profile.module_depth)
+    tick()
+    flops = _prefill_flops(model, ids)
+    tick()
+    kv_bytes = timings[0].cache_bytes
+    tflops = flops / (metrics["ttft_ms"]["p50"] / 1e3) / 1e12
+    tpot = metrics["tpot_ms"]["p50"] if metrics["tpot_ms"] else None
+    bytes_per_step = serving.weight_bytes + kv_bytes
+    gbps = bytes_per_step / (tpot / 1e3) / 1e9 if tpot else None
+    peak, bandwidth = serving.peak, serving.bandwidth
+    return {
+        "batch_size": batch_size,
+        **metrics,
+        "modules": [{"name": m["name"], "prefill_ms": m["prefill_ms"], "decode_ms": m["decode_ms"]}
+                    for m in breakdown["modules"]],
+        "closure": breakdown["closure"],
+        "kv_cache_bytes": kv_bytes,
+        "peak_memory_bytes": peak_mem,
+        "prefill": {"flops": flops, "achieved_tflops": tflops,
+                    "mfu": tflops / peak["tflops"] if peak else None,
+                    "mfu_reason": None if peak else serving.peak_reason},
+        "decode": {"bytes_per_step": bytes_per_step, "weight_bytes": serving.weight_bytes,
+                   "kv_cache_bytes_read": kv_bytes, "achieved_gbps": gbps,
+                   "bandwidth_utilization": gbps / bandwidth["gbps"] if bandwidth and gbps else None,
+                   "bandwidth_reason": None if bandwidth else serving.bandwidth_reason},
+    }
+
+
+def inference_document(recipe: Recipe, settings: InferSettings, serving: ServingDevice,
+                       results: list[dict[str, Any]], ops: dict[str, Any] | None) -> dict[str, Any]:
+    """inference.json: settings, environment, how each figure was measured, the results."""
+    device, peak, bandwidth = serving.device, serving.peak, serving.bandwidth
+    cuda = device.type == "cuda"
+    env = collect_env(device, world_size=1)
+    env["timer"] = "host_after_cuda_synchronize" if cuda else "host"
+    return {
         "schema_version": SCHEMA_VERSION,
         "kind": "inference",
         "recipe": recipe.to_dict(),
@@ -178,16 +203,8 @@ def infer(recipe: Recipe, settings: InferSettings, *, progress: bool = True) -> 
                                 "utilization = that / the device's memory bandwidth "
                                 + (f"({bandwidth['source']})" if bandwidth else "(none known)"),
         },
-        "peak": peak, "peak_reason": peak_reason or None,
-        "memory_bandwidth": bandwidth, "memory_bandwidth_reason": bandwidth_reason or None,
+        "peak": peak, "peak_reason": serving.peak_reason or None,
+        "memory_bandwidth": bandwidth, "memory_bandwidth_reason": serving.bandwidth_reason or None,
         "results": results,
         "ops": ops,
     }
-    from trainprof.inference.report import write_reports
-    from trainprof.inference.schema import validate_inference
-
-    validate_inference(doc)
-    atomic_write_json(run_dir / "inference.json", doc)
-    atomic_write_text(run_dir / "recipe.yaml", __import__("yaml").safe_dump(recipe.to_dict(), sort_keys=False))
-    write_reports(doc, run_dir)
-    return run_dir

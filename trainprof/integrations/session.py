@@ -4,7 +4,6 @@ usual run dir (profile.json, tables, report, TensorBoard scalars) as a collectiv
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import sys
 from pathlib import Path
@@ -131,10 +130,11 @@ class ProfileSession:
         (None when nothing was attached or it already ran)."""
         import torch
 
+        from trainprof.distributed import shared_run_dir
         from trainprof.env import collect_env, memory_meter
         from trainprof.io import atomic_write_json
         from trainprof.models import count_params
-        from trainprof.run import write_run_files
+        from trainprof.report.run_report import write_run_files
 
         if self.prof is None or self.finished:
             return None
@@ -167,23 +167,3 @@ class ProfileSession:
             torch.distributed.barrier()
         return self.run_dir
 
-
-def shared_run_dir(output_dir: Path, name: str) -> Path:
-    """<output_dir>/<name>-<UTC timestamp>/, created on rank 0 and broadcast to every rank."""
-    import torch
-
-    dist = torch.distributed.is_available() and torch.distributed.is_initialized()
-    rank = torch.distributed.get_rank() if dist else int(os.environ.get("RANK", 0))
-    box: list[Any] = [None]
-    if rank == 0:
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        base = output_dir / f"{name}-{stamp}"
-        path, n = base, 1
-        while path.exists():
-            n += 1
-            path = base.with_name(f"{base.name}-{n}")
-        path.mkdir(parents=True)
-        box[0] = str(path)
-    if dist:
-        torch.distributed.broadcast_object_list(box, src=0)
-    return Path(box[0])

@@ -5,8 +5,13 @@ Mechanism: while the Profiler is open, the public collective functions of `torch
 the `torch.distributed` and `torch.distributed.distributed_c10d` names) and the function references
 DeepSpeed's communication backend caches (`cdb.all_gather_function`, `cdb.reduce_scatter_function`)
 are replaced by timing wrappers; `close()` puts the originals back. Object collectives are not wrapped:
-the tensor collectives they call inside are. A library that imported a function by name before the
-Profiler opened (`from torch.distributed import all_reduce`) and DDP's C++ reducer are not seen.
+the tensor collectives they call inside are. Libraries in `CACHED_REFERENCE_LIBRARIES` (megatron-core)
+keep module-level references to collectives taken at their import (`dist_reduce_scatter_func =
+torch.distributed.reduce_scatter_tensor`) and to `_coalescing_manager`: those references are replaced
+too. Collectives issued inside a coalescing manager only queue and run when it exits, so they are one
+record (the summed bytes, the first call's op and module) timed from entering the manager to leaving it
+(a synchronous manager waits for them there; an asynchronous one's later wait is not seen). Any other library that imported a function by name before
+the Profiler opened (`from torch.distributed import all_reduce`) and DDP's C++ reducer are not seen.
 
 Overlap assumption (what "exposed" means):
   * host timer (CPU, gloo): a synchronous collective blocks the calling thread for its whole duration,
@@ -25,6 +30,7 @@ record their peer's global rank, so a pipeline stage can tell activations from g
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -68,6 +74,12 @@ SPECS: dict[str, CollectiveSpec] = {
     "irecv": CollectiveSpec("tensor", False, always_async=True),
     "barrier": CollectiveSpec(None, False),
 }
+
+
+# Module-name prefixes of libraries whose modules hold their own references to torch.distributed
+# collectives (see the module docstring): megatron-core's gradient buffers, tensor-parallel mappings and
+# layers all do.
+CACHED_REFERENCE_LIBRARIES = ("megatron.core.",)
 
 
 def _nbytes(obj: Any) -> int:
@@ -134,6 +146,20 @@ class CommTracer:
             cached = getattr(cdb, attr, None)
             if cached is not None and id(cached) in wrappers:
                 self._patch(cdb, attr, wrappers[id(cached)])
+        coalescing = getattr(c10d, "_coalescing_manager", None)
+        if coalescing is not None:
+            wrappers[id(coalescing)] = self._wrap_coalescing(coalescing)
+        self._patch_cached_references(wrappers)
+
+    def _patch_cached_references(self, wrappers: dict[int, Any]) -> None:
+        """Replace the module-level references to collectives that CACHED_REFERENCE_LIBRARIES keep."""
+        for name, module in list(sys.modules.items()):
+            if module is None or not name.startswith(CACHED_REFERENCE_LIBRARIES):
+                continue
+            for attr, value in list(vars(module).items()):
+                wrapper = wrappers.get(id(value))
+                if wrapper is not None:
+                    self._patch(module, attr, wrapper)
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
         self._patched.append((owner, name, getattr(owner, name)))
@@ -184,6 +210,10 @@ class CommTracer:
             finally:
                 local.depth = 0
             rec.ret = self.now()
+            queued = getattr(local, "coalesced", None)
+            if queued is not None:  # inside a coalescing manager: it runs, and is recorded, at the exit
+                queued.append(rec)
+                return out
             log.comms.append(rec)
             if not is_async or out is None:
                 return out
@@ -197,6 +227,33 @@ class CommTracer:
             return TimedWork(out, rec, self.now)
 
         wrapper.__trainprof_original__ = fn  # type: ignore[attr-defined]
+        return wrapper
+
+    def _wrap_coalescing(self, manager: Callable[..., Any]) -> Callable[..., Any]:
+        """torch.distributed._coalescing_manager as one record: the collectives issued inside it queue,
+        and run (a synchronous manager also waits for them) when it exits."""
+        local = self._local
+
+        @contextlib.contextmanager
+        def wrapper(group: Any = None, device: Any = None, async_ops: bool = False) -> Any:
+            if not self.log.active or getattr(local, "depth", 0) or getattr(local, "coalesced", None) is not None:
+                with manager(group, device, async_ops) as cm:
+                    yield cm
+                return
+            local.coalesced = []
+            issue = self.now()
+            try:
+                with manager(group, device, async_ops) as cm:
+                    yield cm
+            finally:
+                queued, local.coalesced = local.coalesced, None
+            if queued:
+                first = queued[0]
+                self.log.comms.append(CommRecord(
+                    op=first.op, nbytes=sum(r.nbytes for r in queued), group_size=first.group_size,
+                    module=first.module, is_async=async_ops, issue=issue, ret=self.now()))
+
+        wrapper.__trainprof_original__ = manager  # type: ignore[attr-defined]
         return wrapper
 
     def _done(self, rec: CommRecord, _future: Any) -> None:

@@ -8,22 +8,26 @@ timer, the collective wrappers, memory and FLOP counting, and delegates analysis
                 loss.backward()
                 opt.step(); opt.zero_grad()
     prof.result()                                 # the profile.json dict
-    prof.save("runs/my-run")
+    prof.save("runs/my-run")                      # profile.json; `trainprof report runs/my-run` renders it
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
 from trainprof.analysis.aggregate import StepRecord, StepTimeline, complete_step
 from trainprof.analysis.breakdown import CommEvent
+from trainprof.analysis.gpu_busy import gpu_busy_fields
 from trainprof.analysis.pipeline import PipelineInfo
+from trainprof.layout import tb_run_dir
+from trainprof.phases import REGION_PHASES
 from trainprof.profiler.comm import CommTracer, comm_total_ms
 from trainprof.profiler.flops import FlopCounter, analytic_flops
 from trainprof.profiler.hooks import ModuleHooks
@@ -33,9 +37,9 @@ from trainprof.profiler.memory import PhaseMemory, SavedActivations, model_state
 from trainprof.profiler.ops import OpTracer, range_names, region_range_name
 from trainprof.profiler.patches import wrap_autograd_backward, wrap_optimizer_method
 from trainprof.profiler.result import profile_env, rank_profile
+from trainprof.profiler.telemetry import DEFAULT_PERIOD_MS, open_step_telemetry, telemetry_fields
 from trainprof.profiler.timers import make_timer
 
-REGION_LABELS = ("data_wait", "forward", "backward", "recompute", "optimizer", "other")
 # Steps are analysed when `Profiler.steps` is read (at save, typically after training); a longer backlog
 # is analysed at once, which bounds the memory the timelines hold (a few hundred kB per 100 steps).
 ANALYSE_BACKLOG_STEPS = 256
@@ -51,6 +55,17 @@ def _dist_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def megatron_profiler_kwargs(model: torch.nn.Module, recipe: Any) -> dict[str, Any]:
+    """What profiling a Megatron GPTModel adds: its modules under the HF Llama's names, re-runs seen below
+    module_depth (selective recomputation re-runs only the core attention), and the ranks of one model
+    replica, which read the same samples (the merge counts their tokens once)."""
+    from trainprof.megatron_names import hf_module_names
+
+    e = recipe.engine
+    return {"module_names": hf_module_names(model), "recompute_sentinels": recipe.model.recompute,
+            "env": {"model_parallel_size": e.tensor_parallel * e.pipeline_parallel}}
 
 
 class Profiler:
@@ -79,11 +94,16 @@ class Profiler:
         trace_gzip: write the trace as .pt.trace.json.gz.
         memory: measure peak memory per phase.
         comm: wrap torch.distributed collectives.
+        module_names: native module name -> the name profiles show (the Megatron engine's modules take the
+            HF Llama's names, trainprof.megatron_names); names not in it stay.
+        recompute_sentinels: see ModuleHooks (None: ask the model whether it checkpoints activations).
         device: the compute device (default: the model's first parameter's device).
         rank, world_size: default from torch.distributed (or RANK/WORLD_SIZE).
         recipe, env: put into the result as `recipe` and merged into `env`.
         journal_dir: where profile.rank<N>.journal.jsonl goes (None: no journal; see profiler/journal.py).
         journal_interval_s: the most time between two journal writes (0: every step as it ends).
+        telemetry_period_ms: NVML telemetry sampling period on a CUDA device (0 or None: off); see
+            profiler/telemetry.py. Elsewhere `telemetry` is null with the reason.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = None, *, module_depth: int = 3,
@@ -95,7 +115,9 @@ class Profiler:
                  device: torch.device | str | None = None, rank: int | None = None,
                  world_size: int | None = None, recipe: dict[str, Any] | None = None,
                  env: dict[str, Any] | None = None, journal_dir: str | Path | None = None,
-                 journal_interval_s: float = JOURNAL_INTERVAL_S) -> None:
+                 journal_interval_s: float = JOURNAL_INTERVAL_S, module_names: Mapping[str, str] | None = None,
+                 recompute_sentinels: bool | None = None,
+                 telemetry_period_ms: float | None = DEFAULT_PERIOD_MS) -> None:
         self.model = model
         self.optimizer = optimizer
         self.module_depth = module_depth
@@ -143,10 +165,16 @@ class Profiler:
         # profile.rank<N>.journal.jsonl: finished steps appended as the run goes (a killed rank keeps them)
         self.journal = Journal(journal_path(journal_dir, self.rank), journal_interval_s) \
             if (journal_dir is not None and enabled) else None
+        self.telemetry, self.telemetry_reason = open_step_telemetry(self.device, telemetry_period_ms) if enabled \
+            else (None, "the profiler is disabled (profile.enabled false)")
         if not enabled:
             return
         self.hooks = ModuleHooks(model, module_depth, self.log, self.timer.now,
-                                 on_root=self._on_root if self.memory else None)
+                                 on_root=self._on_root if self.memory else None,
+                                 recompute_sentinels=recompute_sentinels)
+        if module_names:
+            self.hooks.modules = [dataclasses.replace(m, name=module_names.get(m.name, m.name))
+                                  for m in self.hooks.modules]
         self._range_names = range_names(self.hooks.modules)
         if comm:
             self.comm = CommTracer(self.log, self.timer.now, self.hooks.current, host_timer=self.timer.kind == "host")
@@ -165,7 +193,7 @@ class Profiler:
         added (DDP: 1, peft's PeftModel -> LoraModel: 2), so one depth means the same modules for every
         engine and task. Pass DDP itself (not .module), so DDP's own forward work (buffer broadcast,
         reducer bookkeeping) lands in the forward phase, and call `watch_ddp`. Operator traces go to
-        <run_dir>/tb when `profile.ops` is on.
+        <run_dir>/tb when `profile.ops` is on. A Megatron recipe adds `megatron_profiler_kwargs`.
 
         Args:
             model: the module the loop calls (engine.module).
@@ -181,10 +209,13 @@ class Profiler:
         kwargs: dict[str, Any] = dict(
             module_depth=p.module_depth + wrapper_levels, enabled=p.enabled, ops=p.ops, ops_steps=p.ops_steps,
             warmup_steps=t.warmup_steps, active_steps=t.steps, recipe=recipe.to_dict(),
-            trace_dir=(Path(run_dir) / "tb") if (run_dir is not None and p.ops) else None,
+            trace_dir=tb_run_dir(run_dir) if (run_dir is not None and p.ops) else None,
             trace_wait=p.trace_wait, trace_warmup=p.trace_warmup, record_shapes=p.record_shapes,
             with_stack=p.with_stack, trace_gzip=p.trace_gzip, journal_dir=run_dir,
+            telemetry_period_ms=p.telemetry_period_ms,
         )
+        if recipe.engine.kind == "megatron":
+            kwargs.update(megatron_profiler_kwargs(model, recipe))
         kwargs.update(overrides)
         return cls(model, optimizer, **kwargs)
 
@@ -249,6 +280,8 @@ class Profiler:
             self.comm.close()
         if self.memory is not None:
             self.memory.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
         rows = self._op_tracer.close()  # a schedule cut short by the end of training: write what it has
         if rows:
             self.ops_rows.extend(rows)
@@ -321,6 +354,8 @@ class Profiler:
             counter = self._flop_counter = FlopCounter(self._where)
             counter.__enter__()
             self.flops_running = True
+        # the host-clock window that NVML samples are assigned by (measured steps only)
+        telemetry_begin = self.telemetry.step_begins() if (self.telemetry is not None and measured) else None
         origin = pending[0] if pending is not None else self.timer.now()
         if self.pipeline is not None:  # places this rank's step beside the other stages' (analysis/pipeline.py)
             self._origin_unix_ns = time.time_ns() - (time.perf_counter_ns() - origin if self.timer.kind == "host" else 0)
@@ -332,6 +367,7 @@ class Profiler:
             yield self
         finally:
             end = self.timer.now()
+            end_ns = time.perf_counter_ns()
             log.active = False
             if self.hooks is not None:
                 self.hooks.end_step()
@@ -353,6 +389,8 @@ class Profiler:
                 if traced:
                     instrumented.append("ops" if ops_phase == "active" else "trace_warmup")
             self._finish_step(index, origin, end, warm=not measured, instrumented=instrumented)
+            if telemetry_begin is not None:
+                self.telemetry.step_ends(index - self.warmup_steps, telemetry_begin, end_ns, counted=not instrumented)
             if counter is not None:
                 self._store_flops(counter)
                 self.activation_bytes = self._activations.max_bytes
@@ -399,8 +437,8 @@ class Profiler:
         """Mark a region of the step as a phase: "optimizer" (e.g. around DeepSpeed's engine.step()),
         "backward" (around engine.backward(loss), so ZeRO's post-backward reduction counts as
         backward), "forward", "data_wait" or "other"."""
-        if label not in REGION_LABELS:
-            raise ValueError(f"phase '{label}' is not one of {', '.join(REGION_LABELS)}")
+        if label not in REGION_PHASES:
+            raise ValueError(f"phase '{label}' is not one of {', '.join(REGION_PHASES)}")
         return self._phase(label)
 
     @contextlib.contextmanager
@@ -565,6 +603,8 @@ class Profiler:
         out = rank_profile(self)
         if self.ops:
             out["ops_info"].update(self._op_tracer.info())
+        out.update(telemetry_fields(self.telemetry, self.telemetry_reason))
+        out.update(gpu_busy_fields(out))
         return out
 
     def result(self, *, recipe: dict[str, Any] | None = None, env: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -590,14 +630,15 @@ class Profiler:
 
     def save(self, run_dir: str | Path, *, recipe: dict[str, Any] | None = None,
              env: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Write this rank's profile.rank<r>.json; rank 0 also writes the merged profile.json,
-        modules.csv, ops.csv, comm.csv and summary.md. A collective with several ranks.
+        """Write this rank's profile.rank<r>.json; rank 0 also writes the merged profile.json. A
+        collective with several ranks. The renderings (summary.md, the CSV tables, report.md/html,
+        TensorBoard scalars) are the report layer's: `trainprof report RUN_DIR`, or
+        trainprof.report.run_report.write_run_files(profile, run_dir) in place of this call.
 
         Returns:
             The merged profile.
         """
         from trainprof.io import atomic_write_json
-        from trainprof.report.summary import write_report
 
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -606,5 +647,4 @@ class Profiler:
         self.discard_journal()
         if self.rank == 0:
             atomic_write_json(run_dir / "profile.json", merged)
-            write_report(merged, run_dir)
         return merged

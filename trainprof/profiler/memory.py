@@ -169,6 +169,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any = None) -> dict[str
             model_ptrs.add(stored.data_ptr())
     for p in model.parameters():
         grads += _tensor_bytes(p.grad, seen)
+        grads += _tensor_bytes(getattr(p, "main_grad", None), seen)  # Megatron: views of its fp32 grad buffer
     # DeepSpeed keeps reduced gradient partitions in its own buffers
     for attr in ("grad_partitions_flat_buffer",):
         grads += _tensor_bytes(getattr(optimizer, attr, None), seen)

@@ -30,14 +30,15 @@ from typing import Any
 
 import torch
 
-from trainprof.analysis.records import ModuleInfo
+from trainprof.analysis.records import RANGE_PREFIX, ROOT_LABEL, ModuleInfo, module_label
+from trainprof.env import native_chatter_to
 
-RANGE_PREFIX = "trainprof::"
+KINETO_LOG = "kineto.log"  # Kineto's USDT lines, kept off the terminal (env.native_chatter_to)
 
 
 def range_names(modules: list[ModuleInfo]) -> list[dict[str, str]]:
     """record_function names per module and phase."""
-    return [{phase: f"{RANGE_PREFIX}{phase}::{m.name or '<model>'}" for phase in ("forward", "recompute", "backward")}
+    return [{phase: f"{RANGE_PREFIX}{phase}::{module_label(m.name)}" for phase in ("forward", "recompute", "backward")}
             for m in modules]
 
 
@@ -98,6 +99,11 @@ class OpTracer:
         self._lookup: dict[str, tuple[str, str]] = {}
         self._rows: list[list[dict[str, Any]]] | None = None
 
+    @property
+    def chatter_log(self) -> Path | None:
+        """Where Kineto's USDT lines go instead of the terminal (beside the trace)."""
+        return self.trace_dir / KINETO_LOG if self.trace_dir is not None else None
+
     def phase(self, step: int) -> str | None:
         """Where `step` falls in the schedule: "wait", "warmup", "active" or None (before or after)."""
         if self._first is None or self.done or step < self._first:
@@ -151,12 +157,13 @@ class OpTracer:
         active = list(range(first + self.wait + self.warmup, first + self.wait + self.warmup + self.active))
         meta = {"rank": self.rank, "world_size": self.world_size, "steps": active, "range_prefix": RANGE_PREFIX,
                 "ranges": "trainprof::<phase>::<module> per module call (forward, backward, recompute; the "
-                          "model itself is <model>) and trainprof::<phase> for phase regions"}
+                          f"model itself is {ROOT_LABEL}) and trainprof::<phase> for phase regions"}
         prof.preset_metadata_json("trainprof", json.dumps(meta))
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             prof.preset_metadata_json("distributedInfo", json.dumps(
                 {"backend": "none", "rank": self.rank, "world_size": self.world_size}))
-        prof.__enter__()
+        with native_chatter_to(self.chatter_log):
+            prof.__enter__()
         self._prof = prof
 
     def end_step(self, step: int) -> list[list[dict[str, Any]]] | None:
@@ -168,7 +175,8 @@ class OpTracer:
         """
         if self._prof is None or self.done:
             return None
-        self._prof.step()
+        with native_chatter_to(self.chatter_log):  # starting, stopping and writing the trace print USDT lines
+            self._prof.step()
         if self.phase(step + 1) is None:
             return self.close()
         return None
@@ -177,7 +185,8 @@ class OpTracer:
         """Stop the profiler (a trace cut short by the end of training is still written)."""
         prof, self._prof = self._prof, None
         if prof is not None:
-            prof.__exit__(None, None, None)
+            with native_chatter_to(self.chatter_log):
+                prof.__exit__(None, None, None)
         self.done = True
         rows, self._rows = self._rows, None
         return rows

@@ -493,7 +493,7 @@ def probe_engines(recipes: list[Any], *, threads: int, rounds: int = 8, neighbou
 
     import yaml
 
-    from trainprof.run import _free_port
+    from trainprof.distributed import free_port as _free_port
 
     shape = ProbeShape.of(recipes[0])
     with tempfile.TemporaryDirectory(prefix="trainprof-engine-probe-") as tmp:
@@ -520,12 +520,12 @@ def _probe_engines_main(argv: list[str]) -> int:
     from trainprof.engines import DistContext, build_engine
     from trainprof.models import resolve_shape
     from trainprof.recipe import load_recipe
-    from trainprof.run import init_distributed, seed_everything
+    from trainprof.distributed import init_distributed, seed_everything
 
     rounds, bare, out, *paths = argv
     recipes = [load_recipe(p, ["train.grad_accum=1"]) for p in paths]  # every micro batch a boundary
     ctx = DistContext.from_env()
-    init_distributed(recipes[0], ctx)
+    init_distributed(ctx, engine_kind=recipes[0].engine.kind)
     engines, batches = [], []
     for recipe in recipes:
         seed_everything(recipe.train.seed)

@@ -6,7 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.io import atomic_write_json
-from trainprof.sweep.tables import Column, figure, fmt_num, fmt_pct, fmt_text, pyplot, save_figure, write_tables
+from trainprof.phases import PHASES
+from trainprof.report.plots import figure, pyplot, save_figure
+from trainprof.report.tables import Column, fmt_num, fmt_pct, fmt_text, write_tables
 
 GIB = 2**30
 
@@ -105,7 +107,7 @@ def plot_projection(result: dict[str, Any], path: Path) -> Path:
     ax1.set_xticks(range(len(preds)), labels, fontsize=7, rotation=30, ha="right")
     ax1.set_ylabel("predicted tokens/s (all GPUs)")
     bottom = [0.0] * len(preds)
-    for phase in ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other"):
+    for phase in PHASES:
         vals = [(p["phases_ms"] or {}).get(phase, 0.0) for p in preds]
         if any(vals):
             ax2.bar(range(len(preds)), vals, bottom=bottom, label=phase)

@@ -55,9 +55,9 @@ import math
 import re
 from typing import Any
 
+from trainprof.phases import PHASES
 from trainprof.projection.calibrate import collective_ms
 
-PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other")
 # ZeRO paper (Rajbhandari et al. 2020, sec. 7): per-step communication volume per rank in units of Ψ
 # (parameters): DP/stage 1/2: reduce-scatter + all-gather = 2Ψ; stage 3 adds a forward gather: 3Ψ.
 ZERO_VOLUME = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainprof.sweep.tables import Column, fmt_num, fmt_pct, fmt_text, write_tables
+from trainprof.report.tables import Column, fmt_num, fmt_pct, fmt_text, write_tables
 
 SCALE_PROJECTED_COLUMNS = [
     Column("world_size", "N", fmt_text),

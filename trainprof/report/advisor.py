@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from trainprof.io import dig
+
 # Thresholds, as fractions of the median step unless named otherwise. Each is where the upper bound
 # of the gain is worth a change of settings, not a property of any hardware.
 DATA_WAIT_FRAC = 0.03  # "a few percent" of the step spent waiting for the loader
@@ -27,14 +29,6 @@ STAGE_IMBALANCE_FRAC = 0.10  # the busiest stage over the mean stage, minus 1
 NO_PROJECTION = "not projected yet"
 
 
-def _get(d: Any, *keys: str) -> Any:
-    for k in keys:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(k)
-    return d
-
-
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
@@ -45,7 +39,7 @@ class RunFigures:
     def __init__(self, profile: dict[str, Any]) -> None:
         self.profile = profile
         s = profile.get("summary") or {}
-        self.step_ms = _get(s, "step_ms", "median")
+        self.step_ms = dig(s, "step_ms", "median")
         self.phases = s.get("phases_ms") or {}
         self.unattributed_ms = s.get("unattributed_ms")
         self.mfu = s.get("mfu")
@@ -59,36 +53,36 @@ class RunFigures:
 
     @property
     def micro_batch(self) -> int | None:
-        return (_get(self.recipe, "train", "micro_batch_size") or self.config.get("train_micro_batch_size_per_gpu")
+        return (dig(self.recipe, "train", "micro_batch_size") or self.config.get("train_micro_batch_size_per_gpu")
                 or self.config.get("per_device_train_batch_size"))
 
     @property
     def zero_stage(self) -> int | None:
-        stage = _get(self.recipe, "engine", "zero_stage")
-        return stage if stage is not None else _get(self.config, "zero_optimization", "stage")
+        stage = dig(self.recipe, "engine", "zero_stage")
+        return stage if stage is not None else dig(self.config, "zero_optimization", "stage")
 
     @property
     def offload(self) -> str | None:
-        offload = _get(self.recipe, "engine", "offload")
+        offload = dig(self.recipe, "engine", "offload")
         if offload:
             return offload
         zero = self.config.get("zero_optimization") or {}
-        if _get(zero, "offload_optimizer", "device") in ("cpu", "nvme"):
-            return "optimizer+params" if _get(zero, "offload_param", "device") in ("cpu", "nvme") else "optimizer"
+        if dig(zero, "offload_optimizer", "device") in ("cpu", "nvme"):
+            return "optimizer+params" if dig(zero, "offload_param", "device") in ("cpu", "nvme") else "optimizer"
         return None
 
     @property
     def num_workers(self) -> int | None:
-        n = _get(self.recipe, "data", "num_workers")
+        n = dig(self.recipe, "data", "num_workers")
         return n if n is not None else self.config.get("dataloader_num_workers")
 
     def memory_capacity(self) -> tuple[int | None, str]:
-        cap = _get(self.recipe, "train", "memory_cap_gb")
+        cap = dig(self.recipe, "train", "memory_cap_gb")
         if cap:
             return int(cap * 2**30), f"train.memory_cap_gb={cap}"
-        total = _get(self.profile, "env", "device_memory_bytes")
+        total = dig(self.profile, "env", "device_memory_bytes")
         if total:
-            return int(total), f"device memory of {_get(self.profile, 'env', 'device')}"
+            return int(total), f"device memory of {dig(self.profile, 'env', 'device')}"
         return None, "capacity unknown (no GPU memory recorded and no train.memory_cap_gb)"
 
     def peak_memory(self) -> int | None:
@@ -232,7 +226,7 @@ def rule_memory_headroom(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
     if not fired:
         return check, None
     mb = f.micro_batch
-    act = _get(f.profile, "summary", "activation_bytes")
+    act = dig(f.profile, "summary", "activation_bytes")
     if act:  # activations grow with the micro batch; the rest (model states) does not
         fits = max(mb, int(mb + (capacity - peak) // act))
         how = f"{fits} (peak + {act / 2**20:,.0f} MiB of activations per extra sample-batch, measured)"
@@ -349,7 +343,7 @@ def _attach_prediction(item: dict[str, Any], predicted: list[dict[str, Any]] | N
 def bottleneck(profile: dict[str, Any]) -> tuple[str, float] | None:
     """The phase with the largest median share of the step, and that share."""
     s = profile.get("summary") or {}
-    step, phases = _get(s, "step_ms", "median"), s.get("phases_ms") or {}
+    step, phases = dig(s, "step_ms", "median"), s.get("phases_ms") or {}
     if not step or not phases:
         return None
     name = max(phases, key=lambda k: phases[k] or 0.0)
@@ -365,13 +359,14 @@ def checks_text(checks: list[Check]) -> str:
     return "; ".join(parts)
 
 
-def markdown_lines(result: dict[str, Any]) -> list[str]:
-    """"What to change" as Markdown bullet lines (summary.md)."""
+def advice_lines(result: dict[str, Any]) -> list[str]:
+    """"What to change" as one line per advice (summary.md's bullets, the terminal summary), or the
+    checks that ran when nothing triggered."""
     if not result["advice"]:
         return [f"Nothing triggered. Checks: {checks_text(result['checks'])}."]
     lines = []
     for a in result["advice"]:
-        lines.append(f"- **{a['title']}**: {a['trigger']['text']} (fires at {a['trigger']['threshold']}). "
+        lines.append(f"{a['title']}: {a['trigger']['text']} (fires at {a['trigger']['threshold']}). "
                      f"{a['action'][0].upper() + a['action'][1:]}. Gain: {a['gain']['text']}."
                      + (f" Overrides: `{overrides_text(a['overrides'])}`." if a["overrides"] else ""))
     return lines

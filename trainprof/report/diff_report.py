@@ -7,6 +7,7 @@ from typing import Any
 
 from trainprof.analysis.diff import (DEFAULT_INFER_MIN_MS, DEFAULT_MIN_MS, MODULES_NOT_JUDGED_WHY, NOISE_SAFETY,
                                     ProfileDiff, diff_inference, diff_profiles)
+from trainprof.analysis.records import module_label
 from trainprof.io import atomic_write_text
 from trainprof.report import plots
 from trainprof.report.document import Document, Facts, Figure, Missing, Para, Table, render_csv, render_html
@@ -47,7 +48,7 @@ def _band_text(d: ProfileDiff) -> str:
 def _table(rows, method: str, id: str, name_header: str, phase_header: str = "phase") -> Table:
     return Table([name_header, phase_header, "A ms", "B ms", "change", "faster by", "speedup", "verdict", "spread A",
                   "spread B"],
-                 [[r.name or "<model>", r.phase, r.a_ms, r.b_ms, _pct(r.change), _pct(r.faster_by),
+                 [[module_label(r.name), r.phase, r.a_ms, r.b_ms, _pct(r.change), _pct(r.faster_by),
                    None if r.speedup is None else f"{r.speedup:.2f}x", r.verdict,
                    None if r.spread_a is None else f"{100 * r.spread_a:.0f}%",
                    None if r.spread_b is None else f"{100 * r.spread_b:.0f}%"] for r in rows],
@@ -97,7 +98,7 @@ def _modules_section(doc: Document, d: ProfileDiff, method: str, intro: str | No
         judged.sort(key=lambda r: -max(r.a_ms or 0, r.b_ms or 0))
         shown = judged[:25]
         if shown:
-            sec.blocks.append(Figure(plots.speedup_bars([f"{r.name or '<model>'} {r.phase}" for r in shown],
+            sec.blocks.append(Figure(plots.speedup_bars([f"{module_label(r.name)} {r.phase}" for r in shown],
                                                         [r.change for r in shown], d.band),
                                      f"Time change of the {len(shown)} largest module rows (B vs A)",
                                      "diff_plots/modules.png", id="fig-diff"))
@@ -106,8 +107,8 @@ def _modules_section(doc: Document, d: ProfileDiff, method: str, intro: str | No
         sec.blocks.append(Missing("module diff", "no module present in both runs"))
     if d.only_a or d.only_b:
         sec = doc.section("On one side only", id="one-side")
-        sec.blocks.append(Table(["module", "only in"], [[n or "<model>", "A"] for n in d.only_a]
-                                + [[n or "<model>", "B"] for n in d.only_b], id="one-side-table",
+        sec.blocks.append(Table(["module", "only in"], [[module_label(n), "A"] for n in d.only_a]
+                                + [[module_label(n), "B"] for n in d.only_b], id="one-side-table",
                                 numeric=[False, False]))
 
 
@@ -152,7 +153,7 @@ def run_diff(path_a: str | Path, path_b: str | Path, *, stat: str = "min", band:
              min_ms: float | None = None, repeat: str | Path | None = None) -> tuple[ProfileDiff, Document]:
     """Load two run dirs (and optionally a repeat of A, to measure the noise band) and diff them; model
     parts are the summary's Llama2 categories."""
-    from trainprof.report.summary import CATEGORIES
+    from trainprof.report.sections import CATEGORIES
 
     runs = []
     for p in (path_a, path_b, repeat):

@@ -1,7 +1,7 @@
 """A small document model (sections of paragraphs, tables, figures, missing-part notes) with two
 renderers: Markdown and one self-contained HTML file (CSS inline, images as data: URIs, no script, no
-network). The run report and the run-to-run diff both build a `Document` and render it twice, so the
-two formats never say different things.
+network), and tables as CSV. Every report (run, diff, inference, sweep tables via report/tables.py)
+builds a `Document` and renders it, so the formats never say different things.
 """
 
 from __future__ import annotations
@@ -56,6 +56,28 @@ class Facts:
 
 
 @dataclass
+class Bullets:
+    """A bulleted list (notes)."""
+
+    items: list[str]
+
+
+@dataclass
+class Image:
+    """An image file beside the rendered file, linked rather than embedded (a sweep's chart)."""
+
+    file: str
+    caption: str
+
+
+@dataclass
+class Pre:
+    """Preformatted text (a text timeline): a fenced block in Markdown, <pre> in HTML."""
+
+    text: str
+
+
+@dataclass
 class Details:
     """Collapsed raw text (the resolved recipe) in HTML, a fenced block in Markdown."""
 
@@ -63,21 +85,26 @@ class Details:
     text: str
 
 
-Block = Union[Table, Figure, Missing, Para, Facts, Details]
+Block = Union[Table, Figure, Image, Missing, Para, Facts, Bullets, Pre, Details]
 
 
 @dataclass
 class Section:
-    title: str
+    title: str  # "" = no heading (the blocks continue the document's opening)
     blocks: list[Block] = field(default_factory=list)
     id: str | None = None
 
 
 @dataclass
 class Document:
+    """A report. Section builders read `plots` (False: no matplotlib figures; text stands in where it can)
+    and `compact` (True: the short form, e.g. summary.md, without per-step and per-module detail)."""
+
     title: str
     subtitle: str = ""
     sections: list[Section] = field(default_factory=list)
+    plots: bool = True
+    compact: bool = False
 
     def section(self, title: str, id: str | None = None) -> Section:
         s = Section(title, id=id)
@@ -123,12 +150,18 @@ def render_markdown(doc: Document) -> str:
     if doc.subtitle:
         lines += [doc.subtitle, ""]
     for sec in doc.sections:
-        lines += [f"## {sec.title}", ""]
+        lines += [f"## {sec.title}", ""] if sec.title else []
         for b in sec.blocks:
             if isinstance(b, Para):
                 lines += [b.text, ""]
             elif isinstance(b, Facts):
                 lines += [f"- **{k}**: {v}" for k, v in b.items] + [""]
+            elif isinstance(b, Bullets):
+                lines += [f"- {item}" for item in b.items] + [""]
+            elif isinstance(b, Pre):
+                lines += ["```", b.text.rstrip(), "```", ""]
+            elif isinstance(b, Image):
+                lines += [f"![{b.caption}]({b.file})", ""]
             elif isinstance(b, Missing):
                 lines += [f"> **not available: {b.what}** — {b.why}", ""]
             elif isinstance(b, Figure):
@@ -185,12 +218,20 @@ def render_html(doc: Document) -> str:
            f"<h1>{e(doc.title)}</h1>"]
     if doc.subtitle:
         out.append(f'<p class="subtitle">{e(doc.subtitle)}</p>')
-    out.append("<nav>" + "".join(f'<a href="#{e(s.id)}">{e(s.title)}</a>' for s in doc.sections if s.id) + "</nav>")
+    links = "".join(f'<a href="#{e(s.id)}">{e(s.title)}</a>' for s in doc.sections if s.id and s.title)
+    if links:
+        out.append(f"<nav>{links}</nav>")
     for sec in doc.sections:
-        out.append(f"<section{_id(sec.id)}><h2>{e(sec.title)}</h2>")
+        out.append(f"<section{_id(sec.id)}>" + (f"<h2>{e(sec.title)}</h2>" if sec.title else ""))
         for b in sec.blocks:
             if isinstance(b, Para):
                 out.append(f"<p>{e(b.text)}</p>")
+            elif isinstance(b, Bullets):
+                out.append("<ul>" + "".join(f"<li>{e(item)}</li>" for item in b.items) + "</ul>")
+            elif isinstance(b, Pre):
+                out.append(f"<pre>{e(b.text)}</pre>")
+            elif isinstance(b, Image):
+                out.append(f'<figure><img alt="{e(b.caption)}" src="{e(b.file)}"></figure>')
             elif isinstance(b, Facts):
                 out.append('<dl class="facts">' + "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in b.items)
                            + "</dl>")

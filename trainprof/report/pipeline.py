@@ -1,17 +1,14 @@
-"""The report's pipeline section: one step's per-stage timeline (the classic pipeline diagram, from
-measured intervals), bubble measured beside analytic, point-to-point volume, stage imbalance and which
-stage to rebalance. Figures come from profile.json `pipeline` (trainprof/analysis/pipeline.py)."""
+"""The pipeline section of the reports and summary.md: one step's per-stage timeline (the classic
+pipeline diagram, from measured intervals; as text without plots), bubble measured beside analytic,
+point-to-point volume, stage imbalance and which stage to rebalance. Figures come from profile.json `pipeline` (trainprof/analysis/pipeline.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from trainprof.report import plots
-from trainprof.report.document import Document, Figure, Para, Table, fmt
+from trainprof.report.document import Document, Figure, Para, Pre, Table, fmt
 from trainprof.report.rundir import RunData
-
-PLOTS_DIR = "report_plots"
-
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
@@ -51,11 +48,15 @@ def pipeline_section(doc: Document, run: RunData) -> None:
     sec.blocks.append(Para(f"{n} stages, {pl['schedule']} schedule, {m} micro batches per step. Bubble: "
                            f"{bubble_text(pl)}. {pl.get('bubble_frac_measured_method', '')}."))
     tl = pl.get("timeline")
-    if tl:
+    if tl and not doc.plots:
+        sec.blocks.append(Para(f"Step {tl['step']}, measured (F/B: a micro batch's forward/backward, '.': waiting for "
+                               "a neighbour, 'c': blocked in a collective, 'o': optimizer):"))
+        sec.blocks.append(Pre(timeline_text(tl["stages"])))
+    elif tl:
         sec.blocks.append(Figure(plots.pipeline_timeline(tl["stages"]),
                                  f"Step {tl['step']} per stage, from measured intervals (F<i>/B<i>: micro batch i's "
                                  f"forward/backward; hatched: waiting for a neighbour). {tl['alignment']}",
-                                 f"{PLOTS_DIR}/pipeline_timeline.png", id="fig-pipeline-timeline"))
+                                 f"{plots.PLOTS_DIR}/pipeline_timeline.png", id="fig-pipeline-timeline"))
     method = (pl["stages"][0].get("method") or {}) if pl["stages"] else {}
     rows = []
     for st in pl["stages"]:
@@ -98,36 +99,3 @@ def bubble_text(pl: dict[str, Any]) -> str:
             f"{_pct(pl.get('bubble_frac_measured_mean'))}; time blocked on transfers with a neighbour) vs analytic "
             f"GPipe {_pct(pl['bubble_frac_analytic'])} ((p-1)/(m+p-1), p={pl['num_stages']}, m={pl['micro_batches']}; "
             "equal stages, free transfers)")
-
-
-def pipeline_summary_lines(profile: dict[str, Any]) -> list[str]:
-    """summary.md's pipeline part: bubble measured vs analytic, per stage, the text timeline, balance."""
-    pl = profile.get("pipeline")
-    if not pl or "stages" not in pl:
-        return []
-    lines = ["", "## Pipeline stages", "", f"- {pl['num_stages']} stages, {pl['schedule']}, {pl['micro_batches']} "
-             f"micro batches; bubble: {bubble_text(pl)}", "",
-             "| stage | busy ms | bubble ms | bubble measured | bubble analytic | p2p sent MiB | p2p received MiB |",
-             "|---|---|---|---|---|---|---|"]
-    for st in pl["stages"]:
-        b = st.get("p2p_bytes_per_step") or {}
-        sent = (b.get("activations_sent_bytes", 0) + b.get("gradients_sent_bytes", 0)) / 2**20
-        received = (b.get("activations_received_bytes", 0) + b.get("gradients_received_bytes", 0)) / 2**20
-        lines.append(f"| {st['stage']} | {fmt(st.get('busy_ms'))} | {fmt(st.get('bubble_ms'))} | "
-                     f"{_pct(st.get('bubble_frac_measured'))} | {_pct(st.get('bubble_frac_analytic'))} | "
-                     f"{sent:.3f} | {received:.3f} |")
-    tl = pl.get("timeline")
-    if tl:
-        lines += ["", f"Step {tl['step']}, measured (F/B: a micro batch's forward/backward, '.': waiting for a "
-                  "neighbour, 'c': blocked in a collective, 'o': optimizer):", "", "```",
-                  timeline_text(tl["stages"]), "```"]
-    for t in pl.get("transfers") or []:
-        timed = (f"{t['transfer_ms']:.3f} ms, {t['gbps']:.3f} GB/s (median of {t['samples']} timed on both ranks)"
-                 if t["transfer_ms"] is not None and t["gbps"] is not None else f"not timed ({t.get('reason')})")
-        lines.append(f"- {t['carries']} stage {t['from_stage']} -> {t['to_stage']}: {(t['bytes'] or 0) / 1024:.0f} KiB "
-                     f"per micro batch, {timed}")
-    bal = pl.get("balance") or {}
-    advice = (bal.get("suggestion") or {}).get("text") or bal.get("suggestion_none") or "-"
-    lines += ["", f"- imbalance: {_pct(bal.get('imbalance'))} (slowest stage {bal.get('slowest_stage')}); "
-              f"rebalance: {advice}"]
-    return lines

@@ -1,9 +1,12 @@
-"""The report's plots, drawn with matplotlib's Agg backend into PNG bytes (embedded in report.html,
-written beside report.md)."""
+"""The reports' charts, drawn with matplotlib's Agg backend: the run report's plots as PNG bytes
+(embedded in report.html, written beside report.md), and the figure helpers the sweep, scaling,
+max-batch and projection charts share (panels above a how-measured caption, saved atomically)."""
 
 from __future__ import annotations
 
 import io
+import textwrap
+from pathlib import Path
 from typing import Any
 
 PHASE_COLORS = {
@@ -13,9 +16,12 @@ PHASE_COLORS = {
     "step": "#4c78a8",
 }
 DPI = 110
+PLOTS_DIR = "report_plots"  # the run report's PNGs, beside report.md
+INSTALL_HINT = "pip install matplotlib (a dependency of trainprof: `pip install -e .` installs it)"
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -24,10 +30,59 @@ def _pyplot():
     return plt
 
 
-def _png(fig) -> bytes:
+def require_matplotlib() -> None:
+    """Fail before any cell runs, not after, when the charts cannot be drawn."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        from trainprof.errors import UserError
+
+        raise UserError(f"charts need matplotlib, which is not installed; {INSTALL_HINT}")
+
+
+CAPTION_LINE_IN = 0.13  # inches per caption line at fontsize 7
+
+
+def wrap_caption(lines: list[str], width: int = 160) -> list[str]:
+    """The how-measured lines of a figure, wrapped to fit its width."""
+    return [w for line in lines for w in textwrap.wrap(line, width)]
+
+
+def figure(plt, ncols: int, *, width_in: float, plot_height_in: float, notes: list[str], **kwargs):
+    """A figure with ncols panels above room for the how-measured caption.
+
+    Returns:
+        (fig, axes list, rect): pass rect to save_figure, which lays the panels out inside it.
+    """
+    wrapped = wrap_caption(notes, int(width_in * 13))
+    cap_in = CAPTION_LINE_IN * len(wrapped) + 0.15
+    fig, axes = plt.subplots(1, ncols, figsize=(width_in, plot_height_in + cap_in), squeeze=False, **kwargs)
+    fig.text(0.01, 0.01, "\n".join(wrapped), fontsize=7, va="bottom", ha="left", family="monospace")
+    return fig, list(axes[0]), (0, (cap_in + 0.1) / (plot_height_in + cap_in), 1, 1)
+
+
+def save_figure(fig, path: Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> Path:
+    """Lay out the panels inside rect, save the figure atomically (temp file, then rename) and close it."""
+    import os
+    import tempfile
+
+    fig.tight_layout(rect=rect)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=DPI)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+        pyplot().close(fig)
+    return path
+
+
+def png_bytes(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return buf.getvalue()
 
 
@@ -38,7 +93,7 @@ def phase_bars(steps: list[dict[str, Any]], phases: tuple[str, ...]) -> bytes:
         steps: profile.json steps (with phases_ms and unattributed_ms).
         phases: the phases in stacking order.
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 3.6))
     x = list(range(len(steps)))
     bottom = [0.0] * len(steps)
@@ -54,23 +109,23 @@ def phase_bars(steps: list[dict[str, Any]], phases: tuple[str, ...]) -> bytes:
     ax.set_ylabel("ms")
     ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def step_bars(steps: list[dict[str, Any]]) -> bytes:
     """Wall time per step, for run dirs without a phase breakdown."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 3.0))
     ax.bar([str(s["step"]) for s in steps], [s.get("wall_ms") or 0.0 for s in steps], color=PHASE_COLORS["step"])
     ax.set_xlabel("step")
     ax.set_ylabel("wall ms")
     ax.spines[["top", "right"]].set_visible(False)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def module_bars(labels: list[str], parts: dict[str, list[float]], xlabel: str) -> bytes:
     """Horizontal stacked bars, one per module (largest on top), parts e.g. forward/backward/recompute."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 0.9 + 0.32 * len(labels)))
     y = list(range(len(labels)))[::-1]
     left = [0.0] * len(labels)
@@ -83,12 +138,12 @@ def module_bars(labels: list[str], parts: dict[str, list[float]], xlabel: str) -
     ax.set_xlabel(xlabel)
     ax.legend(fontsize=8, frameon=False, loc="lower right")
     ax.spines[["top", "right"]].set_visible(False)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def memory_bars(peaks: dict[str, float], ylabel: str) -> bytes:
     """Peak memory per phase (MiB)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.0))
     names = list(peaks)
     ax.bar(names, [peaks[n] for n in names], color=[PHASE_COLORS.get(n, "#4c78a8") for n in names])
@@ -96,12 +151,12 @@ def memory_bars(peaks: dict[str, float], ylabel: str) -> bytes:
         ax.annotate(f"{peaks[n]:,.0f}", (i, peaks[n]), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel(ylabel)
     ax.spines[["top", "right"]].set_visible(False)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def speedup_bars(labels: list[str], changes: list[float], noise: float | None) -> bytes:
     """Time change B vs A per row (negative = B faster), with the noise band shaded."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 0.9 + 0.3 * len(labels)))
     y = list(range(len(labels)))[::-1]
     colors = ["#54a24b" if c < 0 else "#e45756" for c in changes]
@@ -114,7 +169,7 @@ def speedup_bars(labels: list[str], changes: list[float], noise: float | None) -
     ax.set_yticks(y, labels, fontsize=8)
     ax.set_xlabel("time change B vs A, % (negative = B faster)")
     ax.spines[["top", "right"]].set_visible(False)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 TIMELINE_COLORS = {"forward": PHASE_COLORS["forward"], "backward": PHASE_COLORS["backward"],
@@ -129,7 +184,7 @@ def pipeline_timeline(stages: list[dict[str, Any]]) -> bytes:
     Args:
         stages: merged profile `pipeline.timeline.stages` (offset_ms, intervals [kind, mb, t0, t1]).
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(10, 0.8 + 0.7 * len(stages)))
     seen = set()
     for row, st in enumerate(stages):
@@ -151,4 +206,35 @@ def pipeline_timeline(stages: list[dict[str, Any]]) -> bytes:
     ax.set_xlabel("ms since the first stage's step start")
     ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
-    return _png(fig)
+    return png_bytes(fig)
+
+
+def telemetry_lines(steps: list[int], panels: dict[str, dict[str, list[float | None]]], units: dict[str, str]) -> bytes:
+    """One small panel per telemetry metric: the per-step mean as a line, the per-step max as dots.
+
+    Args:
+        steps: the step numbers (x axis).
+        panels: metric -> {"mean": [...], "max": [...]} aligned with `steps` (None where no sample).
+        units: metric -> unit (y labels).
+    """
+    plt = pyplot()
+    names = list(panels)
+    cols = 2
+    rows = max(1, (len(names) + cols - 1) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(9, 1.9 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        series = panels[name]
+        for key, style in (("mean", dict(color=PHASE_COLORS["forward"], linewidth=1.2, marker=".")),
+                           ("max", dict(color=PHASE_COLORS["backward"], linestyle="none", marker="^", markersize=3))):
+            pts = [(x, y) for x, y in zip(steps, series.get(key) or []) if y is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=key, **style)
+        ax.set_title(f"{name} ({units.get(name, '')})", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.spines[["top", "right"]].set_visible(False)
+    for ax in list(axes.flat)[len(names):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=7, frameon=False)
+    fig.supxlabel("step", fontsize=8)
+    fig.tight_layout()
+    return png_bytes(fig)

@@ -10,15 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainprof.analysis import records
 from trainprof.analysis.trace import find_traces
-
-PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other")
-PIPELINE_PHASES = (*PHASES[:-1], "pipeline_bubble", PHASES[-1])
+from trainprof.phases import PHASES, PIPELINE_PHASES
 
 
 def module_label(m: dict[str, Any]) -> str:
     """A module row's name for tables; a pipeline stage's rows say which stage ran them."""
-    return (m["name"] or "<model>") + (f" [stage {m['stage']}]" if "stage" in m else "")
+    return records.module_label(m["name"]) + (f" [stage {m['stage']}]" if "stage" in m else "")
 
 
 def report_phases(profile: dict[str, Any] | None) -> tuple[str, ...]:
@@ -62,6 +61,11 @@ class RunData:
     traces: list[TraceFile] = field(default_factory=list)
     scalars: list[Path] = field(default_factory=list)
     inference: dict[str, Any] | None = None
+
+    @classmethod
+    def of_profile(cls, profile: dict[str, Any], path: str | Path) -> RunData:
+        """A run being written: its profile in hand, the run dir's other files not read."""
+        return cls(path=Path(path), profile=profile, source="profile.json")
 
     @property
     def name(self) -> str:
@@ -137,7 +141,7 @@ def load_run(path: str | Path) -> RunData:
     recipe = path / "recipe.yaml"
     traces = [TraceFile(p, p.stat().st_size, _worker(p.name)) for p in find_traces(path)]
     tb = path / "tb"
-    scalars = sorted(tb.glob("events.out.tfevents.*")) if tb.is_dir() else []
+    scalars = sorted([*tb.glob("events.out.tfevents.*"), *tb.glob("*/events.out.tfevents.*")]) if tb.is_dir() else []
     return RunData(
         path=path, profile=profile, source=source,
         recipe_text=recipe.read_text() if recipe.is_file() else None,

@@ -1,8 +1,10 @@
-"""summary.md and the CSV tables (modules.csv, ops.csv, comm.csv) of a profile.
+"""summary.md, the CSV tables (modules.csv, ops.csv, comm.csv) and the terminal summary of a profile.
 
-The headline table is the one Zhang et al. (arXiv 2311.03687) printed for Llama2-7B: time per step of the embedding,
-the decoder layers, attention, MLP, norms, the LM head and the optimizer, split into forward, backward
-and recompute, followed by the phase breakdown and its closure.
+summary.md is the short form of the run report (report/run_report.py), built from the same sections
+(report/sections.py) without plots or per-step detail: what to change, the headline figures, Zhang et
+al.'s (arXiv 2311.03687) Llama2-7B table (embedding, decoder layers, attention, MLP, norms, LM head,
+optimizer; forward / backward / recompute), phases and their closure, pipeline stages, ranks, top
+modules, communication, operators, memory, and how each figure was measured.
 """
 
 from __future__ import annotations
@@ -10,28 +12,23 @@ from __future__ import annotations
 import csv
 import io
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from trainprof.io import atomic_write_text
-from trainprof.report.pipeline import pipeline_summary_lines
-from trainprof.report.rundir import report_phases
+from trainprof.report.advisor import advice_lines
+from trainprof.report.document import Bullets, Document, Facts, render_markdown
+from trainprof.report.gpu import gpu_section
+from trainprof.report.pipeline import pipeline_section, timeline_text
+from trainprof.report.rundir import RunData
+from trainprof.report.sections import (advice_result, categories_section, comm_section, headline_facts,
+                                       memory_section, methods_section, ops_section, phases_section, ranks_section,
+                                       top_modules_section)
 
 MODULE_COLUMNS = ("name", "type", "depth", "calls", "forward_ms", "backward_ms", "recompute_ms", "self_forward_ms",
                   "self_backward_ms", "self_recompute_ms", "comm_ms", "comm_exposed_ms", "self_comm_ms", "flops",
                   "params", "params_trainable", "params_local")
 OP_COLUMNS = ("name", "module", "phase", "calls", "self_ms", "self_cpu_ms", "flops")
 COMM_COLUMNS = ("op", "phase", "group_size", "calls", "bytes", "total_ms", "exposed_ms", "algbw_gbps", "busbw_gbps")
-
-# Zhang et al.'s (arXiv 2311.03687) Llama2-7B rows: (label, which modules belong to it)
-CATEGORIES: list[tuple[str, Callable[[dict[str, Any]], bool]]] = [
-    ("embedding", lambda m: m["type"] == "Embedding" or m["name"].endswith("embed_tokens")),
-    ("decoder layers", lambda m: m["type"].endswith("DecoderLayer")),
-    ("attention", lambda m: m["type"].endswith("Attention")),
-    ("MLP", lambda m: m["type"].endswith("MLP")),
-    ("norms", lambda m: m["type"].endswith(("RMSNorm", "LayerNorm"))),
-    ("head", lambda m: m["name"].endswith("lm_head")),
-]
-
 
 def _csv(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
     buf = io.StringIO()
@@ -42,131 +39,34 @@ def _csv(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
     return buf.getvalue()
 
 
-def _ms(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
+def _advice_bullets(doc: Document, run: RunData) -> None:
+    doc.section("What to change", id="advice").blocks.append(Bullets(advice_lines(advice_result(run))))
 
 
-def _pct(x: float | None, total: float | None) -> str:
-    return "n/a" if x is None or not total else f"{100 * x / total:.1f}%"
+def _measurements(doc: Document, run: RunData) -> None:
+    doc.section("Measurements", id="measurements").blocks.append(Facts(headline_facts(run)))
 
 
-def _bytes(x: float | None) -> str:
-    return "n/a" if x is None else f"{x / 2**20:,.1f} MiB"
+# summary.md's sections, in order
+SUMMARY_SECTIONS = (_advice_bullets, _measurements, categories_section, phases_section, pipeline_section,
+                    ranks_section, top_modules_section, gpu_section, comm_section, ops_section, memory_section,
+                    methods_section)
 
 
-def category_rows(profile: dict[str, Any]) -> list[dict[str, Any]]:
-    """The Llama2-7B table rows: per category, summed forward/backward/recompute ms per step."""
-    modules = profile["modules"]
-    rows = []
-    for label, match in CATEGORIES:
-        members = [m for m in modules if match(m)]
-        # keep only outermost matches (a norm inside a norm wrapper is counted once)
-        names = {m["name"] for m in members}
-        members = [m for m in members if not any(m["name"].startswith(n + ".") for n in names if n)]
-        if not members:
-            rows.append({"label": label, "modules": 0, "forward_ms": None, "backward_ms": None,
-                         "recompute_ms": None, "optimizer_ms": None})
-            continue
-        rows.append({"label": label, "modules": len(members),
-                     "forward_ms": sum(m["forward_ms"] for m in members),
-                     "backward_ms": sum(m["backward_ms"] for m in members),
-                     "recompute_ms": sum(m["recompute_ms"] for m in members), "optimizer_ms": None})
-    rows.append({"label": "optimizer", "modules": None, "forward_ms": None, "backward_ms": None,
-                 "recompute_ms": None, "optimizer_ms": profile["summary"]["phases_ms"]["optimizer"]})
-    return rows
+def build_summary(run: RunData) -> Document:
+    """summary.md as a Document: the run report's sections in their short form, no plots."""
+    doc = Document("trainprof profile", plots=False, compact=True)
+    for build in SUMMARY_SECTIONS:
+        build(doc, run)
+    return doc
 
 
-def render_markdown(profile: dict[str, Any]) -> str:
+def render_summary(profile: dict[str, Any], run_dir: str | Path = ".") -> str:
     """summary.md for a merged (or single-rank) profile."""
-    s, env, meas = profile["summary"], profile["env"], profile.get("measurement", {})
-    step = s["step_ms"]["median"]
-    from trainprof.report.advisor import advise, markdown_lines
-
-    lines = ["# trainprof profile", "", "## What to change", "", *markdown_lines(advise(profile)), "",
-             "## Measurements", ""]
-    lines.append(f"- device: {env.get('device')} x {env.get('world_size')} ranks; timer: {env.get('timer')} "
-                 f"({env.get('timer_description', '')})")
-    lines.append(f"- step ms (min / median / max): {_ms(s['step_ms']['min'])} / {_ms(step)} / "
-                 f"{_ms(s['step_ms']['max'])} over {s['steps_used']} steps ({s.get('steps_used_description', '')})")
-    if s.get("tokens_per_s"):
-        lines.append(f"- tokens/s: {s['tokens_per_s']:,.0f} ({s.get('tokens_per_s_scope', 'this rank')})")
-    frac, frac_max = s.get("unattributed_frac"), s.get("unattributed_frac_max")
-    frac_txt = "n/a" if frac is None else f"{100 * frac:.2f}%"
-    frac_max_txt = "n/a" if frac_max is None else f"{100 * frac_max:.2f}%"
-    lines.append(f"- closure: unattributed {_ms(s.get('unattributed_ms'))} ms per step "
-                 f"({frac_txt} median, {frac_max_txt} max)")
-    if s.get("achieved_tflops") is not None:
-        mfu = "n/a" if s.get("mfu") is None else f"{100 * s['mfu']:.1f}%"
-        lines.append(f"- FLOPs/step {s['flops_per_step']:.3e}; achieved {s['achieved_tflops']:.3f} TFLOP/s; MFU {mfu}"
-                     + (f" ({s['mfu_reason']})" if s.get("mfu") is None else f" (peak: {s['peak']['source']})"))
-        if s.get("measured_over_analytic") is not None:
-            lines.append(f"- model FLOPs measured / analytic (PaLM 6N+12LHQT): {s['measured_over_analytic']:.3f}")
-    if profile.get("straggler"):
-        st = profile["straggler"]
-        lines.append(f"- straggler: rank {st['rank']} is {100 * st['slower_by_frac']:.1f}% slower ({st['metric']})")
-    lines += ["", "## Where a step goes (per step, median)", "",
-              "| part | modules | forward ms | backward ms | recompute ms | optimizer ms | share of step |",
-              "|---|---|---|---|---|---|---|"]
-    for r in category_rows(profile):
-        total = sum(v for v in (r["forward_ms"], r["backward_ms"], r["recompute_ms"], r["optimizer_ms"]) if v)
-        count = "" if r["modules"] is None else (str(r["modules"]) if r["modules"] else "not profiled at this depth")
-        lines.append(f"| {r['label']} | {count} | {_ms(r['forward_ms'])} | {_ms(r['backward_ms'])} | "
-                     f"{_ms(r['recompute_ms'])} | {_ms(r['optimizer_ms'])} | {_pct(total, step)} |")
-    lines += ["", "## Phases (per step, median)", "", "| phase | ms | share |", "|---|---|---|"]
-    for phase in report_phases(profile):
-        v = s["phases_ms"].get(phase)
-        lines.append(f"| {phase} | {_ms(v)} | {_pct(v, step)} |")
-    lines.append(f"| unattributed | {_ms(s.get('unattributed_ms'))} | {_pct(s.get('unattributed_ms'), step)} |")
-    lines += pipeline_summary_lines(profile)
-    if s.get("across_ranks"):
-        lines += ["", "## Ranks", "", "| rank | step ms | busy ms | comm_exposed ms |", "|---|---|---|---|"]
-        for r in profile["ranks"]:
-            lines.append(f"| {r['rank']} | {_ms(r['step_ms_median'])} | {_ms(r.get('busy_ms_median'))} | "
-                         f"{_ms(r['phases_ms']['comm_exposed'])} |")
-    mods = sorted(profile["modules"], key=lambda m: -(m["forward_ms"] + m["backward_ms"] + m["recompute_ms"]))
-    lines += ["", "## Modules (top 15 by forward + backward + recompute)", "",
-              "| module | type | calls | fwd ms | bwd ms | recompute ms | self fwd | self bwd | comm ms | params |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for m in mods[:15]:
-        name = (m["name"] or "(model)") + (f" [stage {m['stage']}]" if "stage" in m else "")
-        lines.append(f"| {name} | {m['type']} | {m['calls']} | {_ms(m['forward_ms'])} | "
-                     f"{_ms(m['backward_ms'])} | {_ms(m['recompute_ms'])} | {_ms(m['self_forward_ms'])} | "
-                     f"{_ms(m['self_backward_ms'])} | {_ms(m['comm_ms'])} | {m['params']:,} |")
-    if profile["comm"]:
-        lines += ["", "## Collectives (per step, median)", "",
-                  "| op | phase | calls | MiB | total ms | exposed ms | busbw GB/s |", "|---|---|---|---|---|---|---|"]
-        for c in profile["comm"]:
-            bw = "n/a" if c["busbw_gbps"] is None else f"{c['busbw_gbps']:.3f}"
-            lines.append(f"| {c['op']} | {c['phase']} | {c['calls']} | {c['bytes'] / 2**20:.2f} | "
-                         f"{_ms(c['total_ms'])} | {_ms(c['exposed_ms'])} | {bw} |")
-    if profile["ops"]:
-        lines += ["", "## Operators (top 15 by self time, traced steps)", "",
-                  "| op | module | phase | calls | self ms |", "|---|---|---|---|---|"]
-        for o in profile["ops"][:15]:
-            lines.append(f"| {o['name']} | {o['module'] if o['module'] is not None else '-'} | {o['phase']} | "
-                         f"{o['calls']} | {_ms(o['self_ms'])} |")
-        cost = profile.get("ops_info", {}).get("cost_frac")
-        if cost is not None:
-            lines.append(f"\nOperator tracing made its steps {100 * cost:.1f}% slower (those steps are excluded above).")
-    peaks = s.get("peak_memory_bytes", {})
-    lines += ["", "## Memory", "",
-              f"- peak per phase: forward {_bytes(peaks.get('forward'))}, backward {_bytes(peaks.get('backward'))}, "
-              f"optimizer {_bytes(peaks.get('optimizer'))} ({s.get('peak_memory_method')})"]
-    if "activation_bytes" in s:
-        lines.append(f"- activations saved for backward: {_bytes(s['activation_bytes'])} ("
-                     f"{s.get('activation_bytes_method') or s.get('activation_bytes_reason')})")
-    state = profile.get("model_state_bytes")
-    if state:
-        lines.append(f"- model states on rank {profile.get('steps_rank', 0)}: {model_states_text(state)}")
-    lines += ["", "## How this was measured", ""]
-    for key, text in meas.items():
-        lines.append(f"- {key}: {text}")
-    if s.get("flops_convention"):
-        lines.append(f"- flops: {s['flops_convention']}")
-    return "\n".join(lines) + "\n"
+    return render_markdown(build_summary(RunData.of_profile(profile, run_dir)))
 
 
-def write_report(profile: dict[str, Any], run_dir: str | Path) -> None:
+def write_summary(profile: dict[str, Any], run_dir: str | Path) -> None:
     """Write modules.csv, ops.csv, comm.csv and summary.md next to profile.json.
 
     Args:
@@ -174,17 +74,23 @@ def write_report(profile: dict[str, Any], run_dir: str | Path) -> None:
         run_dir: the run directory.
     """
     run_dir = Path(run_dir)
-    atomic_write_text(run_dir / "modules.csv", _csv(profile["modules"], MODULE_COLUMNS))
-    atomic_write_text(run_dir / "ops.csv", _csv(profile["ops"], OP_COLUMNS))
-    atomic_write_text(run_dir / "comm.csv", _csv(profile["comm"], COMM_COLUMNS))
-    atomic_write_text(run_dir / "summary.md", render_markdown(profile))
+    for name, key, columns in (("modules.csv", "modules", MODULE_COLUMNS), ("ops.csv", "ops", OP_COLUMNS),
+                               ("comm.csv", "comm", COMM_COLUMNS)):
+        atomic_write_text(run_dir / name, _csv(profile.get(key) or [], columns))
+    atomic_write_text(run_dir / "summary.md", render_summary(profile, run_dir))
 
 
-def model_states_text(state: dict[str, Any]) -> str:
-    """Model-state bytes of one rank in words, with the share of optimizer states held quantized."""
-    text = (f"params {_bytes(state['params'])}, grads {_bytes(state['grads'])}, optimizer states "
-            f"{_bytes(state['optimizer_states'])}, fp32 master {_bytes(state['master_params'])}")
-    elements, quantized = state.get("optimizer_state_elements"), state.get("optimizer_state_quantized_elements")
-    if elements and quantized:
-        text += f" ({100 * quantized / elements:.1f}% of optimizer-state elements block-quantized)"
-    return text
+def terminal_summary(profile: dict[str, Any], run_dir: str | Path) -> str:
+    """The short table rank 0 prints at the end of a run: what to change, then the headline figures."""
+    run = RunData.of_profile(profile, run_dir)
+    rows = [("run dir", str(run_dir)), *headline_facts(run)]
+    width = max(len(k) for k, _ in rows)
+    timeline: list[str] = []
+    tl = (profile.get("pipeline") or {}).get("timeline")
+    if tl and "stages" in profile["pipeline"]:
+        timeline = [f"  stage timeline, step {tl['step']} (F/B forward/backward, . waiting for a neighbour, "
+                    "c collective, o optimizer):",
+                    *("    " + line for line in timeline_text(tl["stages"], width=60).splitlines())]
+    return "\n".join(["", "trainprof run summary", "what to change:",
+                      *(f"  - {line}" for line in advice_lines(advice_result(run))),
+                      *(f"  {k:<{width}}  {v}" for k, v in rows), *timeline])

@@ -1,5 +1,6 @@
-"""TensorBoard scalars per measured step, written next to the Kineto traces in <run_dir>/tb so one
-`tensorboard --logdir <run_dir>/tb` shows the profiler plugin's views and these series together.
+"""TensorBoard scalars per measured step, written next to the Kineto traces in <run_dir>/tb/<run name>/
+so one `tensorboard --logdir <run_dir>/tb` shows the profiler plugin's views and these series together,
+both under the run's name.
 
 Series (x axis = the profile's step number; warm-up steps are left out):
     step/wall_ms, step/tokens_per_s, step/achieved_tflops, step/loss, step/instrumented (1 on a step
@@ -7,6 +8,7 @@ Series (x axis = the profile's step number; warm-up steps are left out):
     phase/<phase>_ms for data_wait, forward, backward, recompute, optimizer, comm_exposed, other,
     unattributed; comm/exposed_ms and comm/exposed_frac (exposed communication over the step)
     memory/peak_<phase>_mib (forward, backward, optimizer; or the step's peak in older run dirs)
+    telemetry/<metric>_{mean,max}: NVML telemetry per step on a GPU (report/gpu.py)
     module/<name>/{forward,backward,recompute}_ms for the top modules by self time, when the profile
     has per-step module times (steps[].modules_ms); otherwise their medians as text in the summary
 
@@ -19,6 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainprof.analysis.records import module_label
+from trainprof.analysis.trace import is_trace_file
+from trainprof.layout import tb_run_dir
+from trainprof.report.gpu import telemetry_series
 from trainprof.report.rundir import report_phases, step_peak_memory, step_tflops, step_tokens_per_s, top_modules
 
 SCALARS_SUFFIX = ".trainprof"  # our event files end in this; rewriting replaces only them
@@ -65,9 +71,10 @@ def scalar_series(profile: dict[str, Any], top: int = TOP_MODULES) -> dict[str, 
             times = per_module.get(name)
             if times is None:
                 continue
-            label = name or "<model>"
+            label = module_label(name)
             for i, phase in enumerate(("forward", "backward", "recompute")):
                 add(f"module/{label}/{phase}_ms", n, times[i] if isinstance(times, list) else times.get(phase))
+    series.update(telemetry_series(profile))
     return series
 
 
@@ -88,16 +95,18 @@ def _summary_text(profile: dict[str, Any], run_name: str) -> str:
     if mods and not any((st.get("modules_ms") for st in profile.get("steps") or [])):
         lines += ["", "Top modules by self time (median per step, ms; this profile has no per-step module times):", "",
                   "| module | forward | backward | recompute |", "|---|---|---|---|"]
-        lines += [f"| {m['name'] or '<model>'} | {m.get('forward_ms', 0):.3f} | {m.get('backward_ms', 0):.3f} | "
+        lines += [f"| {module_label(m['name'])} | {m.get('forward_ms', 0):.3f} | {m.get('backward_ms', 0):.3f} | "
                   f"{m.get('recompute_ms', 0):.3f} |" for m in mods]
     return "\n".join(lines)
 
 
 def write_tensorboard_scalars(profile: dict[str, Any], run_dir: str | Path) -> Path:
-    """Write the scalar series (and a text note on how they were measured) to <run_dir>/tb.
+    """Write the scalar series (and a text note on how they were measured) beside the run's traces:
+    <run_dir>/tb/<run name>/, or tb/ itself for a run dir whose traces sit there (written before the
+    per-run folder).
 
     Replaces event files this function wrote before (suffix .trainprof), so re-running a report does
-    not duplicate points; the Kineto traces in tb/ are left alone.
+    not duplicate points; the Kineto traces are left alone.
 
     Args:
         profile: the merged profile.json document.
@@ -110,9 +119,10 @@ def write_tensorboard_scalars(profile: dict[str, Any], run_dir: str | Path) -> P
     from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-    logdir = Path(run_dir) / "tb"
+    tb = Path(run_dir) / "tb"
+    logdir = tb if tb.is_dir() and any(is_trace_file(p) for p in tb.iterdir()) else tb_run_dir(run_dir)
     logdir.mkdir(parents=True, exist_ok=True)
-    for old in logdir.glob(f"events.out.tfevents.*{SCALARS_SUFFIX}"):
+    for old in [*tb.glob(f"events.out.tfevents.*{SCALARS_SUFFIX}"), *tb.glob(f"*/events.out.tfevents.*{SCALARS_SUFFIX}")]:
         old.unlink()
     writer = EventFileWriter(str(logdir), filename_suffix=SCALARS_SUFFIX)
     wall = time.time()

@@ -5,8 +5,7 @@
     outcome.py   what a finished cell left behind: a metrics row from profile.json or a failure record
     state.py     the resumable state file (atomic after every cell)
     runner.py    runs cells in order with a progress bar; skips finished ones; SIGINT-safe
-    report.py    the sweep table (one row per cell) and its bar chart
-    tables.py    md / csv / html tables and matplotlib (Agg) charts, each with how it was measured
+    report.py    the sweep table (one row per cell) and its bar chart (drawn with report/tables.py, report/plots.py)
     maxbatch.py  the largest micro batch that fits: doubling, then bisection
     scaling.py   throughput and scaling efficiency per world size, and where the lost part went
 """

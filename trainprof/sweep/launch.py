@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from trainprof.cli import UserError
+from trainprof.errors import UserError
 
 GRACE_S = 15.0  # after SIGTERM/SIGINT, how long ranks get to write their failure files and exit
 ORPHAN_GRACE_S = 2.0  # once the launcher has exited, how long its leftover ranks get before SIGKILL
@@ -41,10 +41,9 @@ def torchrun_command(recipe_path: str, overrides: list[str], *, nproc: int, nnod
     """The command that runs one cell. One node: `torchrun --standalone` (a free port per cell).
     Several nodes: `srun` starts one torchrun per node of the current SLURM allocation, which meet at
     the first node (c10d rendezvous); see scripts/slurm_sweep.sh."""
-    from trainprof.commands.run import torchrun_command as single_node
-
     if nnodes == 1:
-        return single_node(recipe_path, overrides, nproc)
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                "-m", "trainprof.run", recipe_path, *overrides]
     if "SLURM_JOB_ID" not in os.environ:
         raise UserError(f"a cell with nnodes={nnodes} needs a SLURM allocation (run inside sbatch/salloc, see "
                         "scripts/slurm_sweep.sh), or launch the nodes yourself (scripts/multinode_torchrun.sh) "

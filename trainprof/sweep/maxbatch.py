@@ -18,7 +18,8 @@ from typing import Any, Callable
 from trainprof.sweep.runner import run_cell
 from trainprof.sweep.spec import Cell, make_cell
 from trainprof.sweep.state import SweepState
-from trainprof.sweep.tables import Column, figure, fmt_num, fmt_text, pyplot, save_figure, write_tables
+from trainprof.report.plots import figure, pyplot, save_figure
+from trainprof.report.tables import Column, fmt_num, fmt_text, write_tables
 
 
 class TryFailed(Exception):

@@ -21,9 +21,10 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from trainprof.phases import PHASES
+from trainprof.io import dig
 from trainprof.sweep.launch import Launch
 
-PHASES = ("data_wait", "forward", "backward", "recompute", "optimizer", "comm_exposed", "other")
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 _ANY_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*exitcode\s*:\s*(-?\d+)")
 _KIND_ORDER = {"oom": 0, "error": 1, "interrupted": 2}
@@ -33,14 +34,6 @@ def find_run_dir(cell_dir: Path) -> Path | None:
     """The run dir trainprof.run made under the cell's output dir (the newest if several)."""
     dirs = [p for p in cell_dir.iterdir() if p.is_dir() and (p / "recipe.yaml").is_file()] if cell_dir.is_dir() else []
     return max(dirs, key=lambda p: p.stat().st_mtime) if dirs else None
-
-
-def _get(d: Any, *keys: str) -> Any:
-    for k in keys:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(k)
-    return d
 
 
 def _peak_memory(summary: dict[str, Any], env: dict[str, Any]) -> tuple[int | None, str | None]:
@@ -76,7 +69,7 @@ def metrics_row(profile: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
     values["tokens_per_s"] = s.get("tokens_per_s")
     methods["tokens_per_s"] = s.get("tokens_per_s_method") or s.get("tokens_per_s_scope") or \
         "global tokens per optimizer step / median step wall time"
-    values["step_ms"] = _get(s, "step_ms", "median")
+    values["step_ms"] = dig(s, "step_ms", "median")
     methods["step_ms"] = (f"median measured step wall time, {env.get('timer', '?')} timer"
                           + (f" ({meas['timer']})" if meas.get("timer") else ""))
     mem, mem_method = _peak_memory(s, env)

@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainprof.sweep.outcome import PHASES
+from trainprof.phases import PHASES
 from trainprof.sweep.spec import Sweep
-from trainprof.sweep.tables import Column, figure, fmt_num, fmt_pct, fmt_text, pyplot, save_figure, write_tables
+from trainprof.report.plots import figure, pyplot, save_figure
+from trainprof.report.tables import Column, fmt_num, fmt_pct, fmt_text, write_tables
 
 METRIC_LABELS = {"tokens_per_s": "tokens/s", "step_ms": "step ms", "peak_memory_mib": "peak memory",
                  "achieved_tflops": "achieved TFLOP/s", "mfu": "MFU", "phases_ms": "phase split"}

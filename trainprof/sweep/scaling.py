@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.analysis.bandwidth import bandwidth_gbps
-from trainprof.sweep.tables import Column, figure, fmt_num, fmt_pct, fmt_text, pyplot, save_figure, write_tables
+from trainprof.report.plots import figure, pyplot, save_figure
+from trainprof.report.tables import Column, fmt_num, fmt_pct, fmt_text, write_tables
 
 PARTS = ("comm", "idle", "imbalance", "compute", "other")
 PART_LABELS = {"comm": "exposed communication growth", "idle": "idle (data wait + unattributed) growth",
@@ -44,7 +45,7 @@ EFFICIENCY_FORMULA = "efficiency = tput(N) * N0 / (N * tput(N0)), tput = global 
 def strong_overrides(micro_batch: int, grad_accum: int, n_ref: int, n: int) -> list[str]:
     """Overrides that keep the global batch of n_ref ranks (micro_batch x grad_accum x n_ref) on n ranks:
     the largest micro batch <= micro_batch that divides the per-rank samples, the rest as accumulation."""
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
 
     global_batch = micro_batch * grad_accum * n_ref
     if global_batch % n:
@@ -63,7 +64,7 @@ def load_run(run_dir: Path) -> dict[str, Any]:
 
 def collect_runs(paths: list[str]) -> list[dict[str, Any]]:
     """Run dirs given directly, or dirs holding run dirs (as collected from a cluster)."""
-    from trainprof.cli import UserError
+    from trainprof.errors import UserError
 
     found: list[Path] = []
     for p in map(Path, paths):

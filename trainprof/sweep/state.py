@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainprof.cli import UserError
+from trainprof.errors import UserError
 from trainprof.io import atomic_write_json
 
 SCHEMA_VERSION = 1

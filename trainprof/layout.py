@@ -1,0 +1,26 @@
+"""Where a run's files go: the timestamped run dir and the TensorBoard run dir inside its tb/."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+
+def new_run_dir(parent: str | Path, name: str) -> Path:
+    """Create <parent>/<name>-<UTC timestamp>/ (a suffix -2, -3... when it exists) and return it."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    base = Path(parent) / f"{name}-{stamp}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    path.mkdir(parents=True)
+    return path
+
+
+def tb_run_dir(run_dir: str | Path) -> Path:
+    """<run_dir>/tb/<run dir name>/: the Kineto traces and the scalars of a run. TensorBoard and its
+    PyTorch Profiler plugin name a run after the folder holding its files, so `tensorboard --logdir
+    <run_dir>/tb` lists the run by its name (files directly in tb/ would be listed as `tb`)."""
+    run_dir = Path(run_dir)
+    return run_dir / "tb" / run_dir.name

@@ -1,0 +1,418 @@
+"""The sections every rendering of a run shares. summary.md, report.md / report.html and the terminal
+summary at the end of a run are built from these, so each figure is worded in one place. Each builder
+adds a Section to a Document from a RunData (report/rundir.py); `doc.plots` and `doc.compact` choose
+figures and detail (report/document.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from trainprof.analysis import records
+from trainprof.report import plots
+from trainprof.report.advisor import advise, bottleneck, checks_text, overrides_text
+from trainprof.report.document import Document, Figure, Missing, Para, Table, fmt
+from trainprof.report.pipeline import bubble_text
+from trainprof.io import dig
+from trainprof.report.rundir import (RunData, module_label, module_time, report_phases, step_peak_memory,
+                                     top_modules, trace_size_text)
+
+TOP_MODULES = 15
+TOP_OPS = 25
+MiB = 2**20
+ADVICE_FILE = ("projection", "advice.json")  # `trainprof project RUN --advice`: predicted gains of the advice
+
+# Zhang et al.'s (arXiv 2311.03687) Llama2-7B rows: (label, which modules belong to it)
+CATEGORIES: list[tuple[str, Callable[[dict[str, Any]], bool]]] = [
+    ("embedding", lambda m: m["type"] == "Embedding" or m["name"].endswith("embed_tokens")),
+    ("decoder layers", lambda m: m["type"].endswith(("DecoderLayer", "TransformerLayer"))),  # HF | Megatron
+    ("attention", lambda m: m["type"].endswith("Attention")),
+    ("MLP", lambda m: m["type"].endswith("MLP")),
+    ("norms", lambda m: m["type"].endswith(("RMSNorm", "LayerNorm"))),
+    ("head", lambda m: m["name"].endswith("lm_head")),
+]
+
+
+def _mib(x: float | None) -> float | None:
+    return None if x is None else x / MiB
+
+
+def _pct(x: float | None, total: float | None) -> str:
+    return "n/a" if x is None or not total else f"{100 * x / total:.1f}%"
+
+
+def _mib_text(x: float | None) -> str:
+    return "n/a" if x is None else f"{x / MiB:,.1f} MiB"
+
+
+# -- figures worded once -------------------------------------------------------------------------------
+
+def model_states_text(state: dict[str, Any]) -> str:
+    """Model-state bytes of one rank in words, with the share of optimizer states held quantized."""
+    text = (f"params {_mib_text(state['params'])}, grads {_mib_text(state['grads'])}, optimizer states "
+            f"{_mib_text(state['optimizer_states'])}, fp32 master {_mib_text(state['master_params'])}")
+    elements, quantized = state.get("optimizer_state_elements"), state.get("optimizer_state_quantized_elements")
+    if elements and quantized:
+        text += f" ({100 * quantized / elements:.1f}% of optimizer-state elements block-quantized)"
+    return text
+
+
+def _loss_text(run: RunData) -> str:
+    losses = [s["loss"] for s in run.measured_steps if s.get("loss") is not None]  # a partial run may lack some
+    return f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "n/a"
+
+
+def _flops_text(s: dict[str, Any]) -> str:
+    if s.get("achieved_tflops") is None:
+        return f"n/a ({s.get('mfu_reason') or 'no FLOP count in this run dir'})"
+    mfu = (f"MFU n/a ({s.get('mfu_reason', 'no known peak')})" if s.get("mfu") is None
+           else f"MFU {100 * s['mfu']:.1f}% (peak: {dig(s, 'peak', 'source')})")
+    text = f"{s['achieved_tflops']:.4g} per rank ({s['flops_per_step']:.3e} FLOPs per step); {mfu}"
+    if s.get("measured_over_analytic") is not None:
+        text += f"; measured / analytic (PaLM 6N+12LHQT) {s['measured_over_analytic']:.3f}"
+    return text
+
+
+def _peak_memory_text(s: dict[str, Any]) -> str:
+    if s.get("peak_memory_bytes_max") is not None:
+        return f"{_mib_text(s['peak_memory_bytes_max'])} ({str(s.get('memory_meter', 'meter not recorded')).split(':')[0]})"
+    peaks = {k: v for k, v in (s.get("peak_memory_bytes") or {}).items() if v is not None}
+    if not peaks:
+        return "n/a"
+    return f"{_mib_text(max(peaks.values()))} (largest phase peak; {s.get('peak_memory_method', 'method not recorded')})"
+
+
+def headline_facts(run: RunData) -> list[tuple[str, str]]:
+    """The run's answer as (label, text) pairs: throughput, step time, bottleneck, closure, FLOPs, memory
+    and parameters. The report's opening, summary.md's Measurements and the terminal summary show these."""
+    p = run.profile or {}
+    s, env = p.get("summary") or {}, p.get("env") or {}
+    neck = bottleneck(p)
+    phases = {k: v for k, v in (s.get("phases_ms") or {}).items() if v}
+    frac, frac_max = s.get("unattributed_frac"), s.get("unattributed_frac_max")
+    facts = [
+        ("throughput", f"{fmt(s.get('tokens_per_s'), 0)} tokens/s "
+                       f"({s.get('tokens_per_s_scope') or s.get('tokens_per_s_method') or 'scope not recorded'})"),
+        ("time of a step", f"{fmt(dig(s, 'step_ms', 'median'))} ms median (min {fmt(dig(s, 'step_ms', 'min'))}, "
+                           f"max {fmt(dig(s, 'step_ms', 'max'))}) over {s.get('steps_used', len(run.measured_steps))} "
+                           f"measured steps ({s.get('steps_used_description') or 'all measured steps'})"),
+        ("bottleneck", f"{neck[0]}: {100 * neck[1]:.1f}% of the step (the largest median phase)" if neck
+         else "n/a (no phases measured)"),
+        ("phases, median ms", ", ".join(f"{k} {v:.1f}" for k, v in phases.items()) or "profiler off"),
+        ("closure", "n/a" if frac is None else f"{100 * frac:.2f}% of the step unattributed (median; max "
+                                               f"{'n/a' if frac_max is None else f'{100 * frac_max:.2f}%'})"),
+        ("device", f"{env.get('device', 'n/a')} x {env.get('world_size', '?')} ranks "
+                   f"({env.get('timer', 'n/a')} timer)"),
+        ("achieved TFLOP/s", _flops_text(s)),
+        ("loss first -> last", _loss_text(run)),
+        ("peak memory", _peak_memory_text(s)),
+    ]
+    if s.get("activation_bytes") is not None:
+        facts.append((f"activations (rank {p.get('steps_rank', 0)})",
+                      f"{_mib_text(s['activation_bytes'])} saved for backward per micro batch"))
+    if p.get("model_state_bytes"):
+        facts.append((f"model states (rank {p.get('steps_rank', 0)})", model_states_text(p["model_state_bytes"])))
+    if p.get("params"):
+        facts.append(("params total / trainable", f"{p['params']['total']:,} / {p['params']['trainable']:,}"))
+    if p.get("straggler"):
+        st = p["straggler"]
+        facts.append(("straggler", f"rank {st['rank']} is {100 * st['slower_by_frac']:.1f}% slower "
+                                   f"({st.get('description') or st.get('metric')})"))
+    if p.get("ops_info"):
+        facts.append(("trace per step", trace_size_text(p)))
+    pl = p.get("pipeline")
+    if pl and "stages" in pl:
+        bal = pl.get("balance") or {}
+        facts.append(("pipeline bubble", bubble_text(pl)))
+        facts.append(("stage imbalance", f"{100 * bal['imbalance']:.1f}% (slowest stage {bal['slowest_stage']})"
+                      if bal.get("imbalance") is not None else "n/a"))
+    return facts
+
+
+# -- sections ------------------------------------------------------------------------------------------
+
+def advice_result(run: RunData) -> dict[str, Any]:
+    """advise() on the run, with the gains `trainprof project RUN --advice` predicted when it ran."""
+    import json
+
+    predicted = run.path.joinpath(*ADVICE_FILE)
+    return advise(run.profile or {}, json.loads(predicted.read_text())["advice"] if predicted.is_file() else None)
+
+
+def advice_section(doc: Document, run: RunData) -> None:
+    """"What to change": each triggered rule with its measured trigger, threshold, action, gain bound and
+    overrides (trainprof.report.advisor); the checks that ran when nothing triggered."""
+    result = advice_result(run)
+    sec = doc.section("What to change", id="advice")
+    if not result["advice"]:
+        sec.blocks.append(Para(f"Nothing triggered. Checks: {checks_text(result['checks'])}."))
+        return
+    rows = [[a["title"], a["trigger"]["text"], a["trigger"]["threshold"], a["action"], a["gain"]["text"],
+             overrides_text(a["overrides"]) or "-",
+             f"{100 * a['predicted_gain']:+.1f}% tokens/s ({a['predicted_gain_source']})" if a["predicted_gain"] is not None
+             else f"n/a: {a['predicted_gain_reason']}"]
+            for a in result["advice"]]
+    sec.blocks.append(Table(["advice", "measured trigger", "fires at", "what to do", "what it can gain (bound)",
+                             "overrides", "predicted gain"], rows, id="advice-table", numeric=[False] * 7,
+                            method="each rule reads this run's profile.json; 'what it can gain' is an upper bound derived "
+                                   "from the measured figure; 'predicted gain' is the step model's projection of the "
+                                   "overrides (trainprof project RUN_DIR --advice)"))
+
+
+def methods_section(doc: Document, run: RunData) -> None:
+    p = run.profile or {}
+    s = p.get("summary") or {}
+    sec = doc.section("How each figure was measured", id="methods")
+    rows = [[k, v] for k, v in (p.get("measurement") or {}).items()]
+    for key, label in (("tokens_per_s_scope", "tokens/s"), ("tokens_per_s_method", "tokens/s"),
+                       ("steps_used_description", "steps used"), ("peak_memory_method", "peak memory per phase"),
+                       ("memory_meter", "peak memory"), ("flops_convention", "FLOPs and MFU"),
+                       ("achieved_tflops_scope", "achieved TFLOP/s")):
+        if s.get(key) and all(s[key] != text for _, text in rows):
+            rows.append([label, s[key]])
+    if dig(s, "analytic", "formula"):
+        rows.append(["analytic FLOPs cross-check", s["analytic"]["formula"]])
+    if rows:
+        sec.blocks.append(Table(["figure", "how it was measured"], rows, id="methods-table", numeric=[False, False]))
+    else:
+        sec.blocks.append(Missing("measurement methods", "profile.json has no `measurement` block (older run dir)"))
+
+
+def phases_section(doc: Document, run: RunData) -> None:
+    p = run.profile or {}
+    s = p.get("summary") or {}
+    sec = doc.section("Phases (per step, median)", id="phases")
+    steps = run.measured_steps
+    if not steps:
+        sec.blocks.append(Missing("steps", "the profile has no measured steps"))
+        return
+    if not run.has_phases:
+        sec.blocks.append(Missing("phase breakdown", "this run dir predates the step profiler or ran with "
+                                  "profile.enabled false: steps have wall time only (no steps[].phases_ms)"))
+        if doc.plots:
+            sec.blocks.append(Figure(plots.step_bars(steps), "Wall time per measured step (host clock around one "
+                                     "optimizer step; the slowest rank's)", f"{plots.PLOTS_DIR}/steps.png", id="fig-steps"))
+        sec.blocks.append(Table(["step", "wall ms", "loss", "tokens"],
+                                [[st["step"], st.get("wall_ms"), st.get("loss"), st.get("tokens")] for st in steps],
+                                id="steps-table"))
+        return
+    shown = report_phases(p)
+    if doc.plots:
+        sec.blocks.append(Figure(plots.phase_bars(steps, shown),
+                                 "Phases per measured step on rank " + str(p.get("steps_rank", 0)) + " (ms, stacked; "
+                                 "together they add up to the step's wall time)", f"{plots.PLOTS_DIR}/phases.png",
+                                 id="fig-phases"))
+    step_ms = dig(s, "step_ms", "median")
+    phases = s.get("phases_ms") or {}
+    rows = [[ph, phases.get(ph), _pct(phases.get(ph), step_ms)] for ph in shown]
+    rows.append(["unattributed (closure error)", s.get("unattributed_ms"), _pct(s.get("unattributed_ms"), step_ms)])
+    sec.blocks.append(Table(["phase", "ms per step (median)", "share of step"], rows,
+                            method=dig(p, "measurement", "phases"), id="phases-table"))
+    if doc.compact:
+        return
+    cols = ["step", "wall ms", *shown, "unattributed", "instrumented"]
+    sec.blocks.append(Table(cols, [[st["step"], st["wall_ms"], *(st["phases_ms"].get(ph) for ph in shown),
+                                    st.get("unattributed_ms"), ", ".join(st.get("instrumented") or []) or "-"]
+                                   for st in steps], id="steps-table", method=dig(p, "measurement", "timer")))
+
+
+def category_rows(profile: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Llama2-7B table rows: per category, summed forward/backward/recompute ms per step."""
+    modules = profile["modules"]
+    rows = []
+    for label, match in CATEGORIES:
+        members = [m for m in modules if match(m)]
+        # keep only outermost matches (a norm inside a norm wrapper is counted once)
+        names = {m["name"] for m in members}
+        members = [m for m in members if not any(m["name"].startswith(n + ".") for n in names if n)]
+        if not members:
+            rows.append({"label": label, "modules": 0, "forward_ms": None, "backward_ms": None,
+                         "recompute_ms": None, "optimizer_ms": None})
+            continue
+        rows.append({"label": label, "modules": len(members),
+                     "forward_ms": sum(m["forward_ms"] for m in members),
+                     "backward_ms": sum(m["backward_ms"] for m in members),
+                     "recompute_ms": sum(m["recompute_ms"] for m in members), "optimizer_ms": None})
+    rows.append({"label": "optimizer", "modules": None, "forward_ms": None, "backward_ms": None,
+                 "recompute_ms": None, "optimizer_ms": profile["summary"]["phases_ms"]["optimizer"]})
+    return rows
+
+
+def categories_section(doc: Document, run: RunData) -> None:
+    """Zhang et al.'s Llama2-7B table: embedding, decoder layers, attention, MLP, norms, head, optimizer."""
+    p = run.profile or {}
+    sec = doc.section("Where a step goes, by part of the model", id="categories")
+    if not p.get("modules"):
+        sec.blocks.append(Missing("module times", "profile.json has no modules (older run dir, or profile.enabled "
+                                  "false)"))
+        return
+    try:
+        step_ms = dig(p, "summary", "step_ms", "median")
+        rows = []
+        for r in category_rows(p):
+            total = sum(v for v in (r["forward_ms"], r["backward_ms"], r["recompute_ms"], r["optimizer_ms"]) if v)
+            rows.append([r["label"], "" if r["modules"] is None else (r["modules"] or "not profiled at this depth"),
+                         r["forward_ms"], r["backward_ms"], r["recompute_ms"], r["optimizer_ms"], _pct(total, step_ms)])
+    except (KeyError, TypeError) as err:  # a profile without the fields the category table needs
+        sec.blocks.append(Missing("model-part table", f"profile.json lacks {err}"))
+        return
+    sec.blocks.append(Para("By part of the model (Zhang et al.'s Llama2-7B table, arXiv 2311.03687), ms per step, median"
+                           + (" (summed over the pipeline stages, which run side by side: shares can add up past "
+                              "100%)" if p.get("pipeline") else "") + ":"))
+    sec.blocks.append(Table(["part", "modules", "forward ms", "backward ms", "recompute ms", "optimizer ms",
+                             "share of step"], rows, method=dig(p, "measurement", "module_times"),
+                            id="categories-table"))
+
+
+def top_modules_section(doc: Document, run: RunData) -> None:
+    p = run.profile or {}
+    top = top_modules(p, TOP_MODULES)
+    if not top:
+        return
+    sec = doc.section("Top modules", id="modules")
+    labels = [module_label(m) for m in top]
+    if doc.plots:
+        parts = {ph: [m.get(f"self_{ph}_ms") or 0.0 for m in top] for ph in ("forward", "backward", "recompute")}
+        sec.blocks.append(Figure(plots.module_bars(labels, parts, "self ms per step (median; children excluded)"),
+                                 f"Top {len(top)} modules by self time, forward / backward / recompute",
+                                 f"{plots.PLOTS_DIR}/modules.png", id="fig-modules"))
+    step_ms = dig(p, "summary", "step_ms", "median")
+    sec.blocks.append(Table(
+        ["module", "type", "self fwd ms", "self bwd ms", "self recompute ms", "fwd ms (incl.)", "bwd ms (incl.)",
+         "share of step"],
+        [[label, m.get("type"), m.get("self_forward_ms"), m.get("self_backward_ms"), m.get("self_recompute_ms"),
+          m.get("forward_ms"), m.get("backward_ms"), _pct(module_time(m, self_time=True), step_ms)]
+         for label, m in zip(labels, top)],
+        method=dig(p, "measurement", "module_times"), id="top-modules-table"))
+
+
+def module_phase_section(doc: Document, run: RunData) -> None:
+    p = run.profile or {}
+    modules = p.get("modules") or []
+    sec = doc.section("Module x phase", id="module-phase")
+    if not modules:
+        sec.blocks.append(Missing("module x phase table", "no module times in this run dir"))
+        return
+    cols = ["module", "type", "calls", "forward ms", "backward ms", "recompute ms", "comm ms", "comm exposed ms",
+            "self fwd ms", "self bwd ms", "GFLOPs", "params"]
+    rows = [["  " * m.get("depth", 0) + module_label(m), m.get("type"), m.get("calls"), m.get("forward_ms"),
+             m.get("backward_ms"), m.get("recompute_ms"), m.get("comm_ms"), m.get("comm_exposed_ms"),
+             m.get("self_forward_ms"), m.get("self_backward_ms"),
+             None if m.get("flops") is None else m["flops"] / 1e9, m.get("params")] for m in modules]
+    spread = " With several ranks each figure is the median over ranks (profile.json modules[].ranks_spread has " \
+             "min/max)." if (dig(p, "env", "world_size") or 1) > 1 else ""
+    sec.blocks.append(Table(cols, rows, method=(dig(p, "measurement", "module_times") or "") + spread,
+                            id="module-phase-table", numeric=[False, False] + [True] * 10))
+
+
+def ops_section(doc: Document, run: RunData) -> None:
+    p = run.profile or {}
+    ops, info = p.get("ops") or [], p.get("ops_info") or {}
+    sec = doc.section("Operators", id="operators")
+    if not ops:
+        why = ("operator tracing was off (recipe profile.ops: false); turn it on to get operators and traces"
+               if not info.get("enabled") else "operator tracing was on but recorded no operators")
+        sec.blocks.append(Missing("operator table", why if p.get("modules") is not None else
+                                  "this run dir predates the operator tracer"))
+        return
+    cost = info.get("cost_frac")
+    sec.blocks.append(Para(f"Traced steps: {info.get('steps')}; top {min(TOP_OPS, len(ops))} of {len(ops)} "
+                           f"(operator, module, phase) rows by self time, per traced step."
+                           + (f" Tracing made those steps {100 * cost:.0f}% slower; they are left out of every "
+                              "other figure." if cost is not None else "")))
+    cuda = dig(p, "env", "device_type") == "cuda"
+    sec.blocks.append(Table(
+        ["operator", "module", "phase", "calls", "self ms", "GFLOPs"],
+        [[o["name"], "-" if o.get("module") is None else records.module_label(o["module"]), o.get("phase"),
+          o.get("calls"), o.get("self_ms"), None if o.get("flops") is None else o["flops"] / 1e9]
+         for o in ops[:TOP_OPS]],
+        method=(info.get("mechanism", "torch.profiler") + "; self time excludes child operators and is "
+                + ("CUDA kernel time" if cuda else "host time (CPU ops run synchronously)")
+                + "; GFLOPs are torch.profiler's with_flops estimates (matmul/conv only, n/a where it has none)"),
+        id="ops-table"))
+
+
+ISSUE_TO_COMPLETION = ("issue-to-completion: from the call that issued the collective until it completed, "
+                       "including time it ran behind compute and time spent waiting for slower ranks; several "
+                       "collectives in flight at once each count their whole span, so this column can add up past "
+                       "the step time. Only the exposed time is part of the step's comm_exposed phase")
+
+
+def comm_section(doc: Document, run: RunData) -> None:
+    """The collectives, exposed time (what the step waited for) first; issue-to-completion after it, said
+    what it is where it is shown."""
+    p = run.profile or {}
+    comm = p.get("comm")
+    sec = doc.section("Communication", id="communication")
+    if not comm:
+        why = ("profile.json has no comm block (older run dir)" if comm is None else
+               "no collectives were recorded (a single rank, or the engine issued none the profiler can see)")
+        sec.blocks.append(Missing("communication table", why))
+        return
+    step_ms = dig(p, "summary", "step_ms", "median")
+    exposed = dig(p, "summary", "phases_ms", "comm_exposed")
+    sec.blocks.append(Para(f"Exposed communication: {fmt(exposed)} ms per step "
+                           f"({_pct(exposed, step_ms)} of the step)."))
+    meas = p.get("measurement") or {}
+    sec.blocks.append(Table(
+        ["op", "phase", "group", "calls", "exposed ms", "share of step", "MiB", "issue-to-completion ms",
+         "algbw GB/s", "busbw GB/s"],
+        [[c["op"], c["phase"], c.get("group_size"), c.get("calls"), c.get("exposed_ms"),
+          _pct(c.get("exposed_ms"), step_ms), _mib(c.get("bytes")), c.get("total_ms"), c.get("algbw_gbps"),
+          c.get("busbw_gbps")] for c in comm],
+        method=f"exposed: {meas.get('comm_exposed', 'not recorded')}; {ISSUE_TO_COMPLETION}; bandwidth: "
+               f"{meas.get('comm_bandwidth', 'not recorded')}; rank {p.get('steps_rank', 0)}'s collectives, medians "
+               "over steps", id="comm-table"))
+
+
+def memory_section(doc: Document, run: RunData) -> None:
+    p = run.profile or {}
+    s = p.get("summary") or {}
+    sec = doc.section("Memory", id="memory")
+    peaks = s.get("peak_memory_bytes")
+    if isinstance(peaks, dict) and any(v is not None for v in peaks.values()):
+        if doc.plots:
+            mib = {k: v / MiB for k, v in peaks.items() if v is not None}
+            sec.blocks.append(Figure(plots.memory_bars(mib, "peak MiB"), "Peak memory per phase (max over measured "
+                                     "steps)", f"{plots.PLOTS_DIR}/memory.png", id="fig-memory"))
+        sec.blocks.append(Table(["phase", "peak MiB"], [[k, _mib(v)] for k, v in peaks.items()],
+                                method=s.get("peak_memory_method"), id="memory-table"))
+    elif s.get("peak_memory_bytes_max") is not None:
+        sec.blocks.append(Missing("memory per phase", "this run dir records one peak per step, not per phase"))
+        sec.blocks.append(Table(["what", "peak MiB"],
+                                [["whole step, max over steps", _mib(s["peak_memory_bytes_max"])]],
+                                method=s.get("memory_meter"), id="memory-table"))
+    else:
+        per_step = [step_peak_memory(st) for st in run.measured_steps]
+        if any(per_step):
+            sec.blocks.append(Table(["step", *per_step[0].keys()],
+                                    [[st["step"], *(_mib(v) for v in pk.values())]
+                                     for st, pk in zip(run.measured_steps, per_step)], id="memory-table"))
+        else:
+            sec.blocks.append(Missing("memory", "no peak memory in this run dir"))
+    if "activation_bytes" in s:
+        sec.blocks.append(Para(f"Activations saved for backward: {_mib_text(s['activation_bytes'])} per micro batch ("
+                               f"{s.get('activation_bytes_method') or s.get('activation_bytes_reason')})."))
+    state = p.get("model_state_bytes")
+    if state:
+        rank = p.get("steps_rank", 0)
+        sec.blocks.append(Para(f"Model states on rank {rank}: {model_states_text(state)}."))
+        sec.blocks.append(Table(["model state", "MiB"], [[k, _mib(v)] for k, v in state.items()
+                                                         if isinstance(v, (int, float))],
+                                method=f"rank {rank}: " + state.get(
+                                    "method", "bytes this rank stores, each storage counted once"),
+                                id="model-state-table"))
+
+
+def ranks_section(doc: Document, run: RunData) -> None:
+    p = run.profile or {}
+    ranks = [r for r in p.get("ranks") or [] if r.get("phases_ms")]
+    if len(ranks) < 2:
+        return
+    sec = doc.section("Ranks", id="ranks")
+    shown = report_phases(p)
+    sec.blocks.append(Table(["rank", "step ms", "busy ms", *shown],
+                            [[r["rank"], r.get("step_ms_median"), r.get("busy_ms_median"),
+                              *(r["phases_ms"].get(ph) for ph in shown)] for r in ranks],
+                            method="medians over each rank's measured steps; busy = step minus exposed communication, "
+                                   "data wait and pipeline bubble (what a straggler is judged by)", id="ranks-table"))
