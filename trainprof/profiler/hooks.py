@@ -60,7 +60,7 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
 # The two records below are made on every module call and watched node: built positionally, since a
-# keyword call costs twice as much (scripts/bench_overhead.py); eq=False keeps them compared by identity.
+# keyword call costs twice as much (docs/profiler.md, "Cost"); eq=False keeps them compared by identity.
 
 
 @dataclass(slots=True, eq=False)

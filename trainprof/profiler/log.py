@@ -50,8 +50,8 @@ class StepLog:
 
     The step's timeline is kept as three columns, its i-th point being (codes[i], subjects[i], stamps[i])
     (analysis.records.Event says what each holds): the hooks record four points on every module call, and
-    three list appends cost less than building one tuple, let alone an object (scripts/bench_overhead.py
-    --breakdown-only). The analysis reads the points as Events (StepTimeline.events), after training.
+    three list appends cost less than building one tuple, let alone an object (docs/profiler.md, "Cost").
+    The analysis reads the points as Events (StepTimeline.events), after training.
     """
 
     active: bool = False
