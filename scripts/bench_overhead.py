@@ -229,19 +229,25 @@ def hook_breakdown(model: torch.nn.Module, depth: int) -> None:
     import functools
 
     from trainprof.profiler.hooks import NodeWatch
-    from trainprof.profiler.log import F_OPEN, Event
+    from trainprof.profiler.log import F_OPEN, StepLog
 
     prof = Profiler(model, optimizer=None, module_depth=depth, flops=False)
     hooks, timer = prof.hooks, prof.timer
     x = torch.zeros(2, 8, requires_grad=True)
     x_nograd = torch.zeros(2, 8)
-    events: list = []
+    log = StepLog()
     layer = model.model.layers[0].mlp
     mi = next(i.index for i in hooks.modules if i.name.endswith("layers.0.mlp"))
     noop = functools.partial(print)
+
+    def log_append() -> None:  # as the hooks append one point to the log's columns
+        log.codes.append(F_OPEN)
+        log.subjects.append(3)
+        log.stamps.append(0)
+
     pieces = [
         ("timer stamp (timer.now)", timer.now),
-        ("log append (events.append of an Event)", lambda: events.append(Event(F_OPEN, 3, 0))),
+        ("log append (one point: three columns)", log_append),
         ("functools.partial creation", lambda: functools.partial(hooks._on_grad, NodeWatch(0, 1, []))),
         ("node pre-hook registration (grad_fn.register_prehook)", lambda: x.view_as(x).grad_fn.register_prehook(noop)),
         ("  (x.view_as(x) alone, to subtract)", lambda: x.view_as(x)),
@@ -262,8 +268,8 @@ def hook_breakdown(model: torch.nn.Module, depth: int) -> None:
         for name, fn in pieces:
             n = 2000 if "hook pair" in name else 20000
             print(f"  {name:<46} {_per_call_us(fn, n):7.2f}")
-            events.clear()
-            prof.log.events.clear()
+            log.clear()
+            prof.log.clear()
     prof.close()
 
 

@@ -40,17 +40,23 @@ class StepRecord:
     pipeline: dict[str, Any] | None = None  # pipeline stage: this step's timeline (analysis/pipeline.py)
 
 
-@dataclass
+@dataclass(slots=True, kw_only=True)
 class StepTimeline:
     """A recorded step as the hooks left it, stamps resolved to ms since the step began: kept until
     `complete_step` analyses it, so the analysis runs after training rather than between its steps."""
 
-    events: list[Event]  # in recording order, `at` in ms
+    codes: list[int]  # the profiler log's columns (profiler/log.py StepLog), in recording order
+    subjects: list[Any]
+    ms: list[float]  # the stamps, in ms since the step began
     comms: list[CommEvent]
     wall_ms: float
     losses: list[float] = field(default_factory=list)  # the micro batches' losses
     origin_unix_ns: int | None = None  # pipeline stages: time.time_ns() of the step's start
     pipelined: bool = False  # a pipeline stage: keep the stage timeline (analysis/pipeline.py)
+
+    def events(self) -> list[Event]:
+        """The timeline's points as Events, in recording order."""
+        return [Event(code, subject, t) for code, subject, t in zip(self.codes, self.subjects, self.ms)]
 
 
 def complete_step(record: StepRecord, timeline: StepTimeline, parents: list[int] | None) -> None:
@@ -61,9 +67,10 @@ def complete_step(record: StepRecord, timeline: StepTimeline, parents: list[int]
         timeline: its events and collectives.
         parents: parent index per profiled module (to credit recompute bursts), None without modules.
     """
-    record.breakdown = analyze_step(timeline.events, timeline.comms, timeline.wall_ms, parents=parents)
+    events = timeline.events()
+    record.breakdown = analyze_step(events, timeline.comms, timeline.wall_ms, parents=parents)
     if timeline.pipelined:
-        record.pipeline = step_pipeline(timeline.events, timeline.comms, timeline.origin_unix_ns)
+        record.pipeline = step_pipeline(events, timeline.comms, timeline.origin_unix_ns)
     record.loss = statistics.fmean(timeline.losses) if timeline.losses else None
 
 

@@ -33,12 +33,13 @@ MODULE_CLOSE = {F_CLOSE: "forward", R_CLOSE: "recompute", B_CLOSE: "backward"}
 
 @dataclass(slots=True)
 class Event:
-    """One point of a step's timeline, in recording order. Built positionally (`Event(F_OPEN, mi, t)`):
-    the hooks make four on every module call, where a keyword call costs twice as much."""
+    """One point of a step's timeline, as the analysis reads it (the profiler's log keeps the points as
+    columns, see profiler/log.py). Built positionally (`Event(F_OPEN, mi, t)`): the analysis makes one per
+    point of every step, and a keyword call costs twice as much."""
 
     code: int  # what happened: one of the codes above
     subject: Any  # what it happened to: a module index, a region label or a pipeline action (see the codes)
-    at: Any  # the timer's stamp while the step records; ms since the step began once the step is resolved
+    at: float  # ms since the step began
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

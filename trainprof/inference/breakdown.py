@@ -57,7 +57,7 @@ def module_breakdown(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens
     finally:
         log.active = False
         hooks.close()
-    times = timer.resolve(origin, [e.at for e in log.events] + [end])
+    times = timer.resolve(origin, [*log.stamps, end])
     timer.release()
     request_ms = times[-1]
     n = len(hooks.modules)
@@ -65,13 +65,12 @@ def module_breakdown(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens
     decode_calls = [0] * n
     open_at: dict[int, list[float]] = {}
     root_calls = -1  # index of the model call in progress: 0 = prefill, >= 1 decode steps
-    for e, t in zip(log.events, times):
-        mi = e.subject
-        if e.code == F_OPEN:
+    for code, mi, t in zip(log.codes, log.subjects, times):
+        if code == F_OPEN:
             if mi == 0:
                 root_calls += 1
             open_at.setdefault(mi, []).append(t)
-        elif e.code == F_CLOSE and open_at.get(mi):
+        elif code == F_CLOSE and open_at.get(mi):
             span = t - open_at[mi].pop()
             if root_calls == 0:
                 prefill[mi] += span

@@ -106,15 +106,15 @@ class ProfileSession:
         the framework fetched a later micro batch there."""
         if self.prof is None or not self.prof.log.active:
             return
-        from trainprof.profiler.log import REGION_CLOSE, REGION_OPEN, Event
+        from trainprof.profiler.log import REGION_CLOSE, REGION_OPEN
 
-        self.prof.log.events.append(Event(REGION_OPEN, "data_wait", start))
-        self.prof.log.events.append(Event(REGION_CLOSE, "data_wait", self.prof.timer.now()))
+        self.prof.log.mark(REGION_OPEN, "data_wait", start)
+        self.prof.log.mark(REGION_CLOSE, "data_wait", self.prof.timer.now())
 
     def last_stamp(self) -> Any:
         """The stamp of the step's latest region event (now, when there is none)."""
-        if self.prof is not None and self.prof.log.active and self.prof.log.events:
-            return self.prof.log.events[-1].at
+        if self.prof is not None and self.prof.log.active and self.prof.log.stamps:
+            return self.prof.log.stamps[-1]
         return self.now()
 
     def now(self) -> Any:

@@ -32,7 +32,7 @@ from trainprof.profiler.comm import CommTracer, comm_total_ms
 from trainprof.profiler.flops import FlopCounter, analytic_flops
 from trainprof.profiler.hooks import ModuleHooks
 from trainprof.profiler.journal import JOURNAL_INTERVAL_S, Journal, journal_path
-from trainprof.profiler.log import ACTION_CLOSE, ACTION_OPEN, REGION_CLOSE, REGION_OPEN, Event, StepLog
+from trainprof.profiler.log import ACTION_CLOSE, ACTION_OPEN, REGION_CLOSE, REGION_OPEN, StepLog
 from trainprof.profiler.memory import PhaseMemory, SavedActivations, model_state_bytes
 from trainprof.profiler.ops import OpTracer, range_names, region_range_name
 from trainprof.profiler.patches import wrap_autograd_backward, wrap_optimizer_method
@@ -314,8 +314,8 @@ class Profiler:
                     torch.ops.profiler._record_function_exit._RecordFunction(handle)
             t1 = now()
             if self.log.active:
-                self.log.events.append(Event(REGION_OPEN, "data_wait", t0))
-                self.log.events.append(Event(REGION_CLOSE, "data_wait", t1))
+                self.log.mark(REGION_OPEN, "data_wait", t0)
+                self.log.mark(REGION_CLOSE, "data_wait", t1)
             else:
                 self._pending_fetch = (t0, t1)
             yield batch
@@ -360,8 +360,8 @@ class Profiler:
         if self.pipeline is not None:  # places this rank's step beside the other stages' (analysis/pipeline.py)
             self._origin_unix_ns = time.time_ns() - (time.perf_counter_ns() - origin if self.timer.kind == "host" else 0)
         if pending is not None:
-            log.events.append(Event(REGION_OPEN, "data_wait", pending[0]))
-            log.events.append(Event(REGION_CLOSE, "data_wait", pending[1]))
+            log.mark(REGION_OPEN, "data_wait", pending[0])
+            log.mark(REGION_CLOSE, "data_wait", pending[1])
         log.active = True
         try:
             yield self
@@ -425,13 +425,13 @@ class Profiler:
         if not log.active:
             yield
             return
-        log.events.append(Event(ACTION_OPEN, (kind, micro_batch), self.timer.now()))
+        log.mark(ACTION_OPEN, (kind, micro_batch), self.timer.now())
         self._region_open(kind)
         try:
             yield
         finally:
             self._region_close(kind)
-            log.events.append(Event(ACTION_CLOSE, (kind, micro_batch), self.timer.now()))
+            log.mark(ACTION_CLOSE, (kind, micro_batch), self.timer.now())
 
     def phase(self, label: str) -> contextlib.AbstractContextManager[None]:
         """Mark a region of the step as a phase: "optimizer" (e.g. around DeepSpeed's engine.step()),
@@ -466,7 +466,7 @@ class Profiler:
             if label == "backward":
                 self.hooks.flush()  # a backward started inside a profiled forward (see hooks.flush)
             self.hooks.settle()  # e.g. a reentrant checkpoint's backward inside backward
-        self.log.events.append(Event(REGION_OPEN, label, self.timer.now()))
+        self.log.mark(REGION_OPEN, label, self.timer.now())
         if self.memory is not None:
             self.memory.begin(label)
         if label == "backward" and self._activations is not None:
@@ -497,7 +497,7 @@ class Profiler:
             self.flops_running = True
         if self.hooks is not None:
             self.hooks.settle()
-        self.log.events.append(Event(REGION_CLOSE, label, self.timer.now()))
+        self.log.mark(REGION_CLOSE, label, self.timer.now())
         if self.memory is not None:
             self.memory.end(label)
 
@@ -522,8 +522,7 @@ class Profiler:
 
     def _finish_step(self, index: int, origin: Any, end: Any, *, warm: bool, instrumented: list[str]) -> None:
         log = self.log
-        events = log.events
-        stamps: list[Any] = [e.at for e in events]
+        stamps: list[Any] = list(log.stamps)
         for c in log.comms:
             stamps.append(c.issue)
             stamps.append(c.ret)
@@ -532,9 +531,9 @@ class Profiler:
             if c.done is not None:
                 stamps.append(c.done)
         stamps.append(end)
-        ms = iter(self.timer.resolve(origin, stamps))
-        for e in events:  # in place: the log starts a new list next step, so these become the timeline's
-            e.at = next(ms)
+        resolved = self.timer.resolve(origin, stamps)
+        points = len(log.stamps)
+        ms = iter(resolved[points:])
         comms = []
         for c in log.comms:
             issue, ret = next(ms), next(ms)
@@ -551,7 +550,8 @@ class Profiler:
         self.timer.release()
         # the losses as floats now: a loss tensor kept for later pins its allocation in the middle of the
         # step's freed activations, and on CPU glibc's heap then grows by megabytes a step (fragmentation)
-        timeline = StepTimeline(events=events, comms=comms, wall_ms=wall_ms, losses=[float(x) for x in self._step_loss],
+        timeline = StepTimeline(codes=log.codes, subjects=log.subjects, ms=resolved[:points], comms=comms,
+                                wall_ms=wall_ms, losses=[float(x) for x in self._step_loss],
                                 origin_unix_ns=self._origin_unix_ns, pipelined=self.pipeline is not None)
         record = StepRecord(
             step=index - self.warmup_steps,

@@ -52,7 +52,7 @@ import torch
 
 from trainprof.analysis.records import ModuleInfo
 from trainprof.models import logical_numel
-from trainprof.profiler.log import B_CLOSE, B_OPEN, F_CLOSE, F_OPEN, R_CLOSE, R_OPEN, Event, StepLog
+from trainprof.profiler.log import B_CLOSE, B_OPEN, F_CLOSE, F_OPEN, R_CLOSE, R_OPEN, StepLog
 
 _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled  # bound once: the hooks call these on every module call
@@ -60,7 +60,7 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
 # The two records below are made on every module call and watched node: built positionally, since a
-# keyword call costs twice as much (scripts/bench_overhead.py); eq=False keeps them compared by identity.
+# keyword call costs twice as much (docs/profiler.md, "Cost"); eq=False keeps them compared by identity.
 
 
 @dataclass(slots=True, eq=False)
@@ -299,7 +299,9 @@ class ModuleHooks:
         recompute = _graph_task_id() != -1
         k = self.counter
         self.counter = k + 1
-        log.events.append(Event(R_OPEN if recompute else F_OPEN, mi, t))
+        log.codes.append(R_OPEN if recompute else F_OPEN)  # the log's columns (see StepLog)
+        log.subjects.append(mi)
+        log.stamps.append(t)
         call = ModuleCall(mi, k, recompute)
         if self.range_names is not None:
             call.rng = torch.ops.profiler._record_function_enter_new(
@@ -333,7 +335,9 @@ class ModuleHooks:
         t = self.now()
         forward_stack.pop()
         recompute = call.recompute
-        log.events.append(Event(R_CLOSE if recompute else F_CLOSE, mi, t))
+        log.codes.append(R_CLOSE if recompute else F_CLOSE)
+        log.subjects.append(mi)
+        log.stamps.append(t)
         if call.rng is not None:
             torch.ops.profiler._record_function_exit._RecordFunction(call.rng)
             call.rng = None
@@ -355,7 +359,7 @@ class ModuleHooks:
             return None
         if self.pending:
             self.settle()
-        self.log.events.append(Event(R_OPEN, mi, self.now()))
+        self.log.mark(R_OPEN, mi, self.now())
         self.forward_stack.append(ModuleCall(mi, -1, True, id(module)))
         return None
 
@@ -366,7 +370,7 @@ class ModuleHooks:
         stack.pop()
         if self.pending:
             self.settle()
-        self.log.events.append(Event(R_CLOSE, mi, self.now()))
+        self.log.mark(R_CLOSE, mi, self.now())
         return None
 
     def _count_tokens(self, args: tuple, kwargs: dict) -> None:
@@ -460,13 +464,19 @@ class ModuleHooks:
                 entry.rng = torch.ops.profiler._record_function_enter_new(
                     self.range_names[entry.module]["backward"], None)
         stack.insert(i, call)
-        self.log.events.append(Event(B_OPEN, call.module, t))
+        log = self.log
+        log.codes.append(B_OPEN)
+        log.subjects.append(call.module)
+        log.stamps.append(t)
         if call.module == 0 and self.on_root is not None:
             self.on_root("backward", True)
 
     def _pop_backward(self, t: Any) -> None:
         call = self.backward_stack.pop()
-        self.log.events.append(Event(B_CLOSE, call.module, t))
+        log = self.log
+        log.codes.append(B_CLOSE)
+        log.subjects.append(call.module)
+        log.stamps.append(t)
         if call.rng is not None:
             torch.ops.profiler._record_function_exit._RecordFunction(call.rng)
             call.rng = None

@@ -36,7 +36,7 @@ from typing import Any, TextIO
 from trainprof.analysis.aggregate import StepRecord, StepTimeline, complete_step
 from trainprof.analysis.breakdown import CommEvent
 from trainprof.analysis.pipeline import PipelineInfo
-from trainprof.analysis.records import Event, ModuleInfo
+from trainprof.analysis.records import ModuleInfo
 
 JOURNAL_VERSION = 2  # 2: steps carry their timeline, not their breakdown
 JOURNAL_GLOB = "profile.rank*.journal.jsonl"
@@ -141,10 +141,9 @@ def _ns(ms: float) -> int:
 def _step_json(record: StepRecord, timeline: StepTimeline) -> dict[str, Any]:
     out = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)
            if f.name not in ("breakdown", "loss", "pipeline")}
-    events = timeline.events
     out["timeline"] = {
-        "codes": [e.code for e in events], "payloads": [e.subject for e in events],
-        "ns": [round(e.at * 1e6) for e in events],  # _ns inlined: a call per stamp cost a third of the append
+        "codes": timeline.codes, "payloads": timeline.subjects,  # payloads: the points' subjects
+        "ns": [round(t * 1e6) for t in timeline.ms],  # _ns inlined: a call per stamp cost a third of the append
         "wall_ns": _ns(timeline.wall_ms),
         "comms": [[c.op, c.nbytes, c.group_size, c.module, c.is_async, _ns(c.issue), _ns(c.ret),
                    [_ns(t) for w in c.waits for t in w], c.total_ms, c.peer, c.phase, c.exposed_as]
@@ -163,9 +162,9 @@ def _step_record(line: dict[str, Any], parents: list[int] | None) -> StepRecord:
                                issue=issue / 1e6, ret=ret / 1e6,
                                waits=[(waits[i] / 1e6, waits[i + 1] / 1e6) for i in range(0, len(waits), 2)],
                                total_ms=total_ms, peer=peer, phase=phase, exposed_as=exposed_as))
-    events = [Event(code, payload, ns / 1e6) for code, payload, ns in zip(t["codes"], t["payloads"], t["ns"])]
-    timeline = StepTimeline(events=events, comms=comms, wall_ms=t["wall_ns"] / 1e6, losses=t["losses"],
-                            origin_unix_ns=t["origin_unix_ns"], pipelined=t["pipelined"])
+    timeline = StepTimeline(codes=t["codes"], subjects=t["payloads"], ms=[ns / 1e6 for ns in t["ns"]], comms=comms,
+                            wall_ms=t["wall_ns"] / 1e6, losses=t["losses"], origin_unix_ns=t["origin_unix_ns"],
+                            pipelined=t["pipelined"])
     fields = {f.name for f in dataclasses.fields(StepRecord)}
     record = StepRecord(**{k: v for k, v in line.items() if k in fields}, breakdown=None)
     complete_step(record, timeline, parents)

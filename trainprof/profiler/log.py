@@ -1,5 +1,5 @@
 """The per-step record that hooks append to: module events, phase regions and collectives, each with a
-timer stamp. Appending an Event is all a hook does to the log on the hot path; the analysis runs when the
+timer stamp. Appending to the log is all a hook does on the hot path; the analysis runs when the
 profiler's steps are read (after training, see Profiler.steps)."""
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from trainprof.analysis.records import (  # noqa: F401  (re-exported for the hoo
     R_OPEN,
     REGION_CLOSE,
     REGION_OPEN,
-    Event,
 )
 
 
@@ -47,15 +46,29 @@ class CommRecord:
 
 @dataclass(slots=True, kw_only=True)
 class StepLog:
-    """What one step recorded. `active` gates every hook: outside recorded steps they return at once."""
+    """What one step recorded. `active` gates every hook: outside recorded steps they return at once.
+
+    The step's timeline is kept as three columns, its i-th point being (codes[i], subjects[i], stamps[i])
+    (analysis.records.Event says what each holds): the hooks record four points on every module call, and
+    three list appends cost less than building one tuple, let alone an object (docs/profiler.md, "Cost").
+    The analysis reads the points as Events (StepTimeline.events), after training.
+    """
 
     active: bool = False
-    events: list[Event] = field(default_factory=list)  # in recording order
+    codes: list[int] = field(default_factory=list)  # what happened (analysis.records codes), in recording order
+    subjects: list[Any] = field(default_factory=list)  # to what: a module index, a region label, a pipeline action
+    stamps: list[Any] = field(default_factory=list)  # when: the timer's stamps
     comms: list[CommRecord] = field(default_factory=list)
     tokens_seen: int = 0  # input_ids elements in root forward calls (recompute excluded)
     seq_len: int | None = None
 
+    def mark(self, code: int, subject: Any, stamp: Any) -> None:
+        """Append one point (the module hooks append to the columns themselves: a call less per point)."""
+        self.codes.append(code)
+        self.subjects.append(subject)
+        self.stamps.append(stamp)
+
     def clear(self) -> None:
-        self.events = []
+        self.codes, self.subjects, self.stamps = [], [], []
         self.comms = []
         self.tokens_seen = 0
