@@ -333,6 +333,10 @@ def render_summary(profile: dict[str, Any], run_dir: Path) -> str:
         ("params total / trainable", f"{profile['params']['total']:,} / {profile['params']['trainable']:,}"),
         ("trace per step", trace_size_text(profile)),
     ]
+    if (profile.get("compile") or {}).get("compiled"):
+        from trainprof.report.summary import compile_text
+
+        rows.append(("compiled", compile_text(profile)))
     pl = profile.get("pipeline")
     timeline: list[str] = []
     if pl and "stages" in pl:

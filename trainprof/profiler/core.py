@@ -25,6 +25,7 @@ from trainprof.analysis.aggregate import StepRecord, StepTimeline, complete_step
 from trainprof.analysis.breakdown import CommEvent
 from trainprof.analysis.pipeline import PipelineInfo
 from trainprof.profiler.comm import CommTracer, comm_total_ms
+from trainprof.profiler.compiled import DynamoWatch
 from trainprof.profiler.flops import FlopCounter, analytic_flops
 from trainprof.profiler.hooks import ModuleHooks
 from trainprof.profiler.journal import JOURNAL_INTERVAL_S, Journal, journal_path
@@ -135,6 +136,7 @@ class Profiler:
         self._closed = False
         self.memory = PhaseMemory(self.device) if (memory and enabled) else None
         self.hooks: ModuleHooks | None = None
+        self.dynamo: DynamoWatch | None = None  # a compiled model: dynamo's counters (profiler/compiled.py)
         self.comm: CommTracer | None = None
         self._op_tracer = OpTracer(cuda=self.device.type == "cuda", trace_dir=trace_dir, rank=self.rank,
                                    world_size=self.world_size, wait=trace_wait, warmup=trace_warmup,
@@ -148,6 +150,9 @@ class Profiler:
         self.hooks = ModuleHooks(model, module_depth, self.log, self.timer.now,
                                  on_root=self._on_root if self.memory else None)
         self._range_names = range_names(self.hooks.modules)
+        if self.hooks.compiled.compiled:
+            self.dynamo = DynamoWatch()
+            self.dynamo.mark("attached")
         if comm:
             self.comm = CommTracer(self.log, self.timer.now, self.hooks.current, host_timer=self.timer.kind == "host")
         active = self._recording
@@ -240,6 +245,8 @@ class Profiler:
             return
         self._closed = True
         self.log.active = False
+        if self.dynamo is not None:
+            self.dynamo.mark("end")
         if self.hooks is not None:
             self.hooks.close()
         for undo in reversed(self._undo):
@@ -301,6 +308,8 @@ class Profiler:
         if self._closed or not (measured or flops_step):
             yield self
             return
+        if measured and self.dynamo is not None:
+            self.dynamo.mark("measured")
         ops_phase = None
         if self.ops and measured and not flops_step and self.hooks is not None:
             ops_phase = self._op_tracer.begin_step(index - self.warmup_steps, self._range_names,

@@ -50,6 +50,7 @@ import torch
 
 from trainprof.analysis.records import ModuleInfo
 from trainprof.models import logical_numel
+from trainprof.profiler.compiled import ORIG_MOD, CompiledModules, profiled_name
 from trainprof.profiler.log import B_CLOSE, B_OPEN, F_CLOSE, F_OPEN, R_CLOSE, R_OPEN, StepLog
 
 _graph_task_id = torch._C._current_graph_task_id
@@ -75,6 +76,9 @@ def describe_modules(model: torch.nn.Module, max_depth: int) -> list[tuple[Modul
     out: list[tuple[ModuleInfo, torch.nn.Module]] = []
     index_of: dict[str, int] = {}
     for name, mod in model.named_modules():
+        if name.rpartition(".")[2] == ORIG_MOD:  # a torch.compile wrapper's module: profiled as the wrapper
+            continue
+        name = profiled_name(name)
         depth = 0 if name == "" else name.count(".") + 1
         if depth > max_depth:
             continue
@@ -164,6 +168,9 @@ class ModuleHooks:
         self.on_root = on_root
         described = describe_modules(model, max_depth)
         self.modules: list[ModuleInfo] = [info for info, _ in described]
+        # torch.compile'd regions are timed around their compiled call and nothing inside them is hooked
+        # (dynamo would trace the hooks and run the region eagerly): see profiler/compiled.py
+        self.compiled = CompiledModules.find(model)
         self.counter = 0
         # open forward/recompute calls: [mi, pre, is_recompute, range] (+ [id(module)] for a sentinel)
         self.fstack: list[list[Any]] = []
@@ -178,9 +185,11 @@ class ModuleHooks:
         self.range_names: list[dict[str, str]] | None = None  # set while operator tracing is on
         self.autocast_dtype: torch.dtype | None = None  # the root forward's autocast dtype, if any
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._handles.extend(attach_forward_hooks(described, self._pre, self._post))
+        self._handles.extend(attach_forward_hooks(self.compiled.hookable(described), self._pre, self._post))
+        self._handles.extend(self.compiled.attach(described, self._pre, self._post))
         if recompute_sentinels is None:  # DDP does not forward attributes: ask the module it wraps
             inner = getattr(model, "module", model)
+            inner = getattr(inner, ORIG_MOD, inner)  # a torch.compile wrapper: ask the compiled module
             # transformers >= 5.x: is_activation_checkpointing (is_gradient_checkpointing warns as deprecated)
             flag = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") \
                 else "is_gradient_checkpointing"
@@ -188,7 +197,7 @@ class ModuleHooks:
         if recompute_sentinels:
             index_of = {info.name: info.index for info in self.modules}
             for name, mod in model.named_modules():
-                if name in index_of or name == "":
+                if name in index_of or name == "" or id(mod) in self.compiled.inside:
                     continue
                 owner = name
                 while owner not in index_of:

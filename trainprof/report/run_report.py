@@ -17,6 +17,7 @@ from trainprof.report import plots
 from trainprof.report.document import Details, Document, Facts, Figure, Missing, Para, Table, fmt
 from trainprof.report.document import render_html, render_markdown
 from trainprof.report.pipeline import pipeline_section
+from trainprof.report.summary import compile_text
 from trainprof.report.rundir import (RunData, load_run, module_label, module_time, recipe_of, report_phases,
                                      step_peak_memory, top_modules)
 
@@ -56,7 +57,8 @@ def facts_section(doc: Document, run: RunData) -> None:
         ("run dir", str(run.path)),
         ("profile source", run.source),
         ("model", f"{model.get('name', 'n/a')} ({model.get('dtype', '?')}, attention {model.get('attention', '?')}, "
-                  f"recompute {model.get('recompute', '?')})"),
+                  f"recompute {model.get('recompute', '?')}, compile {model.get('compile', False)})"),
+        ("compile", compile_text(p)),
         ("task", str(task.get("kind", "n/a"))),
         ("engine", f"{engine.get('kind', 'n/a')}, ZeRO stage {engine.get('zero_stage', '?')}, "
                    f"offload {engine.get('offload', '?')}"),

@@ -104,6 +104,8 @@ def render_markdown(profile: dict[str, Any]) -> str:
     if profile.get("straggler"):
         st = profile["straggler"]
         lines.append(f"- straggler: rank {st['rank']} is {100 * st['slower_by_frac']:.1f}% slower ({st['metric']})")
+    if (profile.get("compile") or {}).get("compiled"):
+        lines.append(f"- compiled: {compile_text(profile)}")
     lines += ["", "## Where a step goes (per step, median)", "",
               "| part | modules | forward ms | backward ms | recompute ms | optimizer ms | share of step |",
               "|---|---|---|---|---|---|---|"]
@@ -178,6 +180,23 @@ def write_report(profile: dict[str, Any], run_dir: str | Path) -> None:
     atomic_write_text(run_dir / "ops.csv", _csv(profile["ops"], OP_COLUMNS))
     atomic_write_text(run_dir / "comm.csv", _csv(profile["comm"], COMM_COLUMNS))
     atomic_write_text(run_dir / "summary.md", render_markdown(profile))
+
+
+def compile_text(profile: dict[str, Any]) -> str:
+    """Whether the model ran torch.compile'd, its regions, the module granularity and dynamo's evidence."""
+    c = profile.get("compile") or {}
+    if not c.get("compiled"):
+        return "not compiled (eager); modules timed per module"
+    regions = c.get("regions") or []
+    shown = ", ".join(r or "(model)" for r in regions[:3]) + (f" and {len(regions) - 3} more" if len(regions) > 3 else "")
+    text = (f"torch.compile, {len(regions)} compiled region(s) ({shown}); modules timed per compiled region, "
+            f"{c.get('modules_inside_regions', 0)} modules inside them have no own times")
+    measured = ((c.get("dynamo") or {}).get("during_measured_steps")) or {}
+    total = ((c.get("dynamo") or {}).get("total")) or {}
+    if total:
+        text += (f"; dynamo: {total['graphs_captured']} graph(s) captured, {total['graph_breaks']} graph break(s), "
+                 f"{measured.get('frames_converted', 'n/a')} frame(s) (re)compiled during measured steps")
+    return text
 
 
 def model_states_text(state: dict[str, Any]) -> str:
