@@ -481,7 +481,7 @@ def validate(recipe: Recipe) -> None:
             f"recipe key 'engine.offload': offload '{e.offload}' needs DeepSpeed ZeRO (stage 1-3); "
             "set engine.zero_stage (and engine.kind=deepspeed) or engine.offload=none",
         )
-    if e.offload == "optimizer+params":
+    if e.offload == "optimizer+params" and e.kind != "fsdp":
         _require(
             e.zero_stage == 3,
             "recipe key 'engine.offload': parameter offload needs ZeRO stage 3; "

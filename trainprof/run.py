@@ -44,15 +44,15 @@ def init_distributed(recipe: Recipe, ctx) -> None:
     backend = "nccl" if ctx.device.type == "cuda" else "gloo"
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
+    if recipe.engine.kind in ("deepspeed", "fsdp") and "RANK" not in os.environ:
+        # a single process without torchrun: a group of one (both engines need a process group)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
     if recipe.engine.kind == "deepspeed":
         import deepspeed
 
-        if "RANK" not in os.environ:  # a single process without torchrun: a group of one
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
-
         deepspeed.init_distributed(dist_backend=backend)
-    elif ctx.distributed:
+    elif ctx.distributed or recipe.engine.kind == "fsdp":
         torch.distributed.init_process_group(backend=backend)
 
 

@@ -1,5 +1,5 @@
-"""Training engines behind one small interface (`Engine`): DeepSpeed, plain PyTorch (DDP), and pipeline
-stages on torch.distributed.pipelining."""
+"""Training engines behind one small interface (`Engine`): DeepSpeed, plain PyTorch (DDP), FSDP2, and
+pipeline stages on torch.distributed.pipelining."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ def build_engine(recipe: Recipe, ctx: DistContext) -> Engine:
         from trainprof.engines.deepspeed_engine import DeepSpeedEngine
 
         return DeepSpeedEngine(recipe, ctx)
+    if recipe.engine.kind == "fsdp":
+        from trainprof.engines.fsdp_engine import FSDPEngine
+
+        return FSDPEngine(recipe, ctx)
     from trainprof.engines.torch_engine import TorchEngine
 
     return TorchEngine(recipe, ctx)

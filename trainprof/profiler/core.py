@@ -24,6 +24,7 @@ import torch
 from trainprof.analysis.aggregate import StepRecord, StepTimeline, complete_step
 from trainprof.analysis.breakdown import CommEvent
 from trainprof.analysis.pipeline import PipelineInfo
+from trainprof.profiler import fsdp
 from trainprof.profiler.comm import CommTracer, comm_total_ms
 from trainprof.profiler.compiled import DynamoWatch
 from trainprof.profiler.flops import FlopCounter, analytic_flops
@@ -153,8 +154,12 @@ class Profiler:
         if self.hooks.compiled.compiled:
             self.dynamo = DynamoWatch()
             self.dynamo.mark("attached")
+        self._comm_owner: list[int] = []  # module indices that own the collectives issued now (FSDP2)
         if comm:
-            self.comm = CommTracer(self.log, self.timer.now, self.hooks.current, host_timer=self.timer.kind == "host")
+            self.comm = CommTracer(self.log, self.timer.now, self._comm_module, host_timer=self.timer.kind == "host")
+            if fsdp.param_groups(model):  # FSDP2: collectives belong to the module each group shards
+                self._undo.append(fsdp.watch(model, {m.name: m.index for m in self.hooks.modules},
+                                             lambda index: fsdp.owned(self._comm_owner, index)))
         active = self._recording
         self._undo.append(wrap_autograd_backward(self._phase, active))
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -477,6 +482,13 @@ class Profiler:
             self.memory.begin(phase)
         else:
             self.memory.end(phase)
+
+    def _comm_module(self) -> tuple[int, str | None]:
+        """The module a collective issued now belongs to: its FSDP2 group's module while one issues it,
+        else the innermost open module (the comm tracer asks)."""
+        if self._comm_owner:
+            return self._comm_owner[-1], None
+        return self.hooks.current()
 
     def _where(self) -> tuple[int, str]:
         mi, phase = self.hooks.current()

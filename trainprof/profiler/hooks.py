@@ -60,7 +60,9 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 def _local_numel(p: torch.Tensor) -> int:
     ds_tensor = getattr(p, "ds_tensor", None)  # ZeRO-3: p.data is empty between gathers
-    return int(ds_tensor.numel()) if ds_tensor is not None else p.numel()
+    if ds_tensor is not None:
+        return int(ds_tensor.numel())
+    return p.to_local().numel() if type(p).__name__ == "DTensor" else p.numel()  # FSDP2: this rank's shard
 
 
 def describe_modules(model: torch.nn.Module, max_depth: int) -> list[tuple[ModuleInfo, torch.nn.Module]]:

@@ -209,6 +209,8 @@ def measurement(prof: Recorded, used_desc: str) -> dict[str, str]:
                    "backward = forward > other; unattributed = wall - sum(phases)"),
         "comm_exposed": ("host timer: time the issuing thread blocked in a synchronous collective or in "
                          "Work.wait(); CUDA events: compute-stream time across the call / wait"),
+        "comm_module": ("a collective belongs to the innermost profiled module open when it was issued; FSDP2's to the "
+                        "module whose parameter group issued it (all-gather, reduce-scatter; see profiler/fsdp.py)"),
         "comm_bandwidth": ("nccl-tests PERFORMANCE.md: algbw = S/t, busbw = algbw*2(n-1)/n for all_reduce, "
                            "*(n-1)/n for all_gather/reduce_scatter/all_to_all, *1 for broadcast/reduce; "
                            "t = issue-to-completion, which includes waiting for slower ranks"),
