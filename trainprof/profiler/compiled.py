@@ -12,7 +12,8 @@ its compiled call, outside dynamo:
     compiles `_orig_mod.__call__`), so the wrapper is hooked as usual and `_orig_mod` is dropped from
     module names (`model.layers.0._orig_mod.mlp` is profiled as `model.layers.0.mlp`).
 The region's backward is timed like any module's (its outputs' producer is the compiled graph's
-backward node). Granularity: one row per compiled region (per decoder layer when each layer is
+backward node); activation recomputation inside a compiled region runs inside that backward node, so
+it counts as the region's backward, not as the recompute phase. Granularity: one row per compiled region (per decoder layer when each layer is
 compiled); modules inside have no own times. With `profile.ops` their operators are attributed to the
 region: inductor's CPU kernels are named after the fused operators (`cpp_fused_add_mean_mul_...`),
 not after modules, so the operator trace keeps a module's name only where the module runs outside a
@@ -31,9 +32,10 @@ ORIG_MOD = "_orig_mod"  # torch._dynamo.eval_frame.OptimizedModule's attribute f
 GRANULARITY_TEXT = {
     "module": "per module: forward hooks on every module down to the profiled depth",
     "compiled_region": ("per compiled region: each torch.compile'd module is timed around its compiled call "
-                        "(outside dynamo); modules inside a region run as compiled code and have no own times; "
-                        "with profile.ops their operators are attributed to the region (inductor names its "
-                        "CPU kernels after fused operators, not modules)"),
+                        "(outside dynamo); modules inside a region run as compiled code and have no own times, and "
+                        "activation recomputation inside a region is part of its backward; with profile.ops their "
+                        "operators are attributed to the region (inductor names its CPU kernels after fused "
+                        "operators, not modules)"),
 }
 
 

@@ -473,9 +473,9 @@ class Profiler:
             self.flops_running = True
         if self.hooks is not None:
             self.hooks.settle()
-        self.log.events.append((REGION_CLOSE, label, self.timer.now()))
-        if self.memory is not None:
+        if self.memory is not None:  # before the stamp: on CPU its /proc read can block for ms (mmap lock)
             self.memory.end(label)
+        self.log.events.append((REGION_CLOSE, label, self.timer.now()))
 
     def _on_root(self, phase: str, begin: bool) -> None:
         if begin:

@@ -309,6 +309,8 @@ class ModuleHooks:
             return None
         if self.pending:
             self.settle()
+        if mi == 0 and not fstack[-1][2] and self.on_root is not None:
+            self.on_root("forward", False)  # before the stamp: reading the memory meter can take ms (CPU)
         t = self.now()
         _, k, recompute, rng = fstack.pop()
         log.events.append((R_CLOSE if recompute else F_CLOSE, mi, t))
@@ -322,8 +324,6 @@ class ModuleHooks:
                 self._watch(tensors, (post, mi, k))
         if recompute or not fstack:  # a re-run inside backward (its nodes run next), or the outermost call returned
             self.flush()
-        if mi == 0 and not recompute and self.on_root is not None:
-            self.on_root("forward", False)
         return None
 
     def _sentinel_pre(self, mi: int, module: torch.nn.Module, args: tuple) -> None:

@@ -265,8 +265,8 @@ def aggregate_events(events: Any, lookup: dict[str, tuple[str, str]], *, cuda: b
         lambda: {"calls": 0, "self_ms": 0.0, "self_cpu_ms": 0.0, "flops": None}))
     step_spans = _step_spans(events) if by_step else []
     for ev in events:
-        name = op_name(ev.name)
-        if name is None:
+        op = op_name(ev.name)
+        if op is None:
             continue
         module, phase, found, step = None, "other", False, None
         parent = ev.cpu_parent
@@ -291,7 +291,7 @@ def aggregate_events(events: Any, lookup: dict[str, tuple[str, str]], *, cuda: b
             step = _step_at(step_spans, ev.time_range.start)
             if step is None:
                 continue
-        row = steps[step][(name, module, phase)]
+        row = steps[step][(op, module, phase)]
         row["calls"] += 1
         self_cpu = ev.self_cpu_time_total / 1e3
         row["self_cpu_ms"] += self_cpu
