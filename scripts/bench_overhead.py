@@ -6,6 +6,7 @@ run, and the ratio of their median times is printed. Not a timed test.
     python scripts/bench_overhead.py --depth 5 --pairs 40  # deeper module level
     python scripts/bench_overhead.py --breakdown-only      # where the time of one hook goes
     python scripts/bench_overhead.py --in-situ-only        # each piece timed where it runs, inside real steps
+    python scripts/bench_overhead.py --compile --layers 2  # torch.compile'd layers: profiled compiled vs compiled
 
 Besides the ratio, it prints the cost per module call in microseconds: (profiled - unprofiled step
 time, median over pairs) / the number of module calls the hooks saw in one step (an upper bound: the
@@ -66,6 +67,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="micro batch size (default 4, the CPU quickstart's)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="model dtype (default bf16)")
     p.add_argument("--ops-pairs", type=int, default=6, help="pairs for the operator-level figure (default 6)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer first (model.compile; the first step compiles, ~30 s)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: on a shared 2-core machine more threads make "
                         "step times swing by 10x and the ratio meaningless)")
@@ -80,6 +83,7 @@ def main() -> None:
     recipe = Recipe()
     recipe.model.name, recipe.model.dtype = "llama2-tiny", args.dtype
     recipe.model.num_layers = args.layers
+    recipe.model.compile = args.compile
     model = build_model(recipe)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq))
@@ -119,8 +123,8 @@ def main() -> None:
 
     for _ in range(5):
         train_step()
-    print(f"tiny Llama ({args.layers} layers), batch {args.batch} x seq {args.seq}, {args.dtype}, "
-          f"{torch.get_num_threads()} threads, module_depth {args.depth}")
+    print(f"tiny Llama ({args.layers} layers{', each compiled' if args.compile else ''}), batch {args.batch} x "
+          f"seq {args.seq}, {args.dtype}, {torch.get_num_threads()} threads, module_depth {args.depth}")
     if not args.in_situ_only:
         hook_breakdown(model, args.depth)
     if args.breakdown_only:

@@ -152,3 +152,24 @@ def test_compile_is_a_recipe_key():
     assert Recipe().model.compile is False
     assert recipe_from_dict({"model": {"compile": True}, "engine": {"kind": "torch"}}).model.compile is True
     assert recipe_from_dict({"model": {"compile": True}, "engine": {"kind": "deepspeed", "zero_stage": 2}}).model.compile
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", [["engine.kind=deepspeed", "engine.zero_stage=2"], ["engine.kind=fsdp", "engine.zero_stage=0"]],
+                         ids=["deepspeed-zero2", "fsdp"])
+def test_compiled_layers_under_sharding_engines(tmp_path, engine):
+    """model.compile under DeepSpeed ZeRO-2 and FSDP2 on 2 ranks: compiled while profiled, the step closes,
+    and (FSDP2) each layer's all-gathers and reduce-scatter still belong to it."""
+    _, profile = run_trainprof(tmp_path, 2, *engine, "model.compile=true", "profile.calibrate=false",
+                               "profile.ops=false", timeout=600)
+    c = profile["compile"]
+    assert c["compiled"] and c["regions"] == LAYERS
+    assert c["dynamo"]["while_profiled"]["graphs_captured"] > 0 and c["dynamo"]["total"]["graph_breaks"] == 0
+    assert c["dynamo"]["during_measured_steps"]["frames_converted"] == 0
+    assert profile["summary"]["unattributed_frac"] <= 0.02
+    steps = [s for s in profile["steps"] if not s.get("warmup")]
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5, [s["loss"] for s in steps]
+    if engine[0] == "engine.kind=fsdp":
+        mods = {m["name"]: m for m in profile["modules"]}
+        for layer in LAYERS:
+            assert mods[layer]["self_comm_ops"] == {"all_gather_single": 2.0, "reduce_scatter_single": 1.0}

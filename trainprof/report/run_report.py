@@ -60,8 +60,9 @@ def facts_section(doc: Document, run: RunData) -> None:
                   f"recompute {model.get('recompute', '?')}, compile {model.get('compile', False)})"),
         ("compile", compile_text(p)),
         ("task", str(task.get("kind", "n/a"))),
-        ("engine", f"{engine.get('kind', 'n/a')}, ZeRO stage {engine.get('zero_stage', '?')}, "
-                   f"offload {engine.get('offload', '?')}"),
+        ("engine", f"{engine.get('kind', 'n/a')}, "
+                   + (f"FSDP2 reshard_after_forward {engine.get('reshard_after_forward')}" if engine.get("kind") == "fsdp"
+                      else f"ZeRO stage {engine.get('zero_stage', '?')}") + f", offload {engine.get('offload', '?')}"),
         ("batch", f"micro batch {train.get('micro_batch_size', '?')} x grad accum {train.get('grad_accum', '?')} x "
                   f"seq {data.get('seq_len', '?')} per rank"),
         ("steps", f"{train.get('steps', '?')} measured after {train.get('warmup_steps', '?')} warm-up; "
