@@ -105,9 +105,6 @@ class AccelerateRun:
             self.fetch = (start, self.session.now()) if start is not None else None
             yield batch
 
-    def finish(self) -> None:
-        self.session.finish()
-
 
 def accelerator_config(accelerator: Any) -> dict[str, Any]:
     """What the Accelerator was set up as: profile.json's engine.config for an Accelerate run."""
