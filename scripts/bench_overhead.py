@@ -8,6 +8,7 @@ run, and the ratio of their median times is printed. Not a timed test.
     python scripts/bench_overhead.py --breakdown-only      # where the time of one hook goes
     python scripts/bench_overhead.py --in-situ-only        # each piece timed where it runs, inside real steps
     python scripts/bench_overhead.py --clock thread        # CPU time of this thread: on a busy shared machine
+    python scripts/bench_overhead.py --compile --layers 2  # torch.compile'd layers: profiled compiled vs compiled
 
 Besides the ratio, it prints the cost per module call in microseconds: (profiled - unprofiled step
 time, median over pairs) / the number of module calls the hooks saw in one step (an upper bound: the
@@ -81,6 +82,8 @@ def parse_args() -> argparse.Namespace:
                         "wall (default): time.perf_counter; thread: time.thread_time, this thread's CPU time, which "
                         "other processes on a shared machine do not inflate by preempting it (CPU and --threads 1 "
                         "only: the step's forward, backward and optimizer then all run on this thread)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer first (model.compile; the first step compiles, ~30 s)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: on a shared 2-core machine more threads make "
                         "step times swing by 10x and the ratio meaningless)")
@@ -92,6 +95,10 @@ def main() -> None:
     if args.clock == "thread" and args.threads != 1:
         print("bench_overhead: --clock thread needs --threads 1 (other threads' work would not be counted)",
               file=sys.stderr)
+        sys.exit(2)
+    if args.compile and args.device == "cuda":
+        print("bench_overhead: --compile is not part of --device cuda (its configurations are fixed in "
+              "bench_overhead_cuda.py); drop one of them", file=sys.stderr)
         sys.exit(2)
     clock = CLOCKS[args.clock]
     quiet_library_noise()
@@ -105,6 +112,7 @@ def main() -> None:
     recipe = Recipe()
     recipe.model.name, recipe.model.dtype = "llama2-tiny", args.dtype
     recipe.model.num_layers = args.layers
+    recipe.model.compile = args.compile
     model = build_model(recipe)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq))
@@ -144,8 +152,8 @@ def main() -> None:
 
     for _ in range(5):
         train_step()
-    print(f"tiny Llama ({args.layers} layers), batch {args.batch} x seq {args.seq}, {args.dtype}, "
-          f"{torch.get_num_threads()} threads, module_depth {args.depth}, clock {args.clock}")
+    print(f"tiny Llama ({args.layers} layers{', each compiled' if args.compile else ''}), batch {args.batch} x "
+          f"seq {args.seq}, {args.dtype}, {torch.get_num_threads()} threads, module_depth {args.depth}, clock {args.clock}")
     if not args.in_situ_only:
         hook_breakdown(model, args.depth)
     if args.breakdown_only:

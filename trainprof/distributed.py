@@ -64,22 +64,27 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# engines that need a process group even in one process (DeepSpeed; FSDP2's device mesh)
+GROUP_ENGINES = ("deepspeed", "fsdp")
+
+
 def init_distributed(ctx: DistContext, *, engine_kind: str) -> None:
     """Join the process group torchrun set up (gloo on CPU, NCCL on GPU). DeepSpeed joins through its
-    own init_distributed, also in a single process started without torchrun (a group of one)."""
+    own init_distributed; DeepSpeed and FSDP2 also in a single process started without torchrun (a
+    group of one)."""
     import torch
 
     backend = "nccl" if ctx.device.type == "cuda" else "gloo"
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
+    if engine_kind in GROUP_ENGINES and "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
     if engine_kind == "deepspeed":
         import deepspeed
 
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(free_port()))
         deepspeed.init_distributed(dist_backend=backend)
-    elif ctx.distributed:
+    elif ctx.distributed or engine_kind in GROUP_ENGINES:
         torch.distributed.init_process_group(backend=backend)
 
 

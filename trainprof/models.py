@@ -86,7 +86,24 @@ def build_model(recipe: Recipe, *, device: str | torch.device = "cpu", meta: boo
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # from_pretrained returns eval mode, which would switch LoRA dropout off
+    if m.compile and not meta:
+        compile_decoder_layers(model)
     return model
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> list[str]:
+    """torch.compile each decoder layer in place (`layer.compile()`, inductor), as torchtitan compiles each
+    transformer block: one graph serves every layer (parameters are graph inputs), module names and
+    parameter names stay as they were, and the engine (DDP, FSDP2, DeepSpeed) wraps the model as usual.
+    Compilation happens on the first forward. Returns the compiled layers' names."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, LlamaDecoderLayer):
+            module.compile()
+            names.append(name)
+    return names
 
 
 def bnb_config(recipe: Recipe):

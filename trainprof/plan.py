@@ -82,7 +82,7 @@ def _meta_census(recipe: Recipe) -> dict[str, Any]:
     model, and each build of a 70B meta model takes about a second."""
     import json
 
-    key = json.dumps([dataclasses.asdict(recipe.model) | {"attention": "sdpa", "recompute": False},
+    key = json.dumps([dataclasses.asdict(recipe.model) | {"attention": "sdpa", "recompute": False, "compile": False},
                       dataclasses.asdict(recipe.task), recipe.optimizer.weight_decay], sort_keys=True, default=str)
     return _census_cached(key, recipe)
 
@@ -237,6 +237,41 @@ def _model_states(recipe: Recipe, census: dict[str, Any], world_size: int) -> di
         "sum of params, grads and optimizer states (ZeRO paper accounting)",
     )
     return {"convention": convention, "per_rank": rows}
+
+
+def _fsdp_model_states(recipe: Recipe, census: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """Model states per rank under FSDP2 (engine.kind fsdp, trainprof's FSDPEngine): every parameter,
+    gradient and optimizer state is sharded 1/N (fully_shard per decoder layer and on the root); trainable
+    parameters are fp32 shards that a MixedPrecisionPolicy gathers in the model dtype, a frozen LoRA base
+    stays in the model dtype. The gathered (unsharded) parameters are transient: with
+    reshard_after_forward the root's (gathered for the whole forward) plus two layers' (the one running
+    and the one prefetched), without it every group's, held from forward to the end of backward."""
+    n, e = world_size, recipe.engine
+    trainable, dtype_b = census["trainable"], DTYPE_BYTES[recipe.model.dtype]
+    frozen = census["total"] - trainable
+    layers = max(resolve_shape(recipe.model).num_layers, 1)
+    root = census["total"] - census["layer_params"]
+    held = root + min(2, layers) * census["layer_params"] // layers if e.reshard_after_forward else census["total"]
+    on_cpu = e.offload == "optimizer+params"
+    sharded = f"/{n} (FSDP2 fully_shard)" + ("; CPUOffloadPolicy: on the host" if on_cpu else "")
+
+    def row(nbytes: float, source: str) -> dict[str, Any]:
+        return _memory(0 if on_cpu else math.ceil(nbytes), math.ceil(nbytes) if on_cpu else 0, source)
+
+    rows = {
+        "params": row((4 * trainable + dtype_b * frozen) / n, f"4 B/trainable param (fp32 shard) + {dtype_b} B/frozen "
+                                                             f"param; {sharded}"),
+        "grads": row(4 * trainable / n, f"4 B/trainable param (fp32, reduce_dtype); {sharded}"),
+        "optimizer": row(8 * trainable / n, f"8 B/trainable param (AdamW momentum + variance, fp32); {sharded}"),
+        "gathered": _memory(dtype_b * held, 0, (
+            f"{dtype_b} B/param all-gathered in {recipe.model.dtype}: " + (
+                "root + 2 decoder layers at a time (reshard_after_forward true)" if e.reshard_after_forward
+                else "every group from forward to the end of backward (reshard_after_forward false)"))),
+    }
+    rows["total"] = _memory(sum(r["gpu_bytes"] for r in rows.values()), sum(r["cpu_bytes"] for r in rows.values()),
+                            "sum of params, grads, optimizer states and gathered parameters")
+    return {"convention": "FSDP2: fp32 sharded parameters and Adam states, gradients reduce-scattered in fp32 "
+                          "(torchtitan's MixedPrecisionPolicy); the gathered row is transient", "per_rank": rows}
 
 
 def _node_layout(world_size: int) -> tuple[int, int]:
@@ -456,8 +491,12 @@ def _notes(recipe: Recipe, census: dict[str, Any]) -> list[str]:
         notes.append("DeepSpeed bf16 at stage 0 uses BF16_Optimizer, which partitions fp32 master/optimizer "
                      "states like stage 1 and adds a 4 B/param fp32 gradient buffer; the figure shown is the "
                      "unpartitioned ZeRO-paper baseline.")
-    if engine.offload != "none":
+    if engine.offload != "none" and engine.kind == "deepspeed":
         notes.append("ZeRO-Offload also streams gradients to host memory; the GPU gradient row is an upper bound.")
+    if engine.kind == "fsdp":
+        notes.append("FSDP2: the gathered parameters are the model dtype's unsharded groups live at once; the "
+                     "all-gather and reduce-scatter staging buffers (a group's size each, while its collective "
+                     "runs) are not modelled.")
     if recipe.optimizer.state_bits != 32:
         notes.append(f"DeepSpeed's estimator assumes fp32 Adam states; the optimizer row counts the "
                      f"{recipe.optimizer.state_bits}-bit ones.")
@@ -482,7 +521,7 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
     # a pipeline's stages share their samples, and so do Megatron's tensor x pipeline parallel ranks
     data_parallel = 1 if engine.pipeline_stages > 1 else world_size // (engine.tensor_parallel * engine.pipeline_parallel)
     tokens_per_step = train.micro_batch_size * train.grad_accum * recipe.data.seq_len * data_parallel
-    states = _model_states(recipe, census, world_size)
+    states = (_fsdp_model_states if engine.kind == "fsdp" else _model_states)(recipe, census, world_size)
     saved = hf_saved_tensors(recipe, shape)
     activations = _activations(recipe, shape, saved)
     memory = gpu_memory(recipe, world_size, census, states["per_rank"], activations, saved, shape.num_layers)
@@ -506,6 +545,7 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
             "offload": engine.offload, "seq_len": recipe.data.seq_len,
             "micro_batch_size": train.micro_batch_size, "grad_accum": train.grad_accum,
             "pipeline_stages": engine.pipeline_stages, "pipeline_schedule": engine.pipeline_schedule,
+            "reshard_after_forward": engine.reshard_after_forward, "compile": model.compile,
         },
         "world_size": world_size,
         "shape": {**dataclasses.asdict(shape), "head_dim": shape.head_dim},
@@ -573,7 +613,9 @@ def _engine_line(plan: dict[str, Any]) -> str:
         return (f"  megatron tensor {r['tensor_parallel']} x pipeline {r['pipeline_parallel']} x data "
                 f"{r['data_parallel']} ({plan['world_size']} ranks), distributed optimizer "
                 f"{'on' if r['distributed_optimizer'] else 'off'}, recompute {r['recompute_mode']}, {batch}")
-    return (f"  {r['engine']} ZeRO-{r['zero_stage']}, offload {r['offload']}, {plan['world_size']} data-parallel "
+    sharding = (f"FSDP2 reshard_after_forward {r['reshard_after_forward']}" if r["engine"] == "fsdp"
+                else f"ZeRO-{r['zero_stage']}")
+    return (f"  {r['engine']} {sharding}, offload {r['offload']}, {plan['world_size']} data-parallel "
             f"ranks, {batch}")
 
 
@@ -599,7 +641,7 @@ def render_plan(plan: dict[str, Any]) -> str:
     lines.append(f"  {'analytic matches model':<28}{'yes' if p['analytic_matches'] else 'NO':>16}")
 
     lines += ["", f"{'Model states per rank':<30}{'GPU GiB':>10}{'CPU GiB':>10}  source"]
-    for key in ("params", "grads", "optimizer", "total"):
+    for key in [k for k in ms["per_rank"] if k != "total"] + ["total"]:
         row = ms["per_rank"][key]
         lines.append(f"  {key:<28}{_gib(row['gpu_bytes']):>10}{_gib(row['cpu_bytes']):>10}  {row['source']}")
     lines.append(f"  convention: {ms['convention']}")

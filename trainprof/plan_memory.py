@@ -153,7 +153,8 @@ def _grads_live_through_forward(recipe: Recipe) -> tuple[bool, str]:
                        "grads_in_partition): not live at the forward/backward turn")
     if e.kind == "deepspeed":
         return True, "assumed live in every phase (DeepSpeed without ZeRO keeps gradient buffers; not checked)"
-    return False, ("freed by optimizer.zero_grad(set_to_none=True) after each step (engines/torch_engine.py): "
+    engine_file = "engines/fsdp_engine.py" if e.kind == "fsdp" else "engines/torch_engine.py"
+    return False, (f"freed by optimizer.zero_grad(set_to_none=True) after each step ({engine_file}): "
                    "not live at the forward/backward turn")
 
 
@@ -239,6 +240,22 @@ def _torch_rows(recipe: Recipe, census: dict[str, Any], world_size: int) -> dict
                     "fp32 gradient from construction on (gradient_as_bucket_view=False, the default; its docs: "
                     "views save 'the total gradients size'; torch/csrc/distributed/c10d/reducer.cpp)"))
     return rows
+
+
+def _fsdp_rows(recipe: Recipe, census: dict[str, Any], world_size: int, per_rank: dict[str, Any]) -> dict[str, MemoryRow]:
+    """FSDP2 (engines/fsdp_engine.py): the gathered parameters and AdamW's foreach temporary over the shards.
+    No autocast copies (the MixedPrecisionPolicy all-gathers in the compute dtype) and no DDP buckets."""
+    on_cpu = recipe.engine.offload == "optimizer+params"
+    gathered = per_rank["gathered"]
+    return {
+        "fsdp_gathered_params": MemoryRow(gpu_bytes=gathered["gpu_bytes"], phases=(FWD_BWD,),
+                                          source=f"model_states.per_rank.gathered: {gathered['source']}"),
+        "optimizer_step_transient": MemoryRow(
+            gpu_bytes=0 if on_cpu else math.ceil(4 * census["trainable"] / world_size), phases=(OPT_STEP,),
+            source=("0: CPUOffloadPolicy runs the optimizer step on the host" if on_cpu else
+                    f"4 B x trainable params / {world_size}: AdamW's foreach exp_avg_sq sqrt copy (optim/adam.py), "
+                    "over this rank's shards")),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,6 +485,8 @@ def gpu_memory(recipe: Recipe, world_size: int, census: dict[str, Any], per_rank
     rows = {**_state_rows(recipe, per_rank, census), **_activation_rows(activations, saved, layers)}
     if recipe.engine.kind == "deepspeed":
         rows |= _deepspeed_rows(recipe, census, world_size)
+    elif recipe.engine.kind == "fsdp":
+        rows |= _fsdp_rows(recipe, census, world_size, per_rank)
     else:
         rows |= _torch_rows(recipe, census, world_size)
     peaks = {phase: _summed(rows, [k for k, r in rows.items() if phase in r.phases],

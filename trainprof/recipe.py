@@ -43,6 +43,7 @@ class ModelConfig:
     checkpoint: str | None = None  # local HF checkpoint dir; None = random init (never a download)
     attention: Literal["eager", "sdpa", "flash2"] = "sdpa"  # transformers attn_implementation
     recompute: bool = False  # activation recomputation (gradient checkpointing per decoder layer)
+    compile: bool = False  # torch.compile each decoder layer (torchtitan style, inductor); modules inside a layer are then timed with it
 
 
 @dataclass(kw_only=True)
@@ -89,9 +90,10 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class EngineConfig:
-    kind: Literal["deepspeed", "torch", "megatron"] = "deepspeed"  # torch = single process or DDP; megatron = megatron-core GPTModel (CUDA only)
+    kind: Literal["deepspeed", "torch", "fsdp", "megatron"] = "deepspeed"  # torch = single process or DDP; fsdp = PyTorch FSDP2 (fully_shard per decoder layer and the root); megatron = megatron-core GPTModel (CUDA only)
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
-    offload: Literal["none", "optimizer", "optimizer+params"] = "none"  # ZeRO-Offload to CPU
+    offload: Literal["none", "optimizer", "optimizer+params"] = "none"  # ZeRO-Offload to CPU; fsdp: optimizer+params = FSDP2's CPUOffloadPolicy
+    reshard_after_forward: bool = True  # engine.kind fsdp: free gathered parameters after forward (ZeRO-3-like); false keeps them for backward (ZeRO-2-like)
     pipeline_stages: int = 1  # > 1: one pipeline stage per rank (torch.distributed.pipelining, engine.kind torch); must equal the number of ranks
     pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"  # pipeline schedule over train.grad_accum micro batches
     pipeline_layers: list[int] | None = None  # decoder layers per stage, e.g. [3, 1]; None = even split, extra layers to the first stages
@@ -520,13 +522,13 @@ def _check_engine(recipe: Recipe) -> None:
             not recipe.deepspeed,
             "recipe section 'deepspeed' is only used by engine.kind deepspeed; remove it or set engine.kind=deepspeed",
         )
-    if e.offload != "none":
+    if e.offload != "none" and e.kind != "fsdp":  # FSDP2's offload: _check_fsdp
         _require(
             e.kind == "deepspeed" and e.zero_stage >= 1,
             f"recipe key 'engine.offload': offload '{e.offload}' needs DeepSpeed ZeRO (stage 1-3); "
             "set engine.zero_stage (and engine.kind=deepspeed) or engine.offload=none",
         )
-    if e.offload == "optimizer+params":
+    if e.offload == "optimizer+params" and e.kind != "fsdp":
         _require(
             e.zero_stage == 3,
             "recipe key 'engine.offload': parameter offload needs ZeRO stage 3; "
@@ -599,9 +601,83 @@ def _check_megatron(recipe: Recipe) -> None:
         _validate_megatron_split(recipe, resolve_shape(recipe.model))
 
 
+def _check_fsdp(recipe: Recipe) -> None:
+    """engine.kind fsdp (FSDP2 fully_shard): what trainprof's FSDP2 engine runs."""
+    e, o = recipe.engine, recipe.optimizer
+    if e.kind != "fsdp":
+        return
+    _require(
+        e.zero_stage == 0,
+        f"recipe key 'engine.zero_stage': ZeRO stage {e.zero_stage} is DeepSpeed's; FSDP2 shards every parameter "
+        "itself (engine.reshard_after_forward=true is ZeRO-3-like, false ZeRO-2-like); set engine.zero_stage=0",
+    )
+    _require(
+        not recipe.deepspeed,
+        "recipe section 'deepspeed' is only used by engine.kind deepspeed; remove it or set engine.kind=deepspeed",
+    )
+    _require(
+        e.offload in ("none", "optimizer+params"),
+        f"recipe key 'engine.offload': FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer states "
+        f"together, not '{e.offload}' alone; set engine.offload=optimizer+params or none",
+    )
+    _require(
+        o.state_bits == 32,
+        f"recipe key 'optimizer.state_bits': {o.state_bits}-bit optimizer states are not run on FSDP2's sharded "
+        "(DTensor) parameters; set optimizer.state_bits=32 or engine.kind=torch",
+    )
+    _require(
+        recipe.task.kind != "qlora",
+        "recipe key 'task.kind': qlora's 4-bit base weights cannot be sharded by FSDP2 (bitsandbytes Params4bit); "
+        "set task.kind=lora or engine.kind=torch",
+    )
+    _require(
+        recipe.model.dtype != "fp16",
+        "recipe key 'model.dtype': fp16 with engine.kind fsdp is not supported (no sharded gradient scaler); "
+        "use model.dtype=bf16 or fp32",
+    )
+
+
+def _check_reshard(recipe: Recipe) -> None:
+    """engine.reshard_after_forward is FSDP2's: false elsewhere would be silently ignored."""
+    _require(
+        recipe.engine.reshard_after_forward or recipe.engine.kind == "fsdp",
+        f"recipe key 'engine.reshard_after_forward': false is an FSDP2 setting and engine.kind is "
+        f"{recipe.engine.kind}; set engine.kind=fsdp or remove the key (DeepSpeed: engine.zero_stage=2 keeps "
+        "parameters whole)",
+    )
+
+
+# engines whose model.compile trainprof runs: DeepSpeed's ZeRO-3 partitions parameters in hooks on every
+# module (inside each compiled layer) and pipeline stages rebuild the model
+COMPILE_ZERO_STAGES = frozenset({0, 1, 2})
+
+
+def _check_compile(recipe: Recipe) -> None:
+    """model.compile (torch.compile per decoder layer): the combinations trainprof runs compiled."""
+    e = recipe.engine
+    if not recipe.model.compile:
+        return
+    _require(
+        recipe.task.kind != "qlora",
+        "recipe key 'model.compile': bitsandbytes' 4-bit layers (task.kind qlora) are not compiled by trainprof; "
+        "set model.compile=false or task.kind=lora",
+    )
+    _require(
+        e.pipeline_stages == 1,
+        f"recipe key 'model.compile': compiled decoder layers are not combined with engine.pipeline_stages="
+        f"{e.pipeline_stages}; set model.compile=false or engine.pipeline_stages=1",
+    )
+    _require(
+        e.kind != "deepspeed" or e.zero_stage in COMPILE_ZERO_STAGES,
+        f"recipe key 'model.compile': DeepSpeed ZeRO-3 gathers parameters in hooks inside each compiled layer; "
+        f"set model.compile=false, engine.zero_stage in {sorted(COMPILE_ZERO_STAGES)} or engine.kind=fsdp",
+    )
+
+
 # validate() runs these in order; the first broken rule is the one error the user sees
 RULES = (_check_model, _check_data, _check_ranges, _check_optimizer, _check_engine, _check_pipeline, _check_megatron,
-         _check_lora, _check_qlora, _check_deepspeed_section, _check_output)
+         _check_fsdp, _check_reshard, _check_compile, _check_lora, _check_qlora, _check_deepspeed_section,
+         _check_output)
 
 
 def _validate_pipeline(recipe: Recipe, shape: LlamaShape) -> None:
@@ -690,6 +766,8 @@ def _megatron_refusals(recipe: Recipe) -> list[tuple[str, bool, str]]:
          "Megatron's sdpa runs torch SDPA, whose CUDA flash backend is FlashAttention-2; use model.attention=sdpa"),
         ("model.checkpoint", m.checkpoint is not None, "a Hugging Face checkpoint does not load into Megatron's "
          "GPTModel (it needs a weight conversion); remove model.checkpoint for random init"),
+        ("model.compile", m.compile, "compiles the Hugging Face model's decoder layers; trainprof does not "
+         "compile Megatron's GPTModel; set model.compile=false"),
         ("deepspeed", bool(recipe.deepspeed), "the deepspeed section is only read by engine.kind deepspeed; remove it"),
     ]
 

@@ -1,7 +1,7 @@
 """`python -m trainprof.wrap SCRIPT [ARGS...]` (also `torchrun ... -m trainprof.wrap SCRIPT ARGS`):
 run an unmodified training script with trainprof attached to what it builds: engines returned by
-`deepspeed.initialize`, HF `transformers.Trainer` (and its DeepSpeed integration) and Lightning
-`Trainer`. The script's output and exit code pass through; the run dir
+`deepspeed.initialize`, HF `transformers.Trainer` (and its DeepSpeed integration), what HF Accelerate's
+`Accelerator.prepare` returns (DDP, its DeepSpeed plugin) and Lightning `Trainer`. The script's output and exit code pass through; the run dir
 ($TRAINPROF_OUTPUT_DIR or runs/)/<script stem>-<UTC timestamp>/ is written when the script ends (or
 when it calls torch.distributed.destroy_process_group, while the process group is still alive)."""
 
@@ -24,7 +24,8 @@ from trainprof.integrations.session import DEFAULT_MODULE_DEPTH, DEFAULT_WARMUP_
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m trainprof.wrap",
-        description="Profile an unmodified training script (DeepSpeed engines, HF Trainer, Lightning Trainer); "
+        description="Profile an unmodified training script (DeepSpeed engines, HF Trainer, HF Accelerate, "
+        "Lightning Trainer); "
         "run dirs go to $TRAINPROF_OUTPUT_DIR (default runs/). Under torchrun: "
         "`torchrun --nproc_per_node 2 -m trainprof.wrap train.py --lr 1e-4`.",
     )
@@ -120,6 +121,7 @@ class Wrapper:
             "transformers.trainer": self.patch_hf,
             "lightning.pytorch.trainer.trainer": self.patch_lightning,
             "pytorch_lightning.trainer.trainer": self.patch_lightning,
+            "accelerate.accelerator": self.patch_accelerate,
             "torch.distributed": self.patch_destroy,
         }
 
@@ -133,8 +135,18 @@ class Wrapper:
             from trainprof.integrations.hf import TrainprofCallback
 
             trainer.add_callback(TrainprofCallback(session=self.new_session("hf")))
+            from trainprof.integrations.accelerate import OWNED_MARK
+
+            accelerator = getattr(trainer, "accelerator", None)
+            if accelerator is not None:  # the Trainer's own Accelerator: profiled by the callback, not patch_accelerate
+                setattr(accelerator, OWNED_MARK, "hf")
 
         _wrap_init(module.Trainer, after=add_callback)
+
+    def patch_accelerate(self, module: Any) -> None:
+        from trainprof.integrations.accelerate import AccelerateRun, patch_prepare
+
+        patch_prepare(module, lambda: AccelerateRun(self.new_session("accelerate")))
 
     def patch_lightning(self, module: Any) -> None:
         package = module.__name__.split(".")[0]

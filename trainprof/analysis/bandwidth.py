@@ -31,10 +31,12 @@ BUS_FACTORS: dict[str, Callable[[int], float]] = {
     "all_reduce_coalesced": _all_reduce,
     "all_gather": _gather_like,
     "all_gather_into_tensor": _gather_like,
+    "all_gather_single": _gather_like,  # all_gather_into_tensor under its torch 2.13 name (FSDP2 calls it)
     "_all_gather_base": _gather_like,
     "all_gather_coalesced": _gather_like,
     "reduce_scatter": _gather_like,
     "reduce_scatter_tensor": _gather_like,
+    "reduce_scatter_single": _gather_like,  # reduce_scatter_tensor under its torch 2.13 name
     "_reduce_scatter_base": _gather_like,
     "all_to_all": _gather_like,
     "all_to_all_single": _gather_like,

@@ -1,4 +1,4 @@
-"""Training engines behind one small interface (`Engine`): DeepSpeed, plain PyTorch (DDP), pipeline
+"""Training engines behind one small interface (`Engine`): DeepSpeed, plain PyTorch (DDP), FSDP2, pipeline
 stages on torch.distributed.pipelining, and megatron-core (CUDA only)."""
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ def build_engine(recipe: Recipe, ctx: DistContext) -> Engine:
         from trainprof.engines.deepspeed_engine import DeepSpeedEngine
 
         return DeepSpeedEngine(recipe, ctx)
+    if recipe.engine.kind == "fsdp":
+        from trainprof.engines.fsdp_engine import FSDPEngine
+
+        return FSDPEngine(recipe, ctx)
     from trainprof.engines.torch_engine import TorchEngine
 
     return TorchEngine(recipe, ctx)

@@ -18,7 +18,7 @@ class Engine(Protocol):
     module: torch.nn.Module  # the model itself (peft-wrapped if LoRA)
     loop_module: torch.nn.Module  # what forward() calls: the model, or its DDP wrapper (profiler target)
     optimizer: Any  # the optimizer object that runs at the boundary (torch or DeepSpeed ZeRO)
-    name: str  # "deepspeed" | "torch" | "pipeline" | "megatron"
+    name: str  # "deepspeed" | "torch" | "fsdp" | "pipeline" | "megatron"
     config: dict[str, Any]  # what the engine was configured with (the DeepSpeed config dict, ...)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...

@@ -69,12 +69,12 @@ def instrument_engine(engine: Any, session: ProfileSession, *, drive_steps: bool
     return undo
 
 
-def engine_session_for(module: Any) -> ProfileSession | None:
-    """The session of an instrumented engine whose module is `module` (None if there is none). The
-    session stops driving steps: the caller (a framework callback) marks them."""
+def engine_session_for(module: Any, *, keep_driving: bool = False) -> ProfileSession | None:
+    """The session of an instrumented engine whose module is `module` (None if there is none). Unless
+    `keep_driving`, the session stops driving steps: the caller (a framework callback) marks them."""
     for engine, session in list(_INSTRUMENTED):
         if module is not None and (engine.module is module or engine is module):
-            engine._trainprof_state["drive"] = False
+            engine._trainprof_state["drive"] = keep_driving
             return session
     return None
 

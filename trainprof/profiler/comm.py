@@ -57,10 +57,12 @@ SPECS: dict[str, CollectiveSpec] = {
     "all_reduce_coalesced": CollectiveSpec("tensors", False),
     "all_gather": CollectiveSpec("tensor_list", False),
     "all_gather_into_tensor": CollectiveSpec("output_tensor", False),
+    "all_gather_single": CollectiveSpec("output_tensor", False),  # the torch 2.13 name of the op above (FSDP2 calls it)
     "_all_gather_base": CollectiveSpec("output_tensor", False),
     "all_gather_coalesced": CollectiveSpec("output_tensor_lists", False),
     "reduce_scatter": CollectiveSpec("input_list", False),
     "reduce_scatter_tensor": CollectiveSpec("input", False),
+    "reduce_scatter_single": CollectiveSpec("input", False),  # the torch 2.13 name of the op above (FSDP2 calls it)
     "_reduce_scatter_base": CollectiveSpec("input", False),
     "all_to_all": CollectiveSpec("input_tensor_list", False),
     "all_to_all_single": CollectiveSpec("input", False),

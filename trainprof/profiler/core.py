@@ -29,7 +29,9 @@ from trainprof.analysis.pipeline import PipelineInfo
 from trainprof.layout import tb_run_dir
 from trainprof.phases import REGION_PHASES
 from trainprof.profiler.comm import CommTracer, comm_total_ms
+from trainprof.profiler.compiled import DynamoWatch
 from trainprof.profiler.flops import FlopCounter, analytic_flops
+from trainprof.profiler.fsdp import owned as fsdp_owned, param_groups as fsdp_param_groups, watch as watch_fsdp
 from trainprof.profiler.hooks import ModuleHooks
 from trainprof.profiler.journal import JOURNAL_INTERVAL_S, Journal, journal_path
 from trainprof.profiler.log import ACTION_CLOSE, ACTION_OPEN, REGION_CLOSE, REGION_OPEN, StepLog
@@ -157,6 +159,7 @@ class Profiler:
         self._closed = False
         self.memory = PhaseMemory(self.device) if (memory and enabled) else None
         self.hooks: ModuleHooks | None = None
+        self.dynamo: DynamoWatch | None = None  # a compiled model: dynamo's counters (profiler/compiled.py)
         self.comm: CommTracer | None = None
         self._op_tracer = OpTracer(cuda=self.device.type == "cuda", trace_dir=trace_dir, rank=self.rank,
                                    world_size=self.world_size, wait=trace_wait, warmup=trace_warmup,
@@ -176,8 +179,15 @@ class Profiler:
             self.hooks.modules = [dataclasses.replace(m, name=module_names.get(m.name, m.name))
                                   for m in self.hooks.modules]
         self._range_names = range_names(self.hooks.modules)
+        if self.hooks.compiled.compiled:
+            self.dynamo = DynamoWatch()
+            self.dynamo.mark("attached")
+        self._comm_owner: list[int] = []  # module indices that own the collectives issued now (FSDP2)
         if comm:
-            self.comm = CommTracer(self.log, self.timer.now, self.hooks.current, host_timer=self.timer.kind == "host")
+            self.comm = CommTracer(self.log, self.timer.now, self._comm_module, host_timer=self.timer.kind == "host")
+            if fsdp_param_groups(model):  # FSDP2: collectives belong to the module each group shards
+                self._undo.append(watch_fsdp(model, {m.name: m.index for m in self.hooks.modules},
+                                             lambda index: fsdp_owned(self._comm_owner, index)))
         active = self._recording
         self._undo.append(wrap_autograd_backward(self._phase, active))
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -271,6 +281,8 @@ class Profiler:
             return
         self._closed = True
         self.log.active = False
+        if self.dynamo is not None:
+            self.dynamo.mark("end")
         if self.hooks is not None:
             self.hooks.close()
         for undo in reversed(self._undo):
@@ -334,6 +346,8 @@ class Profiler:
         if self._closed or not (measured or flops_step):
             yield self
             return
+        if measured and self.dynamo is not None:
+            self.dynamo.mark("measured")
         ops_phase = None
         if self.ops and measured and not flops_step and self.hooks is not None:
             ops_phase = self._op_tracer.begin_step(index - self.warmup_steps, self._range_names,
@@ -497,15 +511,22 @@ class Profiler:
             self.flops_running = True
         if self.hooks is not None:
             self.hooks.settle()
-        self.log.mark(REGION_CLOSE, label, self.timer.now())
-        if self.memory is not None:
+        if self.memory is not None:  # before the stamp: on CPU its /proc read can block for ms (mmap lock)
             self.memory.end(label)
+        self.log.mark(REGION_CLOSE, label, self.timer.now())
 
     def _on_root(self, phase: str, begin: bool) -> None:
         if begin:
             self.memory.begin(phase)
         else:
             self.memory.end(phase)
+
+    def _comm_module(self) -> tuple[int, str | None]:
+        """The module a collective issued now belongs to: its FSDP2 group's module while one issues it,
+        else the innermost open module (the comm tracer asks)."""
+        if self._comm_owner:
+            return self._comm_owner[-1], None
+        return self.hooks.current()
 
     def _where(self) -> tuple[int, str]:
         mi, phase = self.hooks.current()

@@ -87,9 +87,40 @@ class FlopCounter(TorchDispatchMode):
         self.counts: dict[tuple[int, str], int] = defaultdict(int)
         self.uncounted: Counter[str] = Counter()
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile'd code runs compiled under this mode and its ops are counted as they run (matmuls and
+        # attention stay ATen calls in inductor's output; fused elementwise kernels count 0 by the convention).
+        # A mode dynamo had to honour would make it skip the frame's code object for good: nn.Module._call_impl,
+        # shared by every module, so a compiled model would run eagerly for the rest of the process.
+        return True
+
+    # compiled code calls higher-order operators, e.g. run_and_save_rng_state around SDPA in an activation-
+    # checkpointed compiled layer: they reach this mode (see _higher_order) instead of failing the step
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return self._higher_order(func, args, kwargs)
         out = func(*args, **kwargs)
+        self._count(func, args, kwargs, out)
+        return out
+
+    def _higher_order(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run a higher-order operator (this mode is off while it dispatches here, so the ops inside are not
+        seen); an RNG wrapper around one op (run_and_save_rng_state(op, *args), run_with_rng_state(state,
+        op, *args)) counts as that op, any other is listed as uncounted."""
+        out = func(*args, **kwargs)
+        i = next((i for i, a in enumerate(args) if isinstance(a, torch._ops.OpOverload)), None)
+        if i is None:
+            self.uncounted[f"higher_order::{func.name()}"] += 1
+        else:
+            result = out[-1] if isinstance(out, tuple) else out
+            self._count(args[i], args[i + 1:], kwargs, result)
+        return out
+
+    def _count(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         packet = func._overloadpacket
         formula = FORMULAS.get(packet)
         if formula is None:
@@ -101,7 +132,6 @@ class FlopCounter(TorchDispatchMode):
             name = packet.__name__
             if namespace not in ("aten", "prim", "prims", "profiler") or any(w in name for w in _HEAVY_WORDS):
                 self.uncounted[f"{namespace}::{name}"] += 1
-        return out
 
 
 def analytic_flops(model: torch.nn.Module, seq_len: int | None) -> dict[str, Any] | None:

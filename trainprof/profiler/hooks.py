@@ -52,6 +52,7 @@ import torch
 
 from trainprof.analysis.records import ModuleInfo
 from trainprof.models import logical_numel
+from trainprof.profiler.compiled import ORIG_MOD, CompiledModules, profiled_name
 from trainprof.profiler.log import B_CLOSE, B_OPEN, F_CLOSE, F_OPEN, R_CLOSE, R_OPEN, StepLog
 
 _graph_task_id = torch._C._current_graph_task_id
@@ -90,7 +91,9 @@ class NodeWatch:
 
 def _local_numel(p: torch.Tensor) -> int:
     ds_tensor = getattr(p, "ds_tensor", None)  # ZeRO-3: p.data is empty between gathers
-    return int(ds_tensor.numel()) if ds_tensor is not None else p.numel()
+    if ds_tensor is not None:
+        return int(ds_tensor.numel())
+    return p.to_local().numel() if type(p).__name__ == "DTensor" else p.numel()  # FSDP2: this rank's shard
 
 
 def describe_modules(model: torch.nn.Module, max_depth: int) -> list[tuple[ModuleInfo, torch.nn.Module]]:
@@ -106,6 +109,9 @@ def describe_modules(model: torch.nn.Module, max_depth: int) -> list[tuple[Modul
     out: list[tuple[ModuleInfo, torch.nn.Module]] = []
     index_of: dict[str, int] = {}
     for name, mod in model.named_modules():
+        if name.rpartition(".")[2] == ORIG_MOD:  # a torch.compile wrapper's module: profiled as the wrapper
+            continue
+        name = profiled_name(name)
         depth = 0 if name == "" else name.count(".") + 1
         if depth > max_depth:
             continue
@@ -195,6 +201,9 @@ class ModuleHooks:
         self.on_root = on_root
         described = describe_modules(model, max_depth)
         self.modules: list[ModuleInfo] = [info for info, _ in described]
+        # torch.compile'd regions are timed around their compiled call and nothing inside them is hooked
+        # (dynamo would trace the hooks and run the region eagerly): see profiler/compiled.py
+        self.compiled = CompiledModules.find(model)
         self.counter = 0
         self.forward_stack: list[ModuleCall] = []  # open forward calls and re-runs, innermost last
         self.backward_stack: list[ModuleCall] = []  # open backwards, `pre` increasing up the stack
@@ -206,9 +215,11 @@ class ModuleHooks:
         self.range_names: list[dict[str, str]] | None = None  # set while operator tracing is on
         self.autocast_dtype: torch.dtype | None = None  # the root forward's autocast dtype, if any
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._handles.extend(attach_forward_hooks(described, self._pre, self._post))
+        self._handles.extend(attach_forward_hooks(self.compiled.hookable(described), self._pre, self._post))
+        self._handles.extend(self.compiled.attach(described, self._pre, self._post))
         if recompute_sentinels is None:  # DDP does not forward attributes: ask the module it wraps
             inner = getattr(model, "module", model)
+            inner = getattr(inner, ORIG_MOD, inner)  # a torch.compile wrapper: ask the compiled module
             # transformers >= 5.x: is_activation_checkpointing (is_gradient_checkpointing warns as deprecated)
             flag = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") \
                 else "is_gradient_checkpointing"
@@ -216,7 +227,7 @@ class ModuleHooks:
         if recompute_sentinels:
             index_of = {info.name: info.index for info in self.modules}
             for name, mod in model.named_modules():
-                if name in index_of or name == "":
+                if name in index_of or name == "" or id(mod) in self.compiled.inside:
                     continue
                 owner = name
                 while owner not in index_of:
@@ -332,9 +343,11 @@ class ModuleHooks:
             return None
         if self.pending:
             self.settle()
+        recompute = call.recompute
+        if mi == 0 and not recompute and self.on_root is not None:
+            self.on_root("forward", False)  # before the stamp: reading the memory meter can take ms (CPU)
         t = self.now()
         forward_stack.pop()
-        recompute = call.recompute
         log.codes.append(R_CLOSE if recompute else F_CLOSE)
         log.subjects.append(mi)
         log.stamps.append(t)
@@ -349,8 +362,6 @@ class ModuleHooks:
                 self._watch(tensors, post, call)
         if recompute or not forward_stack:  # a re-run inside backward (its nodes run next), or the outermost returned
             self.flush()
-        if mi == 0 and not recompute and self.on_root is not None:
-            self.on_root("forward", False)
         return None
 
     def _sentinel_pre(self, mi: int, module: torch.nn.Module, args: tuple) -> None:

@@ -135,6 +135,15 @@ def _tensor_bytes(t: Any, seen: set[int]) -> int:
     return t.numel() * t.element_size()
 
 
+def _local(t: Any) -> Any:
+    """What this rank stores of a tensor: a ZeRO-3 parameter's shard (`ds_tensor`), an FSDP2 DTensor's
+    local shard, else the tensor itself."""
+    ds_tensor = getattr(t, "ds_tensor", None)
+    if ds_tensor is not None:
+        return ds_tensor
+    return t.to_local() if type(t).__name__ == "DTensor" else t
+
+
 def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     """The torch optimizer holding the states: itself, or a DeepSpeed ZeRO optimizer's `.optimizer`."""
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -146,7 +155,8 @@ def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
 def model_state_bytes(model: torch.nn.Module, optimizer: Any = None) -> dict[str, Any]:
     """Bytes this rank holds for parameters, gradients and optimizer states (ZeRO-aware).
 
-    ZeRO-3 parameters count their local shard (`ds_tensor`), 4-bit parameters their packed storage.
+    ZeRO-3 parameters count their local shard (`ds_tensor`), FSDP2's DTensors theirs, 4-bit parameters
+    their packed storage.
     Gradients are model `.grad`s plus the fp32 partitions' grads and DeepSpeed's flat gradient buffers
     where present. Optimizer states are the tensors in the (inner) torch optimizer's `state`; fp32 master
     copies that ZeRO keeps apart from the model weights are `master_params`.
@@ -162,8 +172,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any = None) -> dict[str
     params = grads = 0
     model_ptrs: set[int] = set()
     for p in model.parameters():
-        ds_tensor = getattr(p, "ds_tensor", None)
-        stored = ds_tensor if ds_tensor is not None else p
+        stored = _local(p)
         params += _tensor_bytes(stored, seen)
         if stored.numel():
             model_ptrs.add(stored.data_ptr())
@@ -183,8 +192,9 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any = None) -> dict[str
     if inner is not None:
         for group in inner.param_groups:
             for p in group["params"]:
-                if p.numel() and p.data_ptr() not in model_ptrs:
-                    master += _tensor_bytes(p, seen)
+                stored = _local(p)
+                if stored.numel() and stored.data_ptr() not in model_ptrs:
+                    master += _tensor_bytes(stored, seen)
                 grads += _tensor_bytes(p.grad, seen)
         # ZeRO-3 puts its fp32 partitions in the optimizer's groups only during step(): read them here
         for flat in getattr(optimizer, "fp32_partitioned_groups_flat", None) or ():
@@ -193,6 +203,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any = None) -> dict[str
         for state in inner.state.values():
             for value in state.values():
                 states += _tensor_bytes(value, seen)
+                value = _local(value)  # FSDP2's states are DTensors: this rank's shard
                 if isinstance(value, torch.Tensor) and value.numel() > 1:  # not the step counters
                     state_elements += value.numel()
                     quantized_elements += value.numel() if is_traceable_wrapper_subclass(value) else 0

@@ -233,9 +233,33 @@ def _step_at(spans: list[tuple[float, float, int]], start_us: float) -> int | No
     return spans[i][2] if i >= 0 and spans[i][0] <= start_us <= spans[i][1] else None
 
 
+# torch.compile'd code runs as inductor's fused kernels inside these host ranges, not as aten ops: their
+# self time is the compiled code's (kernels inside a compiled graph call; dynamo's guard check; AOT
+# autograd's wrapper), kept as rows of their own so a compiled region's time shows in the table
+COMPILED_RANGES = (
+    ("## Call CompiledFxGraph", "inductor::compiled_graph"),
+    ("TorchDynamo Cache Lookup", "dynamo::guard_check"),
+    ("CompiledFunction", "torch_compile::runtime_wrapper"),  # and CompiledFunctionBackward
+    ("Torch-Compiled Region", "torch_compile::runtime_wrapper"),
+    ("AOTDispatcher Runtime Wrapper", "torch_compile::runtime_wrapper"),
+)
+
+
+def op_name(name: str) -> str | None:
+    """The ops-table name of a profiler event: aten ops as they are, compiled-code ranges under one name
+    each (see COMPILED_RANGES), None for anything else (modules, autograd bookkeeping)."""
+    if name.startswith("aten::"):
+        return name
+    for prefix, row in COMPILED_RANGES:
+        if name.startswith(prefix):
+            return row
+    return None
+
+
 def aggregate_events(events: Any, lookup: dict[str, tuple[str, str]], *, cuda: bool,
                      by_step: bool = False) -> Any:
-    """Sum profiler FunctionEvents of aten ops by (op, innermost trainprof range).
+    """Sum profiler FunctionEvents of aten ops (and compiled-code ranges, see op_name) by (op, innermost
+    trainprof range).
 
     Args:
         events: torch.profiler EventList (FunctionEvents with cpu_parent links).
@@ -250,7 +274,8 @@ def aggregate_events(events: Any, lookup: dict[str, tuple[str, str]], *, cuda: b
         lambda: {"calls": 0, "self_ms": 0.0, "self_cpu_ms": 0.0, "flops": None}))
     step_spans = _step_spans(events) if by_step else []
     for ev in events:
-        if not ev.name.startswith("aten::"):
+        op = op_name(ev.name)
+        if op is None:
             continue
         module, phase, found, step = None, "other", False, None
         parent = ev.cpu_parent
@@ -275,7 +300,7 @@ def aggregate_events(events: Any, lookup: dict[str, tuple[str, str]], *, cuda: b
             step = _step_at(step_spans, ev.time_range.start)
             if step is None:
                 continue
-        row = steps[step][(ev.name, module, phase)]
+        row = steps[step][(op, module, phase)]
         row["calls"] += 1
         self_cpu = ev.self_cpu_time_total / 1e3
         row["self_cpu_ms"] += self_cpu

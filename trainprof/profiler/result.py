@@ -21,6 +21,7 @@ from trainprof.analysis.aggregate import (
 )
 from trainprof.analysis.pipeline import BUBBLE_METHOD, rank_block
 from trainprof.env import collect_env
+from trainprof.profiler.compiled import compile_block
 from trainprof.profiler.flops import FLOPS_CONVENTION
 from trainprof.profiler.memory import ACTIVATION_METHOD, model_state_bytes
 from trainprof.hardware import dense_peak
@@ -49,6 +50,7 @@ class Recorded(Protocol):
     activation_bytes: int | None
     grads_bytes: int | None
     pipeline: Any  # PipelineInfo | None (a pipeline stage)
+    dynamo: Any  # DynamoWatch | None (a compiled model)
 
 
 def compute_dtype(model: torch.nn.Module, autocast: torch.dtype | None = None) -> str:
@@ -82,8 +84,12 @@ def profile_env(prof: Recorded) -> dict[str, Any]:
 
 def rank_profile(prof: Recorded) -> dict[str, Any]:
     """This rank's profile: what profile.rank<r>.json holds (no collective)."""
-    return compose_rank_profile(prof, env=profile_env(prof), state=state_bytes(prof),
-                                device_type=prof.device.type, dtype=recorded_dtype(prof))
+    out = compose_rank_profile(prof, env=profile_env(prof), state=state_bytes(prof),
+                               device_type=prof.device.type, dtype=recorded_dtype(prof))
+    out["compile"] = compile_block(prof.hooks.compiled if prof.hooks is not None else None, prof.dynamo)
+    if out["compile"]["compiled"]:
+        out["measurement"]["module_granularity"] = out["compile"]["module_times"]
+    return out
 
 
 def state_bytes(prof: Recorded) -> dict[str, Any]:
@@ -203,6 +209,8 @@ def measurement(prof: Recorded, used_desc: str) -> dict[str, str]:
                    "backward = forward > other; unattributed = wall - sum(phases)"),
         "comm_exposed": ("host timer: time the issuing thread blocked in a synchronous collective or in "
                          "Work.wait(); CUDA events: compute-stream time across the call / wait"),
+        "comm_module": ("a collective belongs to the innermost profiled module open when it was issued; FSDP2's to the "
+                        "module whose parameter group issued it (all-gather, reduce-scatter; see profiler/fsdp.py)"),
         "comm_bandwidth": ("nccl-tests PERFORMANCE.md: algbw = S/t, busbw = algbw*2(n-1)/n for all_reduce, "
                            "*(n-1)/n for all_gather/reduce_scatter/all_to_all, *1 for broadcast/reduce; "
                            "t = issue-to-completion, which includes waiting for slower ranks"),

@@ -147,11 +147,20 @@ def rule_comm_exposed(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
     if stage == 3:
         action += "; ZeRO-2 gathers no parameters (ZeRO-3 moves 1.5x ZeRO-2's bytes) if its memory fits"
         overrides = {"engine.zero_stage": 2}
+    sharding = f"ZeRO stage {stage if stage is not None else 'unknown'}"
+    if dig(f.recipe, "engine", "kind") == "fsdp":  # FSDP2 has no deepspeed section: its own knobs
+        reshard = dig(f.recipe, "engine", "reshard_after_forward")
+        sharding = f"FSDP2, reshard_after_forward {reshard}"
+        action = ("prefetch the next layer's all-gather (FSDPModule.set_modules_to_forward_prefetch / "
+                  "set_modules_to_backward_prefetch) so it overlaps compute")
+        overrides = {}
+        if reshard:
+            action += "; keeping gathered parameters for backward (ZeRO-2-like) saves one all-gather per layer if memory fits"
+            overrides = {"engine.reshard_after_forward": False}
     return check, _advice(
         "comm_exposed", "Hide communication behind compute",
         "phases_ms.comm_exposed / step_ms", frac, f"> {_pct(COMM_EXPOSED_FRAC)}",
-        f"exposed communication is {_pct(frac)} of the step ({f.phases['comm_exposed']:.2f} ms, median; "
-        f"ZeRO stage {stage if stage is not None else 'unknown'})",
+        f"exposed communication is {_pct(frac)} of the step ({f.phases['comm_exposed']:.2f} ms, median; {sharding})",
         action, frac, f"at most {_pct(frac)} less step time, if every collective overlaps compute", overrides)
 
 

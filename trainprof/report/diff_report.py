@@ -82,14 +82,34 @@ def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff,
     method = _method(d, a, b)
     sec = doc.section("Step and phases", id="phases")
     sec.blocks.append(_table([*d.steps, *d.phases], method, "phase-diff", "figure"))
+    regions = (_compiled_regions(a), _compiled_regions(b))
     if d.parts:
         sec = doc.section("Model parts (Zhang et al.'s (arXiv 2311.03687) table)", id="parts")
+        if any(regions):
+            sec.blocks.append(Para(" ".join(f"{side} ran torch.compile'd: modules inside its compiled regions "
+                                            f"({', '.join(module_label(r) for r in rs[:3])}{', ...' if len(rs) > 3 else ''}) "
+                                            "have no own times, so their parts count only the modules outside them."
+                                            for side, rs in zip("AB", regions) if rs)))
         sec.blocks.append(_table(d.parts, method, "part-diff", "part"))
-    _modules_section(doc, d, method)
+    _modules_section(doc, d, method, regions=regions)
     return doc
 
 
-def _modules_section(doc: Document, d: ProfileDiff, method: str, intro: str | None = None) -> None:
+def _compiled_regions(profile: dict[str, Any]) -> list[str]:
+    c = profile.get("compile") or {}
+    return list(c.get("regions") or []) if c.get("compiled") else []
+
+
+def _one_side_reason(name: str, other: str, regions: list[str]) -> str:
+    """Why a module has times on one side only: inside the other side's compiled region, or absent there."""
+    for r in regions:
+        if r == "" or name.startswith(f"{r}."):
+            return f"inside {other}'s compiled region {module_label(r)}: timed with it"
+    return f"not profiled in {other}"
+
+
+def _modules_section(doc: Document, d: ProfileDiff, method: str, intro: str | None = None,
+                     regions: tuple[list[str], list[str]] = ([], [])) -> None:
     sec = doc.section("Modules (matched by name)", id="modules")
     if intro:
         sec.blocks.append(Para(intro))
@@ -107,9 +127,10 @@ def _modules_section(doc: Document, d: ProfileDiff, method: str, intro: str | No
         sec.blocks.append(Missing("module diff", "no module present in both runs"))
     if d.only_a or d.only_b:
         sec = doc.section("On one side only", id="one-side")
-        sec.blocks.append(Table(["module", "only in"], [[module_label(n), "A"] for n in d.only_a]
-                                + [[module_label(n), "B"] for n in d.only_b], id="one-side-table",
-                                numeric=[False, False]))
+        sec.blocks.append(Table(["module", "only in", "why"],
+                                [[module_label(n), "A", _one_side_reason(n, "B", regions[1])] for n in d.only_a]
+                                + [[module_label(n), "B", _one_side_reason(n, "A", regions[0])] for n in d.only_b],
+                                id="one-side-table", numeric=[False, False, False]))
 
 
 def build_inference_diff_document(paths: tuple[Path, Path, Path | None], d: ProfileDiff, a: dict[str, Any],

@@ -24,9 +24,9 @@ from trainprof.report.pipeline import pipeline_section
 from trainprof.report.plots import INSTALL_HINT
 from trainprof.report.projections import how_to_project, projections_section
 from trainprof.report.rundir import RunData, load_run, recipe_of
-from trainprof.report.sections import (MiB, advice_section, categories_section, comm_section, headline_facts,
-                                       memory_section, methods_section, module_phase_section, ops_section,
-                                       phases_section, ranks_section, top_modules_section)
+from trainprof.report.sections import (MiB, advice_section, categories_section, comm_section, compile_text,
+                                       headline_facts, memory_section, methods_section, module_phase_section,
+                                       ops_section, phases_section, ranks_section, top_modules_section)
 
 TRACE_SCAN_BYTES = 32 * MiB  # traces larger than this (on disk) are listed, not read, unless asked
 
@@ -93,10 +93,12 @@ def facts_section(doc: Document, run: RunData) -> None:
         ("run dir", str(run.path)),
         ("profile source", run.source),
         ("model", f"{model.get('name', 'n/a')} ({model.get('dtype', '?')}, attention {model.get('attention', '?')}, "
-                  f"recompute {model.get('recompute', '?')})"),
+                  f"recompute {model.get('recompute', '?')}, compile {model.get('compile', False)})"),
+        ("compile", compile_text(p)),
         ("task", str(task.get("kind", "n/a"))),
-        ("engine", f"{engine.get('kind', 'n/a')}, ZeRO stage {engine.get('zero_stage', '?')}, "
-                   f"offload {engine.get('offload', '?')}"),
+        ("engine", f"{engine.get('kind', 'n/a')}, "
+                   + (f"FSDP2 reshard_after_forward {engine.get('reshard_after_forward')}" if engine.get("kind") == "fsdp"
+                      else f"ZeRO stage {engine.get('zero_stage', '?')}") + f", offload {engine.get('offload', '?')}"),
         ("batch", f"micro batch {train.get('micro_batch_size', '?')} x grad accum {train.get('grad_accum', '?')} x "
                   f"seq {data.get('seq_len', '?')} per rank"),
         ("steps", f"{train.get('steps', '?')} measured after {train.get('warmup_steps', '?')} warm-up; "

@@ -57,6 +57,24 @@ def model_states_text(state: dict[str, Any]) -> str:
     return text
 
 
+def compile_text(profile: dict[str, Any]) -> str:
+    """Whether the model ran torch.compile'd, its regions, the module granularity and dynamo's evidence."""
+    c = profile.get("compile") or {}
+    if not c.get("compiled"):
+        return "not compiled (eager); modules timed per module"
+    regions = c.get("regions") or []
+    shown = ", ".join(records.module_label(r) for r in regions[:3])
+    shown += f" and {len(regions) - 3} more" if len(regions) > 3 else ""
+    text = (f"torch.compile, {len(regions)} compiled region(s) ({shown}); modules timed per compiled region, "
+            f"{c.get('modules_inside_regions', 0)} modules inside them have no own times")
+    measured = dig(c, "dynamo", "during_measured_steps") or {}
+    total = dig(c, "dynamo", "total") or {}
+    if total:
+        text += (f"; dynamo: {total['graphs_captured']} graph(s) captured, {total['graph_breaks']} graph break(s), "
+                 f"{measured.get('frames_converted', 'n/a')} frame(s) (re)compiled during measured steps")
+    return text
+
+
 def _loss_text(run: RunData) -> str:
     losses = [s["loss"] for s in run.measured_steps if s.get("loss") is not None]  # a partial run may lack some
     return f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "n/a"
@@ -118,6 +136,8 @@ def headline_facts(run: RunData) -> list[tuple[str, str]]:
         st = p["straggler"]
         facts.append(("straggler", f"rank {st['rank']} is {100 * st['slower_by_frac']:.1f}% slower "
                                    f"({st.get('description') or st.get('metric')})"))
+    if dig(p, "compile", "compiled"):
+        facts.append(("compiled", compile_text(p)))
     if p.get("ops_info"):
         facts.append(("trace per step", trace_size_text(p)))
     pl = p.get("pipeline")
