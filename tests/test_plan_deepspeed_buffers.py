@@ -45,15 +45,14 @@ def _gathered_numel(module: Any) -> int:
 def worker(out: Path, window: str) -> None:
     import torch
 
-    from trainprof.engines.base import DistContext
+    from trainprof.distributed import DistContext, init_distributed
     from trainprof.engines.deepspeed_engine import DeepSpeedEngine
     from trainprof.recipe import recipe_from_dict
-    from trainprof.run import init_distributed
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     recipe, ctx = recipe_from_dict(recipe_dict(window)), DistContext.from_env()
-    init_distributed(recipe, ctx)
+    init_distributed(ctx, engine_kind=recipe.engine.kind)
     engine = DeepSpeedEngine(recipe, ctx)
     opt = engine.optimizer
     ids = torch.randint(0, 1024, (2, 32), generator=torch.Generator().manual_seed(ctx.rank))
@@ -82,7 +81,12 @@ def test_zero3_rows_match_deepspeeds_own_buffers(window: str, tmp_path: Path) ->
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
            str(Path(__file__)), str(out), window]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    # DeepSpeed's prefetching over gloo on 2 CPU ranks aborts now and then (a rank dies by SIGABRT inside the
+    # library, no Python error); such a crash is retried, any other failure is not
+    for _ in range(3):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+        if proc.returncode == 0 or "(SIGABRT)" not in proc.stderr:
+            break
     assert proc.returncode == 0, proc.stderr[-4000:]
     measured = json.loads(out.read_text())
 
