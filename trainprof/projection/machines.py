@@ -105,9 +105,19 @@ def measured_link(fits: dict[str, Any], world: int) -> Link:
                 described=assume("link_measured", world=world, alpha_ms=alpha, busbw_gbps=busbw, fits=len(usable)))
 
 
+# engines without GPU reference runs of their own, and the measured engine closest to them: FSDP2 runs
+# torch's AdamW and hooks only at its fully_shard units
+REFERENCE_ENGINE = {"fsdp": "torch"}
+
+
+def reference_engine(engine: str) -> str:
+    return REFERENCE_ENGINE.get(engine, engine)
+
+
 def gpu_host(catalog: Catalog, engine: str) -> tuple[dict[str, float], str]:
     """Host µs per operator call on a GPU machine for an engine, per phase, from the catalog's
     reference runs (an engine without references takes DeepSpeed's, the slower host path)."""
+    engine = reference_engine(engine)
     ref = catalog.host_us_per_op.get(engine) or catalog.host_us_per_op.get("deepspeed") or {}
     values = {ph: float(fig["value"]) for ph, fig in ref.items()}
     if "forward" in values:  # a recomputation re-runs forwards

@@ -28,7 +28,7 @@ from trainprof.projection.comm import CommTarget, Link
 from trainprof.projection.compute import HOST_BOUND_BUSY, EngineProbe, Parts, StepProbe
 from trainprof.projection.gemm import Work
 from trainprof.projection.machines import (catalog_link, gpu_host, machine_from_calibration, machine_from_target,
-                                           measured_link)
+                                           measured_link, reference_engine)
 from trainprof.projection.measured import PHASES
 from trainprof.projection.source import (ProjectionError, Source, ensure_calibration, load_source,
                                          same_machine_as_source)
@@ -200,7 +200,7 @@ class Projector:
         if not inputs.target_machine.gemm:
             reasons.setdefault("step_ms", f"{t.machine} lacks a matmul rate or memory bandwidth in the catalog")
         inputs.host_us_per_op = self._gpu_host(notes)
-        ref = self.catalog.optimizer_bytes_per_param.get(t.recipe.engine.kind)
+        ref = self.catalog.optimizer_bytes_per_param.get(reference_engine(t.recipe.engine.kind))
         if ref:
             inputs.optimizer_bytes_per_param = (float(ref["value"]), ref["source"])
         if engine_key(src.recipe) != engine_key(t.recipe):
