@@ -197,6 +197,11 @@ def test_catalog_targets_costs_fit_and_files(source):
     assert big["fits"] is False and big["memory_per_rank_bytes"] > 24e9 and big["fit_suggestion"]
     assert big["change_kinds"] == ["seq_len", "model_size", "world_size", "hardware"]
     assert big["step_ms"] > h100["step_ms"]
+    # torch.compile is probed on the source's machine only; FSDP2's collectives are derived per unit
+    compiled = project(str(run_dir), "model.compile=true", "engine.zero_stage=2", "--to", "h100-sxm")["predictions"][0]
+    assert compiled["step_ms"] is None and "torch.compile" in compiled["reasons"]["step_ms"]
+    fsdp = project(str(run_dir), "engine.kind=fsdp", "engine.zero_stage=0", "--to", "h100-sxm")["predictions"][0]
+    assert fsdp["step_ms"] > 0 and kinds(fsdp)["comm_fsdp_derived"]["units"] == 3
     folders = sorted((run_dir / "projections").glob("*/projection.json"))
     assert len(folders) >= 2 and out / "projection.json" in folders
     html = (run_dir / "report.html").read_text()
