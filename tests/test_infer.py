@@ -148,7 +148,7 @@ def test_memory_bandwidth_catalog() -> None:
     assert (a40["gbps"], a80["gbps"]) == (1555.0, 2039.0)
     assert memory_bandwidth("NVIDIA H200", "cuda")[0]["gbps"] == 4800.0
     none, why = memory_bandwidth("Mystery GPU", "cuda")
-    assert none is None and "Mystery GPU" in why and "hbm_gbps" in why
+    assert none is None and "Mystery GPU" in why and "memory_gbps" in why
     assert memory_bandwidth("x86_64", "cpu")[0] is None
 
 

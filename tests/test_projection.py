@@ -120,7 +120,8 @@ def test_a_model_size_change_probes_its_parts_and_lands_near_a_real_run(source, 
         pred = project(str(src_dir), *overrides)["predictions"][0]
         assert pred["change_kinds"] == ["model_size"], pred.get("reasons")
         parts = kinds(pred)["parts_probed"]
-        assert (parts["source_layers"], parts["target_layers"]) == (2, 4) and parts["layer_forward"] > 1.0
+        assert (parts["source_layers"], parts["target_layers"]) == (2, 4)
+        assert parts["layer_target_ms"] > parts["layer_source_ms"] > 0  # the wider MLP costs more per layer
         assert "comm_zero3_derived" in kinds(pred)
         _, real = run_trainprof(tmp_path / f"real{i}", 2, STEPS, *overrides)
         m = measured_from_profile(real)
