@@ -1,9 +1,11 @@
-"""Shared test helpers: launch real trainprof runs (torchrun, gloo, real DeepSpeed) into tmp dirs."""
+"""Shared test helpers: launch real trainprof runs (torchrun, gloo, real DeepSpeed) into tmp dirs, and
+share one run among the tests that need the same configuration (the `shared_run` fixture)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,11 @@ QUICKSTART = REPO / "recipes" / "quickstart_cpu.yaml"
 
 # Small enough that a 2-rank DeepSpeed run takes seconds on 2 cores, long enough that the loss falls.
 FAST = ["data.seq_len=64", "train.micro_batch_size=2", "train.steps=6", "train.warmup_steps=1"]
+# The quickstart turns both on; a run whose test asserts on neither skips their seconds: the end-of-run
+# microbenchmarks (calibration.json) and the Kineto-traced steps (tb/, ops.csv).
+NO_CALIBRATION = "profile.calibrate=false"
+NO_OPS = "profile.ops=false"
+QUIET = [NO_CALIBRATION, NO_OPS]
 
 
 def run_trainprof(tmp_path: Path, nproc: int, *overrides: str, recipe: Path = QUICKSTART,
@@ -28,6 +35,68 @@ def run_trainprof(tmp_path: Path, nproc: int, *overrides: str, recipe: Path = QU
     assert proc.returncode == 0, f"run failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     (run_dir,) = list(out.iterdir())
     return run_dir, json.loads((run_dir / "profile.json").read_text())
+
+
+def run_key(nproc: int, recipe: Path, overrides: tuple[str, ...]) -> str:
+    """The configuration a run_trainprof call trains: the resolved recipe (short keys, defaults and
+    repeated keys settled, the output dir left out) and the number of ranks."""
+    from trainprof.recipe import load_recipe
+
+    resolved = load_recipe(recipe, [*FAST, *overrides]).to_dict()
+    resolved["output"].pop("dir")
+    return json.dumps({"nproc": nproc, "recipe": resolved}, sort_keys=True)
+
+
+class SharedRuns:
+    """One real run per configuration for the whole session; each test gets its own copy of the run
+    dir (tests write reports and projections into theirs). The first test that asks makes the run, so
+    the tests stay independent of their order; a run that failed fails the later askers at once."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.runs: dict[str, Path | str] = {}  # key -> run dir, or the failure message
+
+    def made(self, nproc: int, *overrides: str, recipe: Path = QUICKSTART, timeout: int = 240) -> Path:
+        key = run_key(nproc, recipe, overrides)
+        if key not in self.runs:
+            try:
+                self.runs[key] = run_trainprof(self.root / f"run{len(self.runs)}", nproc, *overrides,
+                                               recipe=recipe, timeout=timeout)[0]
+            except (AssertionError, subprocess.TimeoutExpired) as err:
+                self.runs[key] = f"{type(err).__name__}: {err}"
+                raise
+        made = self.runs[key]
+        if isinstance(made, str):
+            pytest.fail(f"the shared run of this configuration failed in an earlier test: {made[-4000:]}")
+        return made
+
+    def copy(self, dest: Path, nproc: int, *overrides: str, recipe: Path = QUICKSTART,
+             timeout: int = 240) -> tuple[Path, dict]:
+        """A copy, under `dest`, of the run of this configuration; returns (run dir, profile.json)."""
+        source = self.made(nproc, *overrides, recipe=recipe, timeout=timeout)
+        parent, n = dest / "runs", 0
+        while (parent / source.name).exists():  # a second run in the same test
+            n += 1
+            parent = dest / f"runs{n}"
+        run_dir = parent / source.name
+        shutil.copytree(source, run_dir)
+        return run_dir, json.loads((run_dir / "profile.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory) -> SharedRuns:
+    return SharedRuns(tmp_path_factory.mktemp("shared_runs"))
+
+
+@pytest.fixture
+def shared_run(shared_runs, tmp_path):
+    """`shared_run(nproc, *overrides)`: run_trainprof's (run dir, profile.json), from the session's run
+    of that configuration, copied into this test's tmp_path."""
+
+    def get(nproc: int, *overrides: str, recipe: Path = QUICKSTART, timeout: int = 240) -> tuple[Path, dict]:
+        return shared_runs.copy(tmp_path, nproc, *overrides, recipe=recipe, timeout=timeout)
+
+    return get
 
 
 def pytest_collection_modifyitems(config, items):

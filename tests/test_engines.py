@@ -6,7 +6,15 @@ import math
 
 import pytest
 
-from conftest import run_trainprof
+from conftest import NO_CALIBRATION, QUIET
+
+
+def engine_overrides(nproc: int, *overrides: str) -> list[str]:
+    """These tests assert on neither calibration nor operator traces: both off, except that the
+    quickstart's own configuration (ZeRO-3 on 2 ranks) keeps its traced steps, so that test_report's
+    traced run is this same run."""
+    quickstart = {"engine.zero_stage=3", "engine.offload=none"}
+    return [*overrides, NO_CALIBRATION] if nproc == 2 and set(overrides) == quickstart else [*overrides, *QUIET]
 
 
 def assert_trained(profile: dict, world_size: int, grad_accum: int = 1) -> None:
@@ -25,8 +33,9 @@ def assert_trained(profile: dict, world_size: int, grad_accum: int = 1) -> None:
 @pytest.mark.parametrize(
     "stage,offload", [(2, "none"), (3, "none"), (3, "optimizer")], ids=["zero2", "zero3", "zero3-offload"]
 )
-def test_deepspeed_zero(tmp_path, nproc, stage, offload):
-    run_dir, profile = run_trainprof(tmp_path, nproc, f"engine.zero_stage={stage}", f"engine.offload={offload}")
+def test_deepspeed_zero(shared_run, nproc, stage, offload):
+    run_dir, profile = shared_run(nproc, *engine_overrides(nproc, f"engine.zero_stage={stage}",
+                                                           f"engine.offload={offload}"))
     assert_trained(profile, nproc)
     cfg = profile["engine"]["config"]
     assert profile["engine"]["kind"] == "deepspeed"
@@ -40,10 +49,10 @@ def test_deepspeed_zero(tmp_path, nproc, stage, offload):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_lora_under_deepspeed_zero(tmp_path, stage):
+def test_lora_under_deepspeed_zero(shared_run, stage):
     """LoRA adapters train under ZeRO-2 and ZeRO-3 on two ranks. ZeRO-3 creates them partitioned in the
     model dtype and refused peft's fp32 adapters beside them (an AssertionError inside DeepSpeed)."""
-    _, profile = run_trainprof(tmp_path, 2, "task.kind=lora", f"engine.zero_stage={stage}")
+    _, profile = shared_run(2, "task.kind=lora", f"engine.zero_stage={stage}", *QUIET)
     steps = [s for s in profile["steps"] if not s.get("warmup")]
     assert all(math.isfinite(s["loss"]) for s in steps)
     assert steps[-1]["loss"] < steps[0]["loss"], [s["loss"] for s in steps]
@@ -52,15 +61,15 @@ def test_lora_under_deepspeed_zero(tmp_path, stage):
 
 
 @pytest.mark.slow
-def test_torch_ddp_two_ranks(tmp_path):
-    _, profile = run_trainprof(tmp_path, 2, "engine.kind=torch", "engine.zero_stage=0", "train.grad_accum=2")
+def test_torch_ddp_two_ranks(shared_run):
+    _, profile = shared_run(2, "engine.kind=torch", "engine.zero_stage=0", "train.grad_accum=2", *QUIET)
     assert_trained(profile, 2, grad_accum=2)
     assert profile["engine"]["config"]["ddp"] is True
 
 
 @pytest.mark.slow
-def test_param_offload_zero3(tmp_path):
-    _, profile = run_trainprof(tmp_path, 2, "engine.zero_stage=3", "engine.offload=optimizer+params")
+def test_param_offload_zero3(shared_run):
+    _, profile = shared_run(2, "engine.zero_stage=3", "engine.offload=optimizer+params", *QUIET)
     assert_trained(profile, 2)
     assert profile["engine"]["config"]["zero_optimization"]["offload_param"]["device"] == "cpu"
 

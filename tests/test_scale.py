@@ -14,7 +14,7 @@ import pytest
 
 from trainprof.sweep.scaling import PARTS
 
-from conftest import FAST, QUICKSTART, REPO
+from conftest import FAST, QUICKSTART, QUIET, REPO
 
 
 def scale(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
@@ -45,7 +45,7 @@ def check_report(out: Path, mode: str, batches: list[int]) -> pd.DataFrame:
 @pytest.mark.timeout(600)
 def test_scale_one_and_two_ranks(tmp_path):
     out = tmp_path / "scale"
-    proc = scale(str(QUICKSTART), *FAST, "--nproc", "1,2", "--out", str(out))
+    proc = scale(str(QUICKSTART), *FAST, *QUIET, "--nproc", "1,2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     weak = check_report(out, "weak", batches=[2, 2])  # weak scaling: the per-rank micro batch stays 2
 
@@ -57,7 +57,7 @@ def test_scale_one_and_two_ranks(tmp_path):
 
     # strong scaling keeps the global batch (2): 1 sample per rank at N=2. Same output dir: the N=1 run is
     # the same configuration, so it is reused rather than run again
-    proc = scale(str(QUICKSTART), *FAST, "--nproc", "1,2", "--strong", "--out", str(out))
+    proc = scale(str(QUICKSTART), *FAST, *QUIET, "--nproc", "1,2", "--strong", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     strong = check_report(out, "strong", batches=[2, 1])
     assert strong["run_dir"][0] == weak["run_dir"][0]
