@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,34 @@ def shared_run(shared_runs, tmp_path):
         return shared_runs.copy(tmp_path, nproc, *overrides, recipe=recipe, timeout=timeout)
 
     return get
+
+
+@dataclass(slots=True, kw_only=True)
+class CliResult:
+    """What `trainprof ARGS` returned and printed (the fields of subprocess.CompletedProcess)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys):
+    """`cli(*args)`: `trainprof ARGS` run in this process (trainprof.cli.main), for tests of what a
+    command computes and prints rather than of the process around it: no interpreter start-up and no
+    second import of torch and transformers (seconds per call)."""
+    from trainprof.cli import main
+
+    def run(*args: str) -> CliResult:
+        capsys.readouterr()  # only this command's output
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exit_:  # argparse: --help, and usage errors
+            code = 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 1
+        out = capsys.readouterr()
+        return CliResult(returncode=code, stdout=out.out, stderr=out.err)
+
+    return run
 
 
 def pytest_collection_modifyitems(config, items):

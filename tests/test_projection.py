@@ -5,9 +5,6 @@ from given prices, a fit suggestion when memory does not fit, and the files and 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
@@ -23,10 +20,9 @@ MEMORY_TOLERANCE = 0.10
 STEPS = "train.steps=16"
 
 
-def project(*args: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "trainprof", "project", *args, "--json"], capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=300)
+def project(cli, *args: str) -> dict:
+    """`trainprof project ARGS --json`, in this process (the `cli` fixture)."""
+    proc = cli("project", *args, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -38,9 +34,9 @@ def source(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_run(source, tmp_path):
+def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_run(source, tmp_path, cli):
     run_dir, profile = source
-    same = project(str(run_dir))
+    same = project(cli, run_dir)
     (p,) = same["predictions"]
     src = same["source"]
     for key in ("hardware", "nodes", "gpus_per_node", "world_size", "overrides", "step_ms", "tokens_per_s", "mfu",
@@ -56,7 +52,7 @@ def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_
     # both engines (ZeRO-2 drops ZeRO-3's parameter fetch and release around every module, so the forward
     # must get faster) and re-derives the collectives: ZeRO-2's gradient all_reduce and one all-gather after
     # the step, in place of ZeRO-3's gathers at every module; the report's advice table shows the gain
-    advice = project(str(run_dir), "--advice")["advice"]
+    advice = project(cli, run_dir, "--advice")["advice"]
     zero2 = next(r for r in advice if r["rule"] == "comm_exposed")
     assert zero2["overrides"] == ["engine.zero_stage=2"] and zero2["predicted_gain"] is not None, zero2
     engine_note = next(a for a in zero2["assumptions"] if a.startswith("engine change"))
@@ -77,7 +73,7 @@ def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_
     def check() -> None:  # a slow spell of a shared machine during either run is retried, a wrong model is not
         i = next(attempt)
         src_dir = run_dir if i == 0 else run_trainprof(tmp_path / f"source{i}", 2, STEPS)[0]
-        what_if = project(str(src_dir), "train.micro_batch_size=4", "--nproc", "1")["predictions"][0]
+        what_if = project(cli, src_dir, "train.micro_batch_size=4", "--nproc", "1")["predictions"][0]
         assert what_if["phases_ms"]["comm_exposed"] == 0.0 and what_if["world_size"] == 1
         assert what_if["change_kinds"] == ["micro_batch", "world_size"]
         # the real runs are only measured: no calibration (their traced steps stay, as in the source)
@@ -87,7 +83,7 @@ def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_
         mem_err = abs(what_if["memory_per_rank_bytes"] - m.peak_memory_bytes) / m.peak_memory_bytes
         assert mem_err < MEMORY_TOLERANCE, (what_if["memory_per_rank_bytes"], m.peak_memory_bytes)
         zero2_ms = zero2["predicted_step_ms"] if i == 0 else \
-            project(str(src_dir), "engine.zero_stage=2")["predictions"][0]["step_ms"]
+            project(cli, src_dir, "engine.zero_stage=2")["predictions"][0]["step_ms"]
         _, real2 = run_trainprof(tmp_path / f"zero2-{i}", 2, STEPS, "engine.zero_stage=2", NO_CALIBRATION)
         m2 = measured_from_profile(real2)
         assert abs(zero2_ms - m2.step_ms) / m2.step_ms < STEP_TOLERANCE, (zero2_ms, m2.step_ms)
@@ -96,13 +92,13 @@ def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_
 
 
 @pytest.mark.slow
-def test_a_task_change_is_probed_with_its_engine_and_unmodelled_keys_are_refused(source):
+def test_a_task_change_is_probed_with_its_engine_and_unmodelled_keys_are_refused(source, cli):
     """pretrain -> LoRA at ZeRO-2 builds both engines with their models and probes them: the frozen base
     skips its weight-gradient GEMMs, so the backward must get faster; the step updates the adapters only;
     the collectives carry the adapters' bytes. Under ZeRO-3 on 2 ranks, and for a key the model does not
     re-derive, the step is null with the reason (and no probe runs)."""
     run_dir, _ = source
-    result = project(str(run_dir), "task.kind=lora", "engine.zero_stage=2")
+    result = project(cli, run_dir, "task.kind=lora", "engine.zero_stage=2")
     lora = result["predictions"][0]
     assert lora["change_kinds"] == ["zero_stage", "task"] and lora["step_ms"] > 0, lora.get("reasons")
     engine_note = next(a for a in lora["assumptions"] if a.startswith("engine change"))
@@ -112,8 +108,8 @@ def test_a_task_change_is_probed_with_its_engine_and_unmodelled_keys_are_refused
     assert any(f"derived from the {adapters * 2 / 1e6:.3g} MB of trainable parameters" in a
                for a in lora["assumptions"]), lora["assumptions"]
     assert lora["phases_ms"]["optimizer"] < 0.5 * result["source"]["phases_ms"]["optimizer"]
-    refused = [project(str(run_dir), *o)["predictions"][0] for o in (["task.kind=lora"],
-                                                                    ["model.dtype=fp32", "optimizer.lr=0.1"])]
+    refused = [project(cli, run_dir, *o)["predictions"][0] for o in (["task.kind=lora"],
+                                                                     ["model.dtype=fp32", "optimizer.lr=0.1"])]
     assert refused[0]["step_ms"] is None and "task change on 2 ranks under DeepSpeed ZeRO-3 is not derived" in \
         refused[0]["reasons"]["step_ms"]
     assert refused[1]["step_ms"] is None and refused[1]["tokens_per_s"] is None
@@ -122,9 +118,9 @@ def test_a_task_change_is_probed_with_its_engine_and_unmodelled_keys_are_refused
 
 
 @pytest.mark.slow
-def test_catalog_targets_costs_fit_and_files(source):
+def test_catalog_targets_costs_fit_and_files(source, cli):
     run_dir, _ = source
-    result = project(str(run_dir), "--to", "h100-sxm,rtx4090", "--nodes", "1,2", "--tokens", "1e9",
+    result = project(cli, run_dir, "--to", "h100-sxm,rtx4090", "--nodes", "1,2", "--tokens", "1e9",
                      "--price", "h100-sxm=2.0")
     preds = result["predictions"]
     assert [(p["hardware"], p["world_size"]) for p in preds] == [
@@ -150,7 +146,7 @@ def test_catalog_targets_costs_fit_and_files(source):
     assert 'id="projection-table"' in (run_dir / "report.html").read_text()
 
     # Llama2-7B pretraining on one 24 GB card does not fit; offloading optimizer and parameters would
-    big = project(str(run_dir), "model.name=llama2-7b", "data.seq_len=350", "--to", "rtx4090",
+    big = project(cli, run_dir, "model.name=llama2-7b", "data.seq_len=350", "--to", "rtx4090",
                   "--gpus-per-node", "1")["predictions"][0]
     assert big["fits"] is False and big["memory_per_rank_bytes"] > 24e9
     assert big["fit_suggestion"] == ["engine.offload=optimizer+params", "engine.zero_stage=3"]

@@ -4,8 +4,6 @@ the step model's arithmetic on hand-made measurements."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 
@@ -340,12 +338,10 @@ def test_the_residual_scales_with_the_phases_so_a_faster_target_keeps_a_positive
     assert sum(fast.values()) + residual_ms(m, fast) == pytest.approx(0.090)
 
 
-def test_hardware_command_and_one_line_errors():
-    out = subprocess.run([sys.executable, "-m", "trainprof", "hardware", "--sources"], capture_output=True,
-                         text=True, cwd=REPO)
+def test_hardware_command_and_one_line_errors(cli):
+    out = cli("hardware", "--sources")
     assert out.returncode == 0 and "h100-sxm" in out.stdout and "datasheet" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "trainprof", "project", str(REPO / "nope")], capture_output=True,
-                         text=True, cwd=REPO)
+    bad = cli("project", REPO / "nope")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "profile.json" in bad.stderr
 
 
