@@ -3,6 +3,8 @@ share one run among the tests that need the same configuration (the `shared_run`
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -23,6 +25,13 @@ FAST = ["data.seq_len=64", "train.micro_batch_size=2", "train.steps=6", "train.w
 NO_CALIBRATION = "profile.calibrate=false"
 NO_OPS = "profile.ops=false"
 QUIET = [NO_CALIBRATION, NO_OPS]
+# Two configurations several files assert on, each one run for the session (see shared_run): the
+# quickstart on 2 ranks with 16 measured steps (medians of 12 for `trainprof project`), traced and
+# calibrated as the quickstart is: test_projection's source, test_report's traced run and test_engines'
+# ZeRO-3 run; and the same at ZeRO-2 without calibration: test_projection's real run of its ZeRO-2
+# what-if and test_engines' ZeRO-2 run.
+QUICKSTART_2RANK = (2, "train.steps=16")
+ZERO2_2RANK = (2, "train.steps=16", "engine.zero_stage=2", NO_CALIBRATION)
 
 
 def run_trainprof(tmp_path: Path, nproc: int, *overrides: str, recipe: Path = QUICKSTART,
@@ -48,28 +57,45 @@ def run_key(nproc: int, recipe: Path, overrides: tuple[str, ...]) -> str:
     return json.dumps({"nproc": nproc, "recipe": resolved}, sort_keys=True)
 
 
+@contextlib.contextmanager
+def file_lock(path: Path, shared: bool = False):
+    """flock on `path`: exclusive, or shared with other shared holders (pytest-xdist's workers are processes)."""
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 class SharedRuns:
-    """One real run per configuration for the whole session; each test gets its own copy of the run
-    dir (tests write reports and projections into theirs). The first test that asks makes the run, so
-    the tests stay independent of their order; a run that failed fails the later askers at once."""
+    """One real run per configuration for the whole session, pytest-xdist's workers included (a lock
+    per configuration); each test gets its own copy of the run dir (tests write reports and projections
+    into theirs). The first test that asks makes the run, so the tests stay independent of their order;
+    a run that failed fails the later askers at once."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.runs: dict[str, Path | str] = {}  # key -> run dir, or the failure message
 
     def made(self, nproc: int, *overrides: str, recipe: Path = QUICKSTART, timeout: int = 240) -> Path:
         key = run_key(nproc, recipe, overrides)
-        if key not in self.runs:
-            try:
-                self.runs[key] = run_trainprof(self.root / f"run{len(self.runs)}", nproc, *overrides,
-                                               recipe=recipe, timeout=timeout)[0]
-            except (AssertionError, subprocess.TimeoutExpired) as err:
-                self.runs[key] = f"{type(err).__name__}: {err}"
-                raise
-        made = self.runs[key]
-        if isinstance(made, str):
-            pytest.fail(f"the shared run of this configuration failed in an earlier test: {made[-4000:]}")
-        return made
+        slot = self.root / hashlib.sha1(key.encode()).hexdigest()[:16]
+        slot.mkdir(parents=True, exist_ok=True)
+        made, failed = slot / "run_dir.txt", slot / "failure.txt"
+        with file_lock(slot / "lock"):
+            if failed.exists():
+                pytest.fail(f"the shared run of this configuration failed in an earlier test: {failed.read_text()}")
+            if not made.exists():
+                (slot / "key.json").write_text(key)
+                try:
+                    run_dir, _ = run_trainprof(slot, nproc, *overrides, recipe=recipe, timeout=timeout)
+                except (AssertionError, subprocess.TimeoutExpired) as err:
+                    failed.write_text(f"{type(err).__name__}: {str(err)[-4000:]}")
+                    raise
+                made.write_text(str(run_dir))
+            return Path(made.read_text())
 
     def copy(self, dest: Path, nproc: int, *overrides: str, recipe: Path = QUICKSTART,
              timeout: int = 240) -> tuple[Path, dict]:
@@ -84,9 +110,17 @@ class SharedRuns:
         return run_dir, json.loads((run_dir / "profile.json").read_text())
 
 
+def session_dir(config: pytest.Config) -> Path:
+    """A dir of this test session that every pytest-xdist worker sees (the parent of the workers' own)."""
+    base = config._tmp_path_factory.getbasetemp()  # what the tmp_path_factory fixture returns
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
-def shared_runs(tmp_path_factory) -> SharedRuns:
-    return SharedRuns(tmp_path_factory.mktemp("shared_runs"))
+def shared_runs(pytestconfig) -> SharedRuns:
+    root = session_dir(pytestconfig) / "shared_runs"
+    root.mkdir(exist_ok=True)
+    return SharedRuns(root)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import json
 import pandas as pd
 import pytest
 
-from conftest import NO_CALIBRATION, REPO, run_trainprof
+from conftest import NO_CALIBRATION, QUICKSTART_2RANK, REPO, ZERO2_2RANK, run_trainprof
 from helpers.checks import retry_on_noise
 
 # the validation goal is 5% mean / 10% max on a quiet machine (scripts/bench_projection.py); a test on a
@@ -17,7 +17,7 @@ from helpers.checks import retry_on_noise
 STEP_TOLERANCE = 0.35
 MEMORY_TOLERANCE = 0.10
 # 4 of a run's steps are warm-up or instrumented; 16 leave the medians of 12 (each step is ~0.1 s)
-STEPS = "train.steps=16"
+STEPS = "train.steps=16"  # as in conftest's QUICKSTART_2RANK, the source
 
 
 def project(cli, *args: str) -> dict:
@@ -28,13 +28,14 @@ def project(cli, *args: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    run_dir, profile = run_trainprof(tmp_path_factory.mktemp("source"), 2, STEPS)
-    return run_dir, profile
+def source(shared_runs, tmp_path_factory):
+    """The quickstart on 2 ranks (test_report and test_engines share the run), copied: projections write into it."""
+    return shared_runs.copy(tmp_path_factory.mktemp("source"), *QUICKSTART_2RANK)
 
 
 @pytest.mark.slow
-def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_run(source, tmp_path, cli):
+def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_run(source, shared_runs, tmp_path,
+                                                                                     cli):
     run_dir, profile = source
     same = project(cli, run_dir)
     (p,) = same["predictions"]
@@ -72,7 +73,7 @@ def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_
 
     def check() -> None:  # a slow spell of a shared machine during either run is retried, a wrong model is not
         i = next(attempt)
-        src_dir = run_dir if i == 0 else run_trainprof(tmp_path / f"source{i}", 2, STEPS)[0]
+        src_dir = run_dir if i == 0 else run_trainprof(tmp_path / f"source{i}", *QUICKSTART_2RANK)[0]
         what_if = project(cli, src_dir, "train.micro_batch_size=4", "--nproc", "1")["predictions"][0]
         assert what_if["phases_ms"]["comm_exposed"] == 0.0 and what_if["world_size"] == 1
         assert what_if["change_kinds"] == ["micro_batch", "world_size"]
@@ -84,7 +85,9 @@ def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_
         assert mem_err < MEMORY_TOLERANCE, (what_if["memory_per_rank_bytes"], m.peak_memory_bytes)
         zero2_ms = zero2["predicted_step_ms"] if i == 0 else \
             project(cli, src_dir, "engine.zero_stage=2")["predictions"][0]["step_ms"]
-        _, real2 = run_trainprof(tmp_path / f"zero2-{i}", 2, STEPS, "engine.zero_stage=2", NO_CALIBRATION)
+        # the first attempt's ZeRO-2 run is test_engines' (the same configuration); a retry runs both again
+        _, real2 = shared_runs.copy(tmp_path / "zero2-0", *ZERO2_2RANK) if i == 0 else \
+            run_trainprof(tmp_path / f"zero2-{i}", *ZERO2_2RANK)
         m2 = measured_from_profile(real2)
         assert abs(zero2_ms - m2.step_ms) / m2.step_ms < STEP_TOLERANCE, (zero2_ms, m2.step_ms)
 

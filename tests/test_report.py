@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import NO_CALIBRATION
+from conftest import QUICKSTART_2RANK
 from trainprof.report.run_report import write_reports
 
 DATA = Path(__file__).parent / "data"
@@ -130,8 +130,8 @@ def test_report_html_renders_in_headless_chromium(tmp_path):
 def test_real_run_with_operator_tracing_writes_traces_that_report(shared_run):
     from trainprof.analysis.trace import summarize_trace
 
-    # the quickstart's configuration: test_engines' 2-rank ZeRO-3 run is this run
-    run_dir, profile = shared_run(2, NO_CALIBRATION, "profile.ops=true", "profile.ops_steps=2")
+    # the quickstart traces 2 steps (profile.ops, ops_steps 2); test_engines and test_projection share this run
+    run_dir, profile = shared_run(*QUICKSTART_2RANK)
     traces = sorted((run_dir / "tb").glob("rank*.pt.trace.json.gz"))
     assert [t.name.split(".")[0] for t in traces] == ["rank0", "rank1"]
     info = profile["ops_info"]
