@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.machine import MachineLock, file_lock
+
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "quickstart_cpu.yaml"
 
@@ -57,45 +59,35 @@ def run_key(nproc: int, recipe: Path, overrides: tuple[str, ...]) -> str:
     return json.dumps({"nproc": nproc, "recipe": resolved}, sort_keys=True)
 
 
-@contextlib.contextmanager
-def file_lock(path: Path, shared: bool = False):
-    """flock on `path`: exclusive, or shared with other shared holders (pytest-xdist's workers are processes)."""
-    import fcntl
-
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 class SharedRuns:
-    """One real run per configuration for the whole session, pytest-xdist's workers included (a lock
-    per configuration); each test gets its own copy of the run dir (tests write reports and projections
-    into theirs). The first test that asks makes the run, so the tests stay independent of their order;
-    a run that failed fails the later askers at once."""
+    """One real run per configuration for the whole session, pytest-xdist's workers included; each
+    test gets its own copy of the run dir (tests write reports and projections into theirs). The first
+    test that asks makes the run, so the tests stay independent of their order; a run that failed
+    fails the later askers at once. Under pytest-xdist a run is made with the machine to itself: a
+    timed test may measure it (test_projection's source)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, root: Path, machine: MachineLock | None) -> None:
+        self.root, self.machine = root, machine
 
     def made(self, nproc: int, *overrides: str, recipe: Path = QUICKSTART, timeout: int = 240) -> Path:
         key = run_key(nproc, recipe, overrides)
         slot = self.root / hashlib.sha1(key.encode()).hexdigest()[:16]
         slot.mkdir(parents=True, exist_ok=True)
         made, failed = slot / "run_dir.txt", slot / "failure.txt"
-        with file_lock(slot / "lock"):
-            if failed.exists():
-                pytest.fail(f"the shared run of this configuration failed in an earlier test: {failed.read_text()}")
-            if not made.exists():
-                (slot / "key.json").write_text(key)
-                try:
-                    run_dir, _ = run_trainprof(slot, nproc, *overrides, recipe=recipe, timeout=timeout)
-                except (AssertionError, subprocess.TimeoutExpired) as err:
-                    failed.write_text(f"{type(err).__name__}: {str(err)[-4000:]}")
-                    raise
-                made.write_text(str(run_dir))
-            return Path(made.read_text())
+        if not (made.exists() or failed.exists()):
+            with self.machine.alone() if self.machine else contextlib.nullcontext(), file_lock(slot / "lock"):
+                if not (made.exists() or failed.exists()):  # another worker's test may have made it meanwhile
+                    (slot / "key.json").write_text(key)
+                    try:
+                        run_dir, _ = run_trainprof(slot, nproc, *overrides, recipe=recipe, timeout=timeout)
+                    except (AssertionError, subprocess.TimeoutExpired) as err:
+                        failed.write_text(f"{type(err).__name__}: {str(err)[-4000:]}")
+                        raise
+                    (slot / "run_dir.tmp").write_text(str(run_dir))
+                    os.replace(slot / "run_dir.tmp", made)  # whole, or not there, for a worker that looks
+        if failed.exists():
+            pytest.fail(f"the shared run of this configuration failed in an earlier test: {failed.read_text()}")
+        return Path(made.read_text())
 
     def copy(self, dest: Path, nproc: int, *overrides: str, recipe: Path = QUICKSTART,
              timeout: int = 240) -> tuple[Path, dict]:
@@ -116,11 +108,22 @@ def session_dir(config: pytest.Config) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
+MACHINE = pytest.StashKey["MachineLock | None"]()
+
+
+def machine_lock(config: pytest.Config) -> MachineLock | None:
+    """This pytest-xdist worker's hold on the machine; None without pytest-xdist (one test at a time)."""
+    if MACHINE not in config.stash:
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        config.stash[MACHINE] = MachineLock(session_dir(config)) if worker else None
+    return config.stash[MACHINE]
+
+
 @pytest.fixture(scope="session")
 def shared_runs(pytestconfig) -> SharedRuns:
     root = session_dir(pytestconfig) / "shared_runs"
     root.mkdir(exist_ok=True)
-    return SharedRuns(root)
+    return SharedRuns(root, machine_lock(pytestconfig))
 
 
 @pytest.fixture
@@ -162,8 +165,23 @@ def cli(capsys):
     return run
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # outside pytest-timeout's timer: waiting for the machine is no hang
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Under pytest-xdist (one worker per core: pyproject.toml's addopts), a test marked `timed` has the
+    machine to itself from its setup to its teardown, module fixtures' runs included; the other tests
+    share it with the other workers' tests."""
+    machine = machine_lock(item.config)
+    if machine is None:
+        return (yield)
+    with machine.held(alone=item.get_closest_marker("timed") is not None):
+        return (yield)
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests are skipped, not failed, where there is no CUDA: plain `pytest` is the CPU suite."""
+    """Under pytest-xdist, the order the workers take files in; and GPU tests are skipped, not failed,
+    where there is no CUDA: plain `pytest` is the CPU suite."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        order_for_workers(items)
     try:
         import torch
 
@@ -176,3 +194,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def order_for_workers(items: list[pytest.Item]) -> None:
+    """The workers take whole files in collection order (pyproject.toml: --dist loadfile
+    --no-loadscope-reorder): first the files with timed tests, which run one at a time anyway; then
+    those that launch torchrun jobs (marked slow), the long ones, two at a time; last the quick ones,
+    which keep both cores busy to the end. Every worker sorts alike, as pytest-xdist requires."""
+    rank: dict[Path, int] = {}
+    for item in items:
+        own = 0 if item.get_closest_marker("timed") else 1 if item.get_closest_marker("slow") else 2
+        rank[item.path] = min(rank.get(item.path, 2), own)
+    items.sort(key=lambda item: rank[item.path])

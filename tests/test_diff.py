@@ -134,6 +134,7 @@ def _contains_attention(name: str) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timed
 @pytest.mark.timeout(900)  # up to 3 attempts of 3 runs (about 40 s in all on a quiet machine; a loaded CI took > 300 s)
 def test_sdpa_against_eager_speeds_up_attention_and_nothing_else(tmp_path):
     attempt = iter(range(3))

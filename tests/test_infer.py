@@ -21,6 +21,7 @@ from trainprof.recipe import load_recipe
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "quickstart_cpu.yaml"
 NEW_TOKENS = 16
+pytestmark = pytest.mark.timed  # latencies compared across batch sizes and prompt lengths
 
 
 @pytest.fixture(scope="module")

@@ -345,6 +345,7 @@ def test_hardware_command_and_one_line_errors(cli):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "profile.json" in bad.stderr
 
 
+@pytest.mark.timed
 def test_probe_models_times_each_shape_in_one_call():
     """Two shapes probed together (their models called in turn, as Projector.probe_pair does for a
     source and a target): four times the tokens take longer, each layer's share is a part of its
@@ -363,6 +364,7 @@ def test_probe_models_times_each_shape_in_one_call():
     assert probe_model(recipe, small, threads=1, rounds=1).keys() == s.keys()
 
 
+@pytest.mark.timed
 def test_probe_engines_times_the_bare_model_beside_each_engine():
     """With `bare`, the engine probe also calls each recipe's bare model in the same rounds (what
     Projector.engine_overhead subtracts): ZeRO-3's parameter fetch and release at every module make its
