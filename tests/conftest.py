@@ -32,8 +32,10 @@ QUIET = [NO_CALIBRATION, NO_OPS]
 # calibrated as the quickstart is: test_projection's source, test_report's traced run and test_engines'
 # ZeRO-3 run; and the same at ZeRO-2 without calibration: test_projection's real run of its ZeRO-2
 # what-if and test_engines' ZeRO-2 run.
-QUICKSTART_2RANK = (2, "train.steps=16")
-ZERO2_2RANK = (2, "train.steps=16", "engine.zero_stage=2", NO_CALIBRATION)
+QUICKSTART_2RANK = (2, "train.steps=16", "profile.ops=true", "profile.ops_steps=2", "profile.calibrate=true")
+ZERO2_2RANK = (2, "train.steps=16", "engine.zero_stage=2", "profile.ops=true", NO_CALIBRATION)
+# whose step times a timed test compares (test_projection): under pytest-xdist made with the machine to itself
+MEASURED = (QUICKSTART_2RANK, ZERO2_2RANK)
 
 
 def run_trainprof(tmp_path: Path, nproc: int, *overrides: str, recipe: Path = QUICKSTART,
@@ -63,8 +65,7 @@ class SharedRuns:
     """One real run per configuration for the whole session, pytest-xdist's workers included; each
     test gets its own copy of the run dir (tests write reports and projections into theirs). The first
     test that asks makes the run, so the tests stay independent of their order; a run that failed
-    fails the later askers at once. Under pytest-xdist a run is made with the machine to itself: a
-    timed test may measure it (test_projection's source)."""
+    fails the later askers at once."""
 
     def __init__(self, root: Path, machine: MachineLock | None) -> None:
         self.root, self.machine = root, machine
@@ -75,7 +76,8 @@ class SharedRuns:
         slot.mkdir(parents=True, exist_ok=True)
         made, failed = slot / "run_dir.txt", slot / "failure.txt"
         if not (made.exists() or failed.exists()):
-            with self.machine.alone() if self.machine else contextlib.nullcontext(), file_lock(slot / "lock"):
+            measured = self.machine is not None and (nproc, *overrides) in MEASURED
+            with self.machine.alone() if measured else contextlib.nullcontext(), file_lock(slot / "lock"):
                 if not (made.exists() or failed.exists()):  # another worker's test may have made it meanwhile
                     (slot / "key.json").write_text(key)
                     try:
@@ -199,10 +201,15 @@ def pytest_collection_modifyitems(config, items):
 def order_for_workers(items: list[pytest.Item]) -> None:
     """The workers take whole files in collection order (pyproject.toml: --dist loadfile
     --no-loadscope-reorder): first the files with timed tests, which run one at a time anyway; then
-    those that launch torchrun jobs (marked slow), the long ones, two at a time; last the quick ones,
-    which keep both cores busy to the end. Every worker sorts alike, as pytest-xdist requires."""
-    rank: dict[Path, int] = {}
+    those that launch torchrun jobs (marked slow), two at a time, the longest first (the largest
+    timeout a file's tests set is what pytest knows of its length before running it), so that none is
+    left running alone at the end; last the quick ones, which keep both cores busy to the end. Every
+    worker sorts alike, as pytest-xdist requires."""
+    rank: dict[Path, tuple[int, float]] = {}
     for item in items:
-        own = 0 if item.get_closest_marker("timed") else 1 if item.get_closest_marker("slow") else 2
-        rank[item.path] = min(rank.get(item.path, 2), own)
-    items.sort(key=lambda item: rank[item.path])
+        kind = 0 if item.get_closest_marker("timed") else 1 if item.get_closest_marker("slow") else 2
+        timeout = item.get_closest_marker("timeout")
+        length = float(timeout.args[0]) if timeout and timeout.args else 0.0
+        before = rank.get(item.path, (2, 0.0))
+        rank[item.path] = (min(before[0], kind), max(before[1], length))
+    items.sort(key=lambda item: (rank[item.path][0], -rank[item.path][1]))

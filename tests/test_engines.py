@@ -29,11 +29,11 @@ def assert_trained(profile: dict, world_size: int, grad_accum: int = 1, measured
     "stage,offload", [(2, "none"), (3, "none"), (3, "optimizer")], ids=["zero2", "zero3", "zero3-offload"]
 )
 def test_deepspeed_zero(shared_run, nproc, stage, offload):
+    shared = SHARED.get((nproc, stage, offload))
     # neither calibration nor operator traces are asserted on here: off, where the run is not shared
-    config = SHARED.get((nproc, stage, offload), (nproc, f"engine.zero_stage={stage}", f"engine.offload={offload}",
-                                                  *QUIET))
-    run_dir, profile = shared_run(*config)
-    assert_trained(profile, nproc, measured_steps=16 if config in SHARED.values() else 6)
+    run_dir, profile = shared_run(*shared) if shared else \
+        shared_run(nproc, f"engine.zero_stage={stage}", f"engine.offload={offload}", *QUIET)
+    assert_trained(profile, nproc, measured_steps=16 if shared else 6)
     cfg = profile["engine"]["config"]
     assert profile["engine"]["kind"] == "deepspeed"
     assert cfg["zero_optimization"]["stage"] == stage

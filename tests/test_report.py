@@ -130,7 +130,7 @@ def test_report_html_renders_in_headless_chromium(tmp_path):
 def test_real_run_with_operator_tracing_writes_traces_that_report(shared_run):
     from trainprof.analysis.trace import summarize_trace
 
-    # the quickstart traces 2 steps (profile.ops, ops_steps 2); test_engines and test_projection share this run
+    # 2 traced steps (profile.ops, ops_steps 2), 16 measured; test_engines and test_projection share this run
     run_dir, profile = shared_run(*QUICKSTART_2RANK)
     traces = sorted((run_dir / "tb").glob("rank*.pt.trace.json.gz"))
     assert [t.name.split(".")[0] for t in traces] == ["rank0", "rank1"]
