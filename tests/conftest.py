@@ -179,8 +179,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return (yield)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist names the groups in the node ids
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist, the order the workers take files in; and GPU tests are skipped, not failed,
+    """Under pytest-xdist, the order the workers take tests in; and GPU tests are skipped, not failed,
     where there is no CUDA: plain `pytest` is the CPU suite."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         order_for_workers(items)
@@ -199,17 +200,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 def order_for_workers(items: list[pytest.Item]) -> None:
-    """The workers take whole files in collection order (pyproject.toml: --dist loadfile
-    --no-loadscope-reorder): first the files with timed tests, which run one at a time anyway; then
-    those that launch torchrun jobs (marked slow), two at a time, the longest first (the largest
-    timeout a file's tests set is what pytest knows of its length before running it), so that none is
-    left running alone at the end; last the quick ones, which keep both cores busy to the end. Every
-    worker sorts alike, as pytest-xdist requires."""
-    rank: dict[Path, tuple[int, float]] = {}
+    """The workers take tests, or whole xdist_groups, in collection order (pyproject.toml: --dist
+    loadgroup --no-loadscope-reorder): first the tests that launch torchrun jobs (marked slow), two at a
+    time, the longest first (the timeout a test sets is what pytest knows of its length before running
+    it), so that none is left running alone at the end; then the quick ones; last the timed ones, which
+    run one at a time: the switch to them waits only for a quick test. Every worker sorts alike, as
+    pytest-xdist requires."""
+
+    def unit(item: pytest.Item) -> str:
+        group = item.get_closest_marker("xdist_group")
+        return f"group {group.args[0]}" if group else item.nodeid
+
+    rank: dict[str, tuple[int, float]] = {}
     for item in items:
-        kind = 0 if item.get_closest_marker("timed") else 1 if item.get_closest_marker("slow") else 2
+        kind = 2 if item.get_closest_marker("timed") else 0 if item.get_closest_marker("slow") else 1
         timeout = item.get_closest_marker("timeout")
         length = float(timeout.args[0]) if timeout and timeout.args else 0.0
-        before = rank.get(item.path, (2, 0.0))
-        rank[item.path] = (min(before[0], kind), max(before[1], length))
-    items.sort(key=lambda item: (rank[item.path][0], -rank[item.path][1]))
+        before = rank.get(unit(item), (0, 0.0))
+        rank[unit(item)] = (max(before[0], kind), max(before[1], length))
+    items.sort(key=lambda item: (rank[unit(item)][0], -rank[unit(item)][1]))

@@ -8,8 +8,14 @@ import pytest
 
 from conftest import QUICKSTART_2RANK, QUIET, ZERO2_2RANK
 
-# 2 ranks at ZeRO-3 and ZeRO-2 without offload: the runs test_projection and test_report share (16 steps)
+# 2 ranks at ZeRO-3 and ZeRO-2 without offload: the runs test_projection and test_report share (16 steps);
+# test_projection measures their steps, so they are timed (made with the machine to itself under pytest-xdist)
 SHARED = {(2, 3, "none"): QUICKSTART_2RANK, (2, 2, "none"): ZERO2_2RANK}
+ZERO = [pytest.param(nproc, stage, offload, id=f"{name}-{nproc}",
+                     marks=[pytest.mark.timed] if (nproc, stage, offload) in SHARED else [])
+        for name, (stage, offload) in {"zero2": (2, "none"), "zero3": (3, "none"),
+                                       "zero3-offload": (3, "optimizer")}.items()
+        for nproc in (1, 2)]
 
 
 def assert_trained(profile: dict, world_size: int, grad_accum: int = 1, measured_steps: int = 6) -> None:
@@ -24,10 +30,7 @@ def assert_trained(profile: dict, world_size: int, grad_accum: int = 1, measured
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
-@pytest.mark.parametrize(
-    "stage,offload", [(2, "none"), (3, "none"), (3, "optimizer")], ids=["zero2", "zero3", "zero3-offload"]
-)
+@pytest.mark.parametrize("nproc,stage,offload", ZERO)
 def test_deepspeed_zero(shared_run, nproc, stage, offload):
     shared = SHARED.get((nproc, stage, offload))
     # neither calibration nor operator traces are asserted on here: off, where the run is not shared

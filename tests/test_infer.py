@@ -21,7 +21,8 @@ from trainprof.recipe import load_recipe
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "quickstart_cpu.yaml"
 NEW_TOKENS = 16
-pytestmark = pytest.mark.timed  # latencies compared across batch sizes and prompt lengths
+# latencies compared across batch sizes and prompt lengths; one pytest-xdist worker makes the module's run
+pytestmark = [pytest.mark.timed, pytest.mark.xdist_group("infer")]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from helpers.checks import retry_on_noise
 # the validation goal is 5% mean / 10% max on a quiet machine (scripts/bench_projection.py); a test on a
 # shared 2-core CI machine gets a margin for the noise between two separate runs
 STEP_TOLERANCE = 0.35
-pytestmark = pytest.mark.timed  # probes; predicted steps against real runs
+# probes, and predicted steps against real runs; one pytest-xdist worker copies the module's source run
+pytestmark = [pytest.mark.timed, pytest.mark.xdist_group("projection")]
 MEMORY_TOLERANCE = 0.10
 # 4 of a run's steps are warm-up or instrumented; 16 leave the medians of 12 (each step is ~0.1 s)
 STEPS = "train.steps=16"  # as in conftest's QUICKSTART_2RANK, the source

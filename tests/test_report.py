@@ -127,6 +127,7 @@ def test_report_html_renders_in_headless_chromium(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timed  # its run is test_projection's source (conftest.MEASURED)
 def test_real_run_with_operator_tracing_writes_traces_that_report(shared_run):
     from trainprof.analysis.trace import summarize_trace
 
