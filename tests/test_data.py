@@ -10,7 +10,7 @@ import torch
 from trainprof.data import SyntheticTokens, build_loader
 from trainprof.recipe import RecipeError, load_recipe
 
-from conftest import QUICKSTART, run_trainprof
+from conftest import QUICKSTART, QUIET, run_trainprof
 
 
 def test_synthetic_is_a_repeating_pattern_with_per_rank_offsets():
@@ -64,5 +64,5 @@ def test_bad_jsonl_line_names_the_line(tmp_path, corpus):
 @pytest.mark.slow
 def test_file_data_trains_under_torchrun(tmp_path, corpus):
     _, profile = run_trainprof(tmp_path, 2, "data.source=file", f"data.path={corpus / 'corpus.jsonl'}",
-                               f"data.tokenizer={corpus / 'tok'}", "zero_stage=2")
+                               f"data.tokenizer={corpus / 'tok'}", "zero_stage=2", *QUIET)
     assert profile["steps"][-1]["loss"] < profile["steps"][0]["loss"]

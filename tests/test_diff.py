@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import QUIET
 from tests.helpers.checks import retry_on_noise
 from trainprof.analysis.diff import MIN_BAND, NOISE_SAFETY, diff_profiles
 from trainprof.report.diff_report import run_diff, write_diff
@@ -112,7 +113,8 @@ def test_cli_writes_md_html_csv(tmp_path):
 # 2048^2 scores per layer; SDPA's CPU flash kernel does not, which makes attention several times faster
 # (7.5x forward, 4x backward measured here) while MLP, norms and head do the same work in both runs.
 REAL = ["engine.kind=torch", "engine.zero_stage=0", "data.seq_len=2048", "model.max_position_embeddings=2048",
-        "train.micro_batch_size=1", "train.steps=8", "train.warmup_steps=1", "profile.module_depth=4"]
+        "train.micro_batch_size=1", "train.steps=8", "train.warmup_steps=1", "profile.module_depth=4",
+        *QUIET]
 
 
 def _run(out: Path, attention: str) -> Path:
@@ -132,6 +134,7 @@ def _contains_attention(name: str) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timed
 @pytest.mark.timeout(900)  # up to 3 attempts of 3 runs (about 40 s in all on a quiet machine; a loaded CI took > 300 s)
 def test_sdpa_against_eager_speeds_up_attention_and_nothing_else(tmp_path):
     attempt = iter(range(3))

@@ -6,12 +6,21 @@ import math
 
 import pytest
 
-from conftest import run_trainprof
+from conftest import QUICKSTART_2RANK, QUIET, ZERO2_2RANK
+
+# 2 ranks at ZeRO-3 and ZeRO-2 without offload: the runs test_projection and test_report share (16 steps);
+# test_projection measures their steps, so they are timed (made with the machine to itself under pytest-xdist)
+SHARED = {(2, 3, "none"): QUICKSTART_2RANK, (2, 2, "none"): ZERO2_2RANK}
+ZERO = [pytest.param(nproc, stage, offload, id=f"{name}-{nproc}",
+                     marks=[pytest.mark.timed] if (nproc, stage, offload) in SHARED else [])
+        for name, (stage, offload) in {"zero2": (2, "none"), "zero3": (3, "none"),
+                                       "zero3-offload": (3, "optimizer")}.items()
+        for nproc in (1, 2)]
 
 
-def assert_trained(profile: dict, world_size: int, grad_accum: int = 1) -> None:
+def assert_trained(profile: dict, world_size: int, grad_accum: int = 1, measured_steps: int = 6) -> None:
     steps = [s for s in profile["steps"] if not s.get("warmup")]
-    assert len(steps) == 6
+    assert len(steps) == measured_steps
     assert profile["env"]["world_size"] == world_size
     assert all(math.isfinite(s["loss"]) and s["wall_ms"] > 0 for s in steps)
     # the synthetic task is a repeating pattern: a model that really trains gets its loss down
@@ -21,13 +30,13 @@ def assert_trained(profile: dict, world_size: int, grad_accum: int = 1) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
-@pytest.mark.parametrize(
-    "stage,offload", [(2, "none"), (3, "none"), (3, "optimizer")], ids=["zero2", "zero3", "zero3-offload"]
-)
-def test_deepspeed_zero(tmp_path, nproc, stage, offload):
-    run_dir, profile = run_trainprof(tmp_path, nproc, f"engine.zero_stage={stage}", f"engine.offload={offload}")
-    assert_trained(profile, nproc)
+@pytest.mark.parametrize("nproc,stage,offload", ZERO)
+def test_deepspeed_zero(shared_run, nproc, stage, offload):
+    shared = SHARED.get((nproc, stage, offload))
+    # neither calibration nor operator traces are asserted on here: off, where the run is not shared
+    run_dir, profile = shared_run(*shared) if shared else \
+        shared_run(nproc, f"engine.zero_stage={stage}", f"engine.offload={offload}", *QUIET)
+    assert_trained(profile, nproc, measured_steps=16 if shared else 6)
     cfg = profile["engine"]["config"]
     assert profile["engine"]["kind"] == "deepspeed"
     assert cfg["zero_optimization"]["stage"] == stage
@@ -40,10 +49,10 @@ def test_deepspeed_zero(tmp_path, nproc, stage, offload):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_lora_under_deepspeed_zero(tmp_path, stage):
+def test_lora_under_deepspeed_zero(shared_run, stage):
     """LoRA adapters train under ZeRO-2 and ZeRO-3 on two ranks. ZeRO-3 creates them partitioned in the
     model dtype and refused peft's fp32 adapters beside them (an AssertionError inside DeepSpeed)."""
-    _, profile = run_trainprof(tmp_path, 2, "task.kind=lora", f"engine.zero_stage={stage}")
+    _, profile = shared_run(2, "task.kind=lora", f"engine.zero_stage={stage}", *QUIET)
     steps = [s for s in profile["steps"] if not s.get("warmup")]
     assert all(math.isfinite(s["loss"]) for s in steps)
     assert steps[-1]["loss"] < steps[0]["loss"], [s["loss"] for s in steps]
@@ -52,15 +61,15 @@ def test_lora_under_deepspeed_zero(tmp_path, stage):
 
 
 @pytest.mark.slow
-def test_torch_ddp_two_ranks(tmp_path):
-    _, profile = run_trainprof(tmp_path, 2, "engine.kind=torch", "engine.zero_stage=0", "train.grad_accum=2")
+def test_torch_ddp_two_ranks(shared_run):
+    _, profile = shared_run(2, "engine.kind=torch", "engine.zero_stage=0", "train.grad_accum=2", *QUIET)
     assert_trained(profile, 2, grad_accum=2)
     assert profile["engine"]["config"]["ddp"] is True
 
 
 @pytest.mark.slow
-def test_param_offload_zero3(tmp_path):
-    _, profile = run_trainprof(tmp_path, 2, "engine.zero_stage=3", "engine.offload=optimizer+params")
+def test_param_offload_zero3(shared_run):
+    _, profile = shared_run(2, "engine.zero_stage=3", "engine.offload=optimizer+params", *QUIET)
     assert_trained(profile, 2)
     assert profile["engine"]["config"]["zero_optimization"]["offload_param"]["device"] == "cpu"
 

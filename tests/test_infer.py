@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -23,6 +21,8 @@ from trainprof.recipe import load_recipe
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "quickstart_cpu.yaml"
 NEW_TOKENS = 16
+# latencies compared across batch sizes and prompt lengths; one pytest-xdist worker makes the module's run
+pytestmark = [pytest.mark.timed, pytest.mark.xdist_group("infer")]
 
 
 @pytest.fixture(scope="module")
@@ -152,17 +152,12 @@ def test_memory_bandwidth_catalog() -> None:
     assert memory_bandwidth("x86_64", "cpu")[0] is None
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainprof", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=120)
-
-
-def test_cli_help_and_bad_arguments() -> None:
-    help_ = _cli("infer", "--help")
+def test_cli_help_and_bad_arguments(cli) -> None:
+    help_ = cli("infer", "--help")
     assert help_.returncode == 0 and "--prompt-len" in help_.stdout and "--new-tokens" in help_.stdout
-    bad = _cli("infer", str(RECIPE), "--batch", "0,4")
+    bad = cli("infer", RECIPE, "--batch", "0,4")
     assert bad.returncode == 2 and "--batch" in bad.stderr and "batch sizes must be integers >= 1" in bad.stderr
-    long = _cli("infer", str(RECIPE), "--prompt-len", "1000", "--new-tokens", "100")
+    long = cli("infer", RECIPE, "--prompt-len", "1000", "--new-tokens", "100")
     assert long.returncode == 2
     lines = [ln for ln in long.stderr.splitlines() if ln.startswith("trainprof:")]
     assert len(lines) == 1 and "max_position_embeddings 1024" in lines[0], long.stderr
@@ -195,7 +190,7 @@ def test_infer_on_gpu(tmp_path) -> None:
             assert 0 < r["decode"]["bandwidth_utilization"] < 1
 
 
-def test_diff_of_two_inference_runs(run, tmp_path) -> None:
+def test_diff_of_two_inference_runs(run, tmp_path, cli) -> None:
     """`trainprof diff` on two `trainprof infer` run dirs: latency rows per batch size both measured, judged
     against the measured default band; a run against a copy of itself with every latency doubled is
     "slower" at exactly 0.5x; modules are shown, not judged; files pandas and a browser open; a training
@@ -208,7 +203,7 @@ def test_diff_of_two_inference_runs(run, tmp_path) -> None:
     recipe = load_recipe(RECIPE, ["model.dtype=fp32", "model.attention=eager", f"output.dir={tmp_path}"])
     other = infer(recipe, InferSettings(batch_sizes=[1, 4], prompt_len=32, new_tokens=NEW_TOKENS, requests=3,
                                         warmup=1), progress=False)
-    out = _cli("diff", str(run_dir), str(other), "--out", str(tmp_path / "diff"))
+    out = cli("diff", run_dir, other, "--out", tmp_path / "diff")
     assert out.returncode == 0, out.stderr
     df = pd.read_csv(tmp_path / "diff" / "diff.csv")
     latency = df[df["kind"] == "latency"]
@@ -231,6 +226,6 @@ def test_diff_of_two_inference_runs(run, tmp_path) -> None:
     assert len(d.steps) == 3 * 5 and all(r.verdict == "slower" and r.speedup == pytest.approx(0.5) for r in d.steps)
     assert not d.recipe_changes and not d.notes
 
-    mixed = _cli("diff", str(REPO / "profiles" / "cpu-x86_64-quickstart_cpu"), str(run_dir))
+    mixed = cli("diff", REPO / "profiles" / "cpu-x86_64-quickstart_cpu", run_dir)
     assert mixed.returncode == 2 and "is a training run dir" in mixed.stderr and "diff two of a kind" in mixed.stderr
     assert len(mixed.stderr.strip().splitlines()) == 1

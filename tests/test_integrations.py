@@ -16,6 +16,7 @@ from conftest import REPO
 
 SCRIPTS = REPO / "tests" / "data" / "scripts"
 STEPS, WARMUP = 5, 1  # the scripts' optimizer steps; trainprof.wrap's default warm-up
+pytestmark = pytest.mark.timed  # the step closes within 2% (unattributed time)
 
 
 def wrap(tmp_path: Path, script: str, *args: str, nproc: int = 0, timeout: int = 240) -> tuple[subprocess.CompletedProcess, Path]:

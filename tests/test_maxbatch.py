@@ -11,12 +11,12 @@ import sys
 import pandas as pd
 import pytest
 
-from conftest import QUICKSTART, REPO
+from conftest import QUICKSTART, QUIET, REPO
 
 # eager attention at seq 512 on 4 layers: every extra sample adds ~65 MiB of peak RSS over a ~0.45 GiB
 # baseline, so a 0.7 GiB cap lands between 2 and 4 samples
 SETTINGS = ["engine.kind=torch", "engine.zero_stage=0", "model.num_layers=4", "model.attention=eager",
-            "data.seq_len=512", "train.memory_cap_gb=0.7"]
+            "data.seq_len=512", "train.memory_cap_gb=0.7", *QUIET]
 
 
 @pytest.mark.slow

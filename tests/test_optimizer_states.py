@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import REPO, run_trainprof
+from conftest import QUIET, REPO, run_trainprof
 from trainprof.engines.optim import param_groups
 from trainprof.models import build_model
 from trainprof.plan import estimate_plan
@@ -39,9 +39,9 @@ def test_param_groups_put_matrices_apart_from_norms():
 
 @pytest.mark.timeout(600)
 def test_four_bit_states_train_every_parameter_in_an_eighth_of_the_bytes(tmp_path):
-    fp32_dir, fp32 = run_trainprof(tmp_path / "fp32", 1, "engine.kind=torch", "engine.zero_stage=0")
+    fp32_dir, fp32 = run_trainprof(tmp_path / "fp32", 1, "engine.kind=torch", "engine.zero_stage=0", *QUIET)
     q_dir, q = run_trainprof(tmp_path / "q4", 1, "engine.kind=torch", "engine.zero_stage=0",
-                             "optimizer.state_bits=4", timeout=480)
+                             "optimizer.state_bits=4", *QUIET, timeout=480)
     a, b = fp32["model_state_bytes"], q["model_state_bytes"]
     assert a["optimizer_state_quantized_elements"] == 0
     # every matrix's moments are quantized; only the 1-D norm weights (< 4096 elements) stay fp32
@@ -74,7 +74,8 @@ def test_four_bit_row_of_a_zero3_sweep(tmp_path):
 recipe: {REPO / 'recipes' / 'quickstart_cpu.yaml'}
 nproc: 2
 timeout_s: 480
-overrides: [data.seq_len=64, train.micro_batch_size=2, train.steps=4, train.warmup_steps=1, engine.zero_stage=3]
+overrides: [data.seq_len=64, train.micro_batch_size=2, train.steps=4, train.warmup_steps=1, engine.zero_stage=3,
+            {", ".join(QUIET)}]
 cells:
   - {{name: ZeRO-3}}
   - {{name: ZeRO-3 + 4-bit, overrides: [optimizer.state_bits=4]}}

@@ -105,6 +105,7 @@ def test_the_journal_replays_to_the_live_rank_document(tmp_path):
     assert not path.exists()
 
 
+@pytest.mark.timed
 def test_the_journal_writes_at_most_once_an_interval_and_the_rest_at_close(tmp_path):
     """The first step is written as it ends (the header with it); later ones wait for the interval,
     several in one write; close() writes what waits, so nothing recorded is lost."""

@@ -42,6 +42,8 @@ MODEL = ["model.num_layers=3", "model.dtype=fp32", f"data.seq_len={SEQ}", "engin
 PIPE = [*MODEL, "engine.pipeline_stages=2", "engine.pipeline_layers=[2,1]"]
 MICRO, HIDDEN = 2, 128  # conftest.FAST's micro batch; llama2-tiny's hidden size
 BOUNDARY = MICRO * SEQ * HIDDEN * 4  # fp32 residual stream between the stages
+# bubbles, transfer times and projected steps; one pytest-xdist worker makes the module's runs
+pytestmark = [pytest.mark.timed, pytest.mark.xdist_group("pipeline")]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from trainprof.profiler.schema import validate_profile
 
 REPO = Path(__file__).resolve().parents[1]
 HELPERS = REPO / "tests" / "helpers"
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timed, pytest.mark.xdist_group("profiler_dist")]  # a module fixture
 
 
 def torchrun(script: Path, *args: str, timeout: int = 240) -> None:

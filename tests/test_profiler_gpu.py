@@ -13,7 +13,7 @@ import torch
 from helpers.checks import check_closure, check_modules, module_rows_per_step
 from helpers.synthetic import Synthetic, train
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.timed]
 
 
 def test_cuda_event_timer_recovers_module_times():

@@ -16,6 +16,7 @@ from trainprof.profiler.schema import validate_profile
 from trainprof.recipe import Recipe
 
 SEQ, BATCH = 128, 2
+pytestmark = pytest.mark.timed  # module times against each other
 
 
 @pytest.fixture(autouse=True)

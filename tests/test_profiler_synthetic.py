@@ -19,6 +19,7 @@ from helpers.checks import check_modules as _check_modules
 from helpers.synthetic import Synthetic, phase_truth_ms, train, truth_ms
 
 REL = 0.05  # phase times within 5%
+pytestmark = pytest.mark.timed  # module times against the waits really made
 ABS_MS = 0.15
 
 

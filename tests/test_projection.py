@@ -13,15 +13,17 @@ import json
 import pandas as pd
 import pytest
 
-from conftest import run_trainprof
+from conftest import NO_CALIBRATION, QUICKSTART_2RANK, ZERO2_2RANK, run_trainprof
 from helpers.checks import retry_on_noise
 
 # the validation goal is 5% mean / 10% max on a quiet machine (scripts/bench_projection.py); a test on a
 # shared 2-core CI machine gets a margin for the noise between two separate runs
 STEP_TOLERANCE = 0.35
+# probes, and predicted steps against real runs; one pytest-xdist worker copies the module's source run
+pytestmark = [pytest.mark.timed, pytest.mark.xdist_group("projection")]
 MEMORY_TOLERANCE = 0.10
 # 4 of a run's steps are warm-up or instrumented; 16 leave the medians of 12 (each step is ~0.1 s)
-STEPS = "train.steps=16"
+STEPS = "train.steps=16"  # as in conftest's QUICKSTART_2RANK, the source
 
 
 def project(*args: str) -> dict:
@@ -41,13 +43,13 @@ def kinds(pred: dict) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    run_dir, profile = run_trainprof(tmp_path_factory.mktemp("source"), 2, STEPS)
-    return run_dir, profile
+def source(shared_runs, tmp_path_factory):
+    """The quickstart on 2 ranks (test_report and test_engines share the run), copied: projections write into it."""
+    return shared_runs.copy(tmp_path_factory.mktemp("source"), *QUICKSTART_2RANK)
 
 
 @pytest.mark.slow
-def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_run(source, tmp_path):
+def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_run(source, shared_runs, tmp_path):
     run_dir, profile = source
     same = project(str(run_dir))
     (p,) = same["predictions"]
@@ -85,18 +87,21 @@ def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_
 
     def check() -> None:  # a slow spell of a shared machine during either run is retried, a wrong model is not
         i = next(attempt)
-        src_dir = run_dir if i == 0 else run_trainprof(tmp_path / f"source{i}", 2, STEPS)[0]
+        src_dir = run_dir if i == 0 else run_trainprof(tmp_path / f"source{i}", *QUICKSTART_2RANK)[0]
         what_if = project(str(src_dir), "train.micro_batch_size=4", "--nproc", "1")["predictions"][0]
         assert what_if["phases_ms"]["comm_exposed"] == 0.0 and what_if["world_size"] == 1
         assert what_if["change_kinds"] == ["micro_batch", "world_size"]
-        _, real = run_trainprof(tmp_path / f"real{i}", 1, STEPS, "train.micro_batch_size=4")
+        # the real runs are only measured: no calibration (their traced steps stay, as in the source)
+        _, real = run_trainprof(tmp_path / f"real{i}", 1, STEPS, "train.micro_batch_size=4", NO_CALIBRATION)
         m = measured_from_profile(real)
         assert abs(what_if["step_ms"] - m.step_ms) / m.step_ms < STEP_TOLERANCE, (what_if["step_ms"], m.step_ms)
         mem_err = abs(what_if["memory_per_rank_bytes"] - m.peak_memory_bytes) / m.peak_memory_bytes
         assert mem_err < MEMORY_TOLERANCE, (what_if["memory_per_rank_bytes"], m.peak_memory_bytes)
         zero2_ms = zero2["predicted_step_ms"] if i == 0 else \
             project(str(src_dir), "engine.zero_stage=2")["predictions"][0]["step_ms"]
-        _, real2 = run_trainprof(tmp_path / f"zero2-{i}", 2, STEPS, "engine.zero_stage=2")
+        # the first attempt's ZeRO-2 run is test_engines' (the same configuration); a retry runs both again
+        _, real2 = shared_runs.copy(tmp_path / "zero2-0", *ZERO2_2RANK) if i == 0 else \
+            run_trainprof(tmp_path / f"zero2-{i}", *ZERO2_2RANK)
         m2 = measured_from_profile(real2)
         assert abs(zero2_ms - m2.step_ms) / m2.step_ms < STEP_TOLERANCE, (zero2_ms, m2.step_ms)
 
@@ -116,14 +121,14 @@ def test_a_model_size_change_probes_its_parts_and_lands_near_a_real_run(source, 
 
     def check() -> None:
         i = next(attempt)
-        src_dir = run_dir if i == 0 else run_trainprof(tmp_path / f"source{i}", 2, STEPS)[0]
+        src_dir = run_dir if i == 0 else run_trainprof(tmp_path / f"source{i}", *QUICKSTART_2RANK)[0]
         pred = project(str(src_dir), *overrides)["predictions"][0]
         assert pred["change_kinds"] == ["model_size"], pred.get("reasons")
         parts = kinds(pred)["parts_probed"]
         assert (parts["source_layers"], parts["target_layers"]) == (2, 4)
         assert parts["layer_target_ms"] > parts["layer_source_ms"] > 0  # the wider MLP costs more per layer
         assert "comm_zero3_derived" in kinds(pred)
-        _, real = run_trainprof(tmp_path / f"real{i}", 2, STEPS, *overrides)
+        _, real = run_trainprof(tmp_path / f"real{i}", 2, STEPS, *overrides, NO_CALIBRATION)
         m = measured_from_profile(real)
         assert abs(pred["step_ms"] - m.step_ms) / m.step_ms < STEP_TOLERANCE, (pred["step_ms"], m.step_ms)
 

@@ -489,6 +489,7 @@ def test_hardware_command_and_one_line_errors(capsys):
     assert err.count("\n") == 1 and "profile.json" in err
 
 
+@pytest.mark.timed
 def test_probe_parts_times_each_shape_in_one_call():
     """Two shapes probed together (their models called in turn): four times the tokens take longer in the
     layers and in the rest of the model, and a layer is timed from the difference of 0 and k layers."""
@@ -503,6 +504,7 @@ def test_probe_parts_times_each_shape_in_one_call():
     assert t.layer_forward_ms + t.rest_forward_ms > 1.3 * (s.layer_forward_ms + s.rest_forward_ms)
 
 
+@pytest.mark.timed
 def test_probe_engines_times_the_bare_model_beside_each_engine():
     """With `bare`, the engine probe also calls each recipe's bare model in the same rounds (what
     Projector.engine_overhead subtracts): ZeRO-3's parameter fetch and release at every module make its

@@ -177,25 +177,23 @@ def test_apply_overrides_creates_sections():
     assert apply_overrides({}, ["train.steps=3"]) == {"train": {"steps": 3}}
 
 
-def test_cli_takes_overrides_after_options(tmp_path):
+def test_cli_takes_overrides_after_options(cli):
     """`trainprof plan R.yaml --nproc 2 key=value`: overrides may follow options."""
     import json
 
-    proc = subprocess.run([sys.executable, "-m", "trainprof", "plan", str(QUICKSTART), "--nproc", "2", "--json",
-                           "train.micro_batch_size=3"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    proc = cli("plan", QUICKSTART, "--nproc", "2", "--json", "train.micro_batch_size=3")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["tokens_per_step"]["value"] == 3 * 256 * 2
 
 
 @pytest.mark.parametrize("text", ["", "# only a comment\n\n   \n"])
-def test_empty_recipe_file_refused(tmp_path, text):
+def test_empty_recipe_file_refused(tmp_path, text, cli):
     """An empty file is a mistake (wrong file, lost content), not a request for the defaults."""
     path = tmp_path / "empty.yaml"
     path.write_text(text)
     with pytest.raises(RecipeError, match=r"recipe file '.*empty\.yaml' is empty; .*\{\}"):
         load_recipe(path)
-    proc = subprocess.run([sys.executable, "-m", "trainprof", "plan", str(path), "--nproc", "2"],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    proc = cli("plan", path, "--nproc", "2")
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "is empty" in lines[0] and "empty.yaml" in lines[0]

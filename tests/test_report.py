@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_trainprof
+from conftest import QUICKSTART_2RANK
 from trainprof.report.run_report import write_reports
 
 DATA = Path(__file__).parent / "data"
@@ -127,10 +127,12 @@ def test_report_html_renders_in_headless_chromium(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_run_with_operator_tracing_writes_traces_that_report(tmp_path):
+@pytest.mark.timed  # its run is test_projection's source (conftest.MEASURED)
+def test_real_run_with_operator_tracing_writes_traces_that_report(shared_run):
     from trainprof.analysis.trace import summarize_trace
 
-    run_dir, profile = run_trainprof(tmp_path, 2, "profile.ops=true", "profile.ops_steps=2", "train.steps=5")
+    # 2 traced steps (profile.ops, ops_steps 2), 16 measured; test_engines and test_projection share this run
+    run_dir, profile = shared_run(*QUICKSTART_2RANK)
     traces = sorted((run_dir / "tb" / run_dir.name).glob("rank*.pt.trace.json.gz"))  # tb/<run name>/
     assert [t.name.split(".")[0] for t in traces] == ["rank0", "rank1"]
     info = profile["ops_info"]

@@ -14,7 +14,7 @@ import pytest
 
 from trainprof.sweep.scaling import PARTS
 
-from conftest import FAST, QUICKSTART, REPO
+from conftest import FAST, QUICKSTART, QUIET, REPO
 
 
 def scale(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
@@ -45,19 +45,22 @@ def check_report(out: Path, mode: str, batches: list[int]) -> pd.DataFrame:
 @pytest.mark.timeout(600)
 def test_scale_one_and_two_ranks(tmp_path):
     out = tmp_path / "scale"
-    proc = scale(str(QUICKSTART), *FAST, "--nproc", "1,2", "--out", str(out))
+    proc = scale(str(QUICKSTART), *FAST, *QUIET, "--nproc", "1,2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     weak = check_report(out, "weak", batches=[2, 2])  # weak scaling: the per-rank micro batch stays 2
+    # the projected table beside the measured one, from the N=1 run (the calls below skip it: --no-project)
+    projected = pd.read_csv(out / "scaling_projected.csv")
+    assert list(projected["world_size"]) == [1, 2], projected
 
     # the same runs read back from their dirs, as when collected from a cluster
-    again = scale("--runs", *weak["run_dir"], "--out", str(tmp_path / "collected"), timeout=60)
+    again = scale("--runs", *weak["run_dir"], "--no-project", "--out", str(tmp_path / "collected"), timeout=60)
     assert again.returncode == 0, again.stderr[-2000:]
     collected = pd.read_csv(tmp_path / "collected" / "scaling.csv")
     assert collected["efficiency"].tolist() == pytest.approx(weak["efficiency"].tolist())
 
     # strong scaling keeps the global batch (2): 1 sample per rank at N=2. Same output dir: the N=1 run is
     # the same configuration, so it is reused rather than run again
-    proc = scale(str(QUICKSTART), *FAST, "--nproc", "1,2", "--strong", "--out", str(out))
+    proc = scale(str(QUICKSTART), *FAST, *QUIET, "--nproc", "1,2", "--strong", "--no-project", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     strong = check_report(out, "strong", batches=[2, 1])
     assert strong["run_dir"][0] == weak["run_dir"][0]

@@ -11,7 +11,7 @@ import sys
 import pandas as pd
 import pytest
 
-from conftest import REPO
+from conftest import QUIET, REPO
 
 SWEEP = REPO / "recipes" / "sweeps" / "zero_recompute_attention_cpu.yaml"
 
@@ -26,7 +26,8 @@ def run_sweep(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(900)
 def test_zero_recompute_attention_sweep(tmp_path):
     out = tmp_path / "sweep"
-    proc = run_sweep(str(SWEEP), "train.steps=1", "--out", str(out))  # peak RSS is reached in step 1
+    # peak RSS is reached in step 1; the table shows neither calibration nor operator traces
+    proc = run_sweep(str(SWEEP), "train.steps=1", *QUIET, "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     df = pd.read_csv(out / "results.csv")
     assert len(df) == 12 and set(df["status"]) == {"done"}, df[["cell", "status", "failure_message"]]
@@ -56,7 +57,7 @@ def test_zero_recompute_attention_sweep(tmp_path):
     # a second invocation finds every cell finished and runs none
     state = json.loads((out / "sweep.json").read_text())
     assert all(c["status"] == "done" and c["attempts"] == 1 for c in state["cells"].values())
-    again = run_sweep(str(SWEEP), "train.steps=1", "--out", str(out), timeout=120)
+    again = run_sweep(str(SWEEP), "train.steps=1", *QUIET, "--out", str(out), timeout=120)
     assert again.returncode == 0, again.stderr[-2000:]
     state2 = json.loads((out / "sweep.json").read_text())
     assert {k: c["attempts"] for k, c in state2["cells"].items()} == {k: 1 for k in state["cells"]}

@@ -16,9 +16,9 @@ import pandas as pd
 import psutil
 import pytest
 
-from conftest import QUICKSTART, REPO
+from conftest import QUICKSTART, QUIET, REPO
 
-COMMON = "[data.seq_len=32, train.micro_batch_size=1, engine.zero_stage=0, train.warmup_steps=0]"
+COMMON = f"[data.seq_len=32, train.micro_batch_size=1, engine.zero_stage=0, train.warmup_steps=0, {', '.join(QUIET)}]"
 
 
 def start_sweep(sweep: Path, out: Path) -> subprocess.Popen:

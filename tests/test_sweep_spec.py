@@ -4,7 +4,6 @@ arithmetic, tables and the launcher's timeout: everything about sweeps that need
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,11 +29,6 @@ def write_sweep(tmp_path: Path, text: str, name: str = "s.yaml") -> Path:
     path = tmp_path / name
     path.write_text(f"recipe: {QUICKSTART}\n" + text)
     return path
-
-
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainprof", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=120)
 
 
 def test_shipped_sweeps_validate_and_open_with_their_command():
@@ -112,20 +106,20 @@ def test_bad_sweep_files_are_one_line_errors(tmp_path, text, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_cli_bad_sweep_exits_2_before_running_anything(tmp_path):
+def test_cli_bad_sweep_exits_2_before_running_anything(tmp_path, cli):
     path = write_sweep(tmp_path, "cells:\n  - {name: ok}\n  - {name: bad, overrides: [model.attention=flash2]}\n")
-    proc = cli("sweep", str(path), "--out", str(tmp_path / "out"), cwd=tmp_path)
+    proc = cli("sweep", path, "--out", tmp_path / "out")
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("trainprof: sweep file")
     assert "flash2 needs a CUDA GPU" in proc.stderr
     assert not (tmp_path / "out").exists()  # validated up front: not even the first cell ran
-    missing = cli("sweep", str(tmp_path / "nope.yaml"), cwd=tmp_path)
+    missing = cli("sweep", tmp_path / "nope.yaml")
     assert missing.returncode == 2 and "not found" in missing.stderr
 
 
-def test_cli_help_of_each_command():
+def test_cli_help_of_each_command(cli):
     for command in ("sweep", "maxbatch", "scale"):
-        proc = subprocess.run([sys.executable, "-m", "trainprof", command, "--help"], capture_output=True, text=True)
+        proc = cli(command, "--help")
         assert proc.returncode == 0 and "usage: trainprof " + command in proc.stdout
 
 
