@@ -73,6 +73,9 @@ TEMPLATES: dict[str, str] = {
                            "pass), {scatters} gradient reduce-scatter(s) ({scatter_ms:.2f} ms), {persistent} persistent "
                            "parameter(s) gathered after the step ({after_ms:.2f} ms); prefetched and overlapped with "
                            "the phase's compute: exposed = max(0, comm - compute) per phase"),
+    "comm_rows_repriced": ("comm: on the source's machine, each of the source's collective rows keeps its measured "
+                           "exposed time, scaled by the target's calls and bytes priced over {link} (alpha + bytes/bw) "
+                           "against the source's"),
     "comm_fsdp_derived": ("comm: FSDP2's collectives derived from the {mbytes:.4g} MB of parameters over {link}: "
                           "{units} fully_shard units, each all-gathered before its forward ({gather_ms:.2f} ms a pass)"
                           "{regather_text} and its fp32 gradients reduce-scattered ({scatter_ms:.2f} ms)"),

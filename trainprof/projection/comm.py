@@ -276,7 +276,9 @@ def _zero3(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumpti
     parameters (at most stage3_param_persistence_threshold elements) are all-gathered after the step.
     Another machine: gathers are prefetched and reductions overlap (overlap_comm), so each phase exposes
     what outlasts its compute; the after-step gathers block. Same machine: each of the source's rows is
-    re-derived (calls and bytes in the census's proportion) at the exposed fraction the source measured."""
+    re-derived (calls and bytes in the census's proportion) and its measured exposed time scaled by the
+    link's price of the target's calls over that of the source's: an asynchronous gather's recorded span
+    includes waiting for its handle, so the measured exposure, not a fraction of the span, carries over."""
     n, b = t.world_size, m.dtype_bytes
     if t.census is None or t.zero3 is None:
         return NAN, [assume("comm_no_wait", why="no parameter census for ZeRO-3's collectives")]
@@ -303,10 +305,10 @@ def _zero3(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumpti
         calls, elements = _zero3_row_share(c, src, tr, b)
         if calls <= 0:
             continue
-        frac = min(c["exposed_ms"] / c["total_ms"], 1.0) if c.get("total_ms") else 1.0
         repeat = ga / m.grad_accum if c["phase"] in ("forward", "backward") else 1.0
-        total += calls * link.ms(c["op"], b * elements / calls, n) * frac * repeat
-    return total, [note]
+        price = calls * link.ms(c["op"], b * elements / calls, n) / recorded_ms(c, n, link)
+        total += c["exposed_ms"] * price * repeat
+    return total, [note, assume("comm_rows_repriced", link=link.source)]
 
 
 def _fsdp(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumption]]:
