@@ -5,13 +5,14 @@ shared by the tests that read them (the first compile takes ~30 s on 2 cores).""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
 import pytest
 import torch
 
-from conftest import run_trainprof
+from conftest import machine_lock, run_trainprof
 from helpers.checks import check_closure
 from trainprof.recipe import Recipe, RecipeError, recipe_from_dict
 
@@ -24,11 +25,14 @@ INSIDE = ["self_attn", "mlp", "input_layernorm", "post_attention_layernorm"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(eager run dir, eager profile, compiled run dir, compiled profile), both profiled the same way."""
-    eager_dir, eager = run_trainprof(tmp_path_factory.mktemp("eager"), 1, *TORCH)
-    compiled_dir, compiled = run_trainprof(tmp_path_factory.mktemp("compiled"), 1, *TORCH, "model.compile=true",
-                                           timeout=600)
+def runs(tmp_path_factory, pytestconfig):
+    """(eager run dir, eager profile, compiled run dir, compiled profile), both profiled the same way, with
+    the machine to themselves under pytest-xdist: the tests compare their measured durations."""
+    machine = machine_lock(pytestconfig)
+    with machine.alone() if machine is not None else contextlib.nullcontext():
+        eager_dir, eager = run_trainprof(tmp_path_factory.mktemp("eager"), 1, *TORCH)
+        compiled_dir, compiled = run_trainprof(tmp_path_factory.mktemp("compiled"), 1, *TORCH, "model.compile=true",
+                                               timeout=600)
     return eager_dir, eager, compiled_dir, compiled
 
 
