@@ -220,7 +220,8 @@ def write_validation(rows: list[dict[str, Any]], args: argparse.Namespace) -> No
     atomic_write_json(path, {
         "measured_on": f"{collect_env(torch.device('cpu'), 1)['device']} CPU, {os.cpu_count()} cores, "
                        f"{dt.date.today().isoformat()}",
-        "command": f"python scripts/bench_projection.py --repeats {args.repeats} --steps {args.steps} --write",
+        "command": f"python scripts/bench_projection.py --groups {args.groups} --repeats {args.repeats} --steps {args.steps} "
+                   "--write (the last call; each case keeps its date)",
         "by_kind": by_kind,
         "summary": {"steps_per_run": args.steps, "step_mape_pct": round(statistics.fmean(step_err), 2),
                     "step_max_pct": round(max(step_err), 2),
