@@ -306,7 +306,8 @@ def _zero3(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumpti
         if calls <= 0:
             continue
         repeat = ga / m.grad_accum if c["phase"] in ("forward", "backward") else 1.0
-        price = calls * link.ms(c["op"], b * elements / calls, n) / recorded_ms(c, n, link)
+        source_price = recorded_ms(c, n, link)
+        price = calls * link.ms(c["op"], b * elements / calls, n) / source_price if source_price > 0 else 1.0
         total += c["exposed_ms"] * price * repeat
     return total, [note, assume("comm_rows_repriced", link=link.source)]
 
