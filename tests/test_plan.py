@@ -495,3 +495,25 @@ def test_json_on_stdout_stays_clean_in_a_fresh_process() -> None:
             "'engine': {'zero_stage': 3}}), 8)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert json.loads(out.stdout)["model_states"]["deepspeed_estimator"]["applicable"] is True
+
+
+def test_a_cpu_resident_set_holds_only_the_gradients_a_reduce_bucket_is_filled_with():
+    """DeepSpeed's reduce bucket (reduce_bucket_size elements, 5e8 by default) is allocated whole, which a
+    GPU's allocator counts; a CPU process's resident set holds only the pages the gradients fill. For the
+    quickstart the bucket is ~1 GB of capacity and a few MB of gradients: the resident peak counts those."""
+    from trainprof.plan_memory import zero_settings
+
+    quickstart = REPO / "recipes" / "quickstart_cpu.yaml"
+    for stage in (2, 3):
+        recipe = load_recipe(quickstart, [f"engine.zero_stage={stage}"])
+        plan = estimate_plan(recipe, world_size=2)
+        z, rows = zero_settings(recipe), plan["gpu_memory"]["rows"]
+        trainable = plan["params"]["trainable"]["value"]
+        assert z.reduce_bucket_size > trainable  # the bucket is larger than the gradients
+        bucket = rows["zero_reduce_bucket"]["gpu_bytes"]
+        filled = bucket * trainable // z.reduce_bucket_size
+        allocated, resident = plan["gpu_allocated_per_rank"], plan["resident_per_rank"]
+        assert resident["rows"] == allocated["rows"] and "zero_reduce_bucket" in resident["rows"]
+        assert resident["value"] == allocated["value"] - bucket + filled
+    torch_plan = estimate_plan(load_recipe(quickstart, ["engine.kind=torch", "engine.zero_stage=0"]), world_size=2)
+    assert torch_plan["resident_per_rank"]["value"] == torch_plan["gpu_allocated_per_rank"]["value"]  # no buffer

@@ -556,6 +556,9 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
         "gpu_allocated_per_rank": {
             **_figure(memory["allocated_peak"]["gpu_bytes"], memory["allocated_peak"]["source"], "bytes"),
             "rows": memory["allocated_peak"]["rows"], "phase": memory["allocated_peak"]["phase"]},
+        "resident_per_rank": {
+            **_figure(memory["resident_peak"]["bytes"], memory["resident_peak"]["source"], "bytes"),
+            "rows": memory["resident_peak"]["rows"], "phase": memory["resident_peak"]["phase"]},
         "gpu_total_per_rank": {
             **_figure(memory["device_total"]["gpu_bytes"],
                       "gpu_memory.device_total: allocated peak (the larger of gpu_memory.peaks: "

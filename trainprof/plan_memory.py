@@ -77,13 +77,20 @@ class MemoryRow:
     """One allocation rule's bytes per rank, when they are live, and where the rule comes from.
 
     `tensors` lists the allocations as (count, bytes each) where the rule knows them, for the
-    allocator's per-block rounding; None means one block of `gpu_bytes`."""
+    allocator's per-block rounding; None means one block of `gpu_bytes`. `resident_bytes` is what a
+    buffer larger than its data holds of it: a CPU process's resident set counts only the pages written
+    (None: all of `gpu_bytes`)."""
 
     gpu_bytes: int
     source: str
     phases: tuple[str, ...] = BOTH
     cpu_bytes: int = 0
     tensors: list[tuple[int, int]] | None = None
+    resident_bytes: int | None = None
+
+    @property
+    def resident(self) -> int:
+        return self.gpu_bytes if self.resident_bytes is None else self.resident_bytes
 
     def as_dict(self) -> dict[str, Any]:
         return {"gpu_bytes": int(self.gpu_bytes), "cpu_bytes": int(self.cpu_bytes), "phases": list(self.phases),
@@ -281,11 +288,13 @@ def _sub_groups(group_numels: list[list[int]], world_size: int, sub_group_size: 
     return sizes
 
 
-def _reduce_bucket(recipe: Recipe, z: ZeroSettings) -> MemoryRow:
+def _reduce_bucket(recipe: Recipe, z: ZeroSettings, trainable: int) -> MemoryRow:
     n = z.reduce_bucket_size
+    filled = min(n, trainable)  # a bucket holds at most every trainable gradient
     if z.stage == 3:
         return MemoryRow(
             gpu_bytes=n * z.comm_bytes if z.contiguous_gradients else 0,
+            resident_bytes=filled * z.comm_bytes if z.contiguous_gradients else 0,
             source=(f"reduce_bucket_size {n:,} x {z.comm_bytes} B: one gradient bucket per communication dtype, "
                     "allocated once when contiguous_gradients (zero/stage3.py "
                     "DeepSpeedZeroOptimizer_Stage3._setup_for_real_optimizer)"))
@@ -295,7 +304,7 @@ def _reduce_bucket(recipe: Recipe, z: ZeroSettings) -> MemoryRow:
     used = z.contiguous_gradients or recipe.engine.offload != "none"
     buffers = (2 if z.overlap_comm else 1) if used else 0
     return MemoryRow(
-        gpu_bytes=buffers * n * bucket_b, phases=(FWD_BWD,),
+        gpu_bytes=buffers * n * bucket_b, resident_bytes=buffers * filled * bucket_b, phases=(FWD_BWD,),
         source=(f"{buffers} x reduce_bucket_size {n:,} x {bucket_b} B (a second buffer with overlap_comm), "
                 "allocated as backward starts and freed at its end (zero/stage_1_and_2.py "
                 "DeepSpeedZeroOptimizer.setup_buckets, _release_ipg_buffers)"))
@@ -438,7 +447,7 @@ def _deepspeed_rows(recipe: Recipe, census: dict[str, Any], world_size: int) -> 
             gpu_bytes=0, phases=(OPT_STEP,),
             source="not modelled: DeepSpeed without ZeRO (BF16_Optimizer / FP16_Optimizer) keeps its own buffers")}
     z = zero_settings(recipe)
-    rows = {"zero_reduce_bucket": _reduce_bucket(recipe, z)}
+    rows = {"zero_reduce_bucket": _reduce_bucket(recipe, z, census["trainable"])}
     if z.stage == 3:
         rows |= _zero3_gathered(recipe, z, census, world_size)
     else:
@@ -505,11 +514,16 @@ def gpu_memory(recipe: Recipe, world_size: int, census: dict[str, Any], per_rank
     device = {"gpu_bytes": allocated["gpu_bytes"] + rows["allocator_rounding"].gpu_bytes + CUDA_CONTEXT_BYTES,
               "rows": ["allocated_peak", "allocator_rounding", "cuda_context"],
               "source": "allocated peak + the allocator's block rounding + the CUDA context: the device memory to fit"}
+    resident = {"bytes": sum(rows[k].resident for k in peaks[phase]["rows"]), "rows": peaks[phase]["rows"],
+                "phase": phase,
+                "source": (f"the {phase} peak's rows with each buffer counted as far as its data fills it (a "
+                           "reduce bucket larger than the gradients): what a CPU process's resident set holds")}
     host_rows = [k for k, r in rows.items() if r.cpu_bytes]
     return {
         "rows": {k: r.as_dict() for k, r in rows.items()},
         "peaks": peaks,
         "allocated_peak": allocated,
+        "resident_peak": resident,
         "device_total": device,
         "host_total": {"cpu_bytes": per_rank["total"]["cpu_bytes"] + sum(rows[k].cpu_bytes for k in host_rows),
                        "rows": ["model_states.per_rank.total", *host_rows],

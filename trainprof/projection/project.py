@@ -340,8 +340,9 @@ class Projector:
             if m.peak_memory_bytes is None:
                 return None, None, None
             # measured + (plan(target) - plan(source)): the process's fixed part (libraries, CUDA context,
-            # allocator slack) stays as measured, what the formulas see moves with the recipe
-            alloc = "gpu_allocated_per_rank"
+            # allocator slack) stays as measured, what the formulas see moves with the recipe. A CPU run's
+            # meter is its resident set, which holds only the written part of a buffer
+            alloc = "gpu_allocated_per_rank" if m.device_type == "cuda" else "resident_per_rank"
             return int(m.peak_memory_bytes + _plan_bytes(recipe, world, alloc)
                        - _plan_bytes(src.recipe, m.world_size, alloc)), None, None
         planned = _plan_bytes(recipe, world)
