@@ -385,6 +385,21 @@ def test_zero3_collectives_follow_the_census_on_a_model_or_task_change():
     assert _values(notes, "comm_zero3_derived")["persistent"] == 27
 
 
+def test_retimed_collectives_keep_their_measured_exposure_and_scale_with_the_ranks():
+    """A change that keeps the collectives (the same engine and model) at the source's world size exposes
+    what the source measured (5 + 20 ms), however long an asynchronous gather's recorded span (its 10 ms include
+    waiting on the handle); at 4 ranks each row scales by its alpha-beta price at 4 over that at 2."""
+    from trainprof.projection.comm import recorded_ms
+
+    m, link = _measured(), _link()
+    phases, notes = predict_phases(m, _change(), Inputs(link=link))
+    assert phases["comm_exposed"] == pytest.approx(25.0) and "comm_retimed" in [a.kind for a in notes]
+    four, _ = predict_phases(m, _change(world_size=4), Inputs(link=link))
+    scaled = [c["exposed_ms"] * recorded_ms(c, 4, link) / recorded_ms(c, 2, link) for c in m.comm]
+    assert four["comm_exposed"] == pytest.approx(sum(scaled))
+    assert four["comm_exposed"] > 25.0
+
+
 def test_ddp_collectives_are_derived_with_the_last_bucket_exposed():
     """A change to PyTorch DDP: fp32 gradients in DDP's buckets (the first 1 MiB, then 25 MiB each, in
     reverse parameter order); all but the last hide behind the backward, the last (the remainder) is

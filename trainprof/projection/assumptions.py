@@ -58,8 +58,9 @@ TEMPLATES: dict[str, str] = {
     # communication
     "comm_as_measured": "comm: as measured (same world size and link); forward/backward collectives per micro batch",
     "comm_zero_volume": "comm: ZeRO stage {source_stage} -> {target_stage} volume x{ratio:.2f} (ZeRO paper)",
-    "comm_retimed": ("comm: each collective re-timed as alpha + bytes*busfactor/busbw over {link}, times the exposed "
-                     "fraction measured at the source (1 when the source had one rank)"),
+    "comm_retimed": ("comm: each collective keeps the exposed time measured at the source, scaled by its price "
+                     "(alpha + bytes*busfactor/busbw over {link}) at the target's ranks over the source's; a "
+                     "one-rank source's collectives are priced whole"),
     "comm_one_rank": "comm: one rank: no collectives",
     "comm_gathers_added": ("comm: parameter all-gathers in {phases} added (ZeRO stage {stage}; the one-rank source issued "
                            "none), one call each"),

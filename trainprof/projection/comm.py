@@ -306,10 +306,16 @@ def _zero3(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumpti
         if calls <= 0:
             continue
         repeat = ga / m.grad_accum if c["phase"] in ("forward", "backward") else 1.0
-        source_price = recorded_ms(c, n, link)
-        price = calls * link.ms(c["op"], b * elements / calls, n) / source_price if source_price > 0 else 1.0
-        total += c["exposed_ms"] * price * repeat
+        total += _repriced(c, calls * link.ms(c["op"], b * elements / calls, n), m, link) * repeat
     return total, [note, assume("comm_rows_repriced", link=link.source)]
+
+
+def _repriced(c: dict[str, Any], target_ms: float, m: Measured, link: Link) -> float:
+    """A source row's measured exposed ms, scaled by the link's price of the target's calls (`target_ms`)
+    over that of the source's at the source's world size: an asynchronous collective's recorded span
+    includes waiting for its handle, so the measured exposure, not a fraction of the span, carries over."""
+    source_ms = recorded_ms(c, m.world_size, link)
+    return c["exposed_ms"] * (target_ms / source_ms if source_ms > 0 else 1.0)
 
 
 def _fsdp(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumption]]:
@@ -362,9 +368,9 @@ def _scaled(c: dict[str, Any], b: int, calls_s: int, calls_t: int, elems_s: int,
 
 
 def _retimed(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumption]]:
-    """The source's collectives re-timed over the target's link at their measured exposed fractions; a
-    one-rank source gains the ZeRO paper's parameter gathers; a one-rank source also waits for the
-    slowest of the target's ranks (its measured step spread)."""
+    """The source's collectives at the target's world size: each measured row repriced (`_repriced`); a
+    one-rank source gains the ZeRO paper's parameter gathers, priced whole, and waits for the slowest of
+    the target's ranks (its measured step spread)."""
     n = t.world_size
     rows = [c for c in m.comm if c["calls"]]
     notes: list[Assumption] = []
@@ -378,9 +384,9 @@ def _retimed(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assump
         return NAN, [assume("comm_no_wait", why="the source recorded no collectives to re-time")]
     total = 0.0
     for c in rows:
-        exposed_frac = (c["exposed_ms"] / c["total_ms"]) if (m.world_size > 1 and c.get("total_ms")) else 1.0
         repeat = t.grad_accum / m.grad_accum if c["phase"] in ("forward", "backward") else 1.0
-        total += recorded_ms(c, n, link) * min(exposed_frac, 1.0) * repeat
+        measured = m.world_size > 1 and c.get("total_ms")  # a one-rank source's added gathers are priced whole
+        total += (_repriced(c, recorded_ms(c, n, link), m, link) if measured else recorded_ms(c, n, link)) * repeat
     if m.world_size == 1 and m.step_std_ms:
         factor = expected_max_normal(n)
         total += m.step_std_ms * factor
