@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from trainprof.distributed import DistContext
+from trainprof.engines.cpu_info import ask_once
 from trainprof.engines.optim import param_groups, quantized_adamw
 from trainprof.models import build_model
 from trainprof.recipe import Recipe
@@ -54,6 +55,7 @@ class DeepSpeedEngine:
         import deepspeed
         import transformers.models.llama.modeling_llama  # noqa: F401  (import before zero.Init patches tensor creation)
 
+        ask_once()  # DeepSpeed's CPU op builders ask py-cpuinfo twice per engine, a second each
         self.config = deepspeed_config(recipe, ctx.world_size)
         if recipe.engine.zero_stage == 3:
             # Partition parameters as they are created, so no rank ever holds the whole model.
