@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import pytest
+import torch
 
 from conftest import REPO
 from trainprof.hardware import CatalogError, find_accelerator, load_catalog
@@ -298,6 +300,16 @@ def test_probed_parts_add_the_work_they_change_and_keep_what_the_measurement_hol
     assert _values(notes, "parts_probed")["copies_ms"] == pytest.approx(4.0)
     with pytest.raises(ValueError, match="no decoder-layer rows"):
         predict_phases(_measured(parts_ms=None), _change(), Inputs(parts=same))
+    # a change of threads: each shape's parts probed at its own count; the machines, calibrated at each
+    # count, re-rate only the optimizer's memory traffic (10 ms at 10 -> 20 GB/s)
+    threaded = dataclasses.replace(same, layer_target={"forward": 4.0, "backward": 7.0},
+                                   rest_target={"forward": 1.5, "backward": 2.0}, threads=(1, 2))
+    one, two = _machine("1 thread", gpu=False, tflops=0.1, gbps=10.0), _machine("2", gpu=False, tflops=0.2, gbps=20.0)
+    phases, notes = predict_phases(m, _change(), Inputs(parts=threaded, source_machine=one, target_machine=two))
+    assert phases["forward"] == pytest.approx((6.0 + 4.0 - 5.0) * 2 + (6.0 + 1.5 - 2.0) + 2.0)
+    assert phases["backward"] == pytest.approx((15.0 + 7.0 - 10.0) * 2 + (6.0 + 2.0 - 3.0) + 4.0)
+    assert phases["optimizer"] == pytest.approx(5.0)
+    assert "the target's at 2" in next(a.text for a in notes if a.kind == "parts_probed")
 
 
 def test_an_engine_change_scales_the_whole_compute_phases_by_the_probed_engine_ratio():
@@ -508,17 +520,25 @@ def test_hardware_command_and_one_line_errors(capsys):
 
 @pytest.mark.timed
 def test_probe_parts_times_each_shape_in_one_call():
-    """Two shapes probed together (their models called in turn): four times the tokens take longer in the
-    layers and in the rest of the model, and a layer is timed from the difference of 0 and k layers."""
+    """Shapes probed together (their models called in turn): four times the tokens take longer in the
+    layers and in the rest of the model, and a layer is timed from the difference of 0 and k layers. A
+    probe given its own thread count runs with it (a change of threads is probed like one of shape), and
+    the caller's count is restored."""
     from trainprof.projection.probes import probe_parts
 
     small = load_recipe(QUICK, ["model.dtype=fp32", "train.micro_batch_size=1", "data.seq_len=32"])
     large = load_recipe(QUICK, ["model.dtype=fp32", "train.micro_batch_size=4", "data.seq_len=32"])
-    s, t = probe_parts([small, large], threads=1, rounds=3)
-    for probe in (s, t):
+    before = torch.get_num_threads()
+    s, t, t2 = probe_parts([small, large, large], threads=[1, 1, 2], rounds=3)
+    assert torch.get_num_threads() == before
+    for probe in (s, t, t2):
         assert probe.layer_forward_ms > 0 and probe.rest_forward_ms > 0 and probe.layers_probed == 2
         assert probe.layer_backward_ms > 0 and probe.rest_backward_ms > 0
     assert t.layer_forward_ms + t.rest_forward_ms > 1.3 * (s.layer_forward_ms + s.rest_forward_ms)
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: a second thread has nowhere to run")
+    # on 2 cores a layer's GEMMs at this shape take about two thirds of the time with a second thread
+    assert t2.layer_forward_ms + t2.layer_backward_ms < 0.85 * (t.layer_forward_ms + t.layer_backward_ms)
 
 
 @pytest.mark.timed

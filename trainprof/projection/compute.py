@@ -88,6 +88,7 @@ class Parts:
     rest_source: dict[str, float]
     rest_target: dict[str, float]
     layers_probed: int
+    threads: tuple[int, int] | None = None  # (source, target) intra-op threads, where they differ
 
 
 def probed_compute(m: Measured, src: Work, tgt: Work, parts: Parts, memory_gbps: float | None,
@@ -128,7 +129,9 @@ def probed_compute(m: Measured, src: Work, tgt: Work, parts: Parts, memory_gbps:
                     layer_target_ms=parts.layer_target["forward"], rest_source_ms=parts.rest_source["forward"],
                     rest_target_ms=parts.rest_target["forward"], probe_layers=parts.layers_probed,
                     target_layers=layers_t, source_layers=layers_s, copies_ms=copies,
-                    neighbours_text=f", beside {m.world_size - 1} busy copies" if m.world_size > 1 else "")]
+                    neighbours_text=f", beside {m.world_size - 1} busy copies" if m.world_size > 1 else "",
+                    threads_text=(f", the source's shape at {parts.threads[0]} threads and the target's at "
+                                  f"{parts.threads[1]}") if parts.threads else "")]
     return out, layers_by_phase["forward"], notes
 
 

@@ -93,7 +93,7 @@ def bare_model(recipe: Any, shape: ProbeShape, layers: int) -> tuple[torch.nn.Mo
     return model, {"input_ids": ids, "labels": ids}
 
 
-def probe_parts(probes: list[Any], *, threads: int | None = None, rounds: int = PROBE_ROUNDS,
+def probe_parts(probes: list[Any], *, threads: int | list[int] | None = None, rounds: int = PROBE_ROUNDS,
                 neighbours: int = 0) -> list[PartProbe]:
     """One decoder layer's and the rest of the model's forward and backward ms for each recipe at its
     shape (see the module docstring), all models called in turn within each round, with `neighbours`
@@ -101,22 +101,24 @@ def probe_parts(probes: list[Any], *, threads: int | None = None, rounds: int = 
 
     Args:
         probes: recipes (each at its own micro batch, seq_len, attention and dims).
+        threads: torch intra-op threads for all probes, or one count per probe (a change of threads is
+            probed as a change of shape is); None: as set now.
     """
     before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
+    per_probe = threads if isinstance(threads, list) else [threads or before] * len(probes)
     try:
-        models, batches, ks = {}, {}, []
+        models, batches, ks, threads_of = {}, {}, [], {}
         for j, recipe in enumerate(probes):
             k = probe_layers(recipe)
             ks.append(k)
             for layers in (0, k):
                 models[(j, layers)], batches[(j, layers)] = bare_model(recipe, ProbeShape.of(recipe), layers)
+                threads_of[(j, layers)] = per_probe[j]
         keys = list(models)
         fwd: dict[Any, list[float]] = {key: [] for key in keys}
         bwd: dict[Any, list[float]] = {key: [] for key in keys}
-        with busy_neighbours(probes[0], neighbours, torch.get_num_threads()):
-            _probe_rounds(models, batches, keys, rounds, fwd, bwd)
+        with busy_neighbours(probes[0], neighbours, per_probe[0]):
+            _probe_rounds(models, batches, keys, rounds, fwd, bwd, threads_of)
         out = []
         for j, k in enumerate(ks):
             f0, fk, b0, bk = min(fwd[(j, 0)]), min(fwd[(j, k)]), min(bwd[(j, 0)]), min(bwd[(j, k)])
@@ -275,10 +277,12 @@ def _forward_backward_ms(model: torch.nn.Module, batch: dict[str, torch.Tensor])
 
 
 def _probe_rounds(models: dict[Any, Any], batches: dict[Any, Any], keys: list[Any], rounds: int,
-                  fwd: dict[Any, list[float]], bwd: dict[Any, list[float]]) -> None:
-    """2 untimed rounds, then `rounds` timed ones: every model called once a round, in turn."""
+                  fwd: dict[Any, list[float]], bwd: dict[Any, list[float]], threads: dict[Any, int]) -> None:
+    """2 untimed rounds, then `rounds` timed ones: every model called once a round, in turn, each with
+    its own intra-op threads."""
     for i in range(rounds + 2):
         for n in keys:
+            torch.set_num_threads(threads[n])
             f_ms, b_ms = _forward_backward_ms(models[n], batches[n])
             if i >= 2:
                 fwd[n].append(f_ms)

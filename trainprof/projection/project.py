@@ -145,12 +145,13 @@ class Projector:
             return inputs  # nothing to probe for a step that will not be predicted
         reshaped = any(KINDS[k].reshapes for k in t.kinds if k in KINDS)
         neighbours_differ = self.neighbours(m.world_size) != self.neighbours(t.world)
+        threads = t.threads if t.threads and t.threads != self.source_threads else None
         from trainprof.projection.probes import probeable
 
         try:
-            if (reshaped or neighbours_differ) and self.probe and probeable(src.recipe) and probeable(t.recipe) \
-                    and same_machine_as_source(src):
-                inputs.parts = self.parts(t.recipe, t.world)
+            if (reshaped or neighbours_differ or threads) and self.probe and probeable(src.recipe) \
+                    and probeable(t.recipe) and same_machine_as_source(src):
+                inputs.parts = self.parts(t.recipe, t.world, threads)
                 inputs.zero3_bytes = self._zero3_gathered_bytes(t)
             elif reshaped:
                 self._rerate_here(t, inputs, reasons)
@@ -160,7 +161,7 @@ class Projector:
                 inputs.step_probe = self.source_step()  # one rank: no gathers after the step
         except ValueError as err:
             reasons["step_ms"] = f"the engine could not be probed: {err}"
-        if t.threads and t.threads != self.source_threads:
+        if threads:  # the optimizer's memory traffic, and the compute where it could not be probed
             inputs.source_machine = machine_from_calibration(self.calibration_at(self.source_threads),
                                                              f"this machine, {self.source_threads} threads")
             inputs.target_machine = machine_from_calibration(self.calibration_at(t.threads),
@@ -367,26 +368,28 @@ class Projector:
         (their compute contends for the same cores, caches and memory bandwidth), on a GPU none."""
         return world - 1 if self.source.profile["env"].get("device_type") == "cpu" else 0
 
-    def parts(self, target_recipe: Any, world: int) -> Parts:
+    def parts(self, target_recipe: Any, world: int, threads: int | None = None) -> Parts:
         """One decoder layer's and the rest of the model's bare work at both shapes, probed on this
-        machine. Shapes with as many CPU neighbours are probed in one call, called in turn (a slow spell
-        of the machine during one probe taken alone moved a ratio by up to 15% here); otherwise each
-        with its own neighbours."""
+        machine, the target's at `threads` (None: the source's). Shapes with as many CPU neighbours are
+        probed in one call, called in turn (a slow spell of the machine during one probe taken alone
+        moved a ratio by up to 15% here); otherwise each with its own neighbours."""
         from trainprof.projection.probes import ProbeShape, probe_parts
 
         src, src_world = self.source.recipe, self.source.measured.world_size
         nb_s, nb_t = self.neighbours(src_world), self.neighbours(world)
-        key = ("parts", ProbeShape.of(src), ProbeShape.of(target_recipe), nb_s, nb_t, self.source_threads)
+        th_s, th_t = self.source_threads, threads or self.source_threads
+        key = ("parts", ProbeShape.of(src), ProbeShape.of(target_recipe), nb_s, nb_t, th_s, th_t)
         if key not in self._cache:
             if nb_s == nb_t:
-                s, t = probe_parts([src, target_recipe], threads=self.source_threads, neighbours=nb_s)
+                s, t = probe_parts([src, target_recipe], threads=[th_s, th_t], neighbours=nb_s)
             else:
-                (s,) = probe_parts([src], threads=self.source_threads, neighbours=nb_s)
-                (t,) = probe_parts([target_recipe], threads=self.source_threads, neighbours=nb_t)
+                (s,) = probe_parts([src], threads=th_s, neighbours=nb_s)
+                (t,) = probe_parts([target_recipe], threads=th_t, neighbours=nb_t)
             by_phase = lambda probe, part: {ph: getattr(probe, f"{part}_{ph}_ms") for ph in ("forward", "backward")}  # noqa: E731
             self._cache[key] = Parts(layer_source=by_phase(s, "layer"), layer_target=by_phase(t, "layer"),
                                      rest_source=by_phase(s, "rest"), rest_target=by_phase(t, "rest"),
-                                     layers_probed=max(s.layers_probed, t.layers_probed))
+                                     layers_probed=max(s.layers_probed, t.layers_probed),
+                                     threads=(th_s, th_t) if th_s != th_t else None)
         return self._cache[key]
 
     def engine_probe(self, target_recipe: Any) -> EngineProbe:

@@ -106,9 +106,7 @@ def _compute_per_micro_batch(m: Measured, change: Change, inputs: Inputs, notes:
     forward per micro batch (what turning recomputation on re-runs)."""
     mb = per_micro_batch(m)
     layers_f = m.forward_layers_ms / m.grad_accum if m.forward_layers_ms else None
-    if inputs.target_machine is not None and inputs.source_machine is not None:
-        return _rerated(m, change, inputs, notes, mb, layers_f)
-    if inputs.parts is not None:
+    if inputs.parts is not None:  # probed here; a change of threads also sets the machines, for the optimizer
         phases, layers_f_t, more = probed_compute(m, change.source_work, change.work, inputs.parts,
                                                   inputs.memory_gbps, inputs.zero3_bytes)
         notes += more
@@ -116,6 +114,8 @@ def _compute_per_micro_batch(m: Measured, change: Change, inputs: Inputs, notes:
             mb["recompute"] *= (layers_f_t or 0.0) / layers_f
         mb.update(phases)
         return mb, layers_f_t
+    if inputs.target_machine is not None and inputs.source_machine is not None:
+        return _rerated(m, change, inputs, notes, mb, layers_f)
     return mb, layers_f
 
 
