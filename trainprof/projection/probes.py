@@ -54,6 +54,7 @@ class PartProbe:
     rest_forward_ms: float
     rest_backward_ms: float
     layers_probed: int
+    threads: int  # torch intra-op threads it ran with
 
 
 def layer_params(recipe: Any) -> int:
@@ -123,7 +124,7 @@ def probe_parts(probes: list[Any], *, threads: int | list[int] | None = None, ro
         for j, k in enumerate(ks):
             f0, fk, b0, bk = min(fwd[(j, 0)]), min(fwd[(j, k)]), min(bwd[(j, 0)]), min(bwd[(j, k)])
             out.append(PartProbe(layer_forward_ms=max(fk - f0, 0.0) / k, layer_backward_ms=max(bk - b0, 0.0) / k,
-                                 rest_forward_ms=f0, rest_backward_ms=b0, layers_probed=k))
+                                 rest_forward_ms=f0, rest_backward_ms=b0, layers_probed=k, threads=threads_of[(j, k)]))
         return out
     finally:
         torch.set_num_threads(before)
@@ -279,10 +280,11 @@ def _forward_backward_ms(model: torch.nn.Module, batch: dict[str, torch.Tensor])
 def _probe_rounds(models: dict[Any, Any], batches: dict[Any, Any], keys: list[Any], rounds: int,
                   fwd: dict[Any, list[float]], bwd: dict[Any, list[float]], threads: dict[Any, int]) -> None:
     """2 untimed rounds, then `rounds` timed ones: every model called once a round, in turn, each with
-    its own intra-op threads."""
+    its own intra-op threads (`threads`, updated to the count torch took)."""
     for i in range(rounds + 2):
         for n in keys:
             torch.set_num_threads(threads[n])
+            threads[n] = torch.get_num_threads()  # what it ran with
             f_ms, b_ms = _forward_backward_ms(models[n], batches[n])
             if i >= 2:
                 fwd[n].append(f_ms)
