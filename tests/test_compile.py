@@ -37,6 +37,7 @@ def runs(tmp_path_factory, pytestconfig):
     return eager_dir, eager, compiled_dir, compiled
 
 
+@pytest.mark.xdist_group("compile")  # one worker makes the module's runs
 @pytest.mark.slow
 def test_compiled_layers_run_compiled_while_profiled(runs):
     _, eager, _, compiled = runs
@@ -56,6 +57,7 @@ def test_compiled_layers_run_compiled_while_profiled(runs):
     assert "module_granularity" in compiled["measurement"]
 
 
+@pytest.mark.xdist_group("compile")  # one worker makes the module's runs
 @pytest.mark.slow
 def test_compiled_profile_closes_and_times_each_layer(runs):
     _, eager, compiled_dir, compiled = runs
@@ -74,6 +76,7 @@ def test_compiled_profile_closes_and_times_each_layer(runs):
     assert "compile" in (compiled_dir / "report.md").read_text()
 
 
+@pytest.mark.xdist_group("compile")  # one worker makes the module's runs
 @pytest.mark.slow
 def test_compiled_loss_equals_eager(runs):
     _, eager, _, compiled = runs
@@ -85,6 +88,7 @@ def test_compiled_loss_equals_eager(runs):
     assert b[-1] < b[0] - 0.5  # and it trains
 
 
+@pytest.mark.xdist_group("compile")  # one worker makes the module's runs
 @pytest.mark.slow
 def test_diff_eager_vs_compiled(runs):
     from trainprof.report.diff_report import run_diff

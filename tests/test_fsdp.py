@@ -53,6 +53,7 @@ def zero3_like(tmp_path_factory):
     return run_trainprof(tmp_path_factory.mktemp("fsdp"), 2, *FSDP)
 
 
+@pytest.mark.xdist_group("fsdp")  # one worker makes the module's zero3_like
 @pytest.mark.slow
 def test_fsdp_trains_and_closes(zero3_like):
     run_dir, profile = zero3_like
@@ -66,6 +67,7 @@ def test_fsdp_trains_and_closes(zero3_like):
     assert profile["params"]["total"] == 664_192 - 2 * 128  # one vocab row fewer in the embedding and the head
 
 
+@pytest.mark.xdist_group("fsdp")  # one worker makes the module's zero3_like
 @pytest.mark.slow
 def test_fsdp_collective_bytes_match_fsdp_accounting(zero3_like):
     """All-gathers move every group's padded parameters in bf16, in forward and again in backward;
@@ -86,6 +88,7 @@ def test_fsdp_collective_bytes_match_fsdp_accounting(zero3_like):
     assert profile["model_state_bytes"]["params"] == 4 * params // 2
 
 
+@pytest.mark.xdist_group("fsdp")  # one worker makes the module's zero3_like
 @pytest.mark.slow
 def test_fsdp_collectives_belong_to_the_module_that_needed_them(zero3_like):
     _, profile = zero3_like
@@ -98,6 +101,7 @@ def test_fsdp_collectives_belong_to_the_module_that_needed_them(zero3_like):
     assert not others, [(m["name"], m["self_comm_ops"]) for m in others]
 
 
+@pytest.mark.xdist_group("fsdp")  # one worker makes the module's zero3_like
 @pytest.mark.slow
 def test_fsdp_plan_matches_the_measured_shards(zero3_like):
     from trainprof.plan import estimate_plan

@@ -102,6 +102,7 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
+@pytest.mark.xdist_group("megatron1")  # one worker makes the module's one_rank_group
 @needs_megatron
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_megatron_gptmodel_has_the_hf_parameter_count(one_rank_group, shape):
@@ -115,6 +116,7 @@ def test_megatron_gptmodel_has_the_hf_parameter_count(one_rank_group, shape):
         assert megatron.config.num_query_groups == 8 and hf.config.num_key_value_heads == 8
 
 
+@pytest.mark.xdist_group("megatron1")  # one worker makes the module's one_rank_group
 @needs_megatron
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_megatron_modules_map_onto_the_hf_parts(one_rank_group, attention):
@@ -215,6 +217,7 @@ def two_rank_run(tmp_path_factory):
     return [json.loads((out / f"megatron.rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.xdist_group("megatron2")  # one worker makes the module's two_rank_run
 @needs_megatron
 @pytest.mark.slow
 def test_tensor_and_pipeline_splits_are_what_the_plan_counts(two_rank_run):
@@ -229,6 +232,7 @@ def test_tensor_and_pipeline_splits_are_what_the_plan_counts(two_rank_run):
     assert "model.layers.1" in last and "model.layers.0" not in last and "lm_head" in last
 
 
+@pytest.mark.xdist_group("megatron2")  # one worker makes the module's two_rank_run
 @needs_megatron
 @pytest.mark.slow
 def test_profiler_on_tensor_parallel_megatron_layers(two_rank_run):
@@ -264,6 +268,7 @@ def test_profiler_on_tensor_parallel_megatron_layers(two_rank_run):
     assert "tensor x pipeline parallel" in s["tokens_per_s_scope"]
 
 
+@pytest.mark.xdist_group("megatron2")  # one worker makes the module's two_rank_run
 @needs_megatron
 @pytest.mark.slow
 def test_megatron_cached_collectives_and_coalescing_are_captured(two_rank_run):
