@@ -30,7 +30,7 @@ from trainprof.projection.gemm import Work
 from trainprof.projection.machines import (catalog_link, gpu_host, machine_from_calibration, machine_from_target,
                                            measured_link, reference_engine)
 from trainprof.projection.measured import PHASES
-from trainprof.projection.source import (ProjectionError, Source, ensure_calibration, load_source,
+from trainprof.projection.source import (ProjectionError, Source, ensure_calibration, kept_probe, load_source,
                                          same_machine_as_source)
 from trainprof.projection.stepmodel import Change, Inputs, predict_phases, residual_ms
 from trainprof.projection.validation import confidence, load_validation
@@ -373,18 +373,22 @@ class Projector:
         machine, the target's at `threads` (None: the source's). Shapes with as many CPU neighbours are
         probed in one call, called in turn (a slow spell of the machine during one probe taken alone
         moved a ratio by up to 15% here); otherwise each with its own neighbours."""
-        from trainprof.projection.probes import ProbeShape, probe_parts
+        from trainprof.projection.probes import PartProbe, ProbeShape, probe_parts
 
         src, src_world = self.source.recipe, self.source.measured.world_size
         nb_s, nb_t = self.neighbours(src_world), self.neighbours(world)
         th_s, th_t = self.source_threads, threads or self.source_threads
         key = ("parts", ProbeShape.of(src), ProbeShape.of(target_recipe), nb_s, nb_t, th_s, th_t)
         if key not in self._cache:
-            if nb_s == nb_t:
-                s, t = probe_parts([src, target_recipe], threads=[th_s, th_t], neighbours=nb_s)
-            else:
-                (s,) = probe_parts([src], threads=th_s, neighbours=nb_s)
-                (t,) = probe_parts([target_recipe], threads=th_t, neighbours=nb_t)
+            def make() -> list[dict[str, Any]]:
+                if nb_s == nb_t:
+                    probes = probe_parts([src, target_recipe], threads=[th_s, th_t], neighbours=nb_s)
+                else:
+                    probes = [*probe_parts([src], threads=th_s, neighbours=nb_s),
+                              *probe_parts([target_recipe], threads=th_t, neighbours=nb_t)]
+                return [dataclasses.asdict(p) for p in probes]
+
+            s, t = (PartProbe(**d) for d in kept_probe(self.source, repr(key), make))
             by_phase = lambda probe, part: {ph: getattr(probe, f"{part}_{ph}_ms") for ph in ("forward", "backward")}  # noqa: E731
             self._cache[key] = Parts(layer_source=by_phase(s, "layer"), layer_target=by_phase(t, "layer"),
                                      rest_source=by_phase(s, "rest"), rest_target=by_phase(t, "rest"),
@@ -403,8 +407,9 @@ class Projector:
         target_engine = dataclasses.replace(src, engine=target_recipe.engine, task=target_recipe.task)
         key = ("engine", engine_key(src), engine_key(target_recipe), task_key(target_recipe))
         if key not in self._cache:
-            s, t = probe_engines([src, target_engine], threads=self.source_threads,
-                                 neighbours=self.neighbours(self.source.measured.world_size))
+            s, t = kept_probe(self.source, repr(key), lambda: probe_engines(
+                [src, target_engine], threads=self.source_threads,
+                neighbours=self.neighbours(self.source.measured.world_size)))
             self._cache[key] = EngineProbe(
                 forward=t["engine_forward_ms"] / s["engine_forward_ms"],
                 backward=t["engine_backward_ms"] / s["engine_backward_ms"],
@@ -422,8 +427,9 @@ class Projector:
 
         key = ("source_engine",)
         if key not in self._cache:
-            (self._cache[key],) = probe_engines([self.source.recipe], threads=self.source_threads,
-                                                neighbours=self.neighbours(self.source.measured.world_size))
+            (self._cache[key],) = kept_probe(self.source, repr(key), lambda: probe_engines(
+                [self.source.recipe], threads=self.source_threads,
+                neighbours=self.neighbours(self.source.measured.world_size)))
         return self._cache[key]
 
     def _zero3_gathered_bytes(self, t: TargetRun) -> tuple[float, float] | None:

@@ -91,6 +91,44 @@ def same_machine_as_source(src: Source) -> bool:
     return collect_env(torch_device(env), 1)["device"] == env["device"]
 
 
+PROBES_FILE = "probes.json"  # in the run dir, beside calibration.json
+PROBES_VERSION = 1  # of what a kept probe holds
+
+
+def machine_fingerprint() -> str:
+    """What a probe's timing depends on besides its recipe: this host and CPU, torch and trainprof."""
+    import platform
+
+    import torch
+
+    from trainprof import __version__
+    from trainprof.engines.cpu_info import cpu_key
+
+    return f"probes v{PROBES_VERSION} {platform.node()} cpu {cpu_key()} torch {torch.__version__} trainprof {__version__}"
+
+
+def kept_probe(source: Source, key: str, make: Any) -> Any:
+    """A probe's result (JSON data) under `key`: one an earlier call kept in the run dir on this machine
+    (PROBES_FILE; calibration.json keeps the calibration alike), else `make()`'s, then kept there. A run
+    is probed once per machine, not at every `trainprof project`; a run dir that cannot be written is
+    probed every time."""
+    from trainprof.io import atomic_write_json
+
+    path = source.run_dir / PROBES_FILE
+    name = f"{machine_fingerprint()} {key}"
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        kept = {}
+    if name not in kept:
+        kept[name] = make()
+        try:
+            atomic_write_json(path, kept)
+        except OSError:
+            pass
+    return kept[name]
+
+
 def ensure_calibration(source: Source, *, force: bool = False) -> dict[str, Any] | None:
     """The source's calibration: calibration.json from the run dir, or measured now when the source
     ran on this kind of machine (then stored in the run dir). None when neither is possible."""
