@@ -235,34 +235,44 @@ def write_validation(rows: list[dict[str, Any]], args: argparse.Namespace) -> No
 
 def best_check(out: Path, steps: int, repeats: int, cap_gb: float) -> None:
     """--best on this machine with a memory cap: its micro batch against the largest one `trainprof maxbatch`
-    finds under the cap, and against real runs at each micro batch up to it (the real best), with the
-    predicted and measured tokens/s at the predicted best."""
+    finds under the cap, and against real runs of its setting at each micro batch up to that one (the real
+    best), with the predicted and measured tokens/s at the predicted best."""
+    import pandas as pd
+    from tqdm import tqdm
+
     from trainprof.projection.project import best
 
     base = run([], 2, 1, out / "best-base", steps)
     cap = [f"train.memory_cap_gb={cap_gb}"]
     found = best(base, overrides=cap)["best"][0]
     top = found["best_throughput"]
-    print(f"\n--best with train.memory_cap_gb={cap_gb}: {top['setting']} micro batch {top['micro_batch']}, predicted "
-          f"{top['tokens_per_s']:,.0f} tokens/s ({found['tried']} settings predicted)")
-    cmd = [sys.executable, "-m", "trainprof", "maxbatch", RECIPE, *COMMON, "train.steps=4", *cap,
-           f"output.dir={out / 'maxbatch'}"]
+    setting = top["setting"].split()
+    print(f"\n--best with train.memory_cap_gb={cap_gb}: {top['setting'] or 'the recipe as it is'}, micro batch "
+          f"{top['micro_batch']}, predicted {top['tokens_per_s']:,.0f} tokens/s ({found['tried']} settings predicted)")
+    cmd = [sys.executable, "-m", "trainprof", "maxbatch", RECIPE, *COMMON, *setting, *cap, "--nproc", "2",
+           "--out", str(out / "maxbatch")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    print(f"trainprof maxbatch under the cap:\n{proc.stdout.strip()[-1500:]}")
+    table = out / "maxbatch" / "maxbatch.csv"
+    largest = int(pd.read_csv(table)["max_micro_batch"].iloc[0]) if proc.returncode == 0 and table.is_file() else None
+    print(f"trainprof maxbatch under the cap, 2 ranks, the same setting: largest micro batch {largest}"
+          + ("" if largest else f" (maxbatch failed: {proc.stderr.strip()[-500:]})"))
     measured_tps: dict[int, list[float]] = {}
-    mbs = sorted({1, 2, 4, 8, 16, top["micro_batch"]})
+    mbs = sorted({mb for mb in (1, 2, 4, 8, 16, 32, top["micro_batch"]) if largest is None or mb <= largest})
+    bar = tqdm(total=repeats * len(mbs), desc="bench_projection --best-check", unit="run")
     for rep in range(repeats):
         for mb in mbs:
-            recompute = "model.recompute=true" in top["setting"]
-            d = run([f"train.micro_batch_size={mb}", f"model.recompute={str(recompute).lower()}", *cap], 2, 1,
-                    out / f"best-mb{mb}-r{rep}", steps)
+            d = run([*setting, f"train.micro_batch_size={mb}", *cap], 2, 1, out / f"best-mb{mb}-r{rep}", steps)
             measured_tps.setdefault(mb, []).append(json.loads((d / "profile.json").read_text())["summary"]["tokens_per_s"])
+            bar.update()
+    bar.close()
     real = {mb: statistics.median(v) for mb, v in measured_tps.items()}
     real_best = max(real, key=real.get)
-    print("measured tokens/s by micro batch: " + ", ".join(f"{mb}: {v:,.0f}" for mb, v in real.items()))
-    print(f"real best micro batch {real_best}; predicted best {top['micro_batch']}; at the predicted best: predicted "
-          f"{top['tokens_per_s']:,.0f} vs measured {real[top['micro_batch']]:,.0f} tokens/s "
-          f"({100 * (top['tokens_per_s'] / real[top['micro_batch']] - 1):+.1f}%)")
+    print("measured tokens/s by micro batch (median of the repeats): " + ", ".join(f"{mb}: {v:,.0f}" for mb, v in real.items()))
+    at = real.get(top["micro_batch"])
+    print(f"real best micro batch {real_best}; predicted best {top['micro_batch']}; largest that fits (maxbatch) "
+          f"{largest}; at the predicted best: predicted {top['tokens_per_s']:,.0f} vs measured "
+          + (f"{at:,.0f} tokens/s ({100 * (top['tokens_per_s'] / at - 1):+.1f}%)" if at else
+             "n/a (the predicted best does not fit under the cap)"))
 
 
 def research(out: Path, steps: int) -> None:

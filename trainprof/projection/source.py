@@ -98,13 +98,14 @@ PROBES_VERSION = 1  # of what a kept probe holds
 def machine_fingerprint() -> str:
     """What a probe's timing depends on besides its recipe: this host and CPU, torch and trainprof."""
     import platform
+    from importlib.metadata import version
 
     import torch
 
-    from trainprof import __version__
     from trainprof.engines.cpu_info import cpu_key
 
-    return f"probes v{PROBES_VERSION} {platform.node()} cpu {cpu_key()} torch {torch.__version__} trainprof {__version__}"
+    return (f"probes v{PROBES_VERSION} {platform.node()} cpu {cpu_key()} torch {torch.__version__} "
+            f"trainprof {version('trainprof')}")
 
 
 def kept_probe(source: Source, key: str, make: Any) -> Any:
