@@ -91,6 +91,8 @@ def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_
         what_if = project(str(src_dir), "train.micro_batch_size=4", "--nproc", "1")["predictions"][0]
         assert what_if["phases_ms"]["comm_exposed"] == 0.0 and what_if["world_size"] == 1
         assert what_if["change_kinds"] == ["micro_batch", "world_size"]
+        if i == 0:  # the first call's scaling-efficiency column probed the source's engine; this one reads it
+            assert kinds(what_if)["probe_kept"]["what"] == "source engine", kinds(what_if).keys()
         # the real runs are only measured: no calibration (their traced steps stay, as in the source)
         _, real = run_trainprof(tmp_path / f"real{i}", 1, STEPS, "train.micro_batch_size=4", NO_CALIBRATION)
         m = measured_from_profile(real)

@@ -602,8 +602,9 @@ def test_fsdp2_collectives_are_derived_per_fully_shard_unit():
 
 
 def test_a_probe_is_kept_in_the_run_dir_per_machine(tmp_path, monkeypatch):
-    """A probe's result is kept beside the run (probes.json) and served to later projections of that run
-    on the same machine; another machine, another key or a damaged file probes again."""
+    """A probe's result is kept beside the run (probes.json) with when it was timed, and served to later
+    projections of that run on the same machine; another machine, another key or a damaged file probes
+    again."""
     from types import SimpleNamespace
 
     from trainprof.projection import source as src_mod
@@ -614,12 +615,13 @@ def test_a_probe_is_kept_in_the_run_dir_per_machine(tmp_path, monkeypatch):
     def make(value):
         return lambda: made.append(value) or {"ms": value}
 
-    assert src_mod.kept_probe(run, "('parts', 1)", make(1.0)) == {"ms": 1.0}
-    assert src_mod.kept_probe(run, "('parts', 1)", make(2.0)) == {"ms": 1.0}  # kept: not probed again
-    assert src_mod.kept_probe(run, "('parts', 2)", make(3.0)) == {"ms": 3.0}
+    assert src_mod.kept_probe(run, "('parts', 1)", make(1.0)) == ({"ms": 1.0}, None)
+    result, when = src_mod.kept_probe(run, "('parts', 1)", make(2.0))  # kept: not probed again
+    assert result == {"ms": 1.0} and when[:4].isdigit()
+    assert src_mod.kept_probe(run, "('parts', 2)", make(3.0)) == ({"ms": 3.0}, None)
     assert made == [1.0, 3.0] and (tmp_path / src_mod.PROBES_FILE).is_file()
     monkeypatch.setattr(src_mod, "machine_fingerprint", lambda: "another host")
-    assert src_mod.kept_probe(run, "('parts', 1)", make(4.0)) == {"ms": 4.0}
+    assert src_mod.kept_probe(run, "('parts', 1)", make(4.0)) == ({"ms": 4.0}, None)
     (tmp_path / src_mod.PROBES_FILE).write_text("{not json")
-    assert src_mod.kept_probe(run, "('parts', 1)", make(5.0)) == {"ms": 5.0}
-    assert src_mod.kept_probe(run, "('parts', 1)", make(6.0)) == {"ms": 5.0}
+    assert src_mod.kept_probe(run, "('parts', 1)", make(5.0)) == ({"ms": 5.0}, None)
+    assert src_mod.kept_probe(run, "('parts', 1)", make(6.0))[0] == {"ms": 5.0}

@@ -25,6 +25,8 @@ TEMPLATES: dict[str, str] = {
                      "call with no decoder layer and with {probe_layers}{neighbours_text}{threads_text}; hooks and engine work per "
                      "module call kept as measured; ZeRO-3's parameter copies {copies_ms:+.2f} ms; time outside the "
                      "model as measured"),
+    "probe_kept": ("probes: the {what} probe was timed on this machine at {made_utc} UTC, by an earlier projection of "
+                   "this run, and read from its {file}"),
     "parts_analytic": ("compute: the shape is not probed here ({why}); decoder layers and the rest of the model scaled by "
                        "their GEMM time at each shape ({rates}) and their memory traffic"),
     "recompute_on": ("recompute: one more forward of every decoder layer inside backward ({layers_forward_ms:.2f} ms per "

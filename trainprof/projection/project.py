@@ -30,8 +30,8 @@ from trainprof.projection.gemm import Work
 from trainprof.projection.machines import (catalog_link, gpu_host, machine_from_calibration, machine_from_target,
                                            measured_link, reference_engine)
 from trainprof.projection.measured import PHASES
-from trainprof.projection.source import (ProjectionError, Source, ensure_calibration, kept_probe, load_source,
-                                         same_machine_as_source)
+from trainprof.projection.source import (PROBES_FILE, ProjectionError, Source, ensure_calibration, kept_probe,
+                                         load_source, same_machine_as_source)
 from trainprof.projection.stepmodel import Change, Inputs, predict_phases, residual_ms
 from trainprof.projection.validation import confidence, load_validation
 
@@ -71,6 +71,8 @@ class Projector:
         self.validation = validation
         self.probe = probe
         self._cache: dict[Any, Any] = {}
+        self._kept_from: dict[Any, tuple[str, str]] = {}  # probe key -> (what, when timed): read from probes.json
+        self._used: list[Any] = []  # the probe keys the prediction under way used
         env = source.profile["env"]
         self.source_threads = int(env.get("cpu_threads") or 1)
         self.source_census = census(source.recipe)
@@ -85,8 +87,11 @@ class Projector:
         reasons: dict[str, str] = {}
         self._refuse(t, reasons)
         notes: list[Assumption] = []
+        self._used = []
         inputs = self._inputs_here(t, reasons, notes) if t.same_machine else self._inputs_there(t, reasons, notes)
         phases, step_ms, pipeline_block = self._step(t, inputs, reasons, notes)
+        notes += [assume("probe_kept", what=what, made_utc=when, file=PROBES_FILE)
+                  for what, when in (self._kept_from[k] for k in dict.fromkeys(self._used) if k in self._kept_from)]
         return self._figures(t, phases, step_ms, pipeline_block, notes, reasons, tokens, overrides or [])
 
     def _target(self, recipe: Any, machine: str, world: int, gpus_per_node: int, threads: int | None) -> TargetRun:
@@ -388,12 +393,13 @@ class Projector:
                               *probe_parts([target_recipe], threads=th_t, neighbours=nb_t)]
                 return [dataclasses.asdict(p) for p in probes]
 
-            s, t = (PartProbe(**d) for d in kept_probe(self.source, repr(key), make))
+            s, t = (PartProbe(**d) for d in self._kept(key, "parts", make))
             by_phase = lambda probe, part: {ph: getattr(probe, f"{part}_{ph}_ms") for ph in ("forward", "backward")}  # noqa: E731
             self._cache[key] = Parts(layer_source=by_phase(s, "layer"), layer_target=by_phase(t, "layer"),
                                      rest_source=by_phase(s, "rest"), rest_target=by_phase(t, "rest"),
                                      layers_probed=max(s.layers_probed, t.layers_probed),
                                      threads=(th_s, th_t) if th_s != th_t else None)
+        self._used.append(key)
         return self._cache[key]
 
     def engine_probe(self, target_recipe: Any) -> EngineProbe:
@@ -407,7 +413,7 @@ class Projector:
         target_engine = dataclasses.replace(src, engine=target_recipe.engine, task=target_recipe.task)
         key = ("engine", engine_key(src), engine_key(target_recipe), task_key(target_recipe))
         if key not in self._cache:
-            s, t = kept_probe(self.source, repr(key), lambda: probe_engines(
+            s, t = self._kept(key, "engine", lambda: probe_engines(
                 [src, target_engine], threads=self.source_threads,
                 neighbours=self.neighbours(self.source.measured.world_size)))
             self._cache[key] = EngineProbe(
@@ -415,6 +421,7 @@ class Projector:
                 backward=t["engine_backward_ms"] / s["engine_backward_ms"],
                 step=t["engine_step_ms"] / s["engine_step_ms"],
                 target_step=StepProbe(step_ms=t["engine_step_ms"], state_elements=census(target_engine).trainable))
+        self._used.append(key)
         return self._cache[key]
 
     def source_step(self) -> StepProbe:
@@ -427,10 +434,19 @@ class Projector:
 
         key = ("source_engine",)
         if key not in self._cache:
-            (self._cache[key],) = kept_probe(self.source, repr(key), lambda: probe_engines(
+            (self._cache[key],) = self._kept(key, "source engine", lambda: probe_engines(
                 [self.source.recipe], threads=self.source_threads,
                 neighbours=self.neighbours(self.source.measured.world_size)))
+        self._used.append(key)
         return self._cache[key]
+
+    def _kept(self, key: tuple[Any, ...], what: str, make: Any) -> Any:
+        """kept_probe's result for `key`; where it was read from the run dir, what it probed and when it was
+        timed are kept for the predictions that use it (the `probe_kept` assumption)."""
+        result, made_utc = kept_probe(self.source, repr(key), make)
+        if made_utc is not None:
+            self._kept_from[key] = (what, made_utc)
+        return result
 
     def _zero3_gathered_bytes(self, t: TargetRun) -> tuple[float, float] | None:
         if _zero(self.source.recipe) != 3:

@@ -92,7 +92,7 @@ def same_machine_as_source(src: Source) -> bool:
 
 
 PROBES_FILE = "probes.json"  # in the run dir, beside calibration.json
-PROBES_VERSION = 1  # of what a kept probe holds
+PROBES_VERSION = 2  # of what a kept probe holds
 
 
 def machine_fingerprint() -> str:
@@ -108,11 +108,13 @@ def machine_fingerprint() -> str:
             f"trainprof {version('trainprof')}")
 
 
-def kept_probe(source: Source, key: str, make: Any) -> Any:
-    """A probe's result (JSON data) under `key`: one an earlier call kept in the run dir on this machine
-    (PROBES_FILE; calibration.json keeps the calibration alike), else `make()`'s, then kept there. A run
-    is probed once per machine, not at every `trainprof project`; a run dir that cannot be written is
-    probed every time."""
+def kept_probe(source: Source, key: str, make: Any) -> tuple[Any, str | None]:
+    """A probe's result (JSON data) under `key`, and when it was timed where an earlier call kept it in
+    the run dir on this machine (PROBES_FILE; calibration.json keeps the calibration alike); else
+    `make()`'s and None, the result then kept there. A run is probed once per machine, not at every
+    `trainprof project`; a run dir that cannot be written is probed every time."""
+    import datetime as dt
+
     from trainprof.io import atomic_write_json
 
     path = source.run_dir / PROBES_FILE
@@ -121,13 +123,17 @@ def kept_probe(source: Source, key: str, make: Any) -> Any:
         kept = json.loads(path.read_text())
     except (OSError, ValueError):
         kept = {}
-    if name not in kept:
-        kept[name] = make()
-        try:
-            atomic_write_json(path, kept)
-        except OSError:
-            pass
-    return kept[name]
+    kept = kept if isinstance(kept, dict) else {}
+    entry = kept.get(name)
+    if isinstance(entry, dict) and "result" in entry and "made_utc" in entry:
+        return entry["result"], entry["made_utc"]
+    result = make()
+    kept[name] = {"made_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"), "result": result}
+    try:
+        atomic_write_json(path, kept)
+    except OSError:
+        pass
+    return result, None
 
 
 def ensure_calibration(source: Source, *, force: bool = False) -> dict[str, Any] | None:
