@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from trainprof.io import atomic_write_json
+
 _DESCRIBING = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags")
 
 
@@ -48,10 +50,7 @@ def cached_cpu_info(ask: Any) -> dict[str, Any]:
     info = ask()
     if path is not None:
         with contextlib.suppress(OSError):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(info))
-            os.replace(tmp, path)
+            atomic_write_json(path, info)
     return info
 
 
