@@ -97,9 +97,12 @@ TORCH = Group("threads", ["engine.kind=torch", "engine.zero_stage=0"], 1, 1, [
 GROUPS = {g.name: g for g in (SETTINGS, SIZE, TORCH)}
 
 
-def run(overrides: list[str], nproc: int, threads: int, out: Path, steps: int) -> Path:
+def run(overrides: list[str], nproc: int, threads: int, out: Path, steps: int, reuse: bool = False) -> Path:
     from trainprof.sweep.launch import torchrun_command
 
+    kept = sorted(out.glob("*/profile.json"))
+    if reuse and kept:  # a run made by an earlier call with this --out: projected again, not run again
+        return kept[-1].parent
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     cmd = torchrun_command(RECIPE, [*COMMON, f"train.steps={steps}", *overrides, f"output.dir={out}"], nproc=nproc)
@@ -124,7 +127,8 @@ def abs_errors(rows: list[dict], key: str) -> list[float]:
     return [abs(r[key]) for r in rows if r[key] is not None]
 
 
-def run_group(g: Group, out: Path, steps: int, repeats: int, bar) -> tuple[list[dict[str, Any]], float]:
+def run_group(g: Group, out: Path, steps: int, repeats: int, bar, reuse: bool = False
+              ) -> tuple[list[dict[str, Any]], float]:
     """Every configuration of a group `repeats` times, interleaved; the rows and the baseline's noise floor."""
     from trainprof.projection.project import project
 
@@ -134,7 +138,7 @@ def run_group(g: Group, out: Path, steps: int, repeats: int, bar) -> tuple[list[
     configs = [([], g.nproc, g.threads)] + [(c.overrides, c.nproc, c.threads) for c in g.cases]
     for rep in range(repeats):
         for i, (overrides, nproc, threads) in enumerate(configs):
-            d = run([*g.base, *overrides], nproc, threads, out / f"{g.name}-{i}-r{rep}", steps)
+            d = run([*g.base, *overrides], nproc, threads, out / f"{g.name}-{i}-r{rep}", steps, reuse)
             bar.update()
             step, mem = measured(d)
             steps_by.setdefault(i, []).append(step)
@@ -315,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-tuned", action="store_true", help="run only the cases the model was tuned on")
     parser.add_argument("--cases", default=None, help="run only the cases whose name contains this text")
     parser.add_argument("--out", default=None, help="where runs go (default: a temp dir)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="with --out: a configuration whose run an earlier call left there is projected again, "
+                             "not run again (a change of the step model scored on the same measurements)")
     parser.add_argument("--steps", type=int, default=40,
                         help="measured steps per run (default 40: about 4 s of a ~100 ms quickstart step; the same "
                              "configuration's runs differ more than its steps within a run)")
@@ -347,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                file=sys.stderr)
     rows, noise = [], []
     for g in groups:
-        more, floor = run_group(g, out, args.steps, args.repeats, bar)
+        more, floor = run_group(g, out, args.steps, args.repeats, bar, args.reuse)
         rows += more
         noise.append(floor)
     bar.close()

@@ -125,7 +125,7 @@ def test_merge_keeps_rank0_steps_and_spreads_modules():
     assert merged["kind"] == "merged" and merged["steps"] == [{"step": 0}] and merged["env"]["world_size"] == 2
     module = merged["modules"][0]
     assert module["forward_ms"] == pytest.approx(11.0)
-    assert module["ranks_spread"]["forward_ms"] == {"min": 10.0, "median": 11.0, "max": 12.0}
+    assert module["ranks_spread"]["forward_ms"] == {"min": 10.0, "median": 11.0, "max": 12.0, "by_rank": [10.0, 12.0]}
     assert merged["straggler"]["rank"] == 1
     assert merged["summary"]["tokens_per_s"] == pytest.approx(200 / 0.1)
     assert merged["summary"]["across_ranks"]["busy_ms_median"]["max"] == 90.0

@@ -17,7 +17,7 @@ from trainprof.projection.census import census, zero3_settings, zero3_traffic
 from trainprof.projection.comm import CommTarget, Link, NcclLatency
 from trainprof.projection.compute import EngineProbe, Machine, Parts, StepProbe
 from trainprof.projection.gemm import GemmRate, Work
-from trainprof.projection.measured import Measured, PhaseOps
+from trainprof.projection.measured import Measured, PhaseOps, measured_from_profile
 from trainprof.projection.prices import load_prices
 from trainprof.projection.stepmodel import Change, Inputs, predict_phases, residual_ms
 from trainprof.recipe import load_recipe
@@ -254,6 +254,46 @@ def _change(*, work: Work | None = None, grad_accum: int = 1, recompute: bool = 
                    trainable_param_bytes=comm.pop("trainable_param_bytes", None), **comm)
     return Change(work=work or _work(), source_work=_work(), grad_accum=grad_accum, recompute=recompute,
                   state_elements_per_rank=state, source_state_elements_per_rank=500.0, comm=c)
+
+
+def _two_rank_profile(*, with_means: bool = True) -> dict:
+    """Two ZeRO ranks that met in collectives: rank 0 computed 30 ms, rank 1 24 ms and waited 6 ms more in
+    its collectives; rank 1's median step is the slowest (100.5 against 100); their module figures differ."""
+    def rank(r: int, fwd: float, bwd: float, comm: float, step: float) -> dict:
+        phases = {"data_wait": 1.0, "forward": fwd, "backward": bwd, "recompute": 0.0, "optimizer": 9.0,
+                  "comm_exposed": comm, "pipeline_bubble": 0.0, "other": 0.0}
+        entry = {"rank": r, "step_ms_median": step, "busy_ms_median": step - comm - 1.0, "phases_ms": phases}
+        if with_means:  # skewed waits: the mean of a phase above its median; the means add up to the mean step
+            means = {**phases, "comm_exposed": comm + 4.0}
+            entry.update(phases_ms_mean=means, unattributed_ms_mean=0.5, step_ms_mean=sum(means.values()) + 0.5)
+        return entry
+
+    ranks = [rank(0, 12.0, 18.0, 50.0, 100.0), rank(1, 10.0, 14.0, 56.0, 100.5)]
+    root = {"name": "", "depth": 0, "forward_ms": 10.0, "backward_ms": 15.0, "recompute_ms": 0.0,
+            "ranks_spread": {"forward_ms": {"min": 9.0, "median": 10.0, "max": 11.0, "by_rank": [11.0, 9.0]},
+                             "backward_ms": {"min": 13.0, "median": 15.0, "max": 17.0, "by_rank": [17.0, 13.0]}}}
+    layer = {"name": "model.layers.0", "depth": 2, "forward_ms": 6.0, "backward_ms": 9.0, "recompute_ms": 0.0,
+             "ranks_spread": {"forward_ms": {"min": 5.0, "median": 6.0, "max": 7.0, "by_rank": [7.0, 5.0]}}}
+    return {"summary": {"step_ms": {"median": 100.0}}, "ranks": ranks, "modules": [root, layer],
+            "env": {"world_size": 2}, "recipe": {"model": {"dtype": "bf16"}, "train": {"grad_accum": 1}}}
+
+
+def test_the_busiest_rank_splits_the_slowest_step_by_means_that_add_up():
+    """The step is the slowest rank's median; its split is the busiest rank's (the one the other waited
+    for: rank 0 here, whose collectives hold no wait for the other's compute), by phase means scaled to the
+    step, so the unattributed rest is the per-step gap, not the difference between a sum of medians and a
+    median; the module figures are that rank's own, moved with their phase."""
+    m = measured_from_profile(_two_rank_profile())
+    assert m.step_ms == 100.5
+    k = 100.5 / (1.0 + 12.0 + 18.0 + 9.0 + 54.0 + 0.5)  # the slowest median step over rank 0's mean step
+    assert m.phases_ms["forward"] == pytest.approx(12.0 * k) and m.phases_ms["comm_exposed"] == pytest.approx(54.0 * k)
+    assert m.unattributed_ms == pytest.approx(0.5 * k)
+    assert m.parts_ms["forward"] == pytest.approx((7.0 * k, 11.0 * k))  # rank 0's layer and root, x its phase's k
+    assert m.parts_ms["backward"] == pytest.approx((9.0 * k, 17.0 * k))  # no per-rank layer figure: the median
+    # a profile made before means were kept: the busiest rank's medians, the rest unattributed
+    old = measured_from_profile(_two_rank_profile(with_means=False))
+    assert old.phases_ms["forward"] == 12.0 and old.phases_ms["comm_exposed"] == 50.0
+    assert old.unattributed_ms == pytest.approx(100.5 - 90.0)
 
 
 def test_same_configuration_reproduces_the_measured_phases():

@@ -78,6 +78,10 @@ def _median(values: list[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
 
 
+def _mean(values: list[float]) -> float:
+    return float(statistics.fmean(values)) if values else 0.0
+
+
 def module_tree_step(infos: list[ModuleInfo], mods: dict[int, ModuleStep]) -> dict[int, dict[str, float]]:
     """Roll one step's module windows up the tree.
 
@@ -303,7 +307,8 @@ def step_entries(steps: list[StepRecord]) -> list[dict[str, Any]]:
 def rank_entry(rank: int, steps_used: list[StepRecord]) -> dict[str, Any]:
     """Per-rank medians used by the merge and the straggler test. `busy_ms` is the step minus the time
     spent blocked in collectives, waiting for data and (pipeline stages) waiting for a neighbour: the
-    rank's own work."""
+    rank's own work. The means are kept too: unlike medians they add up (each step's phases and its
+    unattributed time sum to its wall time), which the projection's split of a step needs."""
     walls = [s.breakdown.wall_ms for s in steps_used]
     busy = [s.breakdown.wall_ms - s.breakdown.phases_ms["comm_exposed"] - s.breakdown.phases_ms["data_wait"]
             - s.breakdown.phases_ms.get("pipeline_bubble", 0.0) for s in steps_used]
@@ -313,4 +318,7 @@ def rank_entry(rank: int, steps_used: list[StepRecord]) -> dict[str, Any]:
         "busy_ms_median": _median(busy),
         "phases_ms": {p: _median([s.breakdown.phases_ms[p] for s in steps_used]) for p in PIPELINE_PHASES},
         "unattributed_ms": _median([s.breakdown.unattributed_ms for s in steps_used]),
+        "step_ms_mean": _mean(walls),
+        "phases_ms_mean": {p: _mean([s.breakdown.phases_ms[p] for s in steps_used]) for p in PIPELINE_PHASES},
+        "unattributed_ms_mean": _mean([s.breakdown.unattributed_ms for s in steps_used]),
     }

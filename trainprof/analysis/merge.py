@@ -2,7 +2,7 @@
 
 The merged document keeps rank 0's steps, operators and collectives (every rank's are in its own
 profile.rank<r>.json), sets every module figure to the median over ranks with the min / median / max
-kept beside it, and summarises phases per rank in `ranks` and `summary.across_ranks`.
+and each rank's own figure (`by_rank`, in `ranks` order) kept beside it, and summarises phases per rank in `ranks` and `summary.across_ranks`.
 
 Straggler: synchronous collectives make every rank's wall time equal to the slowest one's, so ranks
 are compared by their busy time, the step minus the time spent blocked in collectives and waiting for
@@ -86,6 +86,8 @@ def merge_ranks(profiles: list[dict[str, Any]]) -> dict[str, Any]:
         for key in _MODULE_SPREAD:
             values = [rows[module["name"]][key] for rows in by_name if module["name"] in rows]
             spread[key] = _stats(values)
+            if len(values) == len(profiles):  # each rank's own figure, in `ranks` order
+                spread[key]["by_rank"] = values
             module[key] = spread[key]["median"]
         module["ranks_spread"] = spread
 

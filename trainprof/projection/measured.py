@@ -1,7 +1,8 @@
 """What the step model reads from a measured profile: the step split into phases, the model's parts
 (decoder layers and the rest), the operators of each phase, the collectives, and the run's shape.
 
-All times are ms per optimizer step of the slowest rank (what tokens/s divides by) unless named
+The step is the slowest rank's median (what tokens/s divides by); its split into phases and the
+model's parts is the critical rank's (`critical_rank`): all times are ms per optimizer step unless named
 otherwise.
 """
 
@@ -79,18 +80,25 @@ class Measured:
 
 def measured_from_profile(profile: dict[str, Any]) -> Measured:
     """The figures the step model needs, from a merged profile.json dict: the slowest rank's median
-    step (what tokens/s divides by) and that rank's phase medians. `unattributed_ms` is the step minus
-    the phases, kept signed (a sum of per-phase medians need not equal the median step), so that the
-    parts add up to the measured step exactly."""
+    step (what tokens/s divides by), split as the critical rank's phase medians and module times
+    (`critical_rank`). `unattributed_ms` is the step minus the phases, kept signed (a sum of per-phase
+    medians need not equal the median step), so that the parts add up to the measured step exactly."""
     s = profile["summary"]
     ranks = [r for r in profile.get("ranks") or [] if r.get("phases_ms")]
+    rank_index, scale = None, {}
     if ranks:
-        slowest = max(ranks, key=lambda r: r["step_ms_median"])
-        step, phases = float(slowest["step_ms_median"]), dict(slowest["phases_ms"])
+        step = float(max(r["step_ms_median"] for r in ranks))
+        critical = critical_rank(ranks)
+        phases = _split(critical, step)
+        rank_index = ranks.index(critical) if len(ranks) == len(profile.get("ranks") or []) else None
+        # module figures are per-step medians: each moves with its phase's split over its median, so that a
+        # phase minus its model's time stays what lies outside the model
+        medians = critical["phases_ms"]
+        scale = {f"{ph}_ms": phases[ph] / medians[ph] for ph in COMPUTE_PHASES if medians.get(ph)}
     else:
         step, phases = float(s["step_ms"]["median"]), dict(s.get("phases_ms") or {})
     phases = {k: float(phases.get(k) or 0.0) for k in PHASES}
-    modules = profile.get("modules") or []
+    modules = [_rank_figures(m, rank_index, scale) for m in profile.get("modules") or []]
     layers = [m for m in modules if is_decoder_layer(m["name"])]
     states = profile.get("model_state_bytes") or {}
     recipe = profile.get("recipe") or profile.get("workload") or {}  # a wrapped run records its workload
@@ -114,6 +122,45 @@ def measured_from_profile(profile: dict[str, Any]) -> Measured:
         device_type=profile["env"].get("device_type", "cpu"),
         ops=_phase_ops(profile),
     )
+
+
+def _split(rank: dict[str, Any], step: float) -> dict[str, float]:
+    """A rank's phases in ms of the `step` it is to split. Per-step phases and the unattributed rest add up
+    to each step's wall time, so their means add up to the mean step, while a sum of medians need not
+    equal the median step (a phase that holds waits is skewed: medians of a 2-rank ZeRO-3 run summed
+    to 4 ms less than its median step, and a changed target kept that gap as if it were work). The
+    means, scaled by the median step over the mean one, split it; a profile without means (made before
+    they were kept) gives the medians."""
+    means, mean_step = rank.get("phases_ms_mean"), rank.get("step_ms_mean")
+    if not means or not mean_step:
+        return dict(rank["phases_ms"])
+    return {k: float(v) * step / float(mean_step) for k, v in means.items()}
+
+
+def critical_rank(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rank whose split of the step the step model re-derives: the busiest one (the step minus its
+    time blocked in collectives and data waits), the one the others wait for. Ranks that meet in
+    collectives end their steps together, so a rank that computed faster spends the difference waiting
+    inside a collective: its exposed communication holds the busiest rank's extra compute, which a change
+    of shape or engine scales as compute, not as communication."""
+    def busy(r: dict[str, Any]) -> float:
+        if r.get("busy_ms_median") is not None:
+            return float(r["busy_ms_median"])
+        return float(r["step_ms_median"]) - float(r["phases_ms"].get("comm_exposed") or 0.0)
+
+    return max(ranks, key=busy)
+
+
+def _rank_figures(module: dict[str, Any], rank_index: int | None, scale: dict[str, float]) -> dict[str, Any]:
+    """A merged module row with the critical rank's own figures where the merge kept them (`by_rank`),
+    so that its phases and its parts come from one rank (else the median over ranks, as merged), each
+    phase's times x `scale` of that phase."""
+    spread = module.get("ranks_spread") or {}
+    own = {} if rank_index is None else {
+        key: s["by_rank"][rank_index] for key, s in spread.items()
+        if len(s.get("by_rank") or []) > rank_index and s["by_rank"][rank_index] is not None}
+    row = {**module, **own}
+    return {**row, **{key: row[key] * k for key, k in scale.items() if row.get(key) is not None}}
 
 
 def is_decoder_layer(name: str) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -122,7 +123,7 @@ def probe_parts(probes: list[Any], *, threads: int | list[int] | None = None, ro
             _probe_rounds(models, batches, keys, rounds, fwd, bwd, threads_of)
         out = []
         for j, k in enumerate(ks):
-            f0, fk, b0, bk = min(fwd[(j, 0)]), min(fwd[(j, k)]), min(bwd[(j, 0)]), min(bwd[(j, k)])
+            f0, fk, b0, bk = (statistics.median(v) for v in (fwd[(j, 0)], fwd[(j, k)], bwd[(j, 0)], bwd[(j, k)]))
             out.append(PartProbe(layer_forward_ms=max(fk - f0, 0.0) / k, layer_backward_ms=max(bk - b0, 0.0) / k,
                                  rest_forward_ms=f0, rest_backward_ms=b0, layers_probed=k, threads=threads_of[(j, k)]))
         return out
@@ -262,7 +263,7 @@ def _probe_engines_main(argv: list[str]) -> int:
             if i >= 2:
                 timed[k]["model_forward_ms"].append(f_ms)
                 timed[k]["model_backward_ms"].append(b_ms)
-    Path(out).write_text(json.dumps([{key: min(v) for key, v in t.items() if v} for t in timed]))
+    Path(out).write_text(json.dumps([{key: statistics.median(v) for key, v in t.items() if v} for t in timed]))
     return 0
 
 

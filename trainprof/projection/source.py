@@ -92,7 +92,7 @@ def same_machine_as_source(src: Source) -> bool:
 
 
 PROBES_FILE = "probes.json"  # in the run dir, beside calibration.json
-PROBES_VERSION = 2  # of what a kept probe holds
+PROBES_VERSION = 3  # of what a kept probe holds
 
 
 def machine_fingerprint() -> str:
