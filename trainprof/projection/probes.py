@@ -5,7 +5,9 @@ with no decoder layer and with k of them, so that the rest of the model (embeddi
 and loss) is timed alone, rest = T(0), and one decoder layer is layer = (T(k) - T(0)) / k. Building k
 layers, never the whole model, is what lets a large shape be probed where its model would not fit. Engine probes build each recipe's whole engine in a group of one.
 
-Every figure is the fastest of repeated calls after warm-up, all probes called in turn within each
+Every figure is the median of repeated calls after warm-up (as a run's figures are medians of its
+steps: the fastest call can miss a cost most calls pay, such as page faults on a large tensor the
+allocator returned to the system), all probes called in turn within each
 round (a slow spell of the machine hits every shape alike), on the host clock, beside as many busy
 processes as the run has other ranks on a CPU (they share its cores and memory bandwidth).
 """
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-PROBE_ROUNDS = 12  # timed calls per model in a probe (the fastest counts), after 2 warm-up calls
+PROBE_ROUNDS = 12  # timed calls per model in a probe (their median counts), after 2 warm-up calls
 # above this many parameters per decoder layer a probe on CPU would take longer than the projection is
 # worth; such shapes are re-derived from their GEMMs instead (projection/gemm.py)
 PROBE_MAX_LAYER_PARAMS = 60_000_000
@@ -181,7 +183,7 @@ def probe_engines(recipes: list[Any], *, threads: int, rounds: int = 8, neighbou
                   bare: bool = False) -> list[dict[str, float]]:
     """Forward and backward ms of one micro batch through each recipe's own engine (DeepSpeed at its
     ZeRO stage and offload, or plain torch), all built in one fresh process in a group of one and
-    called alternately (drift hits all of them), the fastest of `rounds` after 2 warm-up rounds, with
+    called alternately (drift hits all of them), the median of `rounds` after 2 warm-up rounds, with
     `neighbours` busy processes as in probe_parts. What an engine adds around the model (ZeRO-3's
     parameter fetch and release at every module, gradient bucketing, the optimizer wrapper) is in
     these times, and the optimizer step (`engine.step()`) is timed apart; communication at world size 1 is
