@@ -127,6 +127,10 @@ def test_catalog_links_take_nccl_latency_and_the_slowest_hop():
     assert two.ms("all_reduce", 1e9, 16) > 8 * one.ms("all_reduce", 1e9, 8)
     assert one.described.kind == "link_catalog" and one.described.values["base_us"] == 8.4
     assert catalog_link(cat, cat.resolve("h100-sxm"), 1, 8) is None
+    # the RTX 3090's NVLink bridge joins pairs: two GPUs ring over it, eight also cross PCIe between the pairs
+    pair, eight = (catalog_link(cat, cat.resolve("rtx3090-8x-nvlink"), n, 8) for n in (2, 8))
+    assert pair.busbw_gbps == 56.25 and eight.busbw_gbps == catalog_link(cat, cat.resolve("rtx3090-8x"), 8, 8).busbw_gbps
+    assert eight.latency.intra_us == 5.7 and "also crosses PCIe 4.0 x16" in eight.source
     lat = NcclLatency(base_us=10.0, intra_us=1.0, net_us=5.0, nodes=1, source="t")
     assert Link(busbw_gbps=1.0, source="t", latency=lat).ms("all_reduce", 0.0, 4) == pytest.approx((10 + 6) / 1e3)
 

@@ -36,6 +36,8 @@ class Link:
     gbps: float
     gbps_source: str
     latency_class: str  # nvlink | pcie | net (collective_latency.step_us)
+    joins_gpus: int | None = None  # a link that joins groups of this many GPUs (an NVLink bridge: pairs)
+    between_groups: "Link | None" = None  # what a ring over more GPUs than a group also crosses
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,7 +104,9 @@ class Catalog:
             raise CatalogError(f"'{where}': link '{key}' is not in the catalog's links:; add it or fix the name")
         entry = self.links[key]
         return Link(key=key, name=entry["name"], gbps=float(entry["gbps_per_direction"]["value"]),
-                    gbps_source=entry["gbps_per_direction"]["source"], latency_class=entry.get("class", "net"))
+                    gbps_source=entry["gbps_per_direction"]["source"], latency_class=entry.get("class", "net"),
+                    joins_gpus=entry.get("joins_gpus"),
+                    between_groups=self.link(entry.get("between_groups"), f"links.{key}.between_groups"))
 
     def step_latency_us(self, latency_class: str) -> tuple[float, str]:
         fig = self.latency["step_us"][latency_class]

@@ -4,9 +4,11 @@ here, a catalog link with NCCL's latency model, and a GPU host's time per operat
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from trainprof.hardware import Catalog, Target
+from trainprof.hardware import Link as HardwareLink
 from trainprof.projection.assumptions import Assumption, assume
 from trainprof.projection.comm import Link, NcclLatency
 from trainprof.projection.compute import Machine
@@ -82,6 +84,8 @@ def catalog_link(catalog: Catalog, target: Target, world: int, gpus_per_node: in
     intra, inter = target.intra_node_link, target.inter_node_link
     if intra is None or (nodes > 1 and inter is None):
         return None
+    if intra.between_groups is not None and min(world, gpus_per_node) > (intra.joins_gpus or world):
+        intra = _ring_over_groups(intra)
     base_us, base_src = catalog.base_latency_us()
     intra_us, intra_src = catalog.step_latency_us(intra.latency_class)
     net_us, _ = catalog.step_latency_us("net")
@@ -94,6 +98,19 @@ def catalog_link(catalog: Catalog, target: Target, world: int, gpus_per_node: in
                        latency_source=f"{base_src}; {intra_src}")
     return Link(busbw_gbps=gbps, source=name, latency=NcclLatency(base_us=base_us, intra_us=intra_us, net_us=net_us,
                                                                   nodes=nodes, source=base_src), described=described)
+
+
+def _ring_over_groups(link: HardwareLink) -> HardwareLink:
+    """A ring over more GPUs than a link joins (an NVLink bridge joins pairs) alternates its hops with the
+    link between the groups: its bandwidth is the slower of the two, each step's latency the slower class."""
+    other = link.between_groups
+    assert other is not None
+    slow = min((link, other), key=lambda x: x.gbps)
+    latency = {"nvlink": 0, "pcie": 1, "net": 2}
+    return dataclasses.replace(
+        link, name=f"{link.name}; a ring over more than {link.joins_gpus} GPUs also crosses {other.name}",
+        gbps=slow.gbps, gbps_source=slow.gbps_source,
+        latency_class=max(link.latency_class, other.latency_class, key=lambda c: latency.get(c, 2)))
 
 
 def measured_link(fits: dict[str, Any], world: int) -> Link:
