@@ -295,7 +295,9 @@ def research(out: Path, steps: int) -> None:
                         ("rtx3090-8x-nvlink", "")):
         p = project(base, overrides=llama, targets=[node])["predictions"][0]
         tps[node] = p["tokens_per_s"]
-        print(f"  {node:<20} predicted {100 * p['scaling_efficiency']:.1f}%   research: {paper or 'n/a'}")
+        eff = (f"{100 * p['scaling_efficiency']:.1f}%" if p["scaling_efficiency"] is not None else
+               f"n/a ({(p.get('reasons') or {}).get('scaling_efficiency', 'no step predicted')})")
+        print(f"  {node:<20} predicted {eff}   research: {paper or 'n/a'}")
     print(f"NVLink on the RTX 3090: predicted {100 * (tps['rtx3090-8x-nvlink'] / tps['rtx3090-8x'] - 1):+.1f}% tokens/s; "
           "research: about +10%")
     # attention alone on an A800: eager's scores written and read in memory vs a fused (flash) kernel

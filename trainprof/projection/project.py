@@ -664,21 +664,28 @@ def project_advice(run_dir: str | Path, *, probe: bool = True, progress: bool = 
 
 def scaling_efficiency(projector: Projector, recipe: Any, predictions: list[dict[str, Any]], gpus_per_node: int,
                        threads: int | None) -> None:
-    """tput(N) / (N * tput(1)) per hardware and model, tput(1) predicted on the same hardware with one GPU."""
-    single: dict[tuple[str, str], float | None] = {}
+    """tput(N) / (N * tput(1)) per hardware and model, tput(1) predicted on the same hardware with one GPU.
+    Where the same settings do not fit one GPU, there is no one-GPU throughput to scale from: null, with
+    the reason (a ratio against a configuration that cannot run would read as superlinear scaling)."""
+    single: dict[tuple[str, str], dict[str, Any]] = {}
     for p in predictions:
         machine = p["hardware"] if not p["hardware"].startswith("this") else THIS
         if p["tokens_per_s"] is None:
             continue
         key = (machine, " ".join(p["overrides"]))
         if p["world_size"] == 1:
-            single[key] = p["tokens_per_s"]
+            single[key] = p
         if key not in single:
-            one = projector.predict(recipe, machine=machine, world=1, gpus_per_node=gpus_per_node,
-                                    threads=threads if machine == THIS else None)
-            single[key] = one["tokens_per_s"]
-        if single[key]:
-            p["scaling_efficiency"] = p["tokens_per_s"] / (p["world_size"] * single[key])
+            single[key] = projector.predict(recipe, machine=machine, world=1, gpus_per_node=gpus_per_node,
+                                            threads=threads if machine == THIS else None)
+        one = single[key]
+        if one["fits"] is False:
+            gib = (one["memory_per_rank_bytes"] or 0) / 2**30
+            p.setdefault("reasons", {})["scaling_efficiency"] = (
+                f"the same settings do not fit one {machine} GPU (trainprof plan: {gib:.1f} GiB): no one-GPU "
+                "throughput to scale from")
+        elif one["tokens_per_s"]:
+            p["scaling_efficiency"] = p["tokens_per_s"] / (p["world_size"] * one["tokens_per_s"])
 
 
 def order_by_value(predictions: list[dict[str, Any]]) -> None:
