@@ -25,6 +25,7 @@ import dataclasses
 import datetime as dt
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -115,6 +116,11 @@ def run(overrides: list[str], nproc: int, threads: int, out: Path, steps: int, r
     return found[-1].parent
 
 
+def slug(name: str) -> str:
+    """A case's name as a folder name: its runs are found again by name (--reuse), whatever --cases picks."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
 def measured(run_dir: Path) -> tuple[float, int]:
     from trainprof.projection.measured import measured_from_profile
 
@@ -135,10 +141,10 @@ def run_group(g: Group, out: Path, steps: int, repeats: int, bar, reuse: bool = 
     steps_by: dict[int, list[float]] = {}
     mems: dict[int, list[int]] = {}
     base_dirs = []
-    configs = [([], g.nproc, g.threads)] + [(c.overrides, c.nproc, c.threads) for c in g.cases]
+    configs = [("base", [], g.nproc, g.threads)] + [(c.name, c.overrides, c.nproc, c.threads) for c in g.cases]
     for rep in range(repeats):
-        for i, (overrides, nproc, threads) in enumerate(configs):
-            d = run([*g.base, *overrides], nproc, threads, out / f"{g.name}-{i}-r{rep}", steps, reuse)
+        for i, (name, overrides, nproc, threads) in enumerate(configs):
+            d = run([*g.base, *overrides], nproc, threads, out / f"{g.name}-{slug(name)}-r{rep}", steps, reuse)
             bar.update()
             step, mem = measured(d)
             steps_by.setdefault(i, []).append(step)
