@@ -307,6 +307,20 @@ def test_same_configuration_reproduces_the_measured_phases():
     assert sum(phases.values()) + m.unattributed_ms == pytest.approx(m.step_ms)
 
 
+def test_a_changed_models_optimizer_adds_the_probed_pass_over_its_elements_per_rank():
+    """A model-size change keeps the measured optimizer phase (10 ms: the engine's step machinery and its
+    pass) and adds the change of a mixed-precision AdamW pass, each shape's probed cost per element times
+    its elements per rank: 500 at 2 ns -> 2e6 at 3 ns."""
+    m = _measured()
+    same = {"forward": 1.0, "backward": 1.0}
+    parts = Parts(layer_source=same, layer_target=same, rest_source=same, rest_target=same, layers_probed=2,
+                  step_ns=(2.0, 3.0))
+    phases, notes = predict_phases(m, _change(state=2e6), Inputs(parts=parts, memory_gbps=40.0))
+    assert phases["optimizer"] == pytest.approx(10.0 + (3.0 * 2e6 - 2.0 * 500) / 1e6)
+    assert _values(notes, "optimizer_probed_pass") == {"source_elements": 500.0, "target_elements": 2e6,
+                                                       "source_ns": 2.0, "target_ns": 3.0}
+
+
 def test_grad_accum_and_world_size():
     m = _measured()
     phases, _ = predict_phases(m, _change(grad_accum=2), Inputs())
@@ -457,19 +471,24 @@ def test_retimed_collectives_keep_their_measured_exposure_and_scale_with_the_ran
 
 def test_ddp_collectives_are_derived_with_the_last_bucket_exposed():
     """A change to PyTorch DDP: fp32 gradients in DDP's buckets (the first 1 MiB, then 25 MiB each, in
-    reverse parameter order); all but the last hide behind the backward, the last (the remainder) is
-    launched when the backward ends and is exposed whole, once a step."""
+    reverse parameter order); the last (the remainder) is launched when the backward ends and is exposed
+    whole, once a step. The others are launched during the backward: on a GPU they hide behind its compute;
+    on the source's CPU gloo reduces them on the cores the ranks compute on, so they are charged whole."""
     m = _measured(trainable_param_bytes=4e6, dtype_bytes=2)  # 2e6 bf16 parameters: 8e6 bytes of fp32 gradients
     ddp = _change(engine="torch", zero_stage=0, grad_accum=4)
     phases, notes = predict_phases(m, ddp, Inputs(link=_link()))
     last = 8e6 - 2 ** 20  # one 1 MiB bucket, then the rest in one (< 25 MiB)
-    assert phases["comm_exposed"] == pytest.approx(0.5 + last / 1e9 * 1e3)  # all_reduce bus factor 1 at n=2
+    first = 0.5 + 2 ** 20 / 1e6  # all_reduce bus factor 1 at n=2
+    assert phases["comm_exposed"] == pytest.approx(0.5 + last / 1e9 * 1e3 + first)
     assert _values(notes, "comm_ddp_derived")["buckets"] == 2
+    gpu = _change(engine="torch", zero_stage=0, grad_accum=4, cross_machine=True)  # 160 ms of backward to hide in
+    assert predict_phases(m, gpu, Inputs(link=_link()))[0]["comm_exposed"] == pytest.approx(0.5 + last / 1e6)
     big = _measured(trainable_param_bytes=2 * 100e6, dtype_bytes=2)  # 100M parameters: 400 MB of gradients
     phases, notes = predict_phases(big, ddp, Inputs(link=_link()))
     rest = 400e6 - 2 ** 20
     buckets = math.ceil(rest / (25 * 2 ** 20))
-    assert phases["comm_exposed"] == pytest.approx(0.5 + (rest - 25 * 2 ** 20 * (buckets - 1)) / 1e6)
+    tail = rest - 25 * 2 ** 20 * (buckets - 1)
+    assert phases["comm_exposed"] == pytest.approx(0.5 + tail / 1e6 + 0.5 + (400e6 - tail) / 1e6)
     assert _values(notes, "comm_ddp_derived")["buckets"] == 1 + buckets
     # a DDP source at its own world keeps its recorded rows (re-timed); no calibration for the world: null
     same = _change(engine="torch", zero_stage=0, source_engine="torch", source_zero_stage=0)
@@ -581,6 +600,12 @@ def test_probe_parts_times_each_shape_in_one_call():
     # what a second thread is worth is left to scripts/bench_projection.py's threads case (interleaved
     # repeats): at this shape it was 0.6-0.95x here, too noisy to bound in a test
     assert (s.threads, t.threads, t2.threads) == (1, 1, 2)
+    assert s.step_ns_per_element is None  # steps are timed only when asked (a changed model)
+    # a model 4x as wide: its decoder layers' mixed-precision AdamW step, per element, is timed at each shape
+    wide = load_recipe(QUICK, ["model.dtype=fp32", "train.micro_batch_size=1", "data.seq_len=32",
+                               "model.hidden_size=256", "model.intermediate_size=1408"])
+    s, w = probe_parts([small, wide], threads=1, rounds=3, steps=True)
+    assert s.step_ns_per_element > 0 and w.step_ns_per_element > 0
 
 
 @pytest.mark.timed

@@ -48,6 +48,10 @@ TEMPLATES: dict[str, str] = {
     "optimizer_probed_step": ("optimizer: the target engine's step() probed in a group of one ({step_ms:.2f} ms over "
                               "{state_elements:,.0f} state elements), with Adam's pass re-priced for {target_elements:,.0f} "
                               "elements per rank at {bytes_per_element} B each over {memory_gbps:.3g} GB/s"),
+    "optimizer_probed_pass": ("optimizer: as measured, plus the change of a mixed-precision AdamW pass over the state "
+                              "elements per rank ({source_elements:,.0f} at {source_ns:.2f} ns each -> "
+                              "{target_elements:,.0f} at {target_ns:.2f} ns), each shape's pass timed on this machine "
+                              "over its bare model's parameters"),
     "optimizer_fixed_plus_pass": ("optimizer: {fixed_ms:.2f} ms fixed as measured + Adam's pass over {target_elements:,.0f} "
                                   "state elements per rank at {bytes_per_element} B each over {memory_gbps:.3g} GB/s"),
     "optimizer_scaled": "optimizer: scaled by state elements per rank ({ratio:.3g}x)",
@@ -83,7 +87,7 @@ TEMPLATES: dict[str, str] = {
                           "{units} fully_shard units, each all-gathered before its forward ({gather_ms:.2f} ms a pass)"
                           "{regather_text} and its fp32 gradients reduce-scattered ({scatter_ms:.2f} ms)"),
     "comm_ddp_derived": ("comm: PyTorch DDP's gradient all_reduce derived from the {mbytes:.3g} MB of fp32 gradients: "
-                         "{buckets} bucket(s), all but the last hidden behind the backward; the last ({last_mbytes:.3g} MB), "
+                         "{buckets} bucket(s), {hidden_text}; the last ({last_mbytes:.3g} MB), "
                          "launched when the backward ends, blocking: {tail_ms:.2f} ms over {link}"),
     "comm_wait": ("comm: + {wait_ms:.2f} ms a blocking call waited in training: the source's {calls} blocking collectives "
                   "took {measured_ms:.2f} ms against {priced_ms:.2f} ms priced by the same fit"),

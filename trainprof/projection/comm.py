@@ -244,10 +244,11 @@ def _ddp(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumption
     """Exposed ms of PyTorch DDP's gradient all_reduce per optimizer step (torch/nn/parallel/distributed.py,
     the C++ Reducer): gradients are bucketed in reverse parameter order (the first bucket
     DDP_FIRST_BUCKET_BYTES, the others DDP_BUCKET_BYTES) and each bucket is all-reduced as soon as the
-    backward has produced all of its gradients, overlapped with the rest of the backward; the last bucket
-    (the remainder: the first layers and the embedding, whose gradients come last) is launched when the
-    backward ends and waited for: exposed whole, with the wait a blocking call of the source had beyond its
-    price. Once a step: the torch engine skips the sync on micro batches before the boundary (DDP.no_sync).
+    backward has produced all of its gradients, overlapped with the rest of the backward (on a GPU it hides
+    behind the compute; on the source's CPU, where gloo reduces on the cores the ranks compute on, it does
+    not: those buckets are charged at their price); the last bucket (the remainder: the first layers and
+    the embedding, whose gradients come last) is launched when the backward ends and waited for: exposed
+    whole, with the wait a blocking call of the source had beyond its price. Once a step: the torch engine skips the sync on micro batches before the boundary (DDP.no_sync).
     Gradients are fp32: the torch engine keeps trainable parameters in fp32 under autocast."""
     n = t.world_size
     grads = _trainable_bytes(m, t) / m.dtype_bytes * 4
@@ -259,10 +260,16 @@ def _ddp(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumption
     buckets = 1 + math.ceil(rest / DDP_BUCKET_BYTES)
     tail = link.ms("all_reduce", last, n)
     hidden = link.ms("all_reduce", grads - last, n) if buckets > 1 else 0.0
-    overflow = max(hidden - (t.compute_ms or {}).get("backward", 0.0), 0.0) if t.cross_machine else 0.0
+    if t.cross_machine:  # a GPU's reductions run beside its compute: exposed as far as they outlast it
+        overflow = max(hidden - (t.compute_ms or {}).get("backward", 0.0), 0.0)
+        hidden_text = "all but the last overlapping the backward's compute"
+    else:  # on the source's CPU gloo reduces on the cores the ranks compute on: nothing hides
+        overflow = hidden
+        hidden_text = (f"all but the last launched during the backward on the cores it computes on, "
+                       f"{hidden:.2f} ms, charged whole")
     wait, wait_note = (0.0, None) if t.cross_machine else in_training_wait(m, n, link)
     notes = [assume("comm_ddp_derived", mbytes=grads / 1e6, buckets=buckets, last_mbytes=last / 1e6, tail_ms=tail,
-                    link=link.source)]
+                    link=link.source, hidden_text=hidden_text)]
     if wait_note is not None:
         notes.append(wait_note)
     return tail + overflow + wait, notes

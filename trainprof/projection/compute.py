@@ -89,6 +89,7 @@ class Parts:
     rest_target: dict[str, float]
     layers_probed: int
     threads: tuple[int, int] | None = None  # (source, target) intra-op threads, where they differ
+    step_ns: tuple[float, float] | None = None  # (source, target) ns of a mixed-precision AdamW step per element
 
 
 def probed_compute(m: Measured, src: Work, tgt: Work, parts: Parts, memory_gbps: float | None,
@@ -199,9 +200,12 @@ def adam_pass_ms(state_elements: float, memory_gbps: float) -> float:
 
 
 def optimizer_ms(m: Measured, *, source_elements: float | None, target_elements: float | None,
-                 memory_gbps: float | None, probed: StepProbe | None, engine: EngineProbe | None
-                 ) -> tuple[float, list[Assumption]]:
-    """The optimizer phase on the source's machine for the target's state elements per rank and engine."""
+                 memory_gbps: float | None, probed: StepProbe | None, engine: EngineProbe | None,
+                 step_ns: tuple[float, float] | None = None) -> tuple[float, list[Assumption]]:
+    """The optimizer phase on the source's machine for the target's state elements per rank and engine.
+    A changed model whose bare shapes were probed (`step_ns`: a mixed-precision AdamW step's ns per element
+    at each shape) keeps the measured phase and adds the change of that pass over the elements per rank:
+    the engine's step does that pass and more, which the measurement keeps."""
     opt = m.phases_ms["optimizer"]
     n_s, n_t = source_elements, target_elements
     if probed is not None and memory_gbps and n_t:
@@ -209,7 +213,11 @@ def optimizer_ms(m: Measured, *, source_elements: float | None, target_elements:
         return opt, [assume("optimizer_probed_step", step_ms=probed.step_ms, state_elements=probed.state_elements,
                             target_elements=n_t, bytes_per_element=ADAM_BYTES_PER_ELEMENT, memory_gbps=memory_gbps)]
     notes: list[Assumption] = []
-    if n_s and n_t and n_s != n_t:
+    if step_ns is not None and n_s and n_t:
+        opt = max(opt + (step_ns[1] * n_t - step_ns[0] * n_s) / 1e6, 0.0)
+        notes.append(assume("optimizer_probed_pass", source_elements=n_s, target_elements=n_t, source_ns=step_ns[0],
+                            target_ns=step_ns[1]))
+    elif n_s and n_t and n_s != n_t:
         if memory_gbps:
             fixed = max(opt - adam_pass_ms(n_s, memory_gbps), 0.0)
             opt = fixed + adam_pass_ms(n_t, memory_gbps)

@@ -58,6 +58,9 @@ class PartProbe:
     rest_backward_ms: float
     layers_probed: int
     threads: int  # torch intra-op threads it ran with
+    # a mixed-precision AdamW step's ns per parameter element (the k layers' step minus the rest's, over
+    # their elements); None where the probe did not time steps
+    step_ns_per_element: float | None = None
 
 
 def layer_params(recipe: Any) -> int:
@@ -98,7 +101,7 @@ def bare_model(recipe: Any, shape: ProbeShape, layers: int) -> tuple[torch.nn.Mo
 
 
 def probe_parts(probes: list[Any], *, threads: int | list[int] | None = None, rounds: int = PROBE_ROUNDS,
-                neighbours: int = 0) -> list[PartProbe]:
+                neighbours: int = 0, steps: bool = False) -> list[PartProbe]:
     """One decoder layer's and the rest of the model's forward and backward ms for each recipe at its
     shape (see the module docstring), all models called in turn within each round, with `neighbours`
     busy processes running the first recipe's model meanwhile.
@@ -107,6 +110,8 @@ def probe_parts(probes: list[Any], *, threads: int | list[int] | None = None, ro
         probes: recipes (each at its own micro batch, seq_len, attention and dims).
         threads: torch intra-op threads for all probes, or one count per probe (a change of threads is
             probed as a change of shape is); None: as set now.
+        steps: also time a mixed-precision AdamW step after each backward (`MixedPrecisionStep`), for its
+            cost per parameter element at each shape.
     """
     before = torch.get_num_threads()
     per_probe = threads if isinstance(threads, list) else [threads or before] * len(probes)
@@ -119,15 +124,18 @@ def probe_parts(probes: list[Any], *, threads: int | list[int] | None = None, ro
                 models[(j, layers)], batches[(j, layers)] = bare_model(recipe, ProbeShape.of(recipe), layers)
                 threads_of[(j, layers)] = per_probe[j]
         keys = list(models)
-        fwd: dict[Any, list[float]] = {key: [] for key in keys}
-        bwd: dict[Any, list[float]] = {key: [] for key in keys}
+        timed: dict[Any, dict[str, list[float]]] = {key: {"forward": [], "backward": [], "step": []} for key in keys}
+        stepper = {key: MixedPrecisionStep(models[key]) for key in keys} if steps else {}
         with busy_neighbours(probes[0], neighbours, per_probe[0]):
-            _probe_rounds(models, batches, keys, rounds, fwd, bwd, threads_of)
+            _probe_rounds(models, batches, keys, rounds, timed, threads_of, stepper)
         out = []
         for j, k in enumerate(ks):
-            f0, fk, b0, bk = (statistics.median(v) for v in (fwd[(j, 0)], fwd[(j, k)], bwd[(j, 0)], bwd[(j, k)]))
+            (f0, b0, s0), (fk, bk, sk) = ([statistics.median(timed[(j, n)][ph]) if timed[(j, n)][ph] else 0.0
+                                           for ph in ("forward", "backward", "step")] for n in (0, k))
+            elements = stepper[(j, k)].elements - stepper[(j, 0)].elements if steps else 0
             out.append(PartProbe(layer_forward_ms=max(fk - f0, 0.0) / k, layer_backward_ms=max(bk - b0, 0.0) / k,
-                                 rest_forward_ms=f0, rest_backward_ms=b0, layers_probed=k, threads=threads_of[(j, k)]))
+                                 rest_forward_ms=f0, rest_backward_ms=b0, layers_probed=k, threads=threads_of[(j, k)],
+                                 step_ns_per_element=max(sk - s0, 0.0) * 1e6 / elements if elements > 0 else None))
         return out
     finally:
         torch.set_num_threads(before)
@@ -261,7 +269,7 @@ def _probe_engines_main(argv: list[str]) -> int:
                                 ("engine_step_ms", t3 - t2)):
                     timed[k][key].append(ms * 1e3)
         for k, (model, batch) in models.items():  # each bare model once a round, beside the engines' calls
-            f_ms, b_ms = _forward_backward_ms(model, batch)
+            f_ms, b_ms, _ = _forward_backward_ms(model, batch)
             if i >= 2:
                 timed[k]["model_forward_ms"].append(f_ms)
                 timed[k]["model_backward_ms"].append(b_ms)
@@ -269,29 +277,59 @@ def _probe_engines_main(argv: list[str]) -> int:
     return 0
 
 
-def _forward_backward_ms(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
-    """One call of a bare model: (forward ms, backward ms); its gradients are dropped after."""
+class MixedPrecisionStep:
+    """What a mixed-precision optimizer step does to each parameter element, on a bare model: its 16-bit
+    gradient copied into an fp32 master copy, torch's AdamW (foreach) over the fp32 masters, the updated
+    master copied back into the 16-bit parameter (as DeepSpeed's ZeRO optimizers and torch's autocast
+    training do with their fp32 states)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.masters, lr=1e-6, foreach=True)
+        self.elements = sum(p.numel() for p in self.params)
+
+    def __call__(self) -> float:
+        """One step over the gradients the last backward left (ms)."""
+        t0 = time.perf_counter()
+        for master, p in zip(self.masters, self.params):
+            master.grad = p.grad.float() if p.grad is not None else None
+        self.optimizer.step()
+        with torch.no_grad():
+            for master, p in zip(self.masters, self.params):
+                p.copy_(master)
+        return (time.perf_counter() - t0) * 1e3
+
+
+def _forward_backward_ms(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                         step: MixedPrecisionStep | None = None) -> tuple[float, float, float | None]:
+    """One call of a bare model: (forward ms, backward ms, the `step`'s ms or None); its gradients are
+    dropped after."""
     t0 = time.perf_counter()
     loss = model(**batch).loss
     t1 = time.perf_counter()
     loss.backward()
     t2 = time.perf_counter()
+    step_ms = step() if step is not None else None
     model.zero_grad(set_to_none=True)
-    return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3, step_ms
 
 
 def _probe_rounds(models: dict[Any, Any], batches: dict[Any, Any], keys: list[Any], rounds: int,
-                  fwd: dict[Any, list[float]], bwd: dict[Any, list[float]], threads: dict[Any, int]) -> None:
+                  timed: dict[Any, dict[str, list[float]]], threads: dict[Any, int],
+                  stepper: dict[Any, MixedPrecisionStep]) -> None:
     """2 untimed rounds, then `rounds` timed ones: every model called once a round, in turn, each with
-    its own intra-op threads (`threads`, updated to the count torch took)."""
+    its own intra-op threads (`threads`, updated to the count torch took) and its `stepper`'s step if any."""
     for i in range(rounds + 2):
         for n in keys:
             torch.set_num_threads(threads[n])
             threads[n] = torch.get_num_threads()  # what it ran with
-            f_ms, b_ms = _forward_backward_ms(models[n], batches[n])
+            f_ms, b_ms, s_ms = _forward_backward_ms(models[n], batches[n], stepper.get(n))
             if i >= 2:
-                fwd[n].append(f_ms)
-                bwd[n].append(b_ms)
+                timed[n]["forward"].append(f_ms)
+                timed[n]["backward"].append(b_ms)
+                if s_ms is not None:
+                    timed[n]["step"].append(s_ms)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from trainprof.hardware import Catalog, CatalogError, Target, find_accelerator, 
 from trainprof.projection import pipeline
 from trainprof.projection.assumptions import Assumption, assume
 from trainprof.projection.census import census, zero3_settings, zero3_traffic
-from trainprof.projection.changes import (KINDS, THIS, change_kinds, engine_key, recipe_kinds, task_key,
+from trainprof.projection.changes import (KINDS, THIS, change_kinds, engine_key, model_shape, recipe_kinds, task_key,
                                           unmodelled_changes)
 from trainprof.projection.comm import CommTarget, Link
 from trainprof.projection.compute import HOST_BOUND_BUSY, EngineProbe, Parts, StepProbe
@@ -383,14 +383,17 @@ class Projector:
         src, src_world = self.source.recipe, self.source.measured.world_size
         nb_s, nb_t = self.neighbours(src_world), self.neighbours(world)
         th_s, th_t = self.source_threads, threads or self.source_threads
-        key = ("parts", ProbeShape.of(src), ProbeShape.of(target_recipe), nb_s, nb_t, th_s, th_t)
+        # a changed model also has its optimizer step's pass timed, where the state is fp32 AdamW's
+        steps = model_shape(src) != model_shape(target_recipe) and target_recipe.optimizer.state_bits == 32
+        key = ("parts", ProbeShape.of(src), ProbeShape.of(target_recipe), nb_s, nb_t, th_s, th_t,
+               *(("steps",) if steps else ()))
         if key not in self._cache:
             def make() -> list[dict[str, Any]]:
                 if nb_s == nb_t:
-                    probes = probe_parts([src, target_recipe], threads=[th_s, th_t], neighbours=nb_s)
+                    probes = probe_parts([src, target_recipe], threads=[th_s, th_t], neighbours=nb_s, steps=steps)
                 else:
-                    probes = [*probe_parts([src], threads=th_s, neighbours=nb_s),
-                              *probe_parts([target_recipe], threads=th_t, neighbours=nb_t)]
+                    probes = [*probe_parts([src], threads=th_s, neighbours=nb_s, steps=steps),
+                              *probe_parts([target_recipe], threads=th_t, neighbours=nb_t, steps=steps)]
                 return [dataclasses.asdict(p) for p in probes]
 
             s, t = (PartProbe(**d) for d in self._kept(key, "parts", make))
@@ -398,7 +401,9 @@ class Projector:
             self._cache[key] = Parts(layer_source=by_phase(s, "layer"), layer_target=by_phase(t, "layer"),
                                      rest_source=by_phase(s, "rest"), rest_target=by_phase(t, "rest"),
                                      layers_probed=max(s.layers_probed, t.layers_probed),
-                                     threads=(th_s, th_t) if th_s != th_t else None)
+                                     threads=(th_s, th_t) if th_s != th_t else None,
+                                     step_ns=(s.step_ns_per_element, t.step_ns_per_element)
+                                     if s.step_ns_per_element and t.step_ns_per_element else None)
         self._used.append(key)
         return self._cache[key]
 

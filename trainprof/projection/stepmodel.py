@@ -146,7 +146,8 @@ def _optimizer(m: Measured, change: Change, inputs: Inputs) -> tuple[float, list
     probed = inputs.step_probe or (inputs.engine.target_step if inputs.engine is not None else None)
     step_per_rank = change.comm.engine != "deepspeed" or change.comm.zero_stage < 3 or change.world_size == 1
     opt, notes = optimizer_ms(m, source_elements=n_s, target_elements=n_t, memory_gbps=inputs.memory_gbps,
-                              probed=probed if step_per_rank else None, engine=inputs.engine)
+                              probed=probed if step_per_rank else None, engine=inputs.engine,
+                              step_ns=inputs.parts.step_ns if inputs.parts is not None else None)
     src = inputs.source_machine
     if dst is not None and src is not None and src.memory_gbps and dst.memory_gbps:
         opt *= src.memory_gbps / dst.memory_gbps
