@@ -687,7 +687,7 @@ def scaling_efficiency(projector: Projector, recipe: Any, predictions: list[dict
         if one["fits"] is False:
             gib = (one["memory_per_rank_bytes"] or 0) / 2**30
             p.setdefault("reasons", {})["scaling_efficiency"] = (
-                f"the same settings do not fit one {machine} GPU (trainprof plan: {gib:.1f} GiB): no one-GPU "
+                f"the same settings do not fit one GPU of {machine} (trainprof plan: {gib:.1f} GiB): no one-GPU "
                 "throughput to scale from")
         elif one["tokens_per_s"]:
             p["scaling_efficiency"] = p["tokens_per_s"] / (p["world_size"] * one["tokens_per_s"])
