@@ -601,7 +601,14 @@ def test_probe_parts_times_each_shape_in_one_call():
     # repeats): at this shape it was 0.6-0.95x here, too noisy to bound in a test
     assert (s.threads, t.threads, t2.threads) == (1, 1, 2)
     assert s.step_ns_per_element is None  # steps are timed only when asked (a changed model)
-    # a model 4x as wide: its decoder layers' mixed-precision AdamW step, per element, is timed at each shape
+
+
+def test_probe_parts_times_a_changed_models_optimizer_pass_per_element():
+    """A model-size change has each shape's mixed-precision AdamW step timed over its bare models; the
+    decoder layers' step, over their elements, is the cost per element (no duration compared: not timed)."""
+    from trainprof.projection.probes import probe_parts
+
+    small = load_recipe(QUICK, ["model.dtype=fp32", "train.micro_batch_size=1", "data.seq_len=32"])
     wide = load_recipe(QUICK, ["model.dtype=fp32", "train.micro_batch_size=1", "data.seq_len=32",
                                "model.hidden_size=256", "model.intermediate_size=1408"])
     s, w = probe_parts([small, wide], threads=1, rounds=3, steps=True)

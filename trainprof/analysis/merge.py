@@ -2,7 +2,8 @@
 
 The merged document keeps rank 0's steps, operators and collectives (every rank's are in its own
 profile.rank<r>.json), sets every module figure to the median over ranks with the min / median / max
-and each rank's own figure (`by_rank`, in `ranks` order) kept beside it, and summarises phases per rank in `ranks` and `summary.across_ranks`.
+and each rank's own figure (`by_rank`, in `ranks` order) kept beside it, and summarises phases per rank
+in `ranks` and `summary.across_ranks`.
 
 Straggler: synchronous collectives make every rank's wall time equal to the slowest one's, so ranks
 are compared by their busy time, the step minus the time spent blocked in collectives and waiting for

@@ -213,7 +213,7 @@ def optimizer_ms(m: Measured, *, source_elements: float | None, target_elements:
         return opt, [assume("optimizer_probed_step", step_ms=probed.step_ms, state_elements=probed.state_elements,
                             target_elements=n_t, bytes_per_element=ADAM_BYTES_PER_ELEMENT, memory_gbps=memory_gbps)]
     notes: list[Assumption] = []
-    if step_ns is not None and n_s and n_t:
+    if step_ns is not None and n_s and n_t and n_s != n_t:
         opt = max(opt + (step_ns[1] * n_t - step_ns[0] * n_s) / 1e6, 0.0)
         notes.append(assume("optimizer_probed_pass", source_elements=n_s, target_elements=n_t, source_ns=step_ns[0],
                             target_ns=step_ns[1]))

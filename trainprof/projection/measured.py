@@ -80,9 +80,9 @@ class Measured:
 
 def measured_from_profile(profile: dict[str, Any]) -> Measured:
     """The figures the step model needs, from a merged profile.json dict: the slowest rank's median
-    step (what tokens/s divides by), split as the critical rank's phase medians and module times
-    (`critical_rank`). `unattributed_ms` is the step minus the phases, kept signed (a sum of per-phase
-    medians need not equal the median step), so that the parts add up to the measured step exactly."""
+    step (what tokens/s divides by), split as the critical rank's phases (`critical_rank`, `_split`) and
+    module times. `unattributed_ms` is the step minus the phases, kept signed, so that the parts add up
+    to the measured step exactly."""
     s = profile["summary"]
     ranks = [r for r in profile.get("ranks") or [] if r.get("phases_ms")]
     rank_index, scale = None, {}
