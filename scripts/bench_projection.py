@@ -101,8 +101,8 @@ GROUPS = {g.name: g for g in (SETTINGS, SIZE, TORCH)}
 def run(overrides: list[str], nproc: int, threads: int, out: Path, steps: int, reuse: bool = False) -> Path:
     from trainprof.sweep.launch import torchrun_command
 
-    kept = sorted(out.glob("*/profile.json"))
-    if reuse and kept:  # a run made by an earlier call with this --out: projected again, not run again
+    kept = sorted(out.glob("*/profile.json")) if reuse else []
+    if kept:  # a run made by an earlier call with this --out: projected again, not run again
         return kept[-1].parent
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}

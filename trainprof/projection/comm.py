@@ -248,7 +248,8 @@ def _ddp(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumption
     behind the compute; on the source's CPU, where gloo reduces on the cores the ranks compute on, it does
     not: those buckets are charged at their price); the last bucket (the remainder: the first layers and
     the embedding, whose gradients come last) is launched when the backward ends and waited for: exposed
-    whole, with the wait a blocking call of the source had beyond its price. Once a step: the torch engine skips the sync on micro batches before the boundary (DDP.no_sync).
+    whole, with the wait a blocking call of the source had beyond its price. Once a step: the torch engine
+    skips the sync on micro batches before the boundary (DDP.no_sync).
     Gradients are fp32: the torch engine keeps trainable parameters in fp32 under autocast."""
     n = t.world_size
     grads = _trainable_bytes(m, t) / m.dtype_bytes * 4

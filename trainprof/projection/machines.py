@@ -100,17 +100,20 @@ def catalog_link(catalog: Catalog, target: Target, world: int, gpus_per_node: in
                                                                   nodes=nodes, source=base_src), described=described)
 
 
+# a ring step's latency classes (collective_latency), fastest first; an unknown one counts as a network's
+LATENCY_ORDER = {"nvlink": 0, "pcie": 1, "net": 2}
+
+
 def _ring_over_groups(link: HardwareLink) -> HardwareLink:
     """A ring over more GPUs than a link joins (an NVLink bridge joins pairs) alternates its hops with the
     link between the groups: its bandwidth is the slower of the two, each step's latency the slower class."""
     other = link.between_groups
     assert other is not None
     slow = min((link, other), key=lambda x: x.gbps)
-    latency = {"nvlink": 0, "pcie": 1, "net": 2}
     return dataclasses.replace(
         link, name=f"{link.name}; a ring over more than {link.joins_gpus} GPUs also crosses {other.name}",
         gbps=slow.gbps, gbps_source=slow.gbps_source,
-        latency_class=max(link.latency_class, other.latency_class, key=lambda c: latency.get(c, 2)))
+        latency_class=max(link.latency_class, other.latency_class, key=lambda c: LATENCY_ORDER.get(c, 2)))
 
 
 def measured_link(fits: dict[str, Any], world: int) -> Link:

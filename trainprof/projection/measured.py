@@ -127,10 +127,9 @@ def measured_from_profile(profile: dict[str, Any]) -> Measured:
 def _split(rank: dict[str, Any], step: float) -> dict[str, float]:
     """A rank's phases in ms of the `step` it is to split. Per-step phases and the unattributed rest add up
     to each step's wall time, so their means add up to the mean step, while a sum of medians need not
-    equal the median step (a phase that holds waits is skewed: medians of a 2-rank ZeRO-3 run summed
-    to 4 ms less than its median step, and a changed target kept that gap as if it were work). The
-    means, scaled by the median step over the mean one, split it; a profile without means (made before
-    they were kept) gives the medians."""
+    equal the median step (a phase that holds waits is skewed, and a changed target would keep the gap
+    as if it were work). The means, scaled by the median step over the mean one, split it; a profile
+    without means (made before they were kept) gives the medians."""
     means, mean_step = rank.get("phases_ms_mean"), rank.get("step_ms_mean")
     if not means or not mean_step:
         return dict(rank["phases_ms"])
