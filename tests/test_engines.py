@@ -22,6 +22,7 @@ def assert_trained(profile: dict, world_size: int, grad_accum: int = 1, measured
     steps = [s for s in profile["steps"] if not s.get("warmup")]
     assert len(steps) == measured_steps
     assert profile["env"]["world_size"] == world_size
+    assert profile["env"]["host_allocator"]["mode"] == "cache"  # train.cpu_allocator's default on CPU
     assert all(math.isfinite(s["loss"]) and s["wall_ms"] > 0 for s in steps)
     # the synthetic task is a repeating pattern: a model that really trains gets its loss down
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5, [s["loss"] for s in steps]

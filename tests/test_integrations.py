@@ -85,6 +85,7 @@ def assert_projectable(run_dir: Path, profile: dict, *, model: dict, train: dict
     from trainprof.projection.project import project
 
     w = profile["workload"]
+    assert profile["env"]["host_allocator"]["mode"] == "system"  # the user's script runs as it is
     assert {k: w["model"][k] for k in model} == model and w["train"] == train and w["data"] == {"seq_len": seq_len}
     assert w["engine"]["kind"] == engine and w["unknown"] == {}
     result = project(run_dir, targets=["h100-sxm"], gpus_per_node=1)

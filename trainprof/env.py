@@ -61,6 +61,7 @@ def collect_env(device: torch.device, world_size: int) -> dict[str, Any]:
         "world_size": world_size,
         "timer": "cuda_event" if device.type == "cuda" else "host",
         "memory_meter": memory_meter(device),
+        "host_allocator": host_allocator(),
     }
 
 
@@ -158,6 +159,45 @@ def native_chatter_to(log: Path | None, prefixes: tuple[str, ...] = ("USDT:",)) 
                     f.write(chatter)
             if kept:
                 os.write(2, kept)
+
+
+# glibc mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit (HEAP_MAX_SIZE / 2)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 * 2**20
+_TRIM_THRESHOLD_MAX = 2**31 - 1  # mallopt takes an int
+_host_allocator: dict[str, Any] = {
+    "mode": "system", "detail": "the C library's defaults (glibc: free memory above 128 KiB goes back to the system)"}
+
+
+def apply_host_allocator(device: torch.device, mode: str) -> dict[str, Any]:
+    """`cache` on a CPU run: glibc's malloc keeps the memory the process frees (no trimming, and blocks
+    under 32 MiB come from its heap instead of a fresh mmap each), as a GPU's caching allocator keeps
+    device memory. With glibc's defaults a step's large tensors (a model's logits) are returned to the
+    system when freed and page-faulted in again by the next step: a cost that comes and goes with the
+    allocator's dynamic thresholds rather than with the model. `system` or a GPU run leaves the defaults.
+    Returns what this process now runs with (also what collect_env records)."""
+    import ctypes
+
+    global _host_allocator
+    if mode != "cache" or device.type != "cpu" or _host_allocator["mode"] == "cache":
+        return _host_allocator
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1 and \
+            libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_MAX) == 1
+    except (OSError, AttributeError) as err:  # not glibc (macOS, musl)
+        _host_allocator = {**_host_allocator, "detail": f"{_host_allocator['detail']}; cache not applied: {err}"}
+        return _host_allocator
+    if ok:
+        _host_allocator = {"mode": "cache", "detail": (
+            f"glibc mallopt: M_MMAP_THRESHOLD {_MMAP_THRESHOLD_MAX // 2**20} MiB, M_TRIM_THRESHOLD "
+            f"{_TRIM_THRESHOLD_MAX} B: freed memory is kept for the next step")}
+    return _host_allocator
+
+
+def host_allocator() -> dict[str, Any]:
+    """What this process's host allocator runs with: {mode: cache|system, detail}."""
+    return dict(_host_allocator)
 
 
 def apply_memory_cap(device: torch.device, cap_gb: float | None) -> None:

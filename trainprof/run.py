@@ -139,10 +139,11 @@ def build_run(recipe: Recipe, ctx, run_dir: Path):
     from trainprof.data import build_loader
     from trainprof.distributed import seed_everything
     from trainprof.engines import build_engine, data_split
-    from trainprof.env import apply_memory_cap, check_memory_cap
+    from trainprof.env import apply_host_allocator, apply_memory_cap, check_memory_cap
     from trainprof.models import resolve_shape
     from trainprof.profiler import Profiler
 
+    apply_host_allocator(ctx.device, recipe.train.cpu_allocator)
     seed_everything(recipe.train.seed)
     apply_memory_cap(ctx.device, recipe.train.memory_cap_gb)
     engine = build_engine(recipe, ctx)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from trainprof.env import collect_env, device_name, memory_meter, peak_memory_bytes, reset_peak_memory
+from trainprof.env import apply_host_allocator, collect_env, device_name, memory_meter, peak_memory_bytes, reset_peak_memory
 from trainprof.inference.breakdown import module_breakdown, operator_breakdown
 from trainprof.inference.generate import METRICS_METHOD, TIMER_DESCRIPTION, make_prompt, run_request, serving_metrics
 from trainprof.io import atomic_write_json, atomic_write_text
@@ -104,6 +104,7 @@ def infer(recipe: Recipe, settings: InferSettings, *, progress: bool = True) -> 
     from trainprof.inference.schema import validate_inference
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    apply_host_allocator(device, recipe.train.cpu_allocator)
     model = load_inference_model(recipe, device)
     run_dir = new_run_dir(recipe.output.dir, f"{recipe.output.name}-infer")
     serving = ServingDevice.of(model, device)

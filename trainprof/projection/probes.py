@@ -9,7 +9,10 @@ Every figure is the median of repeated calls after warm-up (as a run's figures a
 steps: the fastest call can miss a cost most calls pay, such as page faults on a large tensor the
 allocator returned to the system), all probes called in turn within each
 round (a slow spell of the machine hits every shape alike), on the host clock, beside as many busy
-processes as the run has other ranks on a CPU (they share its cores and memory bandwidth).
+processes as the run has other ranks on a CPU (they share its cores and memory bandwidth), and with the
+host allocator the measured run had (`train.cpu_allocator`, which the projection sets from the source's
+profile): with glibc's defaults a run page-faults its large tensors in again at some shapes and not at
+others, and a probe does so at other shapes than the run. A process keeps the `cache` allocator once set.
 """
 
 from __future__ import annotations
@@ -113,6 +116,9 @@ def probe_parts(probes: list[Any], *, threads: int | list[int] | None = None, ro
         steps: also time a mixed-precision AdamW step after each backward (`MixedPrecisionStep`), for its
             cost per parameter element at each shape.
     """
+    from trainprof.env import apply_host_allocator
+
+    apply_host_allocator(torch.device("cpu"), probes[0].train.cpu_allocator)
     before = torch.get_num_threads()
     per_probe = threads if isinstance(threads, list) else [threads or before] * len(probes)
     try:
@@ -178,8 +184,11 @@ def _busy_main(argv: list[str]) -> int:
     from trainprof.models import resolve_shape
     from trainprof.recipe import load_recipe
 
+    from trainprof.env import apply_host_allocator
+
     path, ready = argv
     recipe = load_recipe(path, [])
+    apply_host_allocator(torch.device("cpu"), recipe.train.cpu_allocator)
     model, batch = bare_model(recipe, ProbeShape.of(recipe), resolve_shape(recipe.model).num_layers)
     Path(ready).write_text("1")
     while True:  # until the probe kills it
@@ -236,12 +245,14 @@ def _probe_engines_main(argv: list[str]) -> int:
 
     from trainprof.distributed import DistContext, init_distributed, seed_everything
     from trainprof.engines import build_engine
+    from trainprof.env import apply_host_allocator
     from trainprof.models import resolve_shape
     from trainprof.recipe import load_recipe
 
     rounds, bare, out, *paths = argv
     recipes = [load_recipe(p, ["train.grad_accum=1"]) for p in paths]  # every micro batch a boundary
     ctx = DistContext.from_env()
+    apply_host_allocator(ctx.device, recipes[0].train.cpu_allocator)
     init_distributed(ctx, engine_kind=recipes[0].engine.kind)
     # the bare models first: one built after a ZeRO-3 engine in the same process runs far slower
     models = {k: bare_model(recipe, ProbeShape.of(recipe), resolve_shape(recipe.model).num_layers)

@@ -67,6 +67,7 @@ def load_source(run_dir: str | Path, overrides: list[str] | None = None) -> tupl
                                   "again with this trainprof (`trainprof wrap` and the callbacks record it)")
     except RecipeError as err:
         raise ProjectionError(f"'{run_dir}': {err}") from None
+    source_recipe, target_recipe = ran_allocator(profile, source_recipe, target_recipe, overrides or [])
     cal_path = run_dir / "calibration.json"
     calibration = json.loads(cal_path.read_text()) if cal_path.is_file() else None
     if pipeline.is_pipeline(profile):  # the stage that sets the pace; its transfers are the bubble term's
@@ -76,6 +77,20 @@ def load_source(run_dir: str | Path, overrides: list[str] | None = None) -> tupl
         measured = measured_from_profile(profile)
     return Source(run_dir=run_dir, profile=profile, recipe=source_recipe, measured=measured, calibration=calibration,
                   recipe_origin=origin, unknown=unknown), target_recipe
+
+
+def ran_allocator(profile: dict[str, Any], source_recipe: Any, target_recipe: Any,
+                  overrides: list[str]) -> tuple[Any, Any]:
+    """Both recipes with the host allocator the source process recorded (profile env `host_allocator`;
+    runs made before it was recorded, and wrapped scripts, ran the system's), the target's unless an
+    override names it: probes then run with the allocator the measured steps ran with."""
+    mode = ((profile.get("env") or {}).get("host_allocator") or {}).get("mode", "system")
+
+    def ran(recipe: Any) -> Any:
+        return dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, cpu_allocator=mode))
+
+    named = any(o.split("=", 1)[0].strip() == "train.cpu_allocator" for o in overrides)
+    return ran(source_recipe), target_recipe if named else ran(target_recipe)
 
 
 def torch_device(env: dict[str, Any]):

@@ -1,0 +1,73 @@
+"""`train.cpu_allocator`: with `cache`, glibc keeps what a CPU step frees, so the next step does not
+page-fault its tensors in again (as a GPU's caching allocator keeps device memory); a run records the
+allocator it ran with, and a projection probes with the one its source ran with."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import QUICKSTART, REPO
+from trainprof.projection.source import ran_allocator
+from trainprof.recipe import load_recipe
+
+# the quickstart's bare model (2 layers, micro batch 4, seq 256), called as a run's steps call it, in a
+# fresh process under each allocator; prints the minor page faults of each call
+STEPS = """
+import json, resource, sys, torch
+from trainprof.env import apply_host_allocator, host_allocator
+from trainprof.projection.probes import ProbeShape, _forward_backward_ms, bare_model
+from trainprof.recipe import load_recipe
+torch.set_num_threads(1)
+apply_host_allocator(torch.device("cpu"), sys.argv[2])
+recipe = load_recipe(sys.argv[1], [])
+model, batch = bare_model(recipe, ProbeShape.of(recipe), 2)
+faults = []
+for _ in range(10):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    _forward_backward_ms(model, batch)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"faults": faults, "allocator": host_allocator()}))
+"""
+
+
+def steps_under(mode: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", STEPS, str(QUICKSTART), mode], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_cache_stops_the_steps_page_faulting_their_tensors_in_again():
+    system, cache = steps_under("system"), steps_under("cache")
+    assert system["allocator"]["mode"] == "system" and cache["allocator"]["mode"] == "cache", (system, cache)
+    assert "M_TRIM_THRESHOLD" in cache["allocator"]["detail"]
+    # after 2 warm-up calls: the system allocator returns a step's large tensors and faults them in again
+    # (thousands of 4 KiB pages a call); the cache keeps them
+    steady_system, steady_cache = sum(system["faults"][2:]), sum(cache["faults"][2:])
+    assert steady_system > 1000, system["faults"]
+    assert steady_cache < steady_system / 20, (cache["faults"], system["faults"])
+
+
+def test_a_projection_probes_with_the_allocator_its_source_ran_with():
+    recipe = load_recipe(QUICKSTART, [])
+    target = load_recipe(QUICKSTART, ["data.seq_len=128"])
+    assert recipe.train.cpu_allocator == "cache"  # what a run gets by default
+    old = {"env": {"device": "x86_64"}}  # a profile made before the allocator was recorded: the system's
+    src, tgt = ran_allocator(old, recipe, target, ["data.seq_len=128"])
+    assert (src.train.cpu_allocator, tgt.train.cpu_allocator) == ("system", "system")
+    new = {"env": {"host_allocator": {"mode": "cache", "detail": "glibc mallopt"}}}
+    src, tgt = ran_allocator(new, recipe, target, [])
+    assert (src.train.cpu_allocator, tgt.train.cpu_allocator) == ("cache", "cache")
+    # an override that names the allocator is the target's own (and a change the step model refuses)
+    other = load_recipe(QUICKSTART, ["train.cpu_allocator=system"])
+    src, tgt = ran_allocator(new, recipe, other, ["train.cpu_allocator=system"])
+    assert (src.train.cpu_allocator, tgt.train.cpu_allocator) == ("cache", "system")
+    from trainprof.projection.changes import unmodelled_changes
+    assert unmodelled_changes(src, tgt) == ["train.cpu_allocator"]
