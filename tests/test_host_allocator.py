@@ -72,5 +72,7 @@ def test_a_projection_probes_with_the_allocator_its_source_ran_with():
     other = load_recipe(QUICKSTART, ["train.cpu_allocator=system"])
     src, tgt = ran_allocator(new, recipe, other, ["train.cpu_allocator=system"])
     assert (src.train.cpu_allocator, tgt.train.cpu_allocator) == ("cache", "system")
+    src, tgt = ran_allocator(new, recipe, other, ["cpu_allocator=system"])  # the bare leaf name, as a CLI takes it
+    assert (src.train.cpu_allocator, tgt.train.cpu_allocator) == ("cache", "system")
     from trainprof.projection.changes import unmodelled_changes
     assert unmodelled_changes(src, tgt) == ["train.cpu_allocator"]

@@ -165,8 +165,8 @@ def native_chatter_to(log: Path | None, prefixes: tuple[str, ...] = ("USDT:",)) 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD_MAX = 32 * 2**20
 _TRIM_THRESHOLD_MAX = 2**31 - 1  # mallopt takes an int
-_host_allocator: dict[str, Any] = {
-    "mode": "system", "detail": "the C library's defaults (glibc: free memory above 128 KiB goes back to the system)"}
+_SYSTEM_DETAIL = "the C library's defaults (glibc: free memory above 128 KiB goes back to the system)"
+_host_allocator: dict[str, Any] = {"mode": "system", "detail": _SYSTEM_DETAIL}
 
 
 def apply_host_allocator(device: torch.device, mode: str) -> dict[str, Any]:
@@ -186,7 +186,7 @@ def apply_host_allocator(device: torch.device, mode: str) -> dict[str, Any]:
         ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1 and \
             libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_MAX) == 1
     except (OSError, AttributeError) as err:  # not glibc (macOS, musl)
-        _host_allocator = {**_host_allocator, "detail": f"{_host_allocator['detail']}; cache not applied: {err}"}
+        _host_allocator = {"mode": "system", "detail": f"{_SYSTEM_DETAIL}; cache not applied: {err}"}
         return _host_allocator
     if ok:
         _host_allocator = {"mode": "cache", "detail": (

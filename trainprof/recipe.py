@@ -301,13 +301,17 @@ def _resolve_override_key(key: str) -> str:
     raise RecipeError(f"unknown recipe key '{key}' in override{did_you_mean(key, leaves)}")
 
 
+def override_key(item: str) -> str:
+    """The dotted recipe key a `key=value` override sets (a bare leaf name resolved as apply_overrides does)."""
+    if "=" not in item:
+        raise RecipeError(f"override '{item}' must look like key=value (e.g. engine.zero_stage=2)")
+    return _resolve_override_key(item.split("=", 1)[0].strip())
+
+
 def apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str]) -> dict[str, Any]:
     """Apply `dotted.key=value` strings to a raw recipe dict; values are parsed as YAML scalars."""
     for item in overrides:
-        if "=" not in item:
-            raise RecipeError(f"override '{item}' must look like key=value (e.g. engine.zero_stage=2)")
-        raw_key, raw_value = item.split("=", 1)
-        key = _resolve_override_key(raw_key.strip())
+        key, raw_value = override_key(item), item.split("=", 1)[1]
         try:
             value = yaml.safe_load(raw_value) if raw_value.strip() else None
         except yaml.YAMLError:

@@ -181,10 +181,9 @@ def busy_neighbours(recipe: Any, count: int, threads: int):
 
 
 def _busy_main(argv: list[str]) -> int:
+    from trainprof.env import apply_host_allocator
     from trainprof.models import resolve_shape
     from trainprof.recipe import load_recipe
-
-    from trainprof.env import apply_host_allocator
 
     path, ready = argv
     recipe = load_recipe(path, [])

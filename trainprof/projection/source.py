@@ -84,12 +84,14 @@ def ran_allocator(profile: dict[str, Any], source_recipe: Any, target_recipe: An
     """Both recipes with the host allocator the source process recorded (profile env `host_allocator`;
     runs made before it was recorded, and wrapped scripts, ran the system's), the target's unless an
     override names it: probes then run with the allocator the measured steps ran with."""
+    from trainprof.recipe import override_key
+
     mode = ((profile.get("env") or {}).get("host_allocator") or {}).get("mode", "system")
 
     def ran(recipe: Any) -> Any:
         return dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, cpu_allocator=mode))
 
-    named = any(o.split("=", 1)[0].strip() == "train.cpu_allocator" for o in overrides)
+    named = any(override_key(o) == "train.cpu_allocator" for o in overrides)
     return ran(source_recipe), target_recipe if named else ran(target_recipe)
 
 
