@@ -161,20 +161,21 @@ def native_chatter_to(log: Path | None, prefixes: tuple[str, ...] = ("USDT:",)) 
                 os.write(2, kept)
 
 
-# glibc mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit (HEAP_MAX_SIZE / 2)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD_MAX = 32 * 2**20
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _TRIM_THRESHOLD_MAX = 2**31 - 1  # mallopt takes an int
 _SYSTEM_DETAIL = "the C library's defaults (glibc: free memory above 128 KiB goes back to the system)"
 _host_allocator: dict[str, Any] = {"mode": "system", "detail": _SYSTEM_DETAIL}
 
 
 def apply_host_allocator(device: torch.device, mode: str) -> dict[str, Any]:
-    """`cache` on a CPU run: glibc's malloc keeps the memory the process frees (no trimming, and blocks
-    under 32 MiB come from its heap instead of a fresh mmap each), as a GPU's caching allocator keeps
-    device memory. With glibc's defaults a step's large tensors (a model's logits) are returned to the
-    system when freed and page-faulted in again by the next step: a cost that comes and goes with the
-    allocator's dynamic thresholds rather than with the model. `system` or a GPU run leaves the defaults.
+    """`cache` on a CPU run: glibc's malloc keeps the memory the process frees (no trimming, and every
+    block from its heap, none from a fresh mmap), as a GPU's caching allocator keeps device memory. With
+    glibc's defaults a step's large tensors (a model's logits) are returned to the system when freed and
+    page-faulted in again by the next step: a cost that comes and goes with the allocator's dynamic
+    thresholds and the tensors' sizes rather than with the model's work. The price is the one a GPU's
+    reserved memory pays: freed blocks the heap cannot reuse for a larger tensor stay resident, so the
+    peak RSS is higher. `system` or a GPU run leaves the defaults.
     Returns what this process now runs with (also what collect_env records)."""
     import ctypes
 
@@ -183,15 +184,14 @@ def apply_host_allocator(device: torch.device, mode: str) -> dict[str, Any]:
         return _host_allocator
     try:
         libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1 and \
-            libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_MAX) == 1
+        ok = libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_MAX) == 1
     except (OSError, AttributeError) as err:  # not glibc (macOS, musl)
         _host_allocator = {"mode": "system", "detail": f"{_SYSTEM_DETAIL}; cache not applied: {err}"}
         return _host_allocator
     if ok:
         _host_allocator = {"mode": "cache", "detail": (
-            f"glibc mallopt: M_MMAP_THRESHOLD {_MMAP_THRESHOLD_MAX // 2**20} MiB, M_TRIM_THRESHOLD "
-            f"{_TRIM_THRESHOLD_MAX} B: freed memory is kept for the next step")}
+            f"glibc mallopt: M_MMAP_MAX 0, M_TRIM_THRESHOLD {_TRIM_THRESHOLD_MAX} B: freed memory is kept "
+            "for the next step; peak RSS includes the freed blocks the heap keeps")}
     return _host_allocator
 
 
