@@ -701,3 +701,18 @@ def test_a_probe_is_kept_in_the_run_dir_per_machine(tmp_path, monkeypatch):
     (tmp_path / src_mod.PROBES_FILE).write_text("{not json")
     assert src_mod.kept_probe(run, "('parts', 1)", make(5.0)) == ({"ms": 5.0}, None)
     assert src_mod.kept_probe(run, "('parts', 1)", make(6.0))[0] == {"ms": 5.0}
+
+
+def test_a_cpu_prediction_with_larger_logits_says_the_heap_keeps_more_than_the_plan_sees():
+    from trainprof.projection.project import heap_kept
+
+    src = load_recipe(QUICK, [])  # vocab 1,024, micro batch 4, seq 256: 4 MiB of fp32 logits
+    big = load_recipe(QUICK, ["model.vocab_size=16384"])
+    note = heap_kept("cpu", src, big)
+    assert note is not None and (note.values["source_mib"], note.values["target_mib"]) == (4, 64)
+    assert "train.cpu_allocator: cache" in note.text
+    # not where the logits do not grow, on a GPU (its allocator's reserve is not what the meter reads), or
+    # under the system allocator (which returns the freed blocks)
+    assert heap_kept("cpu", src, load_recipe(QUICK, ["model.num_layers=4"])) is None
+    assert heap_kept("cuda", src, big) is None
+    assert heap_kept("cpu", src, load_recipe(QUICK, ["model.vocab_size=16384", "train.cpu_allocator=system"])) is None

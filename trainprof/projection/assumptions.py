@@ -106,6 +106,10 @@ TEMPLATES: dict[str, str] = {
     "memory_engine_fixed_part": ("memory: the measured peak's fixed part (libraries, the engine's own buffers) is kept, but "
                                  "it belongs to the source's engine ({engine}); a change of engine moves it by an amount "
                                  "the plan's formulas do not see (docs/projection.md)"),
+    "memory_heap_kept": ("memory: the freed blocks a CPU process's heap keeps (train.cpu_allocator: cache) are in the "
+                         "measured peak but not in the plan's formulas, and they grow with the step's largest "
+                         "transient tensors (the fp32 logits of a micro batch: {source_mib:.0f} -> {target_mib:.0f} "
+                         "MiB): expect a higher peak than this (docs/projection.md, model size)"),
     "pipeline_bubble": ("pipeline: stage {stage} sets the pace (the busiest); its measured bubble {bubble_ms:.2f} ms x its "
                         "predicted / measured compute per micro batch ({target_mb_ms:.2f} / {source_mb_ms:.2f} ms): fill "
                         "and drain take (p - 1) micro-batch times whatever the number of micro batches"),

@@ -286,6 +286,8 @@ class Projector:
         memory, fits, fit_note = self._memory(r, t.world, t.hardware, overrides)
         if t.hardware is None and memory is not None and src.recipe.engine.kind != r.engine.kind:
             notes.append(assume("memory_engine_fixed_part", engine=src.recipe.engine.kind))
+        if t.hardware is None and memory is not None and (kept := heap_kept(src.measured.device_type, src.recipe, r)):
+            notes.append(kept)
         host_bound = (src.measured.busy_frac() or 1.0) < HOST_BOUND_BUSY
         conf = confidence(t.kinds, self.validation, host_bound=host_bound)
         pred: dict[str, Any] = {
@@ -525,6 +527,22 @@ def _plan_bytes(recipe: Any, world: int, key: str = "gpu_total_per_rank") -> int
     if plan.get("pipeline"):  # per stage: the fullest stage is the one that must fit
         return max(st["gpu_total_bytes"] for st in plan["pipeline"]["stages"])
     return int(plan[key]["value"])
+
+
+def heap_kept(device_type: str, source: Any, target: Any) -> Assumption | None:
+    """The memory note of a same-machine CPU prediction whose step frees and allocates larger tensors than
+    the source's under the cache allocator: the heap keeps more freed blocks than the plan sees."""
+    if device_type != "cpu" or target.train.cpu_allocator != "cache" or _logits_bytes(target) <= _logits_bytes(source):
+        return None
+    return assume("memory_heap_kept", source_mib=_logits_bytes(source) / 2**20, target_mib=_logits_bytes(target) / 2**20)
+
+
+def _logits_bytes(recipe: Any) -> int:
+    """A micro batch's fp32 logits, the loss's input: on a CPU the largest tensor a step frees and allocates
+    again."""
+    from trainprof.models import resolve_shape
+
+    return recipe.train.micro_batch_size * recipe.data.seq_len * resolve_shape(recipe.model).vocab_size * 4
 
 
 def _plan_flops(recipe: Any, world: int) -> float:
