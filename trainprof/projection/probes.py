@@ -287,6 +287,62 @@ def _probe_engines_main(argv: list[str]) -> int:
     return 0
 
 
+def engine_resident(recipe: Any, *, steps: int = 3) -> int:
+    """Peak resident bytes of a fresh process that builds `recipe`'s engine in a group of one and runs
+    `steps` micro-batch steps through it: what the run's process holds besides what the plan counts
+    (libraries, the engine's runtime, the interpreter) is in it, with the model's share, which the
+    caller takes out with the plan's figure for the same recipe. A process per engine: what a library
+    import costs is only seen in a process that imports it first.
+
+    Raises:
+        ValueError: the probe process failed (its last error line).
+    """
+    import subprocess
+    import sys
+    import tempfile
+
+    import yaml
+
+    from trainprof.distributed import free_port
+
+    with tempfile.TemporaryDirectory(prefix="trainprof-resident-probe-") as tmp:
+        path = Path(tmp) / "recipe.yaml"
+        path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        proc = subprocess.run([sys.executable, "-m", "trainprof.projection.probes", "--engine-resident", str(steps),
+                               str(path)], env=env, capture_output=True, text=True, timeout=600)
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode != 0 or not lines or not lines[-1].isdigit():
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ValueError(f"the resident-memory probe failed ({last[:200]})")
+        return int(lines[-1])
+
+
+def _engine_resident_main(argv: list[str]) -> int:
+    from trainprof.distributed import DistContext, init_distributed, seed_everything
+    from trainprof.engines import build_engine
+    import resource
+
+    from trainprof.env import apply_host_allocator
+    from trainprof.models import resolve_shape
+    from trainprof.recipe import load_recipe
+
+    steps, path = argv
+    recipe = load_recipe(path, ["train.grad_accum=1"])
+    ctx = DistContext.from_env()
+    apply_host_allocator(ctx.device, recipe.train.cpu_allocator)
+    init_distributed(ctx, engine_kind=recipe.engine.kind)
+    seed_everything(recipe.train.seed)
+    engine = build_engine(recipe, ctx)
+    ids = torch.randint(0, resolve_shape(recipe.model).vocab_size, (recipe.train.micro_batch_size, recipe.data.seq_len))
+    for _ in range(int(steps)):
+        engine.backward(engine.forward({"input_ids": ids, "labels": ids}))
+        engine.step()
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
+    return 0
+
+
 class MixedPrecisionStep:
     """What a mixed-precision optimizer step does to each parameter element, on a bare model: its 16-bit
     gradient copied into an fp32 master copy, torch's AdamW (foreach) over the fp32 masters, the updated
@@ -349,4 +405,7 @@ if __name__ == "__main__":
         sys.exit(_busy_main(sys.argv[2:]))
     if sys.argv[1:2] == ["--probe-engines"]:
         sys.exit(_probe_engines_main(sys.argv[2:]))
-    sys.exit(f"usage: python -m trainprof.projection.probes --busy RECIPE READY | --probe-engines ...")
+    if sys.argv[1:2] == ["--engine-resident"]:
+        sys.exit(_engine_resident_main(sys.argv[2:]))
+    sys.exit("usage: python -m trainprof.projection.probes --busy RECIPE READY | --probe-engines ... | "
+             "--engine-resident STEPS RECIPE")

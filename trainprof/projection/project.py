@@ -285,7 +285,10 @@ class Projector:
         tps = tokens_per_step / (step_ms / 1e3) if step_ms else None
         memory, fits, fit_note = self._memory(r, t.world, t.hardware, overrides)
         if t.hardware is None and memory is not None and src.recipe.engine.kind != r.engine.kind:
-            notes.append(assume("memory_engine_fixed_part", engine=src.recipe.engine.kind))
+            fixed = self.engine_fixed(r)
+            notes.append(assume("memory_engine_probed", source_engine=src.recipe.engine.kind, target_engine=r.engine.kind,
+                                source_mib=fixed[0] / 2**20, target_mib=fixed[1] / 2**20) if fixed else
+                         assume("memory_engine_fixed_part", engine=src.recipe.engine.kind))
         if t.hardware is None and memory is not None and (kept := heap_kept(src.measured.device_type, src.recipe, r)):
             notes.append(kept)
         host_bound = (src.measured.busy_frac() or 1.0) < HOST_BOUND_BUSY
@@ -351,8 +354,9 @@ class Projector:
             # allocator slack) stays as measured, what the formulas see moves with the recipe. A CPU run's
             # meter is its resident set, which holds only the written part of a buffer
             alloc = "gpu_allocated_per_rank" if m.device_type == "cuda" else "resident_per_rank"
-            return int(m.peak_memory_bytes + _plan_bytes(recipe, world, alloc)
-                       - _plan_bytes(src.recipe, m.world_size, alloc)), None, None
+            fixed = self.engine_fixed(recipe)
+            return int(m.peak_memory_bytes + _plan_bytes(recipe, world, alloc) - _plan_bytes(src.recipe, m.world_size, alloc)
+                       + (fixed[1] - fixed[0] if fixed else 0)), None, None
         planned = _plan_bytes(recipe, world)
         capacity = target.figure("memory_gb")
         if capacity is None:
@@ -428,6 +432,28 @@ class Projector:
                 backward=t["engine_backward_ms"] / s["engine_backward_ms"],
                 step=t["engine_step_ms"] / s["engine_step_ms"],
                 target_step=StepProbe(step_ms=t["engine_step_ms"], state_elements=census(target_engine).trainable))
+        self._used.append(key)
+        return self._cache[key]
+
+    def engine_fixed(self, target_recipe: Any) -> tuple[int, int] | None:
+        """On a CPU source whose engine the target changes: the bytes a process of the source's engine and
+        one of the target's hold besides what the plan counts (libraries, the engine's runtime), each engine
+        built around the source's model in a group of one, its peak RSS minus the plan's resident figure for
+        the same recipe at one rank. None where the engine kind stays, on a GPU (the allocator's peak holds
+        no libraries) or where a probe failed."""
+        src = self.source
+        if src.measured.device_type != "cpu" or src.recipe.engine.kind == target_recipe.engine.kind:
+            return None
+        key = ("resident", src.recipe.engine.kind, target_recipe.engine.kind)
+        if key not in self._cache:
+            from trainprof.projection.probes import engine_resident
+
+            recipes = (src.recipe, dataclasses.replace(src.recipe, engine=target_recipe.engine))
+            try:
+                self._cache[key] = tuple(self._kept(key, "resident memory", lambda: [
+                    engine_resident(r) - _plan_bytes(r, 1, "resident_per_rank") for r in recipes]))
+            except ValueError:  # the engine's own probe reports a failure; memory keeps the measured fixed part
+                self._cache[key] = None
         self._used.append(key)
         return self._cache[key]
 
