@@ -163,6 +163,25 @@ def test_a_task_change_is_probed_with_its_engine_and_unmodelled_keys_are_refused
 
 
 @pytest.mark.slow
+def test_an_engine_change_moves_the_memory_by_what_each_engines_process_holds(source, tmp_path):
+    """ZeRO-3 -> plain PyTorch DDP on the source's CPU: the plan's formulas move the model states, and each
+    engine built around the source's model in a process of its own gives the fixed part the formulas do
+    not see (DeepSpeed's process holds more than torch's); the predicted peak lands near a real DDP run's."""
+    from trainprof.projection.measured import measured_from_profile
+
+    run_dir, _ = source
+    overrides = ["engine.kind=torch", "engine.zero_stage=0"]
+    pred = project(str(run_dir), *overrides)["predictions"][0]
+    fixed = kinds(pred)["memory_engine_probed"]
+    assert fixed["source_mib"] > fixed["target_mib"] + 20 and fixed["target_mib"] > 100, fixed
+    # profiled as the source was (its traced steps' buffers stay in the process), without its calibration
+    _, real = run_trainprof(tmp_path, 2, STEPS, *overrides, "profile.ops=true", "profile.ops_steps=2", NO_CALIBRATION)
+    measured = measured_from_profile(real).peak_memory_bytes
+    assert abs(pred["memory_per_rank_bytes"] - measured) / measured < MEMORY_TOLERANCE, (
+        pred["memory_per_rank_bytes"], measured, fixed)
+
+
+@pytest.mark.slow
 def test_catalog_targets_costs_fit_and_files(source):
     run_dir, _ = source
     result = project(str(run_dir), "--to", "h100-sxm,rtx4090", "--nodes", "1,2", "--tokens", "1e9",

@@ -107,9 +107,9 @@ TEMPLATES: dict[str, str] = {
                                  "it belongs to the source's engine ({engine}); a change of engine moves it by an amount "
                                  "the plan's formulas do not see (docs/projection.md)"),
     "memory_engine_probed": ("memory: the measured peak's fixed part moves from the {source_engine} engine's to the "
-                             "{target_engine} engine's: each a process that built the engine around the source's model "
-                             "in a group of one, its peak RSS minus what the plan counts in it ({source_mib:.0f} and "
-                             "{target_mib:.0f} MiB: libraries, the engine's runtime)"),
+                             "{target_engine} engine's: each built around the source's model by {world} fresh "
+                             "processes, the fullest one's peak RSS minus what the plan counts in it ({source_mib:.0f} and "
+                             "{target_mib:.0f} MiB: libraries, the engine's runtime and buffers)"),
     "memory_heap_kept": ("memory: the freed blocks a CPU process's heap keeps (train.cpu_allocator: cache) are in the "
                          "measured peak but not in the plan's formulas, and they grow with the step's largest "
                          "transient tensors (the fp32 logits of a micro batch: {source_mib:.0f} -> {target_mib:.0f} "

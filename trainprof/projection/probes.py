@@ -287,15 +287,15 @@ def _probe_engines_main(argv: list[str]) -> int:
     return 0
 
 
-def engine_resident(recipe: Any, *, steps: int = 3) -> int:
-    """Peak resident bytes of a fresh process that builds `recipe`'s engine in a group of one and runs
-    `steps` micro-batch steps through it: what the run's process holds besides what the plan counts
-    (libraries, the engine's runtime, the interpreter) is in it, with the model's share, which the
-    caller takes out with the plan's figure for the same recipe. A process per engine: what a library
-    import costs is only seen in a process that imports it first.
+def engine_resident(recipe: Any, world: int, *, steps: int = 3) -> int:
+    """Peak resident bytes of the fullest of `world` fresh processes that build `recipe`'s engine as one
+    group and run `steps` micro-batch steps through it: what a run's process holds besides what the plan
+    counts (libraries, the engine's runtime and its buffers at that world size, the interpreter) is in it,
+    with the model's share, which the caller takes out with the plan's figure for the same recipe. Fresh
+    processes: what a library import costs is only seen in a process that imports it first.
 
     Raises:
-        ValueError: the probe process failed (its last error line).
+        ValueError: a probe process failed (its last error line).
     """
     import subprocess
     import sys
@@ -308,15 +308,28 @@ def engine_resident(recipe: Any, *, steps: int = 3) -> int:
     with tempfile.TemporaryDirectory(prefix="trainprof-resident-probe-") as tmp:
         path = Path(tmp) / "recipe.yaml"
         path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        proc = subprocess.run([sys.executable, "-m", "trainprof.projection.probes", "--engine-resident", str(steps),
-                               str(path)], env=env, capture_output=True, text=True, timeout=600)
-        lines = proc.stdout.strip().splitlines()
-        if proc.returncode != 0 or not lines or not lines[-1].isdigit():
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise ValueError(f"the resident-memory probe failed ({last[:200]})")
-        return int(lines[-1])
+        port = str(free_port())
+        procs = [subprocess.Popen([sys.executable, "-m", "trainprof.projection.probes", "--engine-resident", str(steps),
+                                   str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                       "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+                 for rank in range(world)]
+        peaks = []
+        for proc in procs:
+            try:
+                out, err = proc.communicate(timeout=600)
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                raise ValueError("the resident-memory probe timed out after 600 s") from None
+            lines = out.strip().splitlines()
+            if proc.returncode != 0 or not lines or not lines[-1].isdigit():
+                for p in procs:
+                    p.kill()
+                last = (err.strip().splitlines() or ["no output"])[-1]
+                raise ValueError(f"the resident-memory probe failed ({last[:200]})")
+            peaks.append(int(lines[-1]))
+        return max(peaks)
 
 
 def _engine_resident_main(argv: list[str]) -> int:

@@ -287,7 +287,8 @@ class Projector:
         if t.hardware is None and memory is not None and src.recipe.engine.kind != r.engine.kind:
             fixed = self.engine_fixed(r)
             notes.append(assume("memory_engine_probed", source_engine=src.recipe.engine.kind, target_engine=r.engine.kind,
-                                source_mib=fixed[0] / 2**20, target_mib=fixed[1] / 2**20) if fixed else
+                                world=src.measured.world_size, source_mib=fixed[0] / 2**20,
+                                target_mib=fixed[1] / 2**20) if fixed else
                          assume("memory_engine_fixed_part", engine=src.recipe.engine.kind))
         if t.hardware is None and memory is not None and (kept := heap_kept(src.measured.device_type, src.recipe, r)):
             notes.append(kept)
@@ -437,21 +438,22 @@ class Projector:
 
     def engine_fixed(self, target_recipe: Any) -> tuple[int, int] | None:
         """On a CPU source whose engine the target changes: the bytes a process of the source's engine and
-        one of the target's hold besides what the plan counts (libraries, the engine's runtime), each engine
-        built around the source's model in a group of one, its peak RSS minus the plan's resident figure for
-        the same recipe at one rank. None where the engine kind stays, on a GPU (the allocator's peak holds
-        no libraries) or where a probe failed."""
+        one of the target's hold besides what the plan counts (libraries, the engine's runtime and buffers),
+        each engine built around the source's model by as many processes as the source had ranks, the
+        fullest one's peak RSS minus the plan's resident figure for the same recipe. None where the engine
+        kind stays, on a GPU (the allocator's peak holds no libraries) or where a probe failed."""
         src = self.source
         if src.measured.device_type != "cpu" or src.recipe.engine.kind == target_recipe.engine.kind:
             return None
-        key = ("resident", src.recipe.engine.kind, target_recipe.engine.kind)
+        world = src.measured.world_size
+        key = ("resident", src.recipe.engine.kind, target_recipe.engine.kind, world)
         if key not in self._cache:
             from trainprof.projection.probes import engine_resident
 
             recipes = (src.recipe, dataclasses.replace(src.recipe, engine=target_recipe.engine))
             try:
                 self._cache[key] = tuple(self._kept(key, "resident memory", lambda: [
-                    engine_resident(r) - _plan_bytes(r, 1, "resident_per_rank") for r in recipes]))
+                    engine_resident(r, world) - _plan_bytes(r, world, "resident_per_rank") for r in recipes]))
             except ValueError:  # the engine's own probe reports a failure; memory keeps the measured fixed part
                 self._cache[key] = None
         self._used.append(key)
