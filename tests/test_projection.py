@@ -172,6 +172,7 @@ def test_an_engine_change_moves_the_memory_by_what_each_engines_process_holds(so
     run_dir, _ = source
     overrides = ["engine.kind=torch", "engine.zero_stage=0"]
     pred = project(str(run_dir), *overrides)["predictions"][0]
+    assert "memory_engine_probed" in kinds(pred), kinds(pred).get("memory_engine_fixed_part")
     fixed = kinds(pred)["memory_engine_probed"]
     assert fixed["source_mib"] > fixed["target_mib"] + 20 and fixed["target_mib"] > 100, fixed
     # profiled as the source was (its traced steps' buffers stay in the process), without its calibration

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 
 import pytest
 import torch
@@ -716,3 +717,19 @@ def test_a_cpu_prediction_with_larger_logits_says_the_heap_keeps_more_than_the_p
     assert heap_kept("cpu", src, load_recipe(QUICK, ["model.num_layers=4"])) is None
     assert heap_kept("cuda", src, big) is None
     assert heap_kept("cpu", src, load_recipe(QUICK, ["model.vocab_size=16384", "train.cpu_allocator=system"])) is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status")
+def test_a_probe_process_reads_its_own_peak_not_the_one_of_the_process_that_spawned_it():
+    """The engine memory probe's figure: Linux carries ru_maxrss over exec, so a probe spawned by a large
+    process (a pytest worker, a notebook) would report its parent's peak; VmHWM is its own."""
+    import subprocess
+
+    held = bytearray(400 * 2**20)
+    held[::4096] = b"\x01" * len(held[::4096])  # touched: resident
+    code = ("import resource; from trainprof.env import vm_hwm_bytes; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, vm_hwm_bytes())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    maxrss, hwm = map(int, out.stdout.split())
+    assert maxrss >= 400 * 2**20 > 4 * hwm, (maxrss, hwm)
+    del held

@@ -89,6 +89,18 @@ def _raw_peak(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
+def vm_hwm_bytes() -> int | None:
+    """This process's peak resident set (VmHWM in /proc/self/status), None off Linux. Unlike ru_maxrss,
+    which Linux carries over exec from the process that spawned this one, it counts this program only."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a measurement window: one step on GPU; on CPU the window is the process lifetime."""
     import torch

@@ -105,7 +105,7 @@ TEMPLATES: dict[str, str] = {
                             "data.num_workers"),
     "memory_engine_fixed_part": ("memory: the measured peak's fixed part (libraries, the engine's own buffers) is kept, but "
                                  "it belongs to the source's engine ({engine}); a change of engine moves it by an amount "
-                                 "the plan's formulas do not see (docs/projection.md)"),
+                                 "the plan's formulas do not see (docs/projection.md){why}"),
     "memory_engine_probed": ("memory: the measured peak's fixed part moves from the {source_engine} engine's to the "
                              "{target_engine} engine's: each built around the source's model by {world} fresh "
                              "processes, the fullest one's peak RSS minus what the plan counts in it ({source_mib:.0f} and "

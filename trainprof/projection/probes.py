@@ -335,9 +335,7 @@ def engine_resident(recipe: Any, world: int, *, steps: int = 3) -> int:
 def _engine_resident_main(argv: list[str]) -> int:
     from trainprof.distributed import DistContext, init_distributed, seed_everything
     from trainprof.engines import build_engine
-    import resource
-
-    from trainprof.env import apply_host_allocator
+    from trainprof.env import apply_host_allocator, vm_hwm_bytes
     from trainprof.models import resolve_shape
     from trainprof.recipe import load_recipe
 
@@ -352,8 +350,11 @@ def _engine_resident_main(argv: list[str]) -> int:
     for _ in range(int(steps)):
         engine.backward(engine.forward({"input_ids": ids, "labels": ids}))
         engine.step()
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
-    return 0
+    if torch.distributed.is_initialized():  # neither rank leaves while the other still talks to it
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    print(vm_hwm_bytes(), flush=True)  # not ru_maxrss: that is at least the spawning process's peak
+    os._exit(0)  # measured: a library's threads torn down at exit can abort the process (std::terminate)
 
 
 class MixedPrecisionStep:

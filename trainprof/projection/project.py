@@ -71,6 +71,7 @@ class Projector:
         self.validation = validation
         self.probe = probe
         self._cache: dict[Any, Any] = {}
+        self._resident_failed: str | None = None  # why engine_fixed's probe failed, for the memory note
         self._kept_from: dict[Any, tuple[str, str]] = {}  # probe key -> (what, when timed): read from probes.json
         self._used: list[Any] = []  # the probe keys the prediction under way used
         env = source.profile["env"]
@@ -289,7 +290,8 @@ class Projector:
             notes.append(assume("memory_engine_probed", source_engine=src.recipe.engine.kind, target_engine=r.engine.kind,
                                 world=src.measured.world_size, source_mib=fixed[0] / 2**20,
                                 target_mib=fixed[1] / 2**20) if fixed else
-                         assume("memory_engine_fixed_part", engine=src.recipe.engine.kind))
+                         assume("memory_engine_fixed_part", engine=src.recipe.engine.kind,
+                                why=f"; {self._resident_failed}" if self._resident_failed else ""))
         if t.hardware is None and memory is not None and (kept := heap_kept(src.measured.device_type, src.recipe, r)):
             notes.append(kept)
         host_bound = (src.measured.busy_frac() or 1.0) < HOST_BOUND_BUSY
@@ -454,8 +456,9 @@ class Projector:
             try:
                 self._cache[key] = tuple(self._kept(key, "resident memory", lambda: [
                     engine_resident(r, world) - _plan_bytes(r, world, "resident_per_rank") for r in recipes]))
-            except ValueError:  # the engine's own probe reports a failure; memory keeps the measured fixed part
+            except ValueError as err:  # a probe process failed: memory keeps the measured fixed part, saying why
                 self._cache[key] = None
+                self._resident_failed = str(err)
         self._used.append(key)
         return self._cache[key]
 
