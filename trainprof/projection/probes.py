@@ -147,6 +147,20 @@ def probe_parts(probes: list[Any], *, threads: int | list[int] | None = None, ro
         torch.set_num_threads(before)
 
 
+def _recipe_file(recipe: Any, path: Path) -> Path:
+    """The recipe written where a probe process reads it (`python -m trainprof.projection.probes ...`)."""
+    import yaml
+
+    path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    return path
+
+
+def _group_env(rank: int, world: int, threads: int, port: int) -> dict[str, str]:
+    """A probe process's environment as one rank of a `world`-rank group on this host."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "RANK": str(rank), "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
 @contextlib.contextmanager
 def busy_neighbours(recipe: Any, count: int, threads: int):
     """`count` other processes running the recipe's model at its shape while a probe times it: the
@@ -155,14 +169,11 @@ def busy_neighbours(recipe: Any, count: int, threads: int):
     import sys
     import tempfile
 
-    import yaml
-
     if count <= 0:
         yield
         return
     with tempfile.TemporaryDirectory(prefix="trainprof-probe-") as tmp:
-        path = Path(tmp) / "recipe.yaml"
-        path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        path = _recipe_file(recipe, Path(tmp) / "recipe.yaml")
         ready = [Path(tmp) / f"ready{i}" for i in range(count)]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         procs = [subprocess.Popen([sys.executable, "-m", "trainprof.projection.probes", "--busy", str(path), str(r)],
@@ -217,18 +228,12 @@ def probe_engines(recipes: list[Any], *, threads: int, rounds: int = 8, neighbou
     import sys
     import tempfile
 
-    import yaml
-
     from trainprof.distributed import free_port
 
     with tempfile.TemporaryDirectory(prefix="trainprof-engine-probe-") as tmp:
-        paths = []
-        for i, recipe in enumerate(recipes):
-            paths.append(Path(tmp) / f"recipe{i}.yaml")
-            paths[-1].write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        paths = [_recipe_file(recipe, Path(tmp) / f"recipe{i}.yaml") for i, recipe in enumerate(recipes)]
         out = Path(tmp) / "probe.json"
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        env = _group_env(0, 1, threads, free_port())
         with busy_neighbours(recipes[0], neighbours, threads):
             proc = subprocess.run([sys.executable, "-m", "trainprof.projection.probes", "--probe-engines",
                                    str(rounds), str(int(bare)), str(out), *map(str, paths)], env=env,
@@ -301,34 +306,31 @@ def engine_resident(recipe: Any, world: int, *, steps: int = 3) -> int:
     import sys
     import tempfile
 
-    import yaml
-
     from trainprof.distributed import free_port
 
     with tempfile.TemporaryDirectory(prefix="trainprof-resident-probe-") as tmp:
-        path = Path(tmp) / "recipe.yaml"
-        path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-        port = str(free_port())
+        path, port = _recipe_file(recipe, Path(tmp) / "recipe.yaml"), free_port()
         procs = [subprocess.Popen([sys.executable, "-m", "trainprof.projection.probes", "--engine-resident", str(steps),
                                    str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
-                                       "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+                                  env=_group_env(rank, world, 1, port))
                  for rank in range(world)]
         peaks = []
-        for proc in procs:
-            try:
-                out, err = proc.communicate(timeout=600)
-            except subprocess.TimeoutExpired:
-                for p in procs:
+        try:
+            for proc in procs:
+                try:
+                    out, err = proc.communicate(timeout=600)
+                except subprocess.TimeoutExpired:
+                    raise ValueError("the resident-memory probe timed out after 600 s") from None
+                lines = out.strip().splitlines()
+                if proc.returncode != 0 or not lines or not lines[-1].isdigit():
+                    last = (err.strip().splitlines() or ["no output"])[-1]
+                    raise ValueError(f"the resident-memory probe failed ({last[:200]})")
+                peaks.append(int(lines[-1]))
+        finally:  # a rank left waiting for one that failed would wait for good
+            for p in procs:
+                if p.poll() is None:
                     p.kill()
-                raise ValueError("the resident-memory probe timed out after 600 s") from None
-            lines = out.strip().splitlines()
-            if proc.returncode != 0 or not lines or not lines[-1].isdigit():
-                for p in procs:
-                    p.kill()
-                last = (err.strip().splitlines() or ["no output"])[-1]
-                raise ValueError(f"the resident-memory probe failed ({last[:200]})")
-            peaks.append(int(lines[-1]))
+                    p.wait()
         return max(peaks)
 
 

@@ -563,9 +563,12 @@ def _plan_bytes(recipe: Any, world: int, key: str = "gpu_total_per_rank") -> int
 def heap_kept(device_type: str, source: Any, target: Any) -> Assumption | None:
     """The memory note of a same-machine CPU prediction whose step frees and allocates larger tensors than
     the source's under the cache allocator: the heap keeps more freed blocks than the plan sees."""
-    if device_type != "cpu" or target.train.cpu_allocator != "cache" or _logits_bytes(target) <= _logits_bytes(source):
+    if device_type != "cpu" or target.train.cpu_allocator != "cache":
         return None
-    return assume("memory_heap_kept", source_mib=_logits_bytes(source) / 2**20, target_mib=_logits_bytes(target) / 2**20)
+    before, after = _logits_bytes(source), _logits_bytes(target)
+    if after <= before:
+        return None
+    return assume("memory_heap_kept", source_mib=before / 2**20, target_mib=after / 2**20)
 
 
 def _logits_bytes(recipe: Any) -> int:
