@@ -41,7 +41,7 @@ program=""; dry_run=0; rest=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --program) program=${2:-}; shift
-      case "$program" in core|lora) ;; *) echo "--program takes core or lora, not '$program'"; exit 2;; esac;;
+      case "$program" in core|lora|pair) ;; *) echo "--program takes core, lora or pair, not '$program'"; exit 2;; esac;;
     --dry-run) dry_run=1;;
     *) rest+=("$1");;
   esac
@@ -132,7 +132,7 @@ keep() {  # keep NAME RUN_DIR: what profiles/ keeps of the run, packed as OUTDIR
   mkdir -p "$dest"
   cp "$run/profile.json" "$run/summary.md" "$run/recipe.yaml" "$dest/"
   [ -f "$run/calibration.json" ] && cp "$run/calibration.json" "$dest/"
-  local trace; trace=$(ls "$run"/tb/rank0.*.pt.trace.json.gz 2>/dev/null | head -1)
+  local trace; trace=$(ls "$run"/tb/*/rank0.*.pt.trace.json.gz 2>/dev/null | head -1)  # layout.tb_run_dir
   if [ -n "$trace" ]; then cp "$trace" "$dest/"; else failed+=("$name: no trace in $run/tb"); fi
   pack "$name"
 }
@@ -159,6 +159,12 @@ program_core() {
   run_recipe llama1b_zero3_sdpa-hostbound 150 recipes/llama1b_zero3_sdpa.yaml
   # shellcheck disable=SC2086
   run_recipe llama1b_zero3_sdpa-torch-hostbound 110 recipes/llama1b_zero3_sdpa.yaml $TORCH
+}
+program_pair() {  # the GPU-bound pair alone (their traces, when core ran without them)
+  # shellcheck disable=SC2086
+  run_recipe llama1b_zero3_sdpa-torch-gpubound 150 recipes/llama1b_zero3_sdpa.yaml $TORCH $GPU_BOUND
+  # shellcheck disable=SC2086
+  run_recipe llama1b_zero3_sdpa-gpubound 240 recipes/llama1b_zero3_sdpa.yaml $GPU_BOUND
 }
 program_lora() {
   run_recipe llama7b_lora 120 recipes/llama13b_lora.yaml model.name=llama2-7b train.steps=8
