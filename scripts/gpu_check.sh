@@ -123,6 +123,7 @@ pack() {  # pack NAME: OUTDIR/<kind>-NAME.tgz from $kept/<kind>-NAME/ (without i
   fi
   echo "--- kept $folder.tgz ($(stat -c %s "$out/$folder.tgz") bytes):"; tar tzvf "$out/$folder.tgz"
 }
+TRACE_GLOB='tb/*/rank0.*.pt.trace.json.gz'  # rank 0's trace in a run dir (layout.tb_run_dir; tests/test_gpu_program.py)
 keep() {  # keep NAME RUN_DIR: what profiles/ keeps of the run, packed as OUTDIR/<kind>-NAME.tgz
   local name=$1 run=$2 dest="$kept/$kind-$1"
   [ "$dry_run" = 1 ] && return 0
@@ -132,7 +133,8 @@ keep() {  # keep NAME RUN_DIR: what profiles/ keeps of the run, packed as OUTDIR
   mkdir -p "$dest"
   cp "$run/profile.json" "$run/summary.md" "$run/recipe.yaml" "$dest/"
   [ -f "$run/calibration.json" ] && cp "$run/calibration.json" "$dest/"
-  local trace; trace=$(ls "$run"/tb/*/rank0.*.pt.trace.json.gz 2>/dev/null | head -1)  # layout.tb_run_dir
+  # shellcheck disable=SC2086  # TRACE_GLOB is a pattern
+  local trace; trace=$(ls "$run"/$TRACE_GLOB 2>/dev/null | head -1)
   if [ -n "$trace" ]; then cp "$trace" "$dest/"; else failed+=("$name: no trace in $run/tb"); fi
   pack "$name"
 }

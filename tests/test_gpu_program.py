@@ -5,6 +5,7 @@ and the overhead bench's GPU path runs end to end on a tiny model, its JSON reco
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -30,6 +31,7 @@ def dry_run(tmp_path, part: str) -> tuple[subprocess.CompletedProcess, list[tupl
     ("core", ["GPU tests", "llama1b_zero3_sdpa-torch-gpubound", "llama1b_zero3_sdpa-gpubound",
               "profiler overhead bench", "llama1b_zero3_sdpa-hostbound", "llama1b_zero3_sdpa-torch-hostbound"]),
     ("lora", ["llama7b_lora", "llama7b_qlora"]),
+    ("pair", ["llama1b_zero3_sdpa-torch-gpubound", "llama1b_zero3_sdpa-gpubound"]),
 ])
 def test_dry_run_lists_every_command_and_loads_every_recipe(tmp_path, part, names):
     proc, rows = dry_run(tmp_path, part)
@@ -91,3 +93,15 @@ def test_bench_refuses_cuda_without_a_gpu():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == ("bench_overhead.py --device cuda: no CUDA device here; run it "
                                                     "on a GPU machine")
+
+
+def test_the_program_keeps_the_trace_where_a_run_writes_it(shared_run):
+    """keep() copies rank 0's trace by TRACE_GLOB; on the H200's first call it looked in tb/ while the
+    run writes tb/<run>/, and four traces were lost. A real traced run's dir must match it."""
+    from conftest import QUICKSTART_2RANK
+
+    script = (REPO / "scripts" / "gpu_check.sh").read_text()
+    pattern = re.search(r"^TRACE_GLOB='([^']+)'", script, re.M).group(1)
+    run_dir, profile = shared_run(*QUICKSTART_2RANK)
+    found = sorted(run_dir.glob(pattern))
+    assert [p.name for p in found] == [n for n in profile["ops_info"]["trace_files"] if n.startswith("rank0.")]
