@@ -156,3 +156,33 @@ def test_ops_of_another_thread_count_for_the_step_they_ran_in():
     for rows in per_step.values():
         assert [r["calls"] for r in rows if r["name"] == "aten::mm"] == [2]
         assert [r["calls"] for r in rows if r["name"] == "aten::add"] == [1]
+
+
+def test_kernels_no_operator_launched_get_rows_of_their_own():
+    """bitsandbytes' dequantize and DeepSpeed's fused Adam call the CUDA driver themselves: Kineto links
+    their kernels to the innermost profiler range (a trainprof module range) instead of an aten op. On an
+    H200 QLoRA step they were 88.6 of 290.4 device ms, missing from the ops table. The events here are
+    a real CPU trace's; the kernels are appended as Kineto's parser appends them on a GPU."""
+    from trainprof.analysis.records import RANGE_PREFIX
+    from trainprof.profiler.ops import KERNEL_PREFIX, aggregate_events
+
+    name = RANGE_PREFIX + "model.layers.0.fwd"
+    a = torch.randn(64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function(name):
+            torch.mm(a, a)
+    events = prof.events()
+    rng = next(e for e in events if e.name == name)
+    mm = next(e for e in events if e.name == "aten::mm")
+    for ev in events:
+        ev.use_device = "cuda"
+    rng.append_kernel("kDequantizeBlockwise", 0, 300.0)  # us, as FunctionEvent keeps durations
+    mm.append_kernel("nvjet_gemm", 0, 100.0)
+    rows = aggregate_events(events, {name: ("model.layers.0", "forward")}, cuda=True)
+    by_name = {r["name"]: r for r in rows}
+    assert by_name[KERNEL_PREFIX + "kDequantizeBlockwise"]["self_ms"] == pytest.approx(0.3)
+    assert by_name[KERNEL_PREFIX + "kDequantizeBlockwise"]["module"] == "model.layers.0"
+    assert by_name[KERNEL_PREFIX + "kDequantizeBlockwise"]["phase"] == "forward"
+    assert by_name["aten::mm"]["self_ms"] == pytest.approx(0.1)
+    assert sum(r["self_ms"] for r in rows) == pytest.approx(0.4)  # nothing counted twice
+    assert not any(r["name"].startswith(KERNEL_PREFIX) for r in aggregate_events(events, {}, cuda=False))

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainprof.analysis.trace import STEP_MARKER, iter_events
+from trainprof.analysis.trace import STEP_MARKER, iter_events, op_name
+
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # Kineto's device-side activity categories
+HOST_OPS = ("cpu_op", "user_annotation")  # what launches device work (the runtime calls share their External id)
 METHOD = ("busy = device self time of the traced step's operators in the phase (profile.json ops, torch.profiler/"
           "Kineto kernel + memcpy + memset time, per traced step) / the phase's median ms over the untraced "
           "measured steps (summary.phases_ms, CUDA events); idle = 1 - busy: the GPU waiting for its host. "
@@ -105,6 +107,7 @@ class TraceDeviceTime:
     union_ms: float  # their union: the time at least one ran (overlapping streams counted once)
     by_category: dict[str, float]  # category -> summed ms
     step_ms: float  # summed duration of the ProfilerStep ranges (host side)
+    outside_ops_ms: float  # device time launched by no operator (a library calling the driver itself)
 
 
 def trace_device_time(path: str | Path) -> TraceDeviceTime:
@@ -113,20 +116,30 @@ def trace_device_time(path: str | Path) -> TraceDeviceTime:
     by_cat: dict[str, float] = {}
     steps: list[int] = []
     step_us = 0.0
+    origin: float | None = None
+    launched_by: dict[Any, str] = {}  # External id -> the host event's name
+    device_by_launcher: dict[Any, float] = {}
     for ev in iter_events(path):
         if ev.get("ph") != "X":
             continue
         cat, ts, dur = ev.get("cat") or "", float(ev.get("ts", 0.0)), float(ev.get("dur", 0.0))
         if cat in DEVICE_CATEGORIES:
-            intervals.append((ts, ts + dur))
+            # from the first device event on: an epoch-scale ts (~5e12 us) plus dur rounds in the last bits
+            origin = ts if origin is None else origin
+            intervals.append((ts - origin, ts - origin + dur))
             by_cat[cat] = by_cat.get(cat, 0.0) + dur / 1e3
-        else:
+            ext = (ev.get("args") or {}).get("External id")
+            device_by_launcher[ext] = device_by_launcher.get(ext, 0.0) + dur / 1e3
+        elif cat != "gpu_user_annotation":  # Kineto mirrors each step marker on the GPU's timeline
+            if cat in HOST_OPS and "External id" in (ev.get("args") or {}):
+                launched_by[ev["args"]["External id"]] = ev.get("name", "")
             m = STEP_MARKER.match(ev.get("name", ""))
             if m:
                 steps.append(int(m.group(1)))
                 step_us += dur
+    outside = sum(ms for ext, ms in device_by_launcher.items() if op_name(launched_by.get(ext, "")) is None)
     return TraceDeviceTime(steps=steps, device_ms=sum(by_cat.values()), union_ms=_union_us(intervals) / 1e3,
-                           by_category=by_cat, step_ms=step_us / 1e3)
+                           by_category=by_cat, step_ms=step_us / 1e3, outside_ops_ms=outside)
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:

@@ -246,3 +246,26 @@ def find_traces(run_dir: str | Path) -> list[Path]:
     if not tb.is_dir():
         return []
     return sorted(p for p in [*tb.iterdir(), *tb.glob("*/*")] if p.is_file() and is_trace_file(p))
+
+
+# torch.compile'd code runs as inductor's fused kernels inside these host ranges, not as aten ops: their
+# self time is the compiled code's (kernels inside a compiled graph call; dynamo's guard check; AOT
+# autograd's wrapper), kept as rows of their own so a compiled region's time shows in the table
+COMPILED_RANGES = (
+    ("## Call CompiledFxGraph", "inductor::compiled_graph"),
+    ("TorchDynamo Cache Lookup", "dynamo::guard_check"),
+    ("CompiledFunction", "torch_compile::runtime_wrapper"),  # and CompiledFunctionBackward
+    ("Torch-Compiled Region", "torch_compile::runtime_wrapper"),
+    ("AOTDispatcher Runtime Wrapper", "torch_compile::runtime_wrapper"),
+)
+
+
+def op_name(name: str) -> str | None:
+    """The ops-table name of a profiler event: aten ops as they are, compiled-code ranges under one name
+    each (see COMPILED_RANGES), None for anything else (modules, autograd bookkeeping)."""
+    if name.startswith("aten::"):
+        return name
+    for prefix, row in COMPILED_RANGES:
+        if name.startswith(prefix):
+            return row
+    return None

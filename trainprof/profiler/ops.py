@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from trainprof.analysis.records import RANGE_PREFIX, ROOT_LABEL, ModuleInfo, module_label
+from trainprof.analysis.trace import op_name
 from trainprof.env import native_chatter_to
 
 KINETO_LOG = "kineto.log"  # Kineto's USDT lines, kept off the terminal (env.native_chatter_to)
@@ -233,33 +234,10 @@ def _step_at(spans: list[tuple[float, float, int]], start_us: float) -> int | No
     return spans[i][2] if i >= 0 and spans[i][0] <= start_us <= spans[i][1] else None
 
 
-# torch.compile'd code runs as inductor's fused kernels inside these host ranges, not as aten ops: their
-# self time is the compiled code's (kernels inside a compiled graph call; dynamo's guard check; AOT
-# autograd's wrapper), kept as rows of their own so a compiled region's time shows in the table
-COMPILED_RANGES = (
-    ("## Call CompiledFxGraph", "inductor::compiled_graph"),
-    ("TorchDynamo Cache Lookup", "dynamo::guard_check"),
-    ("CompiledFunction", "torch_compile::runtime_wrapper"),  # and CompiledFunctionBackward
-    ("Torch-Compiled Region", "torch_compile::runtime_wrapper"),
-    ("AOTDispatcher Runtime Wrapper", "torch_compile::runtime_wrapper"),
-)
-
-
-def op_name(name: str) -> str | None:
-    """The ops-table name of a profiler event: aten ops as they are, compiled-code ranges under one name
-    each (see COMPILED_RANGES), None for anything else (modules, autograd bookkeeping)."""
-    if name.startswith("aten::"):
-        return name
-    for prefix, row in COMPILED_RANGES:
-        if name.startswith(prefix):
-            return row
-    return None
-
-
 def aggregate_events(events: Any, lookup: dict[str, tuple[str, str]], *, cuda: bool,
                      by_step: bool = False) -> Any:
     """Sum profiler FunctionEvents of aten ops (and compiled-code ranges, see op_name) by (op, innermost
-    trainprof range).
+    trainprof range); on CUDA also the kernels other events launched themselves, as `kernel::<name>` rows.
 
     Args:
         events: torch.profiler EventList (FunctionEvents with cpu_parent links).
@@ -276,30 +254,12 @@ def aggregate_events(events: Any, lookup: dict[str, tuple[str, str]], *, cuda: b
     for ev in events:
         op = op_name(ev.name)
         if op is None:
+            if cuda and ev.kernels:
+                _place_kernels(ev, steps, lookup, step_spans, by_step)
             continue
-        module, phase, found, step = None, "other", False, None
-        parent = ev.cpu_parent
-        while parent is not None:
-            if not found and parent.name.startswith(RANGE_PREFIX):
-                found = True
-                if parent.name in lookup:
-                    module, phase = lookup[parent.name]
-                else:
-                    phase = parent.name[len(RANGE_PREFIX):]
-                if not by_step:
-                    break
-            elif by_step and parent.name.startswith(STEP_NAMES):
-                # EventList names every step "ProfilerStep*"; trace_name keeps "ProfilerStep#N"
-                name = getattr(parent, "trace_name", None) or parent.name
-                step = int(name[len(STEP_PREFIX):]) if name[len(STEP_PREFIX):].isdigit() else -1
-                break
-            parent = parent.cpu_parent
+        module, phase, step = _place(ev.cpu_parent, ev, lookup, step_spans, by_step)
         if by_step and step is None:
-            # another thread's op (on CUDA the autograd engine runs backward on its own device thread,
-            # outside the step marker's thread): the step whose span holds its start
-            step = _step_at(step_spans, ev.time_range.start)
-            if step is None:
-                continue
+            continue
         row = steps[step][(op, module, phase)]
         row["calls"] += 1
         self_cpu = ev.self_cpu_time_total / 1e3
@@ -317,3 +277,46 @@ def aggregate_events(events: Any, lookup: dict[str, tuple[str, str]], *, cuda: b
     if by_step:
         return {step: rows_of(rows) for step, rows in steps.items()}
     return rows_of(steps[None])
+
+
+KERNEL_PREFIX = "kernel::"  # ops-table rows of device work launched outside any aten op
+
+
+def _place_kernels(ev: Any, steps: Any, lookup: dict[str, tuple[str, str]], step_spans: list, by_step: bool) -> None:
+    """Rows for the kernels an event that is not an operator launched itself: libraries that call the CUDA
+    driver directly (bitsandbytes' dequantize, DeepSpeed's fused optimizer) link their kernels to the
+    innermost profiler range, a trainprof module range among them, and no aten op would count them."""
+    module, phase, step = _place(ev, ev, lookup, step_spans, by_step)
+    if by_step and step is None:
+        return
+    for kernel in ev.kernels:
+        row = steps[step][(KERNEL_PREFIX + kernel.name, module, phase)]
+        row["calls"] += 1
+        row["self_ms"] += kernel.duration / 1e3
+
+
+def _place(parent: Any, ev: Any, lookup: dict[str, tuple[str, str]], step_spans: list,
+           by_step: bool) -> tuple[Any, str, Any]:
+    """(module, phase, step) of `ev` from the innermost trainprof range at or above `parent`; step is
+    None when by_step is off or no step holds the event."""
+    module, phase, found, step = None, "other", False, None
+    while parent is not None:
+        if not found and parent.name.startswith(RANGE_PREFIX):
+            found = True
+            if parent.name in lookup:
+                module, phase = lookup[parent.name]
+            else:
+                phase = parent.name[len(RANGE_PREFIX):]
+            if not by_step:
+                break
+        elif by_step and parent.name.startswith(STEP_NAMES):
+            # EventList names every step "ProfilerStep*"; trace_name keeps "ProfilerStep#N"
+            name = getattr(parent, "trace_name", None) or parent.name
+            step = int(name[len(STEP_PREFIX):]) if name[len(STEP_PREFIX):].isdigit() else -1
+            break
+        parent = parent.cpu_parent
+    if by_step and step is None:
+        # another thread's op (on CUDA the autograd engine runs backward on its own device thread,
+        # outside the step marker's thread): the step whose span holds its start
+        step = _step_at(step_spans, ev.time_range.start)
+    return module, phase, step
