@@ -169,17 +169,23 @@ class Synthetic(torch.nn.Module):
     """root -> embed, block(own, inner1, inner2), shared (called twice), ckpt(body), [comm], head; the
     output is a scalar loss, as a Hugging Face model returns."""
 
-    def __init__(self, *, reentrant: bool = False, with_comm: bool = False, slow_rank_extra_ms: float = 0.0) -> None:
+    def __init__(self, *, reentrant: bool = False, with_comm: bool = False, slow_rank_extra_ms: float = 0.0,
+                 scale: float = 1.0) -> None:
         super().__init__()
         # Every wait is >= 10 ms: a module's backward also runs un-ledgered work (its proj Linear's two
         # small matmuls, gradient accumulation, the hook nodes), 0.1-0.4 ms on a loaded 2-core machine,
         # which made 6-8 ms waits brush the 5% bound (CI failed on head backward at 5.9% with 6 ms).
-        self.embed = Busy(20, 30)
-        self.block = Block(12, 16, Busy(24, 32), Busy(16, 20))
-        self.shared = Busy(12, 16)
-        self.ckpt = Checkpointed(Busy(20, 40), reentrant=reentrant)
-        self.comm = AllReduceBusy(12, 12, slow_rank_extra_ms) if with_comm else None
-        self.head = Busy(10, 12)
+        # On CUDA that work is about 0.75 ms a backward call (an H200, 2026-11-26): `scale` stretches
+        # every wait so it stays a small part of each.
+        def busy(fwd: float, bwd: float) -> Busy:
+            return Busy(fwd * scale, bwd * scale)
+
+        self.embed = busy(20, 30)
+        self.block = Block(12 * scale, 16 * scale, busy(24, 32), busy(16, 20))
+        self.shared = busy(12, 16)
+        self.ckpt = Checkpointed(busy(20, 40), reentrant=reentrant)
+        self.comm = AllReduceBusy(12 * scale, 12 * scale, slow_rank_extra_ms) if with_comm else None
+        self.head = busy(10, 12)
         name_busy_modules(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
