@@ -54,12 +54,13 @@ def test_cache_stops_the_steps_page_faulting_their_tensors_in_again():
     system, cache = steps_under("system"), steps_under("cache")
     assert system["allocator"]["mode"] == "system" and cache["allocator"]["mode"] == "cache", (system, cache)
     assert "M_TRIM_THRESHOLD" in cache["allocator"]["detail"]
-    # after 2 warm-up calls: the system allocator returns a step's large tensors and faults them in again
-    # (thousands of 4 KiB pages a call); the cache keeps them
-    # (the median call: a busy machine's other processes can make the cache fault now and then)
-    steady_system, steady_cache = (statistics.median(run["faults"][2:]) for run in (system, cache))
-    assert steady_system > 1000, system["faults"]
-    assert steady_cache < 100, cache["faults"]
+    # The system allocator returns a step's large tensors and faults them in again (thousands of 4 KiB
+    # pages a call) until glibc's dynamic mmap threshold has risen past them, after a few calls or many
+    # (seen: 9868, 4353, 5280, 5216, 2720, then 0): the calls after the first, together, fault them in.
+    # The cache keeps them from the first call on (the median call after 2 warm-up calls: a busy
+    # machine's other processes can make it fault now and then).
+    assert sum(system["faults"][1:]) > 1000, system["faults"]
+    assert statistics.median(cache["faults"][2:]) < 100, cache["faults"]
     assert sum(cache["faults"][2:]) < sum(system["faults"][2:]) / 4, (cache["faults"], system["faults"])
     # a 48 MiB tensor: mapped fresh and faulted in at every call by the system's allocator (12,288 pages
     # of 4 KiB, fewer where the kernel backs it with huge pages), kept in the heap by the cache
