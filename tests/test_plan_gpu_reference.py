@@ -28,7 +28,23 @@ def test_there_are_gpu_reference_profiles() -> None:
     assert len(GPU_PROFILES) >= 4, GPU_PROFILES
 
 
-@pytest.mark.parametrize("folder", GPU_PROFILES, ids=[p.name for p in GPU_PROFILES])
+# Measured misses of the plan, open in issue 24 (docs/memory.md); strict: a plan that comes within the
+# bound makes the test fail until its entry is removed.
+KNOWN_MISSES = {
+    "h200-llama7b_lora": "LoRA's activations are counted as if frozen linears saved their inputs (an upper "
+                         "bound): the forward/backward peak is planned 3.4% high (22.02 vs 21.29 GiB)",
+    "h200-llama7b_qlora": "QLoRA on CUDA held 5.1 GiB that no plan row accounts for, in every phase (the "
+                          "optimizer step: 8.93 GiB measured, 3.94 planned, model states 3.85); not yet traced "
+                          "to its owner (a GPU memory snapshot is needed)",
+}
+
+
+def _param(folder: Path):
+    why = KNOWN_MISSES.get(folder.name)
+    return pytest.param(folder, id=folder.name, marks=[pytest.mark.xfail(strict=True, reason=why)] if why else [])
+
+
+@pytest.mark.parametrize("folder", [_param(f) for f in GPU_PROFILES])
 def test_planned_peaks_match_the_measured_allocator_peaks(folder: Path) -> None:
     profile = json.loads((folder / "profile.json").read_text())
     # the profiler's GPU meter: torch.cuda.max_memory_allocated, reset at every phase start
