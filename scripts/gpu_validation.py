@@ -1,7 +1,9 @@
 """Recompute trainprof/projection/validation_gpu.json from the GPU reference runs under profiles/: every
 recipe measured on an H100 and an H200 is projected from the H100 folder to the H200 (on this machine,
-from the kept calibration.json, no probes) and compared with the H200 measurement. The measurements
-are the lent GPUs'; the predictions are this step model's.
+from the kept calibration.json, no probes) and compared with the H200 measurement; and each settings
+change between runs of one GPU session (SAME_MACHINE) is projected on that machine (--to this, no
+probes) and compared with its run. The measurements are the lent GPUs'; the predictions are this step
+model's.
 
     python scripts/gpu_validation.py           # print the table
     python scripts/gpu_validation.py --write   # also store it (tests/test_gpu_evidence.py checks it)
@@ -46,6 +48,63 @@ def case(source: str, target: str) -> dict:
     }
 
 
+# Runs of one GPU machine and session: a change of settings projected on the machine the source ran on
+# (--to this), without probes (the GPU is not here). (source, target); the overrides are the target's
+# recipe keys that differ.
+SAME_MACHINE = [
+    ("h200-llama1b_zero3_sdpa-torch-hostbound", "h200-llama1b_zero3_sdpa-torch-gpubound"),
+    ("h200-llama1b_zero3_sdpa-hostbound", "h200-llama1b_zero3_sdpa-gpubound"),
+    ("h200-llama1b_zero3_sdpa-torch-gpubound", "h200-llama1b_zero3_sdpa-gpubound"),
+]
+CHANGED_KEYS = ("train.micro_batch_size", "data.seq_len", "engine.kind", "engine.zero_stage")
+
+
+def overrides_between(source: dict, target: dict) -> list[str]:
+    """KEY=VALUE for each of CHANGED_KEYS the target's recipe sets otherwise."""
+    out = []
+    for key in CHANGED_KEYS:
+        section, leaf = key.split(".")
+        if source["recipe"][section][leaf] != target["recipe"][section][leaf]:
+            out.append(f"{key}={target['recipe'][section][leaf]}")
+    return out
+
+
+def same_machine_case(source: str, target: str) -> dict:
+    """One settings change on the source's GPU machine: step (null where an engine change needs probes
+    on that machine) and memory, against the target's measurement."""
+    from trainprof.projection.project import project
+
+    src = json.loads((PROFILES / source / "profile.json").read_text())
+    tgt = json.loads((PROFILES / target / "profile.json").read_text())
+    overrides = overrides_between(src, tgt)
+    (pred,) = project(PROFILES / source, overrides=overrides, probe=False)["predictions"]
+    measured, memory = tgt["summary"]["step_ms"]["median"], tgt["summary"]["peak_memory_bytes_max"]
+    step = pred["step_ms"]
+    return {
+        "source": source, "target": target, "overrides": overrides, "change_kinds": pred["change_kinds"],
+        "source_step_ms": src["summary"]["step_ms"]["median"], "source_gpu_busy_frac": round(_busy(src), 2),
+        "predicted_step_ms": round(step, 2) if step else None, "measured_step_ms": measured,
+        "step_error_pct": round(100 * (step - measured) / measured, 2) if step else None,
+        "step_reason": (pred.get("reasons") or {}).get("step_ms"),
+        "predicted_mfu": round(pred["mfu"], 4) if pred.get("mfu") else None, "measured_mfu": round(tgt["summary"]["mfu"], 4),
+        "predicted_memory_gib": round(pred["memory_per_rank_bytes"] / 2**30, 2),
+        "measured_memory_gib": round(memory / 2**30, 2),
+        "memory_error_pct": round(100 * (pred["memory_per_rank_bytes"] - memory) / memory, 2),
+    }
+
+
+def same_machine_kinds(same: list[dict]) -> dict[str, dict]:
+    """Per kind of change, the step error of the same-machine cases that made it and predicted a step."""
+    errors: dict[str, list[float]] = {}
+    for c in same:
+        if c["step_error_pct"] is not None:
+            for kind in c["change_kinds"]:
+                errors.setdefault(kind, []).append(abs(c["step_error_pct"]))
+    return {k: {"step_mape_pct": round(statistics.fmean(e), 1), "step_max_pct": round(max(e), 1), "cases": len(e),
+                "note": "from runs of one GPU session (same_machine_cases), not from the CPU bench"}
+            for k, e in errors.items()}
+
+
 def _busy(profile: dict) -> float:
     from trainprof.projection.measured import measured_from_profile
 
@@ -62,17 +121,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{c['case']:<60} {c['source_step_ms']:8.1f} -> predicted {c['predicted_step_ms']:8.1f}, measured "
               f"{c['measured_step_ms']:8.1f}: {c['step_error_pct']:+.1f}% (source GPU busy {c['source_gpu_busy_frac']:.0%})")
     print(f"H100 -> H200 step-time MAPE {statistics.fmean(errors):.1f}%, max {max(errors):.1f}% over {len(cases)} pairs")
+    same = [same_machine_case(s, t) for s, t in SAME_MACHINE
+            if (PROFILES / s / "profile.json").is_file() and (PROFILES / t / "profile.json").is_file()]
+    for c in same:
+        step = (f"predicted {c['predicted_step_ms']:7.1f}, measured {c['measured_step_ms']:7.1f}: "
+                f"{c['step_error_pct']:+.1f}%" if c["step_error_pct"] is not None else f"step null: {c['step_reason']}")
+        print(f"{c['source']} {' '.join(c['overrides'])} (busy {c['source_gpu_busy_frac']:.0%}): {step}; memory "
+              f"{c['predicted_memory_gib']:.2f} vs {c['measured_memory_gib']:.2f} GiB ({c['memory_error_pct']:+.2f}%)")
     if args.write:
         from trainprof.io import atomic_write_json
 
         old = json.loads(OUT.read_text()) if OUT.is_file() else {}
         atomic_write_json(OUT, {
-            "measured_on": old.get("measured_on", "lent NVIDIA H100 80GB HBM3 and H200 machines (one GPU each)"),
+            "measured_on": "lent NVIDIA H100 80GB HBM3 and H200 machines (one GPU each), 2026-11-23; "
+                           "same_machine_cases: a lent H200, 2026-11-26",
             "command": "python scripts/gpu_validation.py --write (projects each profiles/h100-* folder to the h200 "
                        "and compares with its profiles/h200-* twin)",
             "by_kind": {"hardware_gpu": {"step_mape_pct": round(statistics.fmean(errors), 1),
-                                         "step_max_pct": round(max(errors), 1), "cases": len(cases)}},
+                                         "step_max_pct": round(max(errors), 1), "cases": len(cases)},
+                        **same_machine_kinds(same)},
             "cases": cases,
+            "same_machine_cases": same,
             "finding": ("every pair measured so far is host-bound on these machines (the GPU ran kernels a small share "
                         "of the step); a host-bound phase is predicted as host time with the target's host assumed as "
                         "fast as the source's, and the H200 machine's host was faster, so the step is over-predicted. "

@@ -233,3 +233,26 @@ def test_h100_to_h200_projection_error_of_every_pair_is_the_table_s(source, targ
                    "docs/projection.md's GPU table")
     assert error_pct == pytest.approx(cases[0]["step_error_pct"], abs=0.1)
     assert pred["step_ms"] == pytest.approx(cases[0]["predicted_step_ms"], abs=0.05)
+
+
+@pytest.mark.parametrize("case", VALIDATION.get("same_machine_cases") or [], ids=lambda c: c["target"])
+def test_same_machine_cases_recomputed_from_profiles(case):
+    """Each settings change between runs of one GPU session, projected on the source's machine (--to this,
+    no probes), reproduces validation_gpu.json's figures; an engine change says it needs that machine's
+    probes instead of guessing, and its memory is the plan's delta on the measured peak."""
+    import gpu_validation
+
+    again = gpu_validation.same_machine_case(case["source"], case["target"])
+    assert again["overrides"] == case["overrides"] and again["change_kinds"] == case["change_kinds"]
+    for key in ("predicted_step_ms", "step_error_pct", "predicted_memory_gib", "memory_error_pct"):
+        assert again[key] == pytest.approx(case[key], abs=0.05), key
+    assert abs(case["memory_error_pct"]) <= 10  # issue 24's memory goal
+    if "engine" in case["change_kinds"]:
+        assert case["predicted_step_ms"] is None and "where the run was made" in case["step_reason"]
+    else:
+        assert abs(case["step_error_pct"]) <= 15
+        # MFU on the source's own GPU, against its datasheet peak, as the target run's MFU is; the run counts
+        # its FLOPs (measured_over_analytic), the prediction takes PaLM's formula
+        counted = load(PROFILES / case["target"])["summary"]["measured_over_analytic"]
+        assert case["predicted_mfu"] == pytest.approx(case["measured_mfu"] / counted * case["measured_step_ms"]
+                                                      / case["predicted_step_ms"], abs=2e-4)

@@ -548,14 +548,20 @@ def test_the_residual_scales_with_the_phases_so_a_faster_target_keeps_a_positive
 def test_confidence_labels_what_was_never_validated():
     from trainprof.projection.validation import confidence
 
-    table = {"by_kind": {"micro_batch": {"step_mape_pct": 2.5}, "hardware_gpu": {"step_mape_pct": 61.5}}}
+    table = {"by_kind": {"micro_batch": {"step_mape_pct": 2.5}},
+             "by_kind_gpu": {"hardware_gpu": {"step_mape_pct": 61.5}, "micro_batch": {"step_mape_pct": 6.8}}}
     assert confidence(["none"], table, host_bound=False).text == "as measured"
     assert confidence(["micro_batch"], table, host_bound=False).text == "±2.5%"
     cpu_to_gpu = confidence(["micro_batch", "hardware"], table, host_bound=False)
     assert cpu_to_gpu.label == "unvalidated" and cpu_to_gpu.expected_error_pct is None
-    low = confidence(["hardware_gpu"], table, host_bound=True)
+    low = confidence(["hardware_gpu"], table, host_bound=True, source_device="cuda")
     assert low.label == "low" and low.expected_error_pct == 61.5 and "host-bound" in low.text
     assert confidence(["model_size"], table, host_bound=False).text == "unvalidated: model_size"
+    # each table vouches for sources of its own device type only
+    assert confidence(["micro_batch"], table, host_bound=False, source_device="cuda").text == "±6.8%"
+    assert confidence(["model_size"], table, host_bound=False,
+                      source_device="cuda").text == "unvalidated: model_size from a GPU run"
+    assert confidence(["hardware_gpu"], table, host_bound=False).label == "unvalidated"
 
 
 def test_assumptions_are_records_whose_text_renders_from_their_values():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -239,9 +240,16 @@ def probe_engines(recipes: list[Any], *, threads: int, rounds: int = 8, neighbou
                                    str(rounds), str(int(bare)), str(out), *map(str, paths)], env=env,
                                   capture_output=True, text=True, timeout=600)
         if proc.returncode != 0 or not out.is_file():
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise ValueError(f"the engine probe failed ({last[:200]})")
+            raise ValueError(f"the engine probe failed ({_error_line(proc.stderr)[:200]})")
         return json.loads(out.read_text())
+
+
+def _error_line(stderr: str) -> str:
+    """The exception a child process died of (its traceback's last `SomethingError: ...` line), else its
+    last line: warnings printed after the traceback would hide it."""
+    lines = stderr.strip().splitlines() or ["no output"]
+    errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", ln)]
+    return (errors or lines)[-1]
 
 
 def _probe_engines_main(argv: list[str]) -> int:
@@ -323,8 +331,7 @@ def engine_resident(recipe: Any, world: int, *, steps: int = 3) -> int:
                     raise ValueError("the resident-memory probe timed out after 600 s") from None
                 lines = out.strip().splitlines()
                 if proc.returncode != 0 or not lines or not lines[-1].isdigit():
-                    last = (err.strip().splitlines() or ["no output"])[-1]
-                    raise ValueError(f"the resident-memory probe failed ({last[:200]})")
+                    raise ValueError(f"the resident-memory probe failed ({_error_line(err)[:200]})")
                 peaks.append(int(lines[-1]))
         finally:  # a rank left waiting for one that failed would wait for good
             for p in procs:

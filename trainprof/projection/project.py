@@ -162,6 +162,11 @@ class Projector:
             elif reshaped:
                 self._rerate_here(t, inputs, reasons)
             if engine_key(src.recipe) != engine_key(t.recipe) or task_key(src.recipe) != task_key(t.recipe):
+                if not (self.probe and same_machine_as_source(src)):
+                    reasons["step_ms"] = ("an engine or task change is probed where the run was made (what the "
+                                          "engine adds around the model is timed there): run `trainprof project` "
+                                          "on that machine" + ("" if self.probe else ", without --no-probe"))
+                    return inputs
                 inputs.engine = self.engine_probe(t.recipe)
             if inputs.engine is None and t.world == 1 < m.world_size and _zero(src.recipe) == 3:
                 inputs.step_probe = self.source_step()  # one rank: no gathers after the step
@@ -295,7 +300,7 @@ class Projector:
         if t.hardware is None and memory is not None and (kept := heap_kept(src.measured.device_type, src.recipe, r)):
             notes.append(kept)
         host_bound = (src.measured.busy_frac() or 1.0) < HOST_BOUND_BUSY
-        conf = confidence(t.kinds, self.validation, host_bound=host_bound)
+        conf = confidence(t.kinds, self.validation, host_bound=host_bound, source_device=src.measured.device_type)
         pred: dict[str, Any] = {
             "hardware": t.machine if t.hardware is not None else
             f"this ({src.profile['env']['device']}" + (f", {t.threads} threads" if t.threads else "") + ")",
@@ -326,11 +331,18 @@ class Projector:
         return pred
 
     def _mfu(self, t: TargetRun, pred: dict[str, Any], reasons: dict[str, str]) -> None:
-        if t.hardware is None:
-            reasons["mfu"] = "no datasheet peak for this machine (CPU)"
-            return
-        peak = t.hardware.figure("peak_bf16_dense_tflops" if t.recipe.model.dtype in ("bf16", "fp16")
-                                 else "peak_fp32_tflops")
+        if t.hardware is None:  # the source's machine: its own accelerator's datasheet peak, as the run's MFU
+            from trainprof.hardware import dense_peak
+
+            env = self.source.profile["env"]
+            found, why = dense_peak(env["device"], self.source.measured.device_type, t.recipe.model.dtype)
+            if found is None:
+                reasons["mfu"] = why
+                return
+            peak = found["tflops"]
+        else:
+            peak = t.hardware.figure("peak_bf16_dense_tflops" if t.recipe.model.dtype in ("bf16", "fp16")
+                                     else "peak_fp32_tflops")
         if peak and pred["step_ms"]:
             pred["mfu"] = _plan_flops(t.recipe, t.world) / (pred["step_ms"] / 1e3) / (t.world * peak * 1e12)
             pred["mfu_convention"] = "PaLM 6N + 12LHQT model FLOPs (trainprof plan) over the datasheet dense peak"
@@ -446,6 +458,9 @@ class Projector:
         kind stays, on a GPU (the allocator's peak holds no libraries) or where a probe failed."""
         src = self.source
         if src.measured.device_type != "cpu" or src.recipe.engine.kind == target_recipe.engine.kind:
+            return None
+        if not (self.probe and same_machine_as_source(src)):
+            self._resident_failed = "not probed: --no-probe" if not self.probe else "not probed: another machine"
             return None
         world = src.measured.world_size
         key = ("resident", src.recipe.engine.kind, target_recipe.engine.kind, world)
@@ -674,7 +689,7 @@ def source_block(source: Source) -> dict[str, Any]:
 
 
 def _validation_block(validation: dict[str, Any] | None) -> dict[str, Any] | None:
-    return {k: validation.get(k) for k in ("measured_on", "command", "by_kind")} if validation else None
+    return {k: validation.get(k) for k in ("measured_on", "command", "by_kind", "by_kind_gpu")} if validation else None
 
 
 def project_advice(run_dir: str | Path, *, probe: bool = True, progress: bool = False) -> list[dict[str, Any]]:

@@ -35,14 +35,23 @@ class Confidence:
 
 
 def load_validation() -> dict[str, Any] | None:
-    """The CPU bench's table (validation.json) with the GPU checks' kinds (validation_gpu.json) merged in."""
+    """The CPU bench's table (validation.json), its kinds under `by_kind`, with the GPU checks' kinds
+    (validation_gpu.json) under `by_kind_gpu`: each vouches only for sources of its own device type."""
     doc = json.loads(VALIDATION_FILE.read_text()) if VALIDATION_FILE.is_file() else None
     if GPU_VALIDATION_FILE.is_file():
         gpu = json.loads(GPU_VALIDATION_FILE.read_text())
         kinds = {k: {**v, "file": GPU_VALIDATION_FILE.name, "measured_on": gpu["measured_on"]}
                  for k, v in gpu["by_kind"].items()}
-        doc = {**(doc or {}), "by_kind": {**((doc or {}).get("by_kind") or {}), **kinds}}
+        doc = {**(doc or {}), "by_kind_gpu": kinds}
     return doc
+
+
+def _for_source(validation: dict[str, Any] | None, source_device: str) -> dict[str, Any] | None:
+    """The validated kinds that speak for a source of this device type: validation_gpu.json's for a GPU
+    source, the CPU bench's otherwise."""
+    if validation is None:
+        return None
+    return {**validation, "by_kind": validation.get("by_kind_gpu" if source_device == "cuda" else "by_kind") or {}}
 
 
 def expected_error(kinds: list[str], validation: dict[str, Any] | None) -> tuple[float | None, str]:
@@ -61,12 +70,15 @@ def expected_error(kinds: list[str], validation: dict[str, Any] | None) -> tuple
     return worst, f"largest step-time MAPE among {', '.join(kinds)}: " + "; ".join(dict.fromkeys(where))
 
 
-def confidence(kinds: list[str], validation: dict[str, Any] | None, *, host_bound: bool) -> Confidence:
+def confidence(kinds: list[str], validation: dict[str, Any] | None, *, host_bound: bool,
+               source_device: str = "cpu") -> Confidence:
     """The label a buyer reads in the table: 'low' when the source GPU was host-bound (its step measures
-    the host, not the GPU), 'unvalidated' when a kind of change was never checked against real runs (a
-    CPU run projected to a GPU always is), else 'validated' with the expected error."""
+    the host, not the GPU), 'unvalidated' when a kind of change was never checked against real runs from
+    a source of that device type (a CPU run projected to a GPU always is; the CPU grid's errors do not
+    vouch for a GPU source), else 'validated' with the expected error."""
     if kinds == ["none"]:
         return Confidence(label="measured", expected_error_pct=0.0, why="", reason="no change: the measured step")
+    validation = _for_source(validation, source_device)
     err, why = expected_error(kinds, validation)
     if "hardware" in kinds:
         return Confidence(label="unvalidated", expected_error_pct=None, why="CPU run -> GPU",
@@ -76,6 +88,7 @@ def confidence(kinds: list[str], validation: dict[str, Any] | None, *, host_boun
                           reason="the source GPU was mostly idle (host-bound): its step measures the host; " + why)
     if err is None:
         missing = [k for k in kinds if k not in ((validation or {}).get("by_kind") or {})]
-        return Confidence(label="unvalidated", expected_error_pct=None, why=f"{', '.join(missing) or 'no table'}",
-                          reason=why)
+        source = " from a GPU run" if source_device == "cuda" else ""
+        return Confidence(label="unvalidated", expected_error_pct=None,
+                          why=f"{', '.join(missing) or 'no table'}{source}", reason=why)
     return Confidence(label="validated", expected_error_pct=err, why="", reason=why)
