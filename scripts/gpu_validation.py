@@ -2,7 +2,8 @@
 recipe measured on an H100 and an H200 is projected from the H100 folder to the H200 (on this machine,
 from the kept calibration.json, no probes) and compared with the H200 measurement; and each settings
 change between runs of one GPU session (SAME_MACHINE) is projected on that machine (--to this, no
-probes) and compared with its run. The measurements are the lent GPUs'; the predictions are this step
+probes) and compared with its run; a CPU run is projected to a measured GPU run (CPU_TO_GPU); and the
+share of the datasheet bandwidth that the non-GEMM operators reach is fitted (ELEMENTWISE_FIT). The measurements are the lent GPUs'; the predictions are this step
 model's.
 
     python scripts/gpu_validation.py           # print the table
@@ -93,6 +94,80 @@ def same_machine_case(source: str, target: str) -> dict:
     }
 
 
+# The runs the elementwise efficiency is fitted on (2026-11-23); the later runs check it
+ELEMENTWISE_FIT = ["h100-llama1b_zero3_sdpa", "h100-llama1b_zero3_sdpa-torch", "h200-llama1b_zero3_sdpa",
+                   "h200-llama1b_zero3_sdpa-torch"]
+
+
+def elementwise_rows() -> list[dict]:
+    """Per GPU profile and compute phase: the non-GEMM operators' device ms (the operator table) against
+    the bytes counted for them (gemm.Work.device_bytes), as a share of the GPU's datasheet bandwidth.
+    QLoRA is left out: its table predates the rows of bitsandbytes' kernels."""
+    from trainprof.hardware import memory_bandwidth
+    from trainprof.projection.gemm import Work
+    from trainprof.projection.measured import measured_from_profile
+    from trainprof.recipe import recipe_from_dict
+
+    rows = []
+    for path in sorted(PROFILES.glob("*/profile.json")):
+        doc = json.loads(path.read_text())
+        if doc["env"].get("device_type") != "cuda" or doc["recipe"]["task"]["kind"] == "qlora":
+            continue
+        m = measured_from_profile(doc)
+        work = Work.of(recipe_from_dict(doc["recipe"]))
+        bandwidth, _ = memory_bandwidth(doc["env"]["device"], "cuda")
+        for phase in ("forward", "backward"):
+            ms = m.ops[phase].other_ms / m.grad_accum
+            rows.append({"profile": path.parent.name, "phase": phase, "device_ms": round(ms, 3),
+                         "bytes": work.device_bytes(phase), "datasheet_gbps": bandwidth["gbps"],
+                         "share": round(work.device_bytes(phase) / (ms / 1e3) / (bandwidth["gbps"] * 1e9), 4),
+                         "fitted": path.parent.name in ELEMENTWISE_FIT})
+    return rows
+
+
+def elementwise_block(rows: list[dict]) -> dict:
+    fitted = [r["share"] for r in rows if r["fitted"]]
+    share = round(statistics.median(fitted), 3)
+    held = [abs(r["share"] / share - 1) * 100 for r in rows if not r["fitted"]]
+    return {"share_of_datasheet_bandwidth": share,
+            "method": "median over the fitted runs' forward and backward of (bytes counted by scripts/count_traffic.py"
+                      " / the non-GEMM operators' device time in the operator table) / the datasheet bandwidth",
+            "fit_on": ELEMENTWISE_FIT,
+            "held_out_error_pct": {"mean": round(statistics.fmean(held), 1), "max": round(max(held), 1),
+                                   "phases": len(held)},
+            "rows": rows}
+
+
+# A CPU run projected to a GPU run's model, settings and GPU: (CPU source, GPU target, catalog key)
+CPU_TO_GPU = [("cpu-x86_64-quickstart_cpu-torch", "h200-llama1b_zero3_sdpa-torch-gpubound", "h200"),
+              ("cpu-x86_64-quickstart_cpu-torch", "h200-llama1b_zero3_sdpa-torch-hostbound", "h200"),
+              ("cpu-x86_64-quickstart_cpu-torch", "h200-llama1b_zero3_sdpa-torch", "h200"),
+              ("cpu-x86_64-quickstart_cpu-torch", "h100-llama1b_zero3_sdpa-torch", "h100-sxm")]
+
+
+def cpu_to_gpu_case(source: str, target: str, hardware: str) -> dict:
+    """A CPU run (this machine) projected to a measured GPU run: model, micro batch and seq_len changed,
+    the GPU from the catalog, no probes."""
+    from trainprof.projection.project import project
+
+    src = json.loads((PROFILES / source / "profile.json").read_text())
+    tgt = json.loads((PROFILES / target / "profile.json").read_text())
+    r = tgt["recipe"]
+    overrides = [f"model.name={r['model']['name']}", f"train.micro_batch_size={r['train']['micro_batch_size']}",
+                 f"data.seq_len={r['data']['seq_len']}"]
+    (pred,) = project(PROFILES / source, overrides=overrides, targets=[hardware], gpus_per_node=1,
+                      probe=False)["predictions"]
+    measured, memory = tgt["summary"]["step_ms"]["median"], tgt["summary"]["peak_memory_bytes_max"]
+    return {"source": source, "target": target, "hardware": hardware, "overrides": overrides,
+            "change_kinds": pred["change_kinds"], "confidence": pred["confidence_text"],
+            "source_step_ms": src["summary"]["step_ms"]["median"], "predicted_step_ms": round(pred["step_ms"], 2),
+            "measured_step_ms": measured, "step_error_pct": round(100 * (pred["step_ms"] - measured) / measured, 2),
+            "predicted_mfu": round(pred["mfu"], 4), "measured_mfu": round(tgt["summary"]["mfu"], 4),
+            "predicted_memory_gib": round(pred["memory_per_rank_bytes"] / 2**30, 2),
+            "measured_memory_gib": round(memory / 2**30, 2),
+            "memory_error_pct": round(100 * (pred["memory_per_rank_bytes"] - memory) / memory, 2)}
+
+
 def same_machine_kinds(same: list[dict]) -> dict[str, dict]:
     """Per kind of change, the step error of the same-machine cases that made it and predicted a step."""
     errors: dict[str, list[float]] = {}
@@ -121,8 +196,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{c['case']:<60} {c['source_step_ms']:8.1f} -> predicted {c['predicted_step_ms']:8.1f}, measured "
               f"{c['measured_step_ms']:8.1f}: {c['step_error_pct']:+.1f}% (source GPU busy {c['source_gpu_busy_frac']:.0%})")
     print(f"H100 -> H200 step-time MAPE {statistics.fmean(errors):.1f}%, max {max(errors):.1f}% over {len(cases)} pairs")
+    elementwise = elementwise_block(elementwise_rows())
+    cpu_gpu = [cpu_to_gpu_case(*c) for c in CPU_TO_GPU
+               if (PROFILES / c[0] / "profile.json").is_file() and (PROFILES / c[1] / "profile.json").is_file()]
+    print(f"elementwise work: {elementwise['share_of_datasheet_bandwidth']:.3f} of the datasheet bandwidth (fitted on "
+          f"{len(ELEMENTWISE_FIT)} runs); held-out phases off by {elementwise['held_out_error_pct']['mean']:.1f}% "
+          f"on average, {elementwise['held_out_error_pct']['max']:.1f}% at most")
     same = [same_machine_case(s, t) for s, t in SAME_MACHINE
             if (PROFILES / s / "profile.json").is_file() and (PROFILES / t / "profile.json").is_file()]
+    for c in cpu_gpu:
+        print(f"{c['source']} -> {c['target']} ({' '.join(c['overrides'])}, {c['hardware']}): predicted "
+              f"{c['predicted_step_ms']:.1f}, measured {c['measured_step_ms']:.1f}: {c['step_error_pct']:+.1f}%; memory "
+              f"{c['predicted_memory_gib']:.2f} vs {c['measured_memory_gib']:.2f} GiB ({c['memory_error_pct']:+.2f}%)")
     for c in same:
         step = (f"predicted {c['predicted_step_ms']:7.1f}, measured {c['measured_step_ms']:7.1f}: "
                 f"{c['step_error_pct']:+.1f}%" if c["step_error_pct"] is not None else f"step null: {c['step_reason']}")
@@ -142,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                         **same_machine_kinds(same)},
             "cases": cases,
             "same_machine_cases": same,
+            "elementwise": elementwise,
+            "cpu_to_gpu_cases": cpu_gpu,
             "finding": ("every pair measured so far is host-bound on these machines (the GPU ran kernels a small share "
                         "of the step); a host-bound phase is predicted as host time with the target's host assumed as "
                         "fast as the source's, and the H200 machine's host was faster, so the step is over-predicted. "

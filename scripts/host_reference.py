@@ -1,7 +1,8 @@
-"""Print the catalog's `gpu_host_us_per_op` and `gpu_optimizer_bytes_per_param` blocks from the GPU
-reference runs under profiles/: per engine kind and phase, the mean over the runs of a host-bound phase's
-µs per operator call, and per engine kind the optimizer kernels' bytes per trainable parameter
-(trainprof/projection/hostref.py), with the runs they came from as the source.
+"""Print the catalog's `gpu_host_us_per_op`, `gpu_optimizer_bytes_per_param` and `gpu_ops_per_layer`
+blocks from the GPU reference runs under profiles/: per engine kind and phase, the mean over the runs of
+a host-bound phase's µs per operator call, per engine kind the optimizer kernels' bytes per trainable
+parameter (trainprof/projection/hostref.py; pretraining runs), and the operator calls a decoder layer
+issues per micro batch (pretraining runs), with the runs they came from as the source.
 
     python scripts/host_reference.py            # paste the output into trainprof/hardware.yaml
 """
@@ -42,7 +43,8 @@ def optimizer_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, tuple[
     for path in sorted(profiles_dir.glob("*/profile.json")):
         cal = path.parent / "calibration.json"
         profile = json.loads(path.read_text())
-        if profile["env"].get("device_type") != "cuda" or not cal.is_file():
+        if profile["env"].get("device_type") != "cuda" or not cal.is_file() \
+                or profile["recipe"]["task"]["kind"] != "pretrain":  # LoRA's optimizer: fixed costs over few params
             continue
         value = optimizer_bytes_per_param(profile, json.loads(cal.read_text())["memory"]["gbps"])
         if value is not None:
@@ -50,6 +52,27 @@ def optimizer_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, tuple[
             found.setdefault(kind, []).append((path.parent.name, value))
     return {kind: (statistics.mean(v for _, v in runs), [f"{d}: {v:.1f}" for d, v in runs])
             for kind, runs in found.items()}
+
+
+def ops_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, dict[str, tuple[float, list[str]]]]:
+    """engine kind -> phase -> (median operator calls per decoder layer and micro batch, the runs) over the
+    GPU pretraining runs with an operator trace."""
+    from trainprof.projection.measured import measured_from_profile
+    from trainprof.recipe import recipe_from_dict, resolve_shape
+
+    found: dict[str, dict[str, list[tuple[str, float]]]] = {}
+    for path in sorted(profiles_dir.glob("*/profile.json")):
+        profile = json.loads(path.read_text())
+        if profile["env"].get("device_type") != "cuda" or profile["recipe"]["task"]["kind"] != "pretrain":
+            continue
+        m = measured_from_profile(profile)
+        layers = resolve_shape(recipe_from_dict(profile["recipe"]).model).num_layers
+        for phase in ("forward", "backward"):
+            if m.ops and phase in m.ops:
+                found.setdefault(profile["recipe"]["engine"]["kind"], {}).setdefault(phase, []).append(
+                    (path.parent.name, m.ops[phase].layer_calls / layers / m.grad_accum))
+    return {kind: {ph: (statistics.median(v for _, v in runs), [d for d, _ in runs]) for ph, runs in phases.items()}
+            for kind, phases in found.items()}
 
 
 def main() -> int:
@@ -63,6 +86,12 @@ def main() -> int:
     for kind, (mean, runs) in sorted(optimizer_values().items()):
         print(f'  {kind}: {{value: {mean:.1f}, source: "mean of the optimizer kernels\' device time x the measured '
               f'copy bandwidth / trainable parameters (profiles/ {"; ".join(runs)})"}}')
+    print("gpu_ops_per_layer:")
+    for kind, phases in sorted(ops_values().items()):
+        print(f"  {kind}:")
+        for phase, (median, runs) in phases.items():
+            print(f'    {phase}: {{value: {median:.1f}, source: "median operator calls per decoder layer and micro batch '
+                  f'(profiles/ {", ".join(runs)})"}}')
     return 0
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import QUICKSTART, REPO
 from trainprof.hardware import CatalogError, find_accelerator, load_catalog
 from trainprof.projection.calibrate import bus_factor, collective_ms, fit_alpha_beta
 from trainprof.projection.census import census, zero3_settings, zero3_traffic
@@ -519,10 +519,15 @@ def test_another_machine_rerates_like_with_like_and_a_gpu_waits_for_its_host():
     # forward: device 8 x 0.5 + 8 x 0.25 = 6 ms; host 120 calls x 50 us = 6 ms -> 6; backward: device 7.5, host 24
     assert phases["forward"] == pytest.approx(6.0) and phases["backward"] == pytest.approx(24.0)
     assert "device_rerated" in [a.kind for a in notes]
-    # a CPU source: the GPU's device work from the target's shapes alone (its efficiency says nothing of a GPU's)
+    # a CPU source: the GPU's device work from the target's shapes alone (its efficiency says nothing of a
+    # GPU's): GEMMs at the GPU's rates, the other operators' counted bytes at the share of its bandwidth
+    # that the GPU runs measured
+    from trainprof.projection.validation import elementwise_share
+
     cpu = _machine("cpu", gpu=False, tflops=0.1, gbps=10.0)
     w = _work()
-    analytic = dst.gemm["forward"].ms(w.gemms("forward")) + w.traffic_bytes() / 4000e9 * 1e3
+    analytic = dst.gemm["forward"].ms(w.gemms("forward")) + w.device_bytes("forward") / (
+        4000e9 * elementwise_share()[0]) * 1e3
     phases, notes = predict_phases(_measured(ops=ops), _change(), Inputs(source_machine=cpu, target_machine=dst,
                                                                          host_us_per_op={"forward": 1e-6,
                                                                                          "backward": 1e-6},
@@ -741,3 +746,22 @@ def test_a_probe_process_reads_its_own_peak_not_the_one_of_the_process_that_spaw
     maxrss, hwm = map(int, out.stdout.split())
     assert maxrss >= 400 * 2**20 > 4 * hwm, (maxrss, hwm)
     del held
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["bf16", "amp"])
+def test_counted_elementwise_bytes_match_the_models_own_operators(amp):
+    """gemm.ELEMENTWISE_BYTES and REST_BYTES, fitted by scripts/count_traffic.py on a grid of shapes,
+    predict the bytes the HF model's non-GEMM operators move at a shape off that grid (a TorchDispatchMode
+    over the real forward and backward); a change of HF's Llama code that moves more shows here."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from count_traffic import count
+
+    dims = ["model.hidden_size=320", "model.intermediate_size=896", "model.num_heads=5", "model.num_kv_heads=5",
+            "model.vocab_size=1536", "train.micro_batch_size=3", "data.seq_len=96"]
+    engine = ["engine.kind=torch", "engine.zero_stage=0"] if amp else []
+    work = Work.of(load_recipe(QUICKSTART, dims + engine))
+    for layers in (1, 2):
+        counted = count(dims, amp=amp, micro_batch=3, seq_len=96, layers=layers)
+        w = dataclasses.replace(work, shape=dataclasses.replace(work.shape, num_layers=layers))
+        for phase, got in zip(("forward", "backward"), counted):
+            assert w.device_bytes(phase) == pytest.approx(got, rel=0.03), (layers, phase)

@@ -39,10 +39,12 @@ TEMPLATES: dict[str, str] = {
                        "({matmul_source}), the rest by memory bandwidth ({memory_source})"),
     "device_analytic": ("compute on {target}: the device work derived from the target's shapes alone (a CPU's "
                         "efficiency says nothing of a GPU's): every GEMM at the target's rate for its shape "
-                        "({matmul_source}), the rest of the work's memory traffic at full bandwidth ({memory_source}; "
-                        "optimistic)"),
+                        "({matmul_source}); the other operators' bytes, as counted on the model's code "
+                        "(scripts/count_traffic.py), at the bandwidth ({memory_source}) x {elementwise}"),
     "host_time": ("host: {ops_per_step:,.0f} operator calls a step at {us_per_op:.1f} us each ({us_source}); a phase takes "
                   "the longer of its host and device time (the GPU runs asynchronously)"),
+    "gpu_ops_per_layer": ("host: a decoder layer issues {forward:.0f} operator calls a forward and {backward:.0f} a "
+                          "backward, as GPU runs of the engine issue them ({source}), not as this CPU run did"),
     "host_unknown": ("host: not modelled ({why}); the prediction is the device time alone and may be optimistic"),
     # optimizer
     "optimizer_probed_step": ("optimizer: the target engine's step() probed in a group of one ({step_ms:.2f} ms over "

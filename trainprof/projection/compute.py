@@ -145,12 +145,14 @@ class Rerated:
 
 
 def rerated_phase(m: Measured, ph: str, src: Work, tgt: Work, src_machine: Machine, dst_machine: Machine,
-                  host_us_per_op: float | None) -> Rerated:
+                  host_us_per_op: float | None, ops_per_layer: float | None = None) -> Rerated:
     """A compute phase per micro batch re-derived for another shape or machine from its GEMMs and memory
     traffic (module docstring). The source phase splits into GEMM work, other device work and host work:
     from the operator trace where there is one (device self time on a GPU; on a CPU the operators' self
     time, the rest of the phase being Python and the framework), else its GEMMs at the source's rates
-    (capped at the phase) and the rest as memory-bound work."""
+    (capped at the phase) and the rest as memory-bound work. `ops_per_layer`: the operator calls a decoder
+    layer issues on the target per micro batch, where the source's own count does not carry over (a CPU
+    source for a GPU target)."""
     ga = m.grad_accum
     phase = m.phases_ms[ph] / ga
     g_src = src_machine.gemm[ph].ms(src.gemms(ph))
@@ -169,11 +171,15 @@ def rerated_phase(m: Measured, ph: str, src: Work, tgt: Work, src_machine: Machi
         traffic = tgt.traffic_bytes() / src.traffic_bytes()
         other_t = other * traffic * (src_machine.memory_gbps or 1.0) / (dst_machine.memory_gbps or 1.0)
     else:  # a CPU's efficiency says nothing of a GPU's: the target's work from its shapes and rates alone
+        from trainprof.projection.validation import elementwise_share
+
         matmul_t = g_tgt
-        other_t = TRAFFIC_PASSES[ph] * tgt.traffic_bytes() / ((dst_machine.memory_gbps or 1.0) * 1e9) * 1e3
+        bandwidth = (dst_machine.memory_gbps or 1.0) * 1e9 * (elementwise_share()[0] if dst_machine.is_gpu else 1.0)
+        other_t = tgt.device_bytes(ph) / bandwidth * 1e3
     host_t = None
     if ops is not None and ops.calls:
-        per_layer = ops.layer_calls / max(src.shape.num_layers, 1) + (task_ops(tgt) - task_ops(src)) * ga
+        per_layer = (ops_per_layer * ga if ops_per_layer is not None else ops.layer_calls / max(src.shape.num_layers, 1)) \
+            + (task_ops(tgt) - task_ops(src)) * ga
         calls_t = (max(per_layer, 0.0) * tgt.shape.num_layers + ops.rest_calls) / ga
         if host_us_per_op is not None:
             host_t = calls_t * host_us_per_op / 1e3

@@ -16,6 +16,20 @@ import math
 from trainprof.shapes import LlamaShape
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Bytes HF Llama's non-GEMM operators read and write per micro batch, counted op by op on the model's own
+# code (scripts/count_traffic.py: every aten op but GEMMs, attention and views, under a TorchDispatchMode,
+# sdpa attention; fits within 2.1%). Per decoder layer: [per token x h, per token x I, per weight
+# element]; the rest of the model: [per token x h, per token x V, per V x h]. "amp": fp32 weights under
+# bf16 autocast (the torch engine), whose casts are the weight term; "bf16": 16-bit weights (DeepSpeed,
+# FSDP2). Heads are counted at num_kv_heads = num_heads: GQA's smaller k and v are not.
+ELEMENTWISE_BYTES = {
+    ("bf16", "forward"): (124.22, 10.0, 0.05), ("bf16", "backward"): (286.26, 18.01, 0.05),
+    ("amp", "forward"): (178.36, 9.97, 6.11), ("amp", "backward"): (410.4, 17.98, 6.11),
+}
+REST_BYTES = {
+    ("bf16", "forward"): (41.39, 17.66, 2.68), ("bf16", "backward"): (98.11, 26.01, 2.0),
+    ("amp", "forward"): (40.71, 17.74, 10.53), ("amp", "backward"): (106.12, 26.01, 10.0),
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -154,6 +168,7 @@ class Work:
     lora_targets: tuple[str, ...] = ()  # the linears adapted per layer
     lora_r: int = 0
     quantized: bool = False  # QLoRA: 4-bit base linears dequantized for every GEMM
+    amp: bool = False  # fp32 weights under 16-bit autocast (the torch engine), not 16-bit weights
 
     @classmethod
     def of(cls, recipe) -> "Work":
@@ -164,7 +179,8 @@ class Work:
         return cls(shape=resolve_shape(recipe.model), micro_batch=recipe.train.micro_batch_size,
                    seq_len=recipe.data.seq_len, attention=recipe.model.attention, dtype=recipe.model.dtype,
                    frozen=tuned, lora_targets=tuple(task.lora.target_modules) if tuned else (),
-                   lora_r=task.lora.r if tuned else 0, quantized=task.kind == "qlora")
+                   lora_r=task.lora.r if tuned else 0, quantized=task.kind == "qlora",
+                   amp=recipe.engine.kind == "torch" and recipe.model.dtype in ("bf16", "fp16"))
 
     def gemms(self, phase: str) -> list[Gemm]:
         """Every GEMM of the model in a phase (recompute: the decoder layers' forward again), LoRA's
@@ -177,6 +193,26 @@ class Work:
             layer += _linear(tokens, fan_in, self.lora_r, phase) + _linear(tokens, self.lora_r, fan_out, phase)
         return [dataclasses.replace(g, calls=g.calls * self.shape.num_layers) for g in layer] + \
             rest_gemms(self.shape, self.micro_batch, self.seq_len, phase, frozen=self.frozen)
+
+    def device_bytes(self, phase: str) -> float:
+        """Bytes the non-GEMM operators of one micro batch move in a phase, as counted on the model's code
+        (ELEMENTWISE_BYTES, REST_BYTES); recompute is the layers' forward again. Eager attention adds its
+        s x s scores, QLoRA its dequantized weights, as in traffic_bytes."""
+        regime = "amp" if self.amp else "bf16"
+        step = "forward" if phase == "recompute" else phase
+        t, h, i, v = (self.micro_batch * self.seq_len, self.shape.hidden_size, self.shape.intermediate_size,
+                      self.shape.vocab_size)
+        a, c, w = ELEMENTWISE_BYTES[(regime, step)]
+        weights = sum(fan_in * fan_out for fan_in, fan_out in linear_dims(self.shape).values())
+        per_layer = t * (a * h + c * i) + w * weights
+        if self.attention == "eager":
+            per_layer += 4 * self.micro_batch * self.shape.num_heads * self.seq_len ** 2 * (1 if step == "forward" else 2)
+        if self.quantized:
+            per_layer += weights * (0.5 + DTYPE_BYTES.get(self.dtype, 2))
+        if phase == "recompute":
+            return self.shape.num_layers * per_layer
+        ra, rc, rw = REST_BYTES[(regime, step)]
+        return self.shape.num_layers * per_layer + t * (ra * h + rc * v) + rw * v * h
 
     def traffic_bytes(self) -> float:
         """Bytes the model's non-GEMM work moves in one pass; QLoRA also reads each 4-bit weight (0.5 B)

@@ -27,8 +27,8 @@ from trainprof.projection.changes import (KINDS, THIS, change_kinds, engine_key,
 from trainprof.projection.comm import CommTarget, Link
 from trainprof.projection.compute import HOST_BOUND_BUSY, EngineProbe, Parts, StepProbe
 from trainprof.projection.gemm import Work
-from trainprof.projection.machines import (catalog_link, gpu_host, machine_from_calibration, machine_from_target,
-                                           measured_link, reference_engine)
+from trainprof.projection.machines import (catalog_link, gpu_host, gpu_ops_per_layer, machine_from_calibration,
+                                           machine_from_target, measured_link, reference_engine)
 from trainprof.projection.measured import PHASES
 from trainprof.projection.source import (PROBES_FILE, ProjectionError, Source, ensure_calibration, kept_probe,
                                          load_source, same_machine_as_source)
@@ -212,6 +212,12 @@ class Projector:
         if not inputs.target_machine.gemm:
             reasons.setdefault("step_ms", f"{t.machine} lacks a matmul rate or memory bandwidth in the catalog")
         inputs.host_us_per_op = self._gpu_host(notes)
+        if inputs.host_us_per_op is not None and src.measured.device_type == "cpu":
+            calls, calls_source = gpu_ops_per_layer(self.catalog, src.recipe.engine.kind)
+            if calls:
+                inputs.ops_per_layer = calls
+                notes.append(assume("gpu_ops_per_layer", forward=calls.get("forward", 0.0),
+                                    backward=calls.get("backward", 0.0), source=calls_source))
         ref = self.catalog.optimizer_bytes_per_param.get(reference_engine(t.recipe.engine.kind))
         if ref:
             inputs.optimizer_bytes_per_param = (float(ref["value"]), ref["source"])

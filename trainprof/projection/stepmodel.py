@@ -65,6 +65,7 @@ class Inputs:
     source_machine: Machine | None = None  # set with target_machine: re-derive from GEMMs and traffic
     target_machine: Machine | None = None
     host_us_per_op: dict[str, float] | None = None  # a GPU target from a CPU source: host time per call
+    ops_per_layer: dict[str, float] | None = None  # a GPU target from a CPU source: calls a GPU run issues
     link: Link | None = None
     memory_gbps: float | None = None  # the source machine's measured memory bandwidth
     optimizer_bytes_per_param: tuple[float, str] | None = None  # a GPU target from a CPU source: its Adam's bytes
@@ -123,18 +124,25 @@ def _rerated(m: Measured, change: Change, inputs: Inputs, notes: list[Assumption
              layers_f: float | None) -> tuple[dict[str, float], float | None]:
     src_m, dst_m = inputs.source_machine, inputs.target_machine
     assert src_m is not None and dst_m is not None
-    host = inputs.host_us_per_op or {}
+    host, calls = inputs.host_us_per_op or {}, inputs.ops_per_layer or {}
     for ph in ("forward", "backward", "recompute"):
         if mb[ph] > 0:
-            mb[ph] = combine(rerated_phase(m, ph, change.source_work, change.work, src_m, dst_m, host.get(ph)),
-                             dst_m.is_gpu)
+            mb[ph] = combine(rerated_phase(m, ph, change.source_work, change.work, src_m, dst_m, host.get(ph),
+                                           calls.get(ph)), dst_m.is_gpu)
     recompute_t = None
     if layers_f and m.phases_ms["forward"] > 0:
         # the layers' share of the forward, re-rated as the forward was
         fwd_s = m.phases_ms["forward"] / m.grad_accum
         recompute_t = mb["forward"] * layers_f / fwd_s
-    kind = "device_rerated" if src_m.is_gpu == dst_m.is_gpu else "device_analytic"
-    notes.append(assume(kind, target=dst_m.name, matmul_source=dst_m.matmul_source, memory_source=dst_m.memory_source))
+    if src_m.is_gpu == dst_m.is_gpu:
+        notes.append(assume("device_rerated", target=dst_m.name, matmul_source=dst_m.matmul_source,
+                            memory_source=dst_m.memory_source))
+    else:
+        from trainprof.projection.validation import elementwise_share
+
+        notes.append(assume("device_analytic", target=dst_m.name, matmul_source=dst_m.matmul_source,
+                            memory_source=dst_m.memory_source,
+                            elementwise=elementwise_share()[1] if dst_m.is_gpu else "1 (the roofline)"))
     return mb, recompute_t
 
 

@@ -92,3 +92,18 @@ def confidence(kinds: list[str], validation: dict[str, Any] | None, *, host_boun
         return Confidence(label="unvalidated", expected_error_pct=None,
                           why=f"{', '.join(missing) or 'no table'}{source}", reason=why)
     return Confidence(label="validated", expected_error_pct=err, why="", reason=why)
+
+
+def elementwise_share() -> tuple[float, str]:
+    """The share of a GPU's datasheet memory bandwidth that a model's non-GEMM operators reach, as measured
+    on the lent GPUs (validation_gpu.json `elementwise`, scripts/gpu_validation.py), and its source; 1.0
+    (the roofline, optimistic) where no GPU run has measured it."""
+    doc = json.loads(GPU_VALIDATION_FILE.read_text()) if GPU_VALIDATION_FILE.is_file() else {}
+    block = doc.get("elementwise")
+    if not block:
+        return 1.0, "no GPU run measured it: the roofline (optimistic)"
+    err = block["held_out_error_pct"]
+    return block["share_of_datasheet_bandwidth"], (
+        f"{block['share_of_datasheet_bandwidth']:.3f} of the datasheet bandwidth, measured on "
+        f"{', '.join(block['fit_on'])} (profiles/); off by {err['mean']:.0f}% on average and {err['max']:.0f}% at most "
+        f"on {err['phases']} held-out phases ({GPU_VALIDATION_FILE.name})")
