@@ -166,28 +166,37 @@ def rule_comm_exposed(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
 
 def rule_small_batch(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
     mb = f.micro_batch
-    idle_ms = (f.unattributed_ms or 0.0) + (f.phases.get("other") or 0.0)
-    idle = idle_ms / f.step_ms if f.step_ms else None
+    # on a GPU, the share of the step its kernels left it idle (the research's Figure 5); elsewhere the
+    # step's time outside every phase
+    gpu_idle = dig(f.profile, "gpu_busy", "step", "idle_frac")
+    if gpu_idle is not None:
+        idle, figure, what = gpu_idle, "gpu_busy.step.idle_frac", "the GPU's idle share"
+    else:
+        idle_ms = (f.unattributed_ms or 0.0) + (f.phases.get("other") or 0.0)
+        idle = idle_ms / f.step_ms if f.step_ms else None
+        figure, what = "(phases_ms.other + unattributed_ms) / step_ms", "idle (other + unattributed)"
     low_mfu = f.mfu is not None and f.mfu < MFU_SMALL_BATCH
     threshold = f"micro batch 1 and (idle > {_pct(IDLE_FRAC_SMALL_BATCH)} or MFU < {_pct(MFU_SMALL_BATCH)})"
     fired = mb == 1 and idle is not None and (idle > IDLE_FRAC_SMALL_BATCH or low_mfu)
     note = "" if mb is not None else "micro batch size not recorded"
-    check = _check("small_batch", "(phases_ms.other + unattributed_ms) / step_ms at micro batch 1", idle, threshold,
-                   fired, note)
+    check = _check("small_batch", f"{figure} at micro batch 1", idle, threshold, fired, note)
     if not fired:
         return check, None
-    why = f"idle (other + unattributed) is {_pct(idle)} of the step at micro batch 1"
+    why = f"{what} is {_pct(idle)} of the step at micro batch 1"
     if low_mfu:
         why += f"; MFU {_pct(f.mfu)}"
     bound = idle if idle > IDLE_FRAC_SMALL_BATCH else None
     gain = (f"at most {_pct(idle)} less time per sample from the idle share; a larger batch also raises the "
             "FLOP rate of each kernel, which this run cannot bound" if bound is not None else
             f"MFU {_pct(f.mfu)}: at most {1 / f.mfu:.1f}x the FLOP rate at full utilization (an upper bound)")
+    recompute_on = bool(dig(f.recipe, "model", "recompute"))
     return check, _advice(
-        "small_batch", "Use a larger micro batch (activation recomputation makes room)",
-        "(phases_ms.other + unattributed_ms) / step_ms", idle, threshold, why,
-        "raise train.micro_batch_size to 2 or more; turn on model.recompute if memory does not allow it",
-        bound, gain, {"train.micro_batch_size": 2, "model.recompute": True})
+        "small_batch", "Use a larger micro batch" + ("" if recompute_on else " (activation recomputation makes room)"),
+        figure, idle, threshold, why,
+        "raise train.micro_batch_size to 2 or more" + ("" if recompute_on else
+                                                       "; turn on model.recompute if memory does not allow it"),
+        bound, gain, {"train.micro_batch_size": 2} if recompute_on else {"train.micro_batch_size": 2,
+                                                                          "model.recompute": True})
 
 
 def rule_optimizer_offload(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
