@@ -211,9 +211,11 @@ class Projector:
         notes += more
         if not inputs.target_machine.gemm:
             reasons.setdefault("step_ms", f"{t.machine} lacks a matmul rate or memory bandwidth in the catalog")
-        inputs.host_us_per_op = self._gpu_host(notes)
+        # a CPU source's host work on the GPU is the target engine's, as the reference GPU runs measured it
+        engine = t.recipe.engine.kind if src.measured.device_type == "cpu" else src.recipe.engine.kind
+        inputs.host_us_per_op = self._gpu_host(notes, engine)
         if inputs.host_us_per_op is not None and src.measured.device_type == "cpu":
-            calls, calls_source = gpu_ops_per_layer(self.catalog, src.recipe.engine.kind)
+            calls, calls_source = gpu_ops_per_layer(self.catalog, engine)
             if calls:
                 inputs.ops_per_layer = calls
                 notes.append(assume("gpu_ops_per_layer", forward=calls.get("forward", 0.0),
@@ -225,15 +227,16 @@ class Projector:
             notes.append(assume("engine_change_other_machine"))
         return inputs
 
-    def _gpu_host(self, notes: list[Assumption]) -> dict[str, float] | None:
+    def _gpu_host(self, notes: list[Assumption], engine: str) -> dict[str, float] | None:
         """Host µs per operator call on the target: a GPU source's own (where its phase was host-bound,
-        else the catalog's reference for its engine), a CPU source's from the catalog's GPU references."""
+        else the catalog's reference for `engine`), a CPU source's from the catalog's GPU references for
+        `engine` (the target's)."""
         m = self.source.measured
         if not m.ops:
             notes.append(assume("host_unknown", why="the source profile has no operator trace (profile.ops=true "
                                                     "records the operator calls the host issues)"))
             return None
-        ref, ref_source = gpu_host(self.catalog, self.source.recipe.engine.kind)
+        ref, ref_source = gpu_host(self.catalog, engine)
         values = dict(ref)
         if m.device_type == "cuda":
             from trainprof.projection.hostref import host_us_per_op
