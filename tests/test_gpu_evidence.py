@@ -285,3 +285,37 @@ def test_cpu_to_gpu_cases_recomputed_from_profiles(case):
     assert abs(case["memory_error_pct"]) <= 10
     if case["target"].endswith(("-gpubound", "-hostbound")):
         assert abs(case["step_error_pct"]) <= 10
+
+
+TRACES = sorted(p for f in GPU for p in f.glob("*.pt.trace.json.gz"))
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[p.parent.name for p in TRACES])
+def test_a_replayed_trace_rebuilds_its_step_and_says_which_side_bounds_it(path):
+    """analysis/replay.py rebuilds each kept traced step from its launches and kernels within 3%, and its
+    what-ifs point the way the GPU busy share does: a host-bound step (the GPU busy under half of it)
+    halves with a twice-as-fast host, a GPU-bound one (busy over 90%) barely moves with it and speeds up
+    with a faster GPU instead."""
+    from trainprof.analysis.replay import load_steps, replay
+
+    (step,) = load_steps(path)
+    same = replay(step)
+    assert same.step_ms == pytest.approx(step.measured_ms, rel=0.03)
+    faster_host, faster_gpu = replay(step, host_scale=0.5), replay(step, device_scale=lambda op: 0.5)
+    assert faster_host.step_ms <= same.step_ms + 1e-6 and faster_gpu.step_ms <= same.step_ms + 1e-6
+    busy = same.device_busy_ms / same.step_ms
+    if busy < 0.5:
+        assert faster_host.step_ms == pytest.approx(same.step_ms / 2, rel=0.05)
+    if busy > 0.9:
+        assert faster_host.step_ms >= 0.95 * same.step_ms and faster_gpu.step_ms <= 0.9 * same.step_ms
+
+
+def test_replay_command_names_the_side_that_bounds_a_step(cli, tmp_path):
+    lora = cli("replay", PROFILES / "h200-llama7b_lora")
+    assert lora.returncode == 0 and lora.stdout.strip().splitlines()[-1].endswith("host"), lora.stdout
+    dense = cli("replay", PROFILES / "h200-llama1b_zero3_sdpa-torch-gpubound")
+    assert dense.returncode == 0 and dense.stdout.strip().splitlines()[-1].endswith("GPU"), dense.stdout
+    missing = cli("replay", tmp_path / "nope")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and len(missing.stderr.splitlines()) == 1
+    cpu = cli("replay", PROFILES / "cpu-x86_64-quickstart_cpu")
+    assert cpu.returncode == 2 and "no rank 0 trace" in cpu.stderr

@@ -16,7 +16,7 @@ from trainprof.report.rundir import RunDirError
 COMMANDS = ["trainprof.commands.run", "trainprof.commands.plan", "trainprof.commands.sweep",
             "trainprof.commands.maxbatch", "trainprof.commands.scale", "trainprof.commands.report",
             "trainprof.commands.diff", "trainprof.commands.tb", "trainprof.commands.project",
-            "trainprof.commands.infer", "trainprof.commands.wrap"]
+            "trainprof.commands.infer", "trainprof.commands.wrap", "trainprof.commands.replay"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,157 @@
+"""Replaying a traced GPU step: its host's launch timeline against its kernels, with either side made
+faster or slower (a what-if, and the host/device half of a trace-replay predictor such as Lumos,
+MLSys'25).
+
+From one Kineto trace (`*.pt.trace.json[.gz]`) the step is rebuilt as the host issued it: the CUDA
+runtime and driver calls of all host threads in the order they were made (the main thread waits while
+the autograd thread runs backward, so their calls form one sequence), the host's own work being the
+gaps between calls. Each call's kernels, copies and memsets run on their stream in order, no earlier
+than the call plus the trace's launch latency. Synchronizing calls (stream, device and event
+synchronize; a copy to host memory) wait for the device. Scaling the host gaps and the device
+durations and replaying says where the step goes: a host-bound step speeds up with its host, a
+device-bound one with its GPU. Not modelled: dependencies between streams other than through
+synchronizing calls, host work that depends on the device's results beyond those calls, and a launch
+that blocked on a full launch queue (its wait counts as host work, so a device-bound trace's host is
+overstated).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import statistics
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+from trainprof.analysis.trace import STEP_MARKER, iter_events
+
+HOST_CATEGORIES = ("cuda_runtime", "cuda_driver")
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# calls after which the host holds until the device has finished what came before
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize",
+              "cuCtxSynchronize", "cuEventSynchronize")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostCall:
+    name: str
+    ts: float  # us, the trace's clock
+    dur: float
+    correlation: int | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceOp:
+    name: str
+    category: str  # kernel | gpu_memcpy | gpu_memset
+    ts: float
+    dur: float
+    stream: int
+    correlation: int | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TracedStep:
+    """One ProfilerStep of a trace: its window on the host and what ran in it."""
+
+    step: int
+    start: float  # us
+    end: float  # the step marker's end on the host
+    calls: list[HostCall]
+    ops: dict[int, list[DeviceOp]]  # correlation -> the device work that call issued
+    launch_latency_us: float  # median (op start - its call's start) over ops issued to an idle stream
+
+    @property
+    def measured_ms(self) -> float:
+        """The step as traced: until the host left the step marker or the device finished its work,
+        whichever came later."""
+        last = max((op.ts + op.dur for ops in self.ops.values() for op in ops), default=self.end)
+        return (max(self.end, last) - self.start) / 1e3
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Replayed:
+    step_ms: float
+    host_ms: float  # when the host finished issuing the step
+    device_busy_ms: float  # the union of the device work
+    host_scale: float
+
+
+def load_steps(path: str | Path) -> list[TracedStep]:
+    """The trace's ProfilerStep windows (host-side markers), each with its runtime calls and device work."""
+    markers, calls, ops = [], [], []
+    for ev in iter_events(path):
+        if ev.get("ph") != "X":
+            continue
+        cat, args = ev.get("cat") or "", ev.get("args") or {}
+        if cat == "user_annotation" and (m := STEP_MARKER.match(ev.get("name", ""))):
+            markers.append((float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0)), int(m.group(1))))
+        elif cat in HOST_CATEGORIES:
+            calls.append(HostCall(ev.get("name", ""), float(ev["ts"]), float(ev.get("dur", 0.0)), args.get("correlation")))
+        elif cat in DEVICE_CATEGORIES:
+            ops.append(DeviceOp(ev.get("name", ""), cat, float(ev["ts"]), float(ev.get("dur", 0.0)),
+                                int(args.get("stream", 0)), args.get("correlation")))
+    calls.sort(key=lambda c: c.ts)
+    by_corr: dict[int, list[DeviceOp]] = defaultdict(list)
+    for op in sorted(ops, key=lambda o: o.ts):
+        by_corr[op.correlation].append(op)
+    starts = [c.ts for c in calls]
+    out = []
+    for start, end, step in sorted(markers):
+        window = calls[bisect.bisect_left(starts, start):bisect.bisect_right(starts, end)]
+        issued = {c.correlation: by_corr[c.correlation] for c in window if c.correlation in by_corr}
+        out.append(TracedStep(step, start, end, window, issued, _launch_latency(window, issued)))
+    return out
+
+
+def _launch_latency(calls: list[HostCall], issued: dict[int, list[DeviceOp]]) -> float:
+    """Median µs from a call to its first op's start, over ops whose stream was idle when the call was
+    made (a queued op's lag is the queue's, not the launch's)."""
+    busy_until: dict[int, float] = defaultdict(lambda: float("-inf"))
+    lags = []
+    for call in calls:
+        for op in issued.get(call.correlation, []):
+            if busy_until[op.stream] <= call.ts:
+                lags.append(op.ts - call.ts)
+            busy_until[op.stream] = max(busy_until[op.stream], op.ts + op.dur)
+    return max(statistics.median(lags), 0.0) if lags else 0.0
+
+
+def replay(step: TracedStep, *, host_scale: float = 1.0,
+           device_scale: Callable[[DeviceOp], float] = lambda op: 1.0) -> Replayed:
+    """The step rebuilt with the host's own work x `host_scale` and each device op's duration x
+    `device_scale(op)` (module docstring)."""
+    t = 0.0  # the host's new clock, us from the step's start
+    prev_end = step.start  # where the host was on the trace's clock
+    stream_end: dict[int, float] = defaultdict(float)
+    device_end, intervals = 0.0, []
+    for call in step.calls:
+        t += max(call.ts - prev_end, 0.0) * host_scale
+        issued = step.ops.get(call.correlation, [])
+        if call.name in SYNC_CALLS:
+            t = max(t, device_end)
+        else:
+            launch = t
+            t += call.dur * host_scale
+            for op in issued:
+                begin = max(launch + step.launch_latency_us, stream_end[op.stream])
+                end = begin + op.dur * device_scale(op)
+                stream_end[op.stream] = end
+                device_end = max(device_end, end)
+                intervals.append((begin, end))
+                if op.category == "gpu_memcpy" and "toH" in op.name:  # a copy to host memory holds the host
+                    t = max(t, end)
+        prev_end = max(prev_end, call.ts + call.dur)
+    t += max(step.end - prev_end, 0.0) * host_scale
+    return Replayed(step_ms=max(t, device_end) / 1e3, host_ms=t / 1e3, device_busy_ms=_union(intervals) / 1e3,
+                    host_scale=host_scale)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
