@@ -31,9 +31,6 @@ from trainprof.projection.measured import COMPUTE_PHASES, Measured
 ADAM_BYTES_PER_ELEMENT = 28  # fp32 Adam: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
 HOST_BOUND_BUSY = 0.8  # a GPU source phase whose kernels ran less than this share of it waited for its host
 ZERO3_COPIES_PER_BYTE = 2.0
-# passes over the non-GEMM work's bytes: a backward reads the forward's saved tensors and the incoming
-# gradients and writes the outgoing ones, about twice a forward's traffic
-TRAFFIC_PASSES = {"forward": 1.0, "recompute": 1.0, "backward": 2.0}
 # operator calls a task adds per adapted linear and pass, for the host's time: peft's LoraLayer.forward runs
 # dropout, lora_A, lora_B, the scaling and the add; bitsandbytes' Linear4bit dequantizes before its matmul
 LORA_OPS_PER_TARGET = 5

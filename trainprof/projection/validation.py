@@ -5,6 +5,7 @@ and a confidence label for the table: validated, or why not."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,7 @@ def confidence(kinds: list[str], validation: dict[str, Any] | None, *, host_boun
     return Confidence(label="validated", expected_error_pct=err, why="", reason=why)
 
 
+@functools.lru_cache(maxsize=1)
 def elementwise_share() -> tuple[float, str]:
     """The share of a GPU's datasheet memory bandwidth that a model's non-GEMM operators reach, as measured
     on the lent GPUs (validation_gpu.json `elementwise`, scripts/gpu_validation.py), and its source; 1.0
