@@ -168,11 +168,12 @@ class Work:
     lora_targets: tuple[str, ...] = ()  # the linears adapted per layer
     lora_r: int = 0
     quantized: bool = False  # QLoRA: 4-bit base linears dequantized for every GEMM
-    amp: bool = False  # fp32 weights under 16-bit autocast (the torch engine), not 16-bit weights
+    amp: bool = False  # fp32 weights under 16-bit autocast (plan.fp32_residual), not 16-bit weights
 
     @classmethod
     def of(cls, recipe) -> "Work":
         from trainprof.models import resolve_shape
+        from trainprof.plan import fp32_residual
 
         task = recipe.task
         tuned = task.kind in ("lora", "qlora")
@@ -180,7 +181,7 @@ class Work:
                    seq_len=recipe.data.seq_len, attention=recipe.model.attention, dtype=recipe.model.dtype,
                    frozen=tuned, lora_targets=tuple(task.lora.target_modules) if tuned else (),
                    lora_r=task.lora.r if tuned else 0, quantized=task.kind == "qlora",
-                   amp=recipe.engine.kind == "torch" and recipe.model.dtype in ("bf16", "fp16"))
+                   amp=fp32_residual(recipe))
 
     def gemms(self, phase: str) -> list[Gemm]:
         """Every GEMM of the model in a phase (recompute: the decoder layers' forward again), LoRA's
