@@ -138,11 +138,12 @@ def trace_device_time(path: str | Path) -> TraceDeviceTime:
                 steps.append(int(m.group(1)))
                 step_us += dur
     outside = sum(ms for ext, ms in device_by_launcher.items() if op_name(launched_by.get(ext, "")) is None)
-    return TraceDeviceTime(steps=steps, device_ms=sum(by_cat.values()), union_ms=_union_us(intervals) / 1e3,
+    return TraceDeviceTime(steps=steps, device_ms=sum(by_cat.values()), union_ms=union_us(intervals) / 1e3,
                            by_category=by_cat, step_ms=step_us / 1e3, outside_ops_ms=outside)
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> float:
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """The time covered by at least one of the intervals (us), overlaps counted once."""
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
         if b <= end:

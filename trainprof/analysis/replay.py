@@ -24,10 +24,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+from trainprof.analysis.gpu_busy import DEVICE_CATEGORIES, union_us
 from trainprof.analysis.trace import STEP_MARKER, iter_events
 
 HOST_CATEGORIES = ("cuda_runtime", "cuda_driver")
-DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 # calls after which the host holds until the device has finished what came before
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize",
               "cuCtxSynchronize", "cuEventSynchronize")
@@ -75,7 +75,6 @@ class Replayed:
     step_ms: float
     host_ms: float  # when the host finished issuing the step
     device_busy_ms: float  # the union of the device work
-    host_scale: float
 
 
 def load_steps(path: str | Path) -> list[TracedStep]:
@@ -144,14 +143,4 @@ def replay(step: TracedStep, *, host_scale: float = 1.0,
                     t = max(t, end)
         prev_end = max(prev_end, call.ts + call.dur)
     t += max(step.end - prev_end, 0.0) * host_scale
-    return Replayed(step_ms=max(t, device_end) / 1e3, host_ms=t / 1e3, device_busy_ms=_union(intervals) / 1e3,
-                    host_scale=host_scale)
-
-
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
+    return Replayed(step_ms=max(t, device_end) / 1e3, host_ms=t / 1e3, device_busy_ms=union_us(intervals) / 1e3)
