@@ -75,23 +75,22 @@ def ops_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, dict[str, tu
             for kind, phases in found.items()}
 
 
-def main() -> int:
-    print("gpu_host_us_per_op:")
-    for kind, phases in sorted(reference_values().items()):
+def print_per_phase(block: str, values: dict[str, dict[str, tuple[float, list[str]]]], what: str, sep: str) -> None:
+    """A catalog block of engine -> phase -> {value, source} as YAML."""
+    print(f"{block}:")
+    for kind, phases in sorted(values.items()):
         print(f"  {kind}:")
-        for phase, (mean, runs) in phases.items():
-            print(f'    {phase}: {{value: {mean:.1f}, source: "mean of host-bound phases, us per operator call '
-                  f'(profiles/ {"; ".join(runs)})"}}')
+        for phase, (value, runs) in phases.items():
+            print(f'    {phase}: {{value: {value:.1f}, source: "{what} (profiles/ {sep.join(runs)})"}}')
+
+
+def main() -> int:
+    print_per_phase("gpu_host_us_per_op", reference_values(), "mean of host-bound phases, us per operator call", "; ")
     print("gpu_optimizer_bytes_per_param:")
     for kind, (mean, runs) in sorted(optimizer_values().items()):
         print(f'  {kind}: {{value: {mean:.1f}, source: "mean of the optimizer kernels\' device time x the measured '
               f'copy bandwidth / trainable parameters (profiles/ {"; ".join(runs)})"}}')
-    print("gpu_ops_per_layer:")
-    for kind, phases in sorted(ops_values().items()):
-        print(f"  {kind}:")
-        for phase, (median, runs) in phases.items():
-            print(f'    {phase}: {{value: {median:.1f}, source: "median operator calls per decoder layer and micro batch '
-                  f'(profiles/ {", ".join(runs)})"}}')
+    print_per_phase("gpu_ops_per_layer", ops_values(), "median operator calls per decoder layer and micro batch", ", ")
     return 0
 
 

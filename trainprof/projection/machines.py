@@ -139,19 +139,20 @@ def gpu_ops_per_layer(catalog: Catalog, engine: str) -> tuple[dict[str, float], 
     the catalog's reference runs: a CPU run of the same code issues more (CPU autocast and attention
     decompose into more aten ops: 279 against 194 a forward layer for the torch engine). Empty where the
     catalog has no reference for the engine."""
-    ref = catalog.ops_per_layer.get(reference_engine(engine)) or {}
-    values = {ph: float(fig["value"]) for ph, fig in ref.items()}
-    if "forward" in values:
-        values["recompute"] = values["forward"]
-    return values, "; ".join(f"{ph} {fig['source']}" for ph, fig in ref.items())
+    return _per_phase(catalog.ops_per_layer.get(reference_engine(engine)) or {})
 
 
 def gpu_host(catalog: Catalog, engine: str) -> tuple[dict[str, float], str]:
     """Host µs per operator call on a GPU machine for an engine, per phase, from the catalog's
     reference runs (an engine without references takes DeepSpeed's, the slower host path)."""
     engine = reference_engine(engine)
-    ref = catalog.host_us_per_op.get(engine) or catalog.host_us_per_op.get("deepspeed") or {}
+    return _per_phase(catalog.host_us_per_op.get(engine) or catalog.host_us_per_op.get("deepspeed") or {})
+
+
+def _per_phase(ref: dict[str, dict]) -> tuple[dict[str, float], str]:
+    """A catalog block of per-phase figures ({phase: {value, source}}) as values, recompute taking the
+    forward's (a recomputation re-runs forwards), and their sources in one line."""
     values = {ph: float(fig["value"]) for ph, fig in ref.items()}
-    if "forward" in values:  # a recomputation re-runs forwards
+    if "forward" in values:
         values["recompute"] = values["forward"]
     return values, "; ".join(f"{ph} {fig['source']}" for ph, fig in ref.items())
