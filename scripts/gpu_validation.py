@@ -29,23 +29,34 @@ def pairs() -> list[tuple[str, str]]:
     return [(n, "h200-" + n[5:]) for n in sorted(names) if n.startswith("h100-") and "h200-" + n[5:] in names]
 
 
+def _profile(name: str) -> dict:
+    return json.loads((PROFILES / name / "profile.json").read_text())
+
+
+def _against(pred: dict, target: dict) -> dict:
+    """A prediction's step, MFU and memory beside the target run's measurement, with the errors (the step's
+    null where the prediction has none)."""
+    step, measured = pred["step_ms"], target["summary"]["step_ms"]["median"]
+    predicted_memory, memory = pred["memory_per_rank_bytes"], target["summary"]["peak_memory_bytes_max"]
+    return {"predicted_step_ms": round(step, 2) if step else None, "measured_step_ms": measured,
+            "step_error_pct": round(100 * (step - measured) / measured, 2) if step else None,
+            "predicted_mfu": round(pred["mfu"], 4) if pred.get("mfu") else None,
+            "measured_mfu": round(target["summary"]["mfu"], 4),
+            "predicted_memory_gib": round(predicted_memory / 2**30, 2), "measured_memory_gib": round(memory / 2**30, 2),
+            "memory_error_pct": round(100 * (predicted_memory - memory) / memory, 2)}
+
+
 def case(source: str, target: str) -> dict:
     from trainprof.projection.project import project
 
-    src = json.loads((PROFILES / source / "profile.json").read_text())
-    tgt = json.loads((PROFILES / target / "profile.json").read_text())
+    src = _profile(source)
     (pred,) = project(PROFILES / source, targets=["h200"], gpus_per_node=1, probe=False)["predictions"]
-    measured = tgt["summary"]["step_ms"]["median"]
     r = src["recipe"]
     return {
         "case": f"{r['model']['name']} {r['engine']['kind']} ZeRO-{r['engine']['zero_stage']}, 1 GPU, "
                 f"mb {r['train']['micro_batch_size']}, seq {r['data']['seq_len']}, {r['model']['dtype']}",
         "source": source, "target": target, "source_step_ms": src["summary"]["step_ms"]["median"],
-        "predicted_step_ms": round(pred["step_ms"], 2), "measured_step_ms": measured,
-        "step_error_pct": round(100 * (pred["step_ms"] - measured) / measured, 2),
-        "source_gpu_busy_frac": round(_busy(src), 2),
-        "predicted_memory_gib": round(pred["memory_per_rank_bytes"] / 2**30, 2),
-        "measured_memory_gib": round(tgt["summary"]["peak_memory_bytes_max"] / 2**30, 2),
+        "source_gpu_busy_frac": round(_busy(src), 2), **_against(pred, _profile(target)),
     }
 
 
@@ -75,22 +86,13 @@ def same_machine_case(source: str, target: str) -> dict:
     on that machine) and memory, against the target's measurement."""
     from trainprof.projection.project import project
 
-    src = json.loads((PROFILES / source / "profile.json").read_text())
-    tgt = json.loads((PROFILES / target / "profile.json").read_text())
+    src, tgt = _profile(source), _profile(target)
     overrides = overrides_between(src, tgt)
     (pred,) = project(PROFILES / source, overrides=overrides, probe=False)["predictions"]
-    measured, memory = tgt["summary"]["step_ms"]["median"], tgt["summary"]["peak_memory_bytes_max"]
-    step = pred["step_ms"]
     return {
         "source": source, "target": target, "overrides": overrides, "change_kinds": pred["change_kinds"],
         "source_step_ms": src["summary"]["step_ms"]["median"], "source_gpu_busy_frac": round(_busy(src), 2),
-        "predicted_step_ms": round(step, 2) if step else None, "measured_step_ms": measured,
-        "step_error_pct": round(100 * (step - measured) / measured, 2) if step else None,
-        "step_reason": (pred.get("reasons") or {}).get("step_ms"),
-        "predicted_mfu": round(pred["mfu"], 4) if pred.get("mfu") else None, "measured_mfu": round(tgt["summary"]["mfu"], 4),
-        "predicted_memory_gib": round(pred["memory_per_rank_bytes"] / 2**30, 2),
-        "measured_memory_gib": round(memory / 2**30, 2),
-        "memory_error_pct": round(100 * (pred["memory_per_rank_bytes"] - memory) / memory, 2),
+        "step_reason": (pred.get("reasons") or {}).get("step_ms"), **_against(pred, tgt),
     }
 
 
@@ -150,22 +152,15 @@ def cpu_to_gpu_case(source: str, target: str, hardware: str) -> dict:
     the GPU from the catalog, no probes."""
     from trainprof.projection.project import project
 
-    src = json.loads((PROFILES / source / "profile.json").read_text())
-    tgt = json.loads((PROFILES / target / "profile.json").read_text())
+    src, tgt = _profile(source), _profile(target)
     r = tgt["recipe"]
     overrides = [f"model.name={r['model']['name']}", f"train.micro_batch_size={r['train']['micro_batch_size']}",
                  f"data.seq_len={r['data']['seq_len']}"]
     (pred,) = project(PROFILES / source, overrides=overrides, targets=[hardware], gpus_per_node=1,
                       probe=False)["predictions"]
-    measured, memory = tgt["summary"]["step_ms"]["median"], tgt["summary"]["peak_memory_bytes_max"]
     return {"source": source, "target": target, "hardware": hardware, "overrides": overrides,
             "change_kinds": pred["change_kinds"], "confidence": pred["confidence_text"],
-            "source_step_ms": src["summary"]["step_ms"]["median"], "predicted_step_ms": round(pred["step_ms"], 2),
-            "measured_step_ms": measured, "step_error_pct": round(100 * (pred["step_ms"] - measured) / measured, 2),
-            "predicted_mfu": round(pred["mfu"], 4), "measured_mfu": round(tgt["summary"]["mfu"], 4),
-            "predicted_memory_gib": round(pred["memory_per_rank_bytes"] / 2**30, 2),
-            "measured_memory_gib": round(memory / 2**30, 2),
-            "memory_error_pct": round(100 * (pred["memory_per_rank_bytes"] - memory) / memory, 2)}
+            "source_step_ms": src["summary"]["step_ms"]["median"], **_against(pred, tgt)}
 
 
 def same_machine_kinds(same: list[dict]) -> dict[str, dict]:
