@@ -41,7 +41,7 @@ program=""; dry_run=0; rest=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --program) program=${2:-}; shift
-      case "$program" in core|lora|pair) ;; *) echo "--program takes core, lora or pair, not '$program'"; exit 2;; esac;;
+      case "$program" in core|lora|pair|extra) ;; *) echo "--program takes core, lora, pair or extra, not '$program'"; exit 2;; esac;;
     --dry-run) dry_run=1;;
     *) rest+=("$1");;
   esac
@@ -167,6 +167,12 @@ program_pair() {  # the GPU-bound pair alone (their traces, when core ran withou
   run_recipe llama1b_zero3_sdpa-torch-gpubound 150 recipes/llama1b_zero3_sdpa.yaml $TORCH $GPU_BOUND
   # shellcheck disable=SC2086
   run_recipe llama1b_zero3_sdpa-gpubound 240 recipes/llama1b_zero3_sdpa.yaml $GPU_BOUND
+}
+program_extra() {  # what a kind's core run skipped: ZeRO-3 busy >= 80% (twice the work, recomputed), host-bound torch
+  # shellcheck disable=SC2086
+  run_recipe llama1b_zero3_sdpa-gpubound32 200 recipes/llama1b_zero3_sdpa.yaml $GPU_BOUND train.micro_batch_size=32 model.recompute=true
+  # shellcheck disable=SC2086
+  run_recipe llama1b_zero3_sdpa-torch-hostbound 110 recipes/llama1b_zero3_sdpa.yaml $TORCH
 }
 program_lora() {
   run_recipe llama7b_lora 120 recipes/llama13b_lora.yaml model.name=llama2-7b train.steps=8
