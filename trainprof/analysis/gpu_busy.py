@@ -108,6 +108,7 @@ class TraceDeviceTime:
     by_category: dict[str, float]  # category -> summed ms
     step_ms: float  # summed duration of the ProfilerStep ranges (host side)
     outside_ops_ms: float  # device time launched by no operator (a library calling the driver itself)
+    op_kernels: frozenset[str] = frozenset()  # names of the device events an operator launched
 
 
 def trace_device_time(path: str | Path) -> TraceDeviceTime:
@@ -119,6 +120,7 @@ def trace_device_time(path: str | Path) -> TraceDeviceTime:
     origin: float | None = None
     launched_by: dict[Any, str] = {}  # External id -> the host event's name
     device_by_launcher: dict[Any, float] = {}
+    names_by_launcher: dict[Any, set[str]] = {}
     for ev in iter_events(path):
         if ev.get("ph") != "X":
             continue
@@ -130,6 +132,7 @@ def trace_device_time(path: str | Path) -> TraceDeviceTime:
             by_cat[cat] = by_cat.get(cat, 0.0) + dur / 1e3
             ext = (ev.get("args") or {}).get("External id")
             device_by_launcher[ext] = device_by_launcher.get(ext, 0.0) + dur / 1e3
+            names_by_launcher.setdefault(ext, set()).add(ev.get("name", ""))
         elif cat != "gpu_user_annotation":  # Kineto mirrors each step marker on the GPU's timeline
             if cat in HOST_OPS and "External id" in (ev.get("args") or {}):
                 launched_by[ev["args"]["External id"]] = ev.get("name", "")
@@ -137,9 +140,11 @@ def trace_device_time(path: str | Path) -> TraceDeviceTime:
             if m:
                 steps.append(int(m.group(1)))
                 step_us += dur
-    outside = sum(ms for ext, ms in device_by_launcher.items() if op_name(launched_by.get(ext, "")) is None)
+    by_op = {ext for ext in device_by_launcher if op_name(launched_by.get(ext, "")) is not None}
+    outside = sum(ms for ext, ms in device_by_launcher.items() if ext not in by_op)
+    op_kernels = frozenset(name for ext in by_op for name in names_by_launcher[ext])
     return TraceDeviceTime(steps=steps, device_ms=sum(by_cat.values()), union_ms=union_us(intervals) / 1e3,
-                           by_category=by_cat, step_ms=step_us / 1e3, outside_ops_ms=outside)
+                           by_category=by_cat, step_ms=step_us / 1e3, outside_ops_ms=outside, op_kernels=op_kernels)
 
 
 def union_us(intervals: list[tuple[float, float]]) -> float:
