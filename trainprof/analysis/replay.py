@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import re
 import statistics
 from collections import defaultdict
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from trainprof.analysis.gpu_busy import DEVICE_CATEGORIES, union_us
 from trainprof.analysis.trace import STEP_MARKER, iter_events
+from trainprof.hardware import Target
 
 HOST_CATEGORIES = ("cuda_runtime", "cuda_driver")
 # calls after which the host holds until the device has finished what came before
@@ -144,3 +146,62 @@ def replay(step: TracedStep, *, host_scale: float = 1.0,
         prev_end = max(prev_end, call.ts + call.dur)
     t += max(step.end - prev_end, 0.0) * host_scale
     return Replayed(step_ms=max(t, device_end) / 1e3, host_ms=t / 1e3, device_busy_ms=union_us(intervals) / 1e3)
+
+
+# kernels bound by the tensor cores (GEMMs, fused attention) by their names on Hopper and Ampere: cuBLAS's
+# nvjet and cutlass/xmma kernels, cuDNN's and FlashAttention's attention; every other kernel, copy on the
+# device and memset is taken as bound by memory bandwidth
+COMPUTE_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|cublas|sdpa|flash|fmha", re.IGNORECASE)
+HOST_COPY = re.compile(r"HtoD|DtoH|HtoP|PtoH")  # host <-> device copies: the host link's
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceRates:
+    """How one device's work is re-timed on another: duration factors by what bounds it."""
+
+    compute: float  # source peak / target peak (bf16 dense, datasheet)
+    memory: float  # source memory bandwidth / target's
+    source: str  # where the factors come from
+
+    def __call__(self, op: DeviceOp) -> float:
+        if op.category == "gpu_memcpy" and HOST_COPY.search(op.name):
+            return 1.0
+        return self.compute if op.category == "kernel" and COMPUTE_KERNEL.search(op.name) else self.memory
+
+
+def device_rates(source: Target, target: Target) -> DeviceRates:
+    """The target's datasheet figures against the source's: GEMM and attention kernels by the bf16 dense peak,
+    the rest by memory bandwidth; host copies unchanged (the catalog holds no host-link figure per GPU).
+
+    Raises:
+        ValueError: a catalog entry lacks peak_bf16_dense_tflops or memory_gbps.
+    """
+    figures = {}
+    for key in ("peak_bf16_dense_tflops", "memory_gbps"):
+        a, b = source.figure(key), target.figure(key)
+        if not a or not b:
+            raise ValueError(f"hardware '{source.key if not a else target.key}' has no {key} in the catalog")
+        figures[key] = a / b
+    return DeviceRates(compute=figures["peak_bf16_dense_tflops"], memory=figures["memory_gbps"],
+                       source=f"catalog datasheet figures, {source.key} -> {target.key}: bf16 dense peak for GEMM and "
+                              "attention kernels, memory bandwidth for the rest, host copies unchanged")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CrossDevice:
+    step_ms: float  # the source run's measured step x (replayed on the target / replayed as traced)
+    replayed_source_ms: float
+    replayed_target_ms: float
+    target_busy_frac: float  # the target's device work over its replayed step
+    rates: DeviceRates
+
+
+def cross_device(step: TracedStep, measured_step_ms: float, rates: DeviceRates, *,
+                 host_scale: float = 1.0) -> CrossDevice:
+    """The traced step replayed with its device work re-timed for another GPU (the host as fast as the
+    source's unless host_scale says otherwise). The ratio of the two replays is carried onto the measured
+    (untraced) step, since tracing slows the host and a traced step is longer than a measured one."""
+    same, other = replay(step), replay(step, host_scale=host_scale, device_scale=rates)
+    return CrossDevice(step_ms=measured_step_ms * other.step_ms / same.step_ms, replayed_source_ms=same.step_ms,
+                       replayed_target_ms=other.step_ms, target_busy_frac=other.device_busy_ms / other.step_ms,
+                       rates=rates)

@@ -16,6 +16,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="the host's own work x this (default 0.5: a host twice as fast)")
     p.add_argument("--device-scale", type=float, default=0.5,
                    help="every kernel, copy and memset x this (default 0.5: a GPU twice as fast)")
+    p.add_argument("--to", metavar="HARDWARE",
+                   help="also predict the step on this catalog GPU (e.g. h200): the kernels re-timed by the datasheet "
+                        "ratios (GEMM and attention by bf16 peak, the rest by memory bandwidth), the host as fast as "
+                        "the source's; needs the run's profile.json beside the trace (its GPU and measured step)")
     p.set_defaults(func=run)
     return p
 
@@ -48,4 +52,36 @@ def run(args: argparse.Namespace) -> int:
         bound = "host" if host.step_ms < gpu.step_ms else "GPU" if gpu.step_ms < host.step_ms else "both"
         print(f"{s.step:>5} {s.measured_ms:>10.1f} {same.step_ms:>9.1f} {same.device_busy_ms / same.step_ms:>9.0%} "
               f"{host.step_ms:>9.1f} {gpu.step_ms:>9.1f}  {bound}")
+    if args.to:
+        _print_cross_device(path, steps, args.to)
     return 0
+
+
+def _print_cross_device(path: Path, steps: list, to: str) -> None:
+    """The --to prediction: the measured step carried by the ratio of the replays on the two GPUs."""
+    import json
+
+    from trainprof.analysis.replay import cross_device, device_rates
+    from trainprof.errors import UserError
+    from trainprof.hardware import CatalogError, find_accelerator, load_catalog
+
+    profile = next((p for p in (path / "profile.json", path.parent / "profile.json") if p.is_file()), None)
+    if profile is None:
+        raise UserError(f"'{path}': --to needs the run's profile.json beside the trace (its GPU and measured step)")
+    doc = json.loads(profile.read_text())
+    catalog = load_catalog()
+    device = (doc.get("env") or {}).get("device") or ""
+    key = find_accelerator(catalog, device)
+    if key is None:
+        raise UserError(f"{profile}: its GPU '{device}' is not in the hardware catalog; add it (--catalog) to re-time "
+                        "its kernels")
+    try:
+        rates = device_rates(catalog.resolve(key), catalog.resolve(to))
+    except (CatalogError, ValueError) as e:
+        raise UserError(f"--to {to}: {e}") from None
+    measured = doc["summary"]["step_ms"]["median"]
+    pred = cross_device(steps[0], measured, rates)
+    print(f"on {to}: {pred.step_ms:.1f} ms a step (measured here {measured:.1f} ms x replay {pred.replayed_target_ms:.1f}"
+          f" / {pred.replayed_source_ms:.1f} ms; GPU busy {pred.target_busy_frac:.0%}); kernels x{rates.compute:.3f} "
+          f"(GEMM, attention) and x{rates.memory:.3f} (the rest) from {rates.source}; the host as fast as this one's. "
+          "Measured error: docs/projection.md (replay_cases)")
