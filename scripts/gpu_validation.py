@@ -67,8 +67,12 @@ SAME_MACHINE = [
     ("h200-llama1b_zero3_sdpa-torch-hostbound", "h200-llama1b_zero3_sdpa-torch-gpubound"),
     ("h200-llama1b_zero3_sdpa-hostbound", "h200-llama1b_zero3_sdpa-gpubound"),
     ("h200-llama1b_zero3_sdpa-torch-gpubound", "h200-llama1b_zero3_sdpa-gpubound"),
+    ("h100-llama1b_zero3_sdpa-torch-hostbound", "h100-llama1b_zero3_sdpa-torch-gpubound"),
+    ("h100-llama1b_zero3_sdpa-hostbound", "h100-llama1b_zero3_sdpa-gpubound"),
+    ("h100-llama1b_zero3_sdpa-torch-gpubound", "h100-llama1b_zero3_sdpa-gpubound"),
+    ("h100-llama1b_zero3_sdpa-gpubound", "h100-llama1b_zero3_sdpa-gpubound32"),
 ]
-CHANGED_KEYS = ("train.micro_batch_size", "data.seq_len", "engine.kind", "engine.zero_stage")
+CHANGED_KEYS = ("train.micro_batch_size", "data.seq_len", "engine.kind", "engine.zero_stage", "model.recompute")
 
 
 def overrides_between(source: dict, target: dict) -> list[str]:
@@ -144,7 +148,9 @@ def elementwise_block(rows: list[dict]) -> dict:
 CPU_TO_GPU = [("cpu-x86_64-quickstart_cpu-torch", "h200-llama1b_zero3_sdpa-torch-gpubound", "h200"),
               ("cpu-x86_64-quickstart_cpu-torch", "h200-llama1b_zero3_sdpa-torch-hostbound", "h200"),
               ("cpu-x86_64-quickstart_cpu-torch", "h200-llama1b_zero3_sdpa-torch", "h200"),
-              ("cpu-x86_64-quickstart_cpu-torch", "h100-llama1b_zero3_sdpa-torch", "h100-sxm")]
+              ("cpu-x86_64-quickstart_cpu-torch", "h100-llama1b_zero3_sdpa-torch", "h100-sxm"),
+              ("cpu-x86_64-quickstart_cpu-torch", "h100-llama1b_zero3_sdpa-torch-gpubound", "h100-sxm"),
+              ("cpu-x86_64-quickstart_cpu-torch", "h100-llama1b_zero3_sdpa-torch-hostbound", "h100-sxm")]
 
 
 def cpu_to_gpu_case(source: str, target: str, hardware: str) -> dict:
@@ -175,6 +181,33 @@ def same_machine_kinds(same: list[dict]) -> dict[str, dict]:
             for k, e in errors.items()}
 
 
+def traced_pairs() -> list[tuple[str, str]]:
+    """Every recipe traced on both kinds, in both directions."""
+    traced = {p.parent.name for p in PROFILES.glob("*/*.pt.trace.json.gz")}
+    return [(a, b) for h100, h200 in pairs() if h100 in traced and h200 in traced
+            for a, b in ((h100, h200), (h200, h100))]
+
+
+def replay_case(source: str, target: str) -> dict:
+    """The source's traced step replayed with its kernels re-timed for the target's GPU (catalog datasheet
+    ratios, the host as fast as the source's: what a buyer gets without the target) against the target run."""
+    from trainprof.analysis.replay import cross_device, device_rates, load_steps, replay
+    from trainprof.hardware import find_accelerator, load_catalog
+
+    catalog = load_catalog()
+    src, tgt = _profile(source), _profile(target)
+    kinds = [find_accelerator(catalog, p["env"]["device"]) for p in (src, tgt)]
+    (step,) = load_steps(next((PROFILES / source).glob("*.pt.trace.json.gz")))
+    traced = replay(step)
+    pred = cross_device(step, src["summary"]["step_ms"]["median"], device_rates(*map(catalog.resolve, kinds)))
+    measured = tgt["summary"]["step_ms"]["median"]
+    return {"source": source, "target": target, "hardware": kinds[1], "source_step_ms": src["summary"]["step_ms"]["median"],
+            "source_traced_busy_frac": round(traced.device_busy_ms / traced.step_ms, 2),
+            "predicted_step_ms": round(pred.step_ms, 2), "measured_step_ms": measured,
+            "step_error_pct": round(100 * (pred.step_ms - measured) / measured, 2),
+            "kernel_factors": {"compute": round(pred.rates.compute, 4), "memory": round(pred.rates.memory, 4)}}
+
+
 def _busy(profile: dict) -> float:
     from trainprof.projection.measured import measured_from_profile
 
@@ -197,6 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"elementwise work: {elementwise['share_of_datasheet_bandwidth']:.3f} of the datasheet bandwidth (fitted on "
           f"{len(ELEMENTWISE_FIT)} runs); held-out phases off by {elementwise['held_out_error_pct']['mean']:.1f}% "
           f"on average, {elementwise['held_out_error_pct']['max']:.1f}% at most")
+    replayed = [replay_case(s, t) for s, t in traced_pairs()]
+    for c in replayed:
+        print(f"replay {c['source']} -> {c['hardware']}: predicted {c['predicted_step_ms']:.1f}, measured "
+              f"{c['measured_step_ms']:.1f}: {c['step_error_pct']:+.1f}% (traced GPU busy {c['source_traced_busy_frac']:.0%})")
+    replay_errors = [abs(c["step_error_pct"]) for c in replayed]
+    if replayed:
+        print(f"replay across GPUs: mean {statistics.fmean(replay_errors):.1f}%, max {max(replay_errors):.1f}% "
+              f"over {len(replayed)} cases")
     same = [same_machine_case(s, t) for s, t in SAME_MACHINE
             if (PROFILES / s / "profile.json").is_file() and (PROFILES / t / "profile.json").is_file()]
     for c in cpu_gpu:
@@ -213,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
 
         old = json.loads(OUT.read_text()) if OUT.is_file() else {}
         atomic_write_json(OUT, {
-            "measured_on": "lent NVIDIA H100 80GB HBM3 and H200 machines (one GPU each), 2026-11-23; "
-                           "same_machine_cases: a lent H200, 2026-11-26",
+            "measured_on": "lent NVIDIA H100 80GB HBM3 and H200 machines (one GPU each): the folders without a suffix "
+                           "2026-11-23, the -gpubound, -hostbound, LoRA and QLoRA ones 2026-11-26 (H200 then H100, "
+                           "two sessions); same_machine_cases: runs of one session",
             "command": "python scripts/gpu_validation.py --write (projects each profiles/h100-* folder to the h200 "
                        "and compares with its profiles/h200-* twin)",
             "by_kind": {"hardware_gpu": {"step_mape_pct": round(statistics.fmean(errors), 1),
@@ -224,10 +266,19 @@ def main(argv: list[str] | None = None) -> int:
             "same_machine_cases": same,
             "elementwise": elementwise,
             "cpu_to_gpu_cases": cpu_gpu,
-            "finding": ("every pair measured so far is host-bound on these machines (the GPU ran kernels a small share "
-                        "of the step); a host-bound phase is predicted as host time with the target's host assumed as "
-                        "fast as the source's, and the H200 machine's host was faster, so the step is over-predicted. "
-                        "A GPU-bound pair (the GPU program's next runs) is what tests the device model."),
+            "replay_method": ("trainprof replay SOURCE --to TARGET (trainprof/analysis/replay.py cross_device): the "
+                              "source's traced step replayed from its host launches with each kernel re-timed by the "
+                              "catalog's datasheet ratio (GEMM and attention kernels by the bf16 dense peak, the rest "
+                              "by memory bandwidth), the host as fast as the source's; the ratio of the two replays "
+                              "carried onto the source's measured step"),
+            "replay_cases": replayed,
+            "replay_error_pct": ({"mean": round(statistics.fmean(replay_errors), 1),
+                                  "max": round(max(replay_errors), 1), "cases": len(replayed)} if replayed else None),
+            "finding": ("the one GPU-bound pair (plain PyTorch AMP, micro batch 16 x 1024, GPU busy 98% on both) is "
+                        "predicted H100 -> H200 at -12.6% by the step model and at -5.5% by the replay (+10.4% the "
+                        "other way); the other pairs are host-bound at least in part, and their error is the two "
+                        "machines' hosts: the H200's was slower at ZeRO-3 and faster at LoRA than the H100's, which "
+                        "neither model can know from the source (the target's host is taken as fast as the source's)."),
         })
         print(f"wrote {OUT.relative_to(ROOT)}")
     return 0
