@@ -527,7 +527,7 @@ def test_another_machine_rerates_like_with_like_and_a_gpu_waits_for_its_host():
     cpu = _machine("cpu", gpu=False, tflops=0.1, gbps=10.0)
     w = _work()
     analytic = dst.gemm["forward"].ms(w.gemms("forward")) + w.device_bytes("forward") / (
-        4000e9 * elementwise_share()[0]) * 1e3
+        4000e9 * elementwise_share(dst.name)[0]) * 1e3
     phases, notes = predict_phases(_measured(ops=ops), _change(), Inputs(source_machine=cpu, target_machine=dst,
                                                                          host_us_per_op={"forward": 1e-6,
                                                                                          "backward": 1e-6},
@@ -765,3 +765,18 @@ def test_counted_elementwise_bytes_match_the_models_own_operators(amp):
         w = dataclasses.replace(work, shape=dataclasses.replace(work.shape, num_layers=layers))
         for phase, got in zip(("forward", "backward"), counted):
             assert w.device_bytes(phase) == pytest.approx(got, rel=0.03), (layers, phase)
+
+
+def test_elementwise_share_is_the_gpus_own_where_its_runs_measured_it():
+    """The non-GEMM operators' share of the datasheet bandwidth: an accelerator's own where the GPU runs
+    measured it (the H100 reached more of its bandwidth than the H200), the share over all runs elsewhere,
+    and the source says which."""
+    import json
+
+    from trainprof.projection.validation import GPU_VALIDATION_FILE, elementwise_share
+
+    block = json.loads(GPU_VALIDATION_FILE.read_text())["elementwise"]
+    h100, h200, other = elementwise_share("h100-sxm"), elementwise_share("h200"), elementwise_share("rtx4090")
+    assert h100[0] == block["by_accelerator"]["h100-sxm"]["share"] and "h100-sxm's datasheet" in h100[1]
+    assert h200[0] == block["by_accelerator"]["h200"]["share"] and h100[0] > h200[0]
+    assert other[0] == block["share_of_datasheet_bandwidth"] and "not on this GPU" in other[1]

@@ -171,7 +171,7 @@ def rerated_phase(m: Measured, ph: str, src: Work, tgt: Work, src_machine: Machi
         from trainprof.projection.validation import elementwise_share
 
         matmul_t = g_tgt
-        bandwidth = (dst_machine.memory_gbps or 1.0) * 1e9 * (elementwise_share()[0] if dst_machine.is_gpu else 1.0)
+        bandwidth = (dst_machine.memory_gbps or 1.0) * 1e9 * (elementwise_share(dst_machine.name)[0] if dst_machine.is_gpu else 1.0)
         other_t = tgt.device_bytes(ph) / bandwidth * 1e3
     host_t = None
     if ops is not None and ops.calls:

@@ -142,7 +142,7 @@ def _rerated(m: Measured, change: Change, inputs: Inputs, notes: list[Assumption
 
         notes.append(assume("device_analytic", target=dst_m.name, matmul_source=dst_m.matmul_source,
                             memory_source=dst_m.memory_source,
-                            elementwise=elementwise_share()[1] if dst_m.is_gpu else "1 (the roofline)"))
+                            elementwise=elementwise_share(dst_m.name)[1] if dst_m.is_gpu else "1 (the roofline)"))
     return mb, recompute_t
 
 

@@ -95,17 +95,25 @@ def confidence(kinds: list[str], validation: dict[str, Any] | None, *, host_boun
     return Confidence(label="validated", expected_error_pct=err, why="", reason=why)
 
 
-@functools.lru_cache(maxsize=1)
-def elementwise_share() -> tuple[float, str]:
+@functools.lru_cache(maxsize=16)
+def elementwise_share(accelerator: str | None = None) -> tuple[float, str]:
     """The share of a GPU's datasheet memory bandwidth that a model's non-GEMM operators reach, as measured
-    on the lent GPUs (validation_gpu.json `elementwise`, scripts/gpu_validation.py), and its source; 1.0
-    (the roofline, optimistic) where no GPU run has measured it."""
+    on the lent GPUs (validation_gpu.json `elementwise`, scripts/gpu_validation.py), and its source: the
+    accelerator's own where its runs measured it (catalog key), else the share over all of them; 1.0 (the
+    roofline, optimistic) where no GPU run has measured it."""
     doc = json.loads(GPU_VALIDATION_FILE.read_text()) if GPU_VALIDATION_FILE.is_file() else {}
     block = doc.get("elementwise")
     if not block:
         return 1.0, "no GPU run measured it: the roofline (optimistic)"
+    own = (block.get("by_accelerator") or {}).get(accelerator or "")
+    if own:
+        err = own["held_out_error_pct"]
+        return own["share"], (
+            f"{own['share']:.3f} of {accelerator}'s datasheet bandwidth, measured on {', '.join(own['fit_on'])} "
+            f"(profiles/); off by {err['mean']:.0f}% on average and {err['max']:.0f}% at most on its "
+            f"{err['phases']} held-out phases ({GPU_VALIDATION_FILE.name})")
     err = block["held_out_error_pct"]
     return block["share_of_datasheet_bandwidth"], (
         f"{block['share_of_datasheet_bandwidth']:.3f} of the datasheet bandwidth, measured on "
-        f"{', '.join(block['fit_on'])} (profiles/); off by {err['mean']:.0f}% on average and {err['max']:.0f}% at most "
-        f"on {err['phases']} held-out phases ({GPU_VALIDATION_FILE.name})")
+        f"{', '.join(block['fit_on'])} (profiles/; not on this GPU); off by {err['mean']:.0f}% on average and "
+        f"{err['max']:.0f}% at most on {err['phases']} held-out phases ({GPU_VALIDATION_FILE.name})")
