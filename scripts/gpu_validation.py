@@ -204,18 +204,17 @@ def traced_pairs() -> list[tuple[str, str]]:
 def replay_case(source: str, target: str) -> dict:
     """The source's traced step replayed with its kernels re-timed for the target's GPU (catalog datasheet
     ratios, the host as fast as the source's: what a buyer gets without the target) against the target run."""
-    from trainprof.analysis.replay import cross_device, device_rates, load_steps, replay
+    from trainprof.analysis.replay import cross_device, device_rates, load_steps
     from trainprof.hardware import find_accelerator, load_catalog
 
     catalog = load_catalog()
     src, tgt = _profile(source), _profile(target)
     kinds = [find_accelerator(catalog, p["env"]["device"]) for p in (src, tgt)]
     (step,) = load_steps(next((PROFILES / source).glob("*.pt.trace.json.gz")))
-    traced = replay(step)
-    pred = cross_device(step, src["summary"]["step_ms"]["median"], device_rates(*map(catalog.resolve, kinds)))
-    measured = tgt["summary"]["step_ms"]["median"]
-    return {"source": source, "target": target, "hardware": kinds[1], "source_step_ms": src["summary"]["step_ms"]["median"],
-            "source_traced_busy_frac": round(traced.device_busy_ms / traced.step_ms, 2),
+    source_ms, measured = src["summary"]["step_ms"]["median"], tgt["summary"]["step_ms"]["median"]
+    pred = cross_device(step, source_ms, device_rates(*map(catalog.resolve, kinds)))
+    return {"source": source, "target": target, "hardware": kinds[1], "source_step_ms": source_ms,
+            "source_traced_busy_frac": round(pred.source.device_busy_ms / pred.source.step_ms, 2),
             "predicted_step_ms": round(pred.step_ms, 2), "measured_step_ms": measured,
             "step_error_pct": round(100 * (pred.step_ms - measured) / measured, 2),
             "kernel_factors": {"compute": round(pred.rates.compute, 4), "memory": round(pred.rates.memory, 4)}}

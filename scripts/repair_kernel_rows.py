@@ -15,7 +15,7 @@ from pathlib import Path
 
 from trainprof.analysis.gpu_busy import gpu_busy_fields, trace_device_time
 from trainprof.io import atomic_write_json
-from trainprof.profiler.ops import KERNEL_PREFIX
+from trainprof.profiler.ops import counted_again
 
 
 def repair(folder: Path) -> dict:
@@ -26,8 +26,7 @@ def repair(folder: Path) -> dict:
     if not traces:
         raise SystemExit(f"{folder}: no kept trace (*.pt.trace.json.gz) names what the operators launched")
     op_kernels = trace_device_time(traces[0]).op_kernels
-    dropped = [r for r in doc["ops"] if r["name"].startswith(KERNEL_PREFIX)
-               and r["name"][len(KERNEL_PREFIX):] in op_kernels]
+    dropped = counted_again(doc["ops"], op_kernels)
     if not dropped:
         return {"rows": 0, "self_ms": 0.0}
     doc["ops"] = [r for r in doc["ops"] if r not in dropped]

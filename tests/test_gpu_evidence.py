@@ -17,7 +17,7 @@ from helpers.evidence import (PROFILES, PROGRAM, check_overhead_config, check_te
                               used_steps)
 from test_plan_gpu_reference import KNOWN_MISSES as KNOWN_PLAN_MISSES
 from trainprof.analysis.gpu_busy import gpu_busy_fields, phase_busy, trace_device_time
-from trainprof.profiler.ops import KERNEL_PREFIX
+from trainprof.profiler.ops import KERNEL_PREFIX, counted_again
 
 GPU = gpu_folders()
 IDS = [f.name for f in GPU]
@@ -143,8 +143,7 @@ def test_traced_steps_kept_and_consistent_with_the_operator_table():
         assert t.steps == doc["ops_info"]["steps"], (path, t.steps)
         # a kernel an aten op launched is the op's: no `kernel::` row counts it again (the kept tables
         # written before that rule were repaired from their traces: scripts/repair_kernel_rows.py)
-        assert not [r["name"] for r in doc["ops"] if r["name"].startswith(KERNEL_PREFIX)
-                    and r["name"][len(KERNEL_PREFIX):] in t.op_kernels], path
+        assert not counted_again(doc["ops"], t.op_kernels), path
         ops_ms = sum(r["self_ms"] for r in doc["ops"]) * len(t.steps)  # the table is per traced step
         # a table written before it kept the kernels that no operator launched (bitsandbytes' dequantize,
         # DeepSpeed's fused Adam: `kernel::` rows) holds the trace's device time less theirs

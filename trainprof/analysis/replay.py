@@ -189,10 +189,9 @@ def device_rates(source: Target, target: Target) -> DeviceRates:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CrossDevice:
-    step_ms: float  # the source run's measured step x (replayed on the target / replayed as traced)
-    replayed_source_ms: float
-    replayed_target_ms: float
-    target_busy_frac: float  # the target's device work over its replayed step
+    step_ms: float  # the source run's measured step x (target.step_ms / source.step_ms)
+    source: Replayed  # the traced step replayed as it ran
+    target: Replayed  # the same with its device work re-timed (and its host scaled)
     rates: DeviceRates
 
 
@@ -202,6 +201,4 @@ def cross_device(step: TracedStep, measured_step_ms: float, rates: DeviceRates, 
     source's unless host_scale says otherwise). The ratio of the two replays is carried onto the measured
     (untraced) step, since tracing slows the host and a traced step is longer than a measured one."""
     same, other = replay(step), replay(step, host_scale=host_scale, device_scale=rates)
-    return CrossDevice(step_ms=measured_step_ms * other.step_ms / same.step_ms, replayed_source_ms=same.step_ms,
-                       replayed_target_ms=other.step_ms, target_busy_frac=other.device_busy_ms / other.step_ms,
-                       rates=rates)
+    return CrossDevice(step_ms=measured_step_ms * other.step_ms / same.step_ms, source=same, target=other, rates=rates)

@@ -81,7 +81,8 @@ def _print_cross_device(path: Path, steps: list, to: str) -> None:
         raise UserError(f"--to {to}: {e}") from None
     measured = doc["summary"]["step_ms"]["median"]
     pred = cross_device(steps[0], measured, rates)
-    print(f"on {to}: {pred.step_ms:.1f} ms a step (measured here {measured:.1f} ms x replay {pred.replayed_target_ms:.1f}"
-          f" / {pred.replayed_source_ms:.1f} ms; GPU busy {pred.target_busy_frac:.0%}); kernels x{rates.compute:.3f} "
+    print(f"on {to}: {pred.step_ms:.1f} ms a step (measured here {measured:.1f} ms x replay {pred.target.step_ms:.1f}"
+          f" / {pred.source.step_ms:.1f} ms; GPU busy {pred.target.device_busy_ms / pred.target.step_ms:.0%}); "
+          f"kernels x{rates.compute:.3f} "
           f"(GEMM, attention) and x{rates.memory:.3f} (the rest) from {rates.source}; the host as fast as this one's. "
           "Measured error: docs/projection.md (replay_cases)")

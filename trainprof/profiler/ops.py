@@ -286,6 +286,12 @@ def aggregate_events(events: Any, lookup: dict[str, tuple[str, str]], *, cuda: b
 KERNEL_PREFIX = "kernel::"  # ops-table rows of device work launched outside any aten op
 
 
+def counted_again(rows: list[dict[str, Any]], op_kernels: set[str] | frozenset[str]) -> list[dict[str, Any]]:
+    """The `kernel::` rows of an ops table whose kernel an aten op launched (op_kernels: their names), which
+    the rule in aggregate_events leaves out: tables written before it could hold them."""
+    return [r for r in rows if r["name"].startswith(KERNEL_PREFIX) and r["name"][len(KERNEL_PREFIX):] in op_kernels]
+
+
 def _place_kernels(ev: Any, steps: Any, lookup: dict[str, tuple[str, str]], step_spans: list, by_step: bool,
                    op_kernels: set[str]) -> None:
     """Rows for the kernels an event that is not an operator launched itself: libraries that call the CUDA
