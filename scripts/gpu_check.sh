@@ -29,6 +29,8 @@
 #     profiler overhead bench (llama2-1b GPU-bound, Llama2-7B LoRA)              ~2.5 min
 #     llama2-1b ZeRO-3 and plain PyTorch, host-bound (micro batch 8 x seq 350)   what time is left
 #   --program lora (<= 4 min): Llama2-7B LoRA bf16 (ZeRO-2), Llama2-7B QLoRA NF4   ~3.5 min
+#   --program size (<= 9 min): the GPU-bound plain PyTorch step at four other shapes (depth, GQA, 7B and 13B
+#     width), then scripts/memory_at_peak.py on ZeRO-3 32 x 1024 recompute and 7B QLoRA (plan's misses)
 # Each kept run leaves OUTDIR/<kind>-<name>/ as profiles/ keeps it: profile.json (CUDA-event profile,
 # NVML telemetry, GPU busy per phase), summary.md, recipe.yaml, calibration.json and the one traced
 # step's Kineto trace (rank0.*.pt.trace.json.gz; no stacks, no shapes), packed as OUTDIR/<kind>-<name>.tgz
@@ -41,7 +43,7 @@ program=""; dry_run=0; rest=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --program) program=${2:-}; shift
-      case "$program" in core|lora|pair|extra) ;; *) echo "--program takes core, lora, pair or extra, not '$program'"; exit 2;; esac;;
+      case "$program" in core|lora|pair|extra|size) ;; *) echo "--program takes core, lora, pair, extra or size, not '$program'"; exit 2;; esac;;
     --dry-run) dry_run=1;;
     *) rest+=("$1");;
   esac
@@ -135,7 +137,8 @@ keep() {  # keep NAME RUN_DIR: what profiles/ keeps of the run, packed as OUTDIR
   [ -f "$run/calibration.json" ] && cp "$run/calibration.json" "$dest/"
   # shellcheck disable=SC2086  # TRACE_GLOB is a pattern
   local trace; trace=$(ls "$run"/$TRACE_GLOB 2>/dev/null | head -1)
-  if [ -n "$trace" ]; then cp "$trace" "$dest/"; else failed+=("$name: no trace in $run/tb"); fi
+  if [ "${KEEP_TRACE:-1}" = 0 ]; then :
+  elif [ -n "$trace" ]; then cp "$trace" "$dest/"; else failed+=("$name: no trace in $run/tb"); fi
   pack "$name"
 }
 run_recipe() {  # run_recipe NAME LIMIT_S RECIPE [KEY=VALUE...]: one run on this GPU, kept as <kind>-NAME
@@ -173,6 +176,25 @@ program_extra() {  # what a kind's core run skipped: ZeRO-3 busy >= 80% (twice t
   run_recipe llama1b_zero3_sdpa-gpubound32 200 recipes/llama1b_zero3_sdpa.yaml $GPU_BOUND train.micro_batch_size=32 model.recompute=true
   # shellcheck disable=SC2086
   run_recipe llama1b_zero3_sdpa-torch-hostbound 110 recipes/llama1b_zero3_sdpa.yaml $TORCH
+}
+program_size() {  # issue 24: the GPU-bound torch step at other model shapes (no traces: profiles/ travels with
+  # every device call), then what is live at the peaks plan misses (docs/memory.md)
+  local s
+  for s in "half_depth model.num_layers=11" "gqa4 model.num_kv_heads=4" "7b_width4 model.name=llama2-7b model.num_layers=4" \
+           "13b_width2 model.name=llama2-13b model.num_layers=2"; do
+    # shellcheck disable=SC2086
+    KEEP_TRACE=0 run_recipe llama1b_zero3_sdpa-torch-gpubound-${s%% *} 100 recipes/llama1b_zero3_sdpa.yaml $TORCH $GPU_BOUND ${s#* }
+  done
+  mkdir -p "$kept/$kind-memory"
+  local m=(python3 -m torch.distributed.run --nproc_per_node 1 scripts/memory_at_peak.py)
+  local quiet="profile.ops=false profile.calibrate=false profile.telemetry_period_ms=0 output.dir=$runs"
+  # shellcheck disable=SC2086
+  step "memory at peak: ZeRO-3 32 x 1024 recompute" 130 "${m[@]}" "$kept/$kind-memory/zero3_gpubound32.json" \
+    recipes/llama1b_zero3_sdpa.yaml $GPU_BOUND train.micro_batch_size=32 model.recompute=true train.steps=3 $quiet
+  # shellcheck disable=SC2086
+  step "memory at peak: Llama2-7B QLoRA" 150 "${m[@]}" "$kept/$kind-memory/llama7b_qlora.json" \
+    recipes/llama70b_qlora.yaml model.name=llama2-7b train.steps=3 $quiet
+  [ "$dry_run" = 1 ] || pack memory
 }
 program_lora() {
   run_recipe llama7b_lora 120 recipes/llama13b_lora.yaml model.name=llama2-7b train.steps=8

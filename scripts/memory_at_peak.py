@@ -1,0 +1,117 @@
+"""What is live on the GPU when a run's allocated memory peaks, summed by the code that allocated it.
+
+    python3 -m torch.distributed.run --nproc_per_node 1 scripts/memory_at_peak.py OUT.json RECIPE [KEY=VALUE...]
+
+`trainprof plan` misses some GPU peaks (docs/memory.md: QLoRA, LoRA, ZeRO-3 with recompute). This runs the
+recipe in this process with the CUDA caching allocator's history on (torch.cuda.memory._record_memory_history,
+Python frames), then finds the moment the allocated bytes peaked and writes the blocks live then, grouped by
+the innermost frames outside torch's own internals (DeepSpeed, bitsandbytes, peft, transformers, trainprof,
+torch.optim...). Without CUDA it writes nothing and exits 2 with the reason.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+# torch internals say where, not why: a block is charged to the first frame outside them
+_INTERNAL = ("/torch/nn/modules/", "/torch/autograd/", "/torch/_tensor", "/torch/utils/_", "/torch/_ops",
+             "/torch/functional", "/torch/nn/functional", "/torch/_refs", "/torch/_prims", "/torch/cuda/",
+             "/torch/overrides", "/torch/_compile", "/torch/_dynamo", "<frozen", "/runpy.py", "/contextlib.py",
+             "/functools.py", "/threading.py")
+TOP = 40
+
+
+def _where(frames: list[dict], depth: int = 3) -> str:
+    """The innermost `depth` frames outside torch internals, innermost first ("?" when none were recorded)."""
+    kept = [f for f in frames if not any(s in f.get("filename", "") for s in _INTERNAL)]
+    if not kept:
+        kept = frames
+    return " < ".join(f"{_short(f['filename'])}:{f['line']} {f['name']}" for f in kept[:depth]) or "?"
+
+
+def _short(filename: str) -> str:
+    for root in ("site-packages/", "dist-packages/", "/trainprof/"):
+        if root in filename:
+            return filename.split(root, 1)[1] if root != "/trainprof/" else "trainprof/" + filename.split(root, 1)[1]
+    return filename
+
+
+def live_at_peak(trace: list[dict], allocated_at_end: int) -> dict:
+    """Replay one device's allocator history: the allocated bytes' peak and the blocks live then.
+
+    The history may start after some blocks were allocated (a full ring buffer); those are reported as
+    `allocated_before_history` with no frames. `allocated_at_end` anchors the absolute level."""
+    live: dict[int, tuple[int, str]] = {}
+    level = peak = 0
+    peak_index = -1
+    for i, event in enumerate(trace):
+        action = event["action"]
+        if action == "alloc":
+            level += event["size"]
+            live[event["addr"]] = (event["size"], _where(event.get("frames", [])))
+        elif action == "free_completed":
+            level -= event["size"]
+            live.pop(event["addr"], None)
+        else:
+            continue
+        if level > peak:
+            peak, peak_index = level, i
+    offset = allocated_at_end - level  # bytes live throughout that the history never saw allocated
+    # replay again to the peak: the live set there
+    live = {}
+    for event in trace[: peak_index + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], _where(event.get("frames", [])))
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, where in live.values():
+        groups[where][0] += size
+        groups[where][1] += 1
+    rows = sorted(({"where": w, "bytes": b, "blocks": n} for w, (b, n) in groups.items()),
+                  key=lambda r: -r["bytes"])
+    return {"peak_allocated_bytes": peak + offset, "allocated_before_history": offset,
+            "events": len(trace), "peak_event": peak_index,
+            "peak_event_where": _where(trace[peak_index].get("frames", [])) if peak_index >= 0 else None,
+            "live_at_peak": rows[:TOP], "live_at_peak_other_bytes": sum(r["bytes"] for r in rows[TOP:])}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print(__doc__.strip().splitlines()[2].strip())
+        return 2
+    out, run_args = Path(argv[0]), argv[1:]
+    import torch
+
+    if not torch.cuda.is_available():
+        print("memory_at_peak: no CUDA device; the allocator history is a CUDA feature")
+        return 2
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    from trainprof.run import main as run_main
+
+    rc = run_main(run_args)
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    device = torch.cuda.current_device()
+    at_end = sum(b["size"] for seg in snapshot["segments"] if seg["device"] == device
+                 for b in seg["blocks"] if b["state"] == "active_allocated")
+    result = live_at_peak(snapshot["device_traces"][device], at_end)
+    result.update(run_rc=rc, run_args=run_args,
+                  method="torch.cuda.memory._record_memory_history(stacks='python'); live blocks at the "
+                         "allocated peak, grouped by their innermost frames outside torch internals")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, out)
+    gib = 2.0 ** 30
+    print(f"peak allocated {result['peak_allocated_bytes'] / gib:.2f} GiB; live then:")
+    for row in result["live_at_peak"][:15]:
+        print(f"  {row['bytes'] / gib:7.2f} GiB {row['blocks']:6d}  {row['where']}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
