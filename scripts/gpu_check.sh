@@ -29,8 +29,9 @@
 #     profiler overhead bench (llama2-1b GPU-bound, Llama2-7B LoRA)              ~2.5 min
 #     llama2-1b ZeRO-3 and plain PyTorch, host-bound (micro batch 8 x seq 350)   what time is left
 #   --program lora (<= 4 min): Llama2-7B LoRA bf16 (ZeRO-2), Llama2-7B QLoRA NF4   ~3.5 min
-#   --program size (<= 9 min): the GPU-bound plain PyTorch step at four other shapes (depth, GQA, 7B and 13B
-#     width), then scripts/memory_at_peak.py on ZeRO-3 32 x 1024 recompute and 7B QLoRA (plan's misses)
+#   --program size (<= 6 min): the GPU-bound plain PyTorch step at seven other shapes (depth, GQA, vocabulary,
+#     7B, 13B and 70B width at a few layers; SIZE_RUNS="NAME OVERRIDES...;..." picks), then scripts/memory_at_peak.py
+#     on ZeRO-3 32 x 1024 recompute and 7B QLoRA (plan's misses)
 # Each kept run leaves OUTDIR/<kind>-<name>/ as profiles/ keeps it: profile.json (CUDA-event profile,
 # NVML telemetry, GPU busy per phase), summary.md, recipe.yaml, calibration.json and the one traced
 # step's Kineto trace (rank0.*.pt.trace.json.gz; no stacks, no shapes), packed as OUTDIR/<kind>-<name>.tgz
@@ -180,8 +181,11 @@ program_extra() {  # what a kind's core run skipped: ZeRO-3 busy >= 80% (twice t
 program_size() {  # issue 24: the GPU-bound torch step at other model shapes (no traces: profiles/ travels with
   # every device call), then what is live at the peaks plan misses (docs/memory.md)
   local s
-  for s in "half_depth model.num_layers=11" "gqa4 model.num_kv_heads=4" "7b_width4 model.name=llama2-7b model.num_layers=4" \
-           "13b_width2 model.name=llama2-13b model.num_layers=2"; do
+  local shapes; IFS=';' read -ra shapes <<< "${SIZE_RUNS:-half_depth model.num_layers=11;gqa4 model.num_kv_heads=4;\
+7b_width4 model.name=llama2-7b model.num_layers=4;13b_width2 model.name=llama2-13b model.num_layers=2;\
+70b_width1 model.name=llama2-70b model.num_layers=1;7b_width8 model.name=llama2-7b model.num_layers=8;\
+vocab48k model.vocab_size=48000}"
+  for s in "${shapes[@]}"; do
     # shellcheck disable=SC2086
     KEEP_TRACE=0 run_recipe llama1b_zero3_sdpa-torch-gpubound-${s%% *} 100 recipes/llama1b_zero3_sdpa.yaml $TORCH $GPU_BOUND ${s#* }
   done
@@ -189,7 +193,7 @@ program_size() {  # issue 24: the GPU-bound torch step at other model shapes (no
   local m=(python3 -m torch.distributed.run --nproc_per_node 1 scripts/memory_at_peak.py)
   local quiet="profile.ops=false profile.calibrate=false profile.telemetry_period_ms=0 output.dir=$runs"
   # shellcheck disable=SC2086
-  step "memory at peak: ZeRO-3 32 x 1024 recompute" 130 "${m[@]}" "$kept/$kind-memory/zero3_gpubound32.json" \
+  step "memory at peak: ZeRO-3 32 x 1024 recompute" 130 "${m[@]}" --no-stacks "$kept/$kind-memory/zero3_gpubound32.json" \
     recipes/llama1b_zero3_sdpa.yaml $GPU_BOUND train.micro_batch_size=32 model.recompute=true train.steps=3 $quiet
   # shellcheck disable=SC2086
   step "memory at peak: Llama2-7B QLoRA" 150 "${m[@]}" "$kept/$kind-memory/llama7b_qlora.json" \

@@ -1,12 +1,15 @@
 """What is live on the GPU when a run's allocated memory peaks, summed by the code that allocated it.
 
-    python3 -m torch.distributed.run --nproc_per_node 1 scripts/memory_at_peak.py OUT.json RECIPE [KEY=VALUE...]
+    python3 -m torch.distributed.run --nproc_per_node 1 scripts/memory_at_peak.py [--no-stacks] OUT.json RECIPE [KEY=VALUE...]
 
 `trainprof plan` misses some GPU peaks (docs/memory.md: QLoRA, LoRA, ZeRO-3 with recompute). This runs the
 recipe in this process with the CUDA caching allocator's history on (torch.cuda.memory._record_memory_history,
 Python frames), then finds the moment the allocated bytes peaked and writes the blocks live then, grouped by
 the innermost frames outside torch's own internals (DeepSpeed, bitsandbytes, peft, transformers, trainprof,
-torch.optim...). Without CUDA it writes nothing and exits 2 with the reason.
+torch.optim...). The peak is sought from the first step on (model building can peak higher, e.g. 4-bit
+quantization on the GPU). --no-stacks records no frames (blocks are then grouped by size): torch 2.11's
+history with Python stacks fails DeepSpeed ZeRO-3 under activation checkpointing (pytorch#179536).
+Without CUDA it writes nothing and exits 2 with the reason.
 """
 from __future__ import annotations
 
@@ -39,32 +42,39 @@ def _short(filename: str) -> str:
     return filename
 
 
+TRAINING = "run_steps"  # trainprof.run's step loop: a frame with this name marks the training window
+
+
+def _key(event: dict) -> str:
+    frames = event.get("frames") or []
+    return _where(frames) if frames else f"(no frames) blocks of {event['size']:,} bytes"
+
+
 def live_at_peak(trace: list[dict], allocated_at_end: int) -> dict:
     """Replay one device's allocator history: the allocated bytes' peak and the blocks live then.
 
-    The history may start after some blocks were allocated (a full ring buffer); those are reported as
-    `allocated_before_history` with no frames. `allocated_at_end` anchors the absolute level."""
-    live: dict[int, tuple[int, str]] = {}
+    The peak is sought from the first event inside trainprof's step loop, where frames say so (else over
+    the whole history). The history may start after some blocks were allocated (a full ring buffer); those
+    are reported as `allocated_before_history`. `allocated_at_end` anchors the absolute level."""
+    start = next((i for i, e in enumerate(trace)
+                  if any(f.get("name") == TRAINING for f in e.get("frames") or [])), 0)
     level = peak = 0
     peak_index = -1
     for i, event in enumerate(trace):
         action = event["action"]
         if action == "alloc":
             level += event["size"]
-            live[event["addr"]] = (event["size"], _where(event.get("frames", [])))
         elif action == "free_completed":
             level -= event["size"]
-            live.pop(event["addr"], None)
         else:
             continue
-        if level > peak:
+        if i >= start and (peak_index < 0 or level > peak):
             peak, peak_index = level, i
     offset = allocated_at_end - level  # bytes live throughout that the history never saw allocated
-    # replay again to the peak: the live set there
-    live = {}
+    live: dict[int, tuple[int, str]] = {}  # replayed again to the peak: the blocks live there
     for event in trace[: peak_index + 1]:
         if event["action"] == "alloc":
-            live[event["addr"]] = (event["size"], _where(event.get("frames", [])))
+            live[event["addr"]] = (event["size"], _key(event))
         elif event["action"] == "free_completed":
             live.pop(event["addr"], None)
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -74,12 +84,15 @@ def live_at_peak(trace: list[dict], allocated_at_end: int) -> dict:
     rows = sorted(({"where": w, "bytes": b, "blocks": n} for w, (b, n) in groups.items()),
                   key=lambda r: -r["bytes"])
     return {"peak_allocated_bytes": peak + offset, "allocated_before_history": offset,
-            "events": len(trace), "peak_event": peak_index,
-            "peak_event_where": _where(trace[peak_index].get("frames", [])) if peak_index >= 0 else None,
+            "events": len(trace), "training_from_event": start, "peak_event": peak_index,
+            "peak_event_where": _key(trace[peak_index]) if peak_index >= 0 else None,
             "live_at_peak": rows[:TOP], "live_at_peak_other_bytes": sum(r["bytes"] for r in rows[TOP:])}
 
 
 def main(argv: list[str]) -> int:
+    stacks = "python"
+    if argv[:1] == ["--no-stacks"]:
+        stacks, argv = None, argv[1:]
     if len(argv) < 2:
         print(__doc__.strip().splitlines()[2].strip())
         return 2
@@ -89,7 +102,10 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("memory_at_peak: no CUDA device; the allocator history is a CUDA feature")
         return 2
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    if stacks:
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks=stacks)
+    else:
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, context=None)
     from trainprof.run import main as run_main
 
     rc = run_main(run_args)
@@ -100,8 +116,9 @@ def main(argv: list[str]) -> int:
                  for b in seg["blocks"] if b["state"] == "active_allocated")
     result = live_at_peak(snapshot["device_traces"][device], at_end)
     result.update(run_rc=rc, run_args=run_args,
-                  method="torch.cuda.memory._record_memory_history(stacks='python'); live blocks at the "
-                         "allocated peak, grouped by their innermost frames outside torch internals")
+                  method=f"torch.cuda.memory._record_memory_history(stacks={stacks!r}); live blocks at the "
+                         "allocated peak (from the first step on), grouped by their innermost frames outside "
+                         "torch internals (by size without frames)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))

@@ -33,3 +33,18 @@ def test_live_at_peak_finds_the_peak_and_charges_blocks_past_torch_internals():
     [row] = result["live_at_peak"]
     assert row == {"where": "deepspeed/runtime/zero/stage3.py:10 step", "bytes": 550, "blocks": 2}
     assert memory_at_peak._where([frame(F), mine]) == "trainprof/engines/torch_engine.py:5 forward"
+
+
+def test_the_peak_is_sought_from_the_first_step_and_frameless_blocks_group_by_size():
+    step = frame("/repo/trainprof/run.py", 170, "run_steps")
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 900},  # building the model: higher than any step
+        {"action": "free_completed", "addr": 1, "size": 900},
+        {"action": "alloc", "addr": 2, "size": 64},
+        {"action": "alloc", "addr": 3, "size": 64},
+        {"action": "alloc", "addr": 4, "size": 10, "frames": [step]},  # the first step: 138 live
+        {"action": "free_completed", "addr": 4, "size": 10},
+    ]
+    result = memory_at_peak.live_at_peak(trace, allocated_at_end=128)
+    assert (result["training_from_event"], result["peak_event"], result["peak_allocated_bytes"]) == (4, 4, 138)
+    assert result["live_at_peak"][0] == {"where": "(no frames) blocks of 64 bytes", "bytes": 128, "blocks": 2}

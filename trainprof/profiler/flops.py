@@ -10,6 +10,7 @@ count 0 there (pytorch#195460); they get flop_counter's own `sdpa_flop_count` /
 `sdpa_backward_flop_count`. bitsandbytes' 4-bit matmul (`bitsandbytes::gemm_4bit`, QLoRA's forward)
 counts 2*M*N*K. Gaps left (stated in the output): elementwise ops, norms and softmax count 0, as in
 flop_counter; any other op outside aten is listed in `flops_uncounted_ops` with its call count.
+Grouped-query attention counts as many heads as the query has (the kernel broadcasts key and value).
 
 Conventions (flop_counter's): a multiply-add is 2 FLOPs; causal attention counts the full s x s score
 matrix (no 0.5 factor); attention backward counts 2.5x its forward (the scores are recomputed).
@@ -49,6 +50,29 @@ def _gemm_4bit_flop(a: torch.Tensor, b: torch.Tensor, shape_b: list[int], *args:
 NAMED_FORMULAS: dict[str, Callable[..., int]] = {
     "bitsandbytes::gemm_4bit": _gemm_4bit_flop,
 }
+
+def as_multi_head(name: str, args: tuple) -> tuple:
+    """An SDPA op's arguments with grouped-query key/value (fewer heads than the query) stood in for by
+    meta tensors of the query's head count: the kernel broadcasts them, and flop_counter's formulas before
+    torch 2.12 reject the shapes ("query/key/value shapes are incompatible"). Other ops: `args` as given."""
+    if "attention" not in name or "flex" in name:
+        return args
+    q = 1 if "backward" in name else 0  # backward ops take grad_out first
+    heads = 1 if "scaled_dot_product" in name else 2  # (B, H, S, D) vs the (B, S, H, D) kernels
+    if len(args) < q + 3 or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in args[q:q + 3]):
+        return args
+    query, key, value = args[q:q + 3]
+    hq, hkv = query.shape[heads], key.shape[heads]
+    if hq == hkv or hkv == 0 or hq % hkv:
+        return args
+
+    def widened(t: torch.Tensor) -> torch.Tensor:
+        shape = list(t.shape)
+        shape[heads] = hq
+        return torch.empty(shape, dtype=t.dtype, device="meta")
+
+    return (*args[:q + 1], widened(key), widened(value), *args[q + 3:])
+
 
 FORMULAS: dict[Any, Callable[..., int]] = {
     **flop_registry,
@@ -126,6 +150,7 @@ class FlopCounter(TorchDispatchMode):
         if formula is None:
             formula = NAMED_FORMULAS.get(func._schema.name)
         if formula is not None:
+            args = as_multi_head(packet.__name__, args)
             self.counts[self.where()] += int(formula(*args, **kwargs, out_val=out))
         else:
             namespace = getattr(func, "namespace", "aten")
