@@ -1,7 +1,7 @@
 """Count the bytes HF Llama's non-GEMM operators move, per token, on this CPU: every aten op of one
 forward and one backward that is not a GEMM, attention or a view, its input and output tensors' bytes
 (a TorchDispatchMode over the real model code, sdpa attention). Fitted over shapes, the counts give
-trainprof/projection/gemm.py's ELEMENTWISE_BYTES (per decoder layer: per token x h, per token x I, per
+trainprof/projection/gemm.py's ELEMENTWISE_BYTES (per decoder layer: per token x h, per token x kv, per token x I, per
 weight element) and REST_BYTES (the model outside its layers: per token x h, per token x V, per V x h),
 for pure bf16 weights (DeepSpeed, FSDP) and for PyTorch AMP (fp32 weights under bf16 autocast).
 
@@ -65,14 +65,18 @@ def count(overrides: list[str], *, amp: bool, micro_batch: int, seq_len: int, la
 
 
 def layer_rows(amp: bool) -> list[tuple[list[float], tuple[int, int]]]:
-    """(features [T*h, T*I, weights], (forward, backward) bytes of one decoder layer) over a grid."""
+    """(features [T*h, T*kv, T*I, weights], (forward, backward) bytes of one decoder layer) over a grid,
+    kv = num_kv_heads x head_dim (GQA's narrower keys and values)."""
     rows = []
-    for h, i in ((256, 704), (512, 704), (256, 1408), (384, 1024)):
-        dims = [f"model.hidden_size={h}", f"model.intermediate_size={i}", "model.num_heads=4", "model.num_kv_heads=4"]
+    for h, i, kv_heads in ((256, 704, 4), (512, 704, 4), (256, 1408, 4), (384, 1024, 4), (256, 704, 1),
+                           (512, 1408, 2), (384, 1024, 1)):
+        dims = [f"model.hidden_size={h}", f"model.intermediate_size={i}", "model.num_heads=4",
+                f"model.num_kv_heads={kv_heads}"]
+        kv = kv_heads * h // 4
         for micro_batch in (2, 4):
             one, two = (count(dims, amp=amp, micro_batch=micro_batch, seq_len=128, layers=n) for n in (1, 2))
-            rows.append(([micro_batch * 128 * h, micro_batch * 128 * i, 4 * h * h + 3 * h * i],
-                         (two[0] - one[0], two[1] - one[1])))
+            rows.append(([micro_batch * 128 * h, micro_batch * 128 * kv, micro_batch * 128 * i,
+                          2 * h * h + 2 * h * kv + 3 * h * i], (two[0] - one[0], two[1] - one[1])))
     return rows
 
 
@@ -102,7 +106,7 @@ def main() -> int:
     torch.manual_seed(0)
     for amp in (False, True):
         regime = "amp" if amp else "bf16"
-        for part, rows in (("layer [T*h, T*I, weights]", layer_rows(amp)), ("rest [T*h, T*V, V*h]", rest_rows(amp))):
+        for part, rows in (("layer [T*h, T*kv, T*I, weights]", layer_rows(amp)), ("rest [T*h, T*V, V*h]", rest_rows(amp))):
             for phase, (coef, err) in fit(rows).items():
                 print(f"{regime:<5} {part:<28} {phase:<9} {coef}  (largest fit error {100 * err:.2f}%)")
     return 0

@@ -73,15 +73,19 @@ SAME_MACHINE = [
     ("h100-llama1b_zero3_sdpa-gpubound", "h100-llama1b_zero3_sdpa-gpubound32"),
 ]
 CHANGED_KEYS = ("train.micro_batch_size", "data.seq_len", "engine.kind", "engine.zero_stage", "model.recompute")
+# model.name first: the shape keys after it refine the named shape
+SHAPE_KEYS = ("model.name", "model.num_layers", "model.hidden_size", "model.intermediate_size", "model.num_heads",
+              "model.num_kv_heads", "model.vocab_size")
 
 
-def overrides_between(source: dict, target: dict) -> list[str]:
-    """KEY=VALUE for each of CHANGED_KEYS the target's recipe sets otherwise."""
+def overrides_between(source: dict, target: dict, keys: tuple[str, ...] = CHANGED_KEYS) -> list[str]:
+    """KEY=VALUE for each of `keys` the target's recipe sets otherwise (and sets at all)."""
     out = []
-    for key in CHANGED_KEYS:
+    for key in keys:
         section, leaf = key.split(".")
-        if source["recipe"][section][leaf] != target["recipe"][section][leaf]:
-            out.append(f"{key}={target['recipe'][section][leaf]}")
+        value = target["recipe"][section].get(leaf)
+        if value is not None and source["recipe"][section].get(leaf) != value:
+            out.append(f"{key}={value}")
     return out
 
 
@@ -182,6 +186,43 @@ def cpu_to_gpu_case(source: str, target: str, hardware: str) -> dict:
             "source_step_ms": src["summary"]["step_ms"]["median"], **_against(pred, tgt)}
 
 
+# Model-shape changes, all measured in one H100 session (2026-11-26): the GPU-bound llama2-1b step at other
+# depths, GQA, vocabulary, and 7B, 13B and 70B layers. Each is projected from that machine's llama2-1b run
+# (same machine), from the H200's (another GPU) and from the CPU quickstart (a CPU to a GPU), without probes.
+SIZE_SOURCE = "h100-llama1b_zero3_sdpa-torch-gpubound"
+SIZE_FROM = [(SIZE_SOURCE, None, "same machine"),
+             ("h200-llama1b_zero3_sdpa-torch-gpubound", "h100-sxm", "H200 to H100"),
+             ("cpu-x86_64-quickstart_cpu-torch", "h100-sxm", "CPU to H100")]
+
+
+def size_targets() -> list[str]:
+    return sorted(p.parent.name for p in PROFILES.glob(f"{SIZE_SOURCE}-*/profile.json"))
+
+
+def size_case(source: str, target: str, hardware: str | None, kind: str) -> dict:
+    """One model-shape change (with the settings the target ran at) projected from `source` to the target's
+    GPU, against its measurement."""
+    from trainprof.projection.project import project
+
+    src, tgt = _profile(source), _profile(target)
+    overrides = overrides_between(src, tgt, SHAPE_KEYS + CHANGED_KEYS)
+    where = {"targets": [hardware], "gpus_per_node": 1} if hardware else {}
+    (pred,) = project(PROFILES / source, overrides=overrides, probe=False, **where)["predictions"]
+    return {"kind": kind, "source": source, "target": target, "hardware": hardware or "this",
+            "overrides": overrides, "change_kinds": pred["change_kinds"], "confidence": pred["confidence_text"],
+            "source_step_ms": src["summary"]["step_ms"]["median"], **_against(pred, tgt)}
+
+
+def size_summary(cases: list[dict]) -> dict[str, dict]:
+    out = {}
+    for kind in dict.fromkeys(c["kind"] for c in cases):
+        step = [abs(c["step_error_pct"]) for c in cases if c["kind"] == kind]
+        memory = [abs(c["memory_error_pct"]) for c in cases if c["kind"] == kind]
+        out[kind] = {"step_mape_pct": round(statistics.fmean(step), 1), "step_max_pct": round(max(step), 1),
+                     "memory_mape_pct": round(statistics.fmean(memory), 2), "cases": len(step)}
+    return out
+
+
 def same_machine_kinds(same: list[dict]) -> dict[str, dict]:
     """Per kind of change, the step error of the same-machine cases that made it and predicted a step."""
     errors: dict[str, list[float]] = {}
@@ -190,7 +231,8 @@ def same_machine_kinds(same: list[dict]) -> dict[str, dict]:
             for kind in c["change_kinds"]:
                 errors.setdefault(kind, []).append(abs(c["step_error_pct"]))
     return {k: {"step_mape_pct": round(statistics.fmean(e), 1), "step_max_pct": round(max(e), 1), "cases": len(e),
-                "note": "from runs of one GPU session (same_machine_cases), not from the CPU bench"}
+                "note": "from runs of one GPU session (same_machine_cases, size_cases of the same machine), not "
+                        "from the CPU bench"}
             for k, e in errors.items()}
 
 
@@ -265,6 +307,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{c['step_error_pct']:+.1f}%" if c["step_error_pct"] is not None else f"step null: {c['step_reason']}")
         print(f"{c['source']} {' '.join(c['overrides'])} (busy {c['source_gpu_busy_frac']:.0%}): {step}; memory "
               f"{c['predicted_memory_gib']:.2f} vs {c['measured_memory_gib']:.2f} GiB ({c['memory_error_pct']:+.2f}%)")
+    size = [size_case(s, t, hw, kind) for s, hw, kind in SIZE_FROM if (PROFILES / s / "profile.json").is_file()
+            for t in size_targets()]
+    for c in size:
+        print(f"model size, {c['kind']}: {c['target'].removeprefix(SIZE_SOURCE + '-'):<11} {' '.join(c['overrides'])}: "
+              f"predicted {c['predicted_step_ms']:7.1f}, measured {c['measured_step_ms']:7.1f}: {c['step_error_pct']:+.1f}%;"
+              f" memory {c['memory_error_pct']:+.2f}%")
+    sizes = size_summary(size) if size else {}
+    for kind, row in sizes.items():
+        print(f"model size, {kind}: step MAPE {row['step_mape_pct']:.1f}%, max {row['step_max_pct']:.1f}%; memory "
+              f"MAPE {row['memory_mape_pct']:.2f}% over {row['cases']} shapes")
     if args.write:
         from trainprof.io import atomic_write_json
 
@@ -272,16 +324,23 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_json(OUT, {
             "measured_on": "lent NVIDIA H100 80GB HBM3 and H200 machines (one GPU each): the folders without a suffix "
                            "2026-11-23, the -gpubound, -hostbound, LoRA and QLoRA ones 2026-11-26 (H200 then H100, "
-                           "two sessions); same_machine_cases: runs of one session",
+                           "two sessions); same_machine_cases: runs of one session; size_cases' targets: one H100 "
+                           "session of 2026-11-26 (09:48-09:52 UTC)",
             "command": "python scripts/gpu_validation.py --write (projects each profiles/h100-* folder to the h200 "
                        "and compares with its profiles/h200-* twin)",
             "by_kind": {"hardware_gpu": {"step_mape_pct": round(statistics.fmean(errors), 1),
                                          "step_max_pct": round(max(errors), 1), "cases": len(cases)},
-                        **same_machine_kinds(same)},
+                        **same_machine_kinds(same + [c for c in size if c["hardware"] == "this"])},
             "cases": cases,
             "same_machine_cases": same,
             "elementwise": elementwise,
             "cpu_to_gpu_cases": cpu_gpu,
+            "size_method": (f"the GPU-bound step of {SIZE_SOURCE}'s recipe at other model shapes, all measured in one "
+                            "H100 session (2026-11-26, gpu_check.sh --program size); each projected from that "
+                            "machine's llama2-1b run (--to this), from the H200's (--to h100-sxm) and from the CPU "
+                            "quickstart (--to h100-sxm), without probes"),
+            "size_cases": size,
+            "size_error": sizes,
             "replay_method": ("trainprof replay SOURCE --to TARGET (trainprof/analysis/replay.py cross_device): the "
                               "source's traced step replayed from its host launches with each kernel re-timed by the "
                               "catalog's datasheet ratio (GEMM and attention kernels by the bf16 dense peak, the rest "

@@ -298,6 +298,39 @@ def test_cpu_to_gpu_cases_recomputed_from_profiles(case):
         assert abs(case["step_error_pct"]) <= 15
 
 
+@pytest.mark.parametrize("case", VALIDATION.get("size_cases") or [],
+                         ids=lambda c: f"{c['kind']}-{c['target'].rsplit('-', 1)[-1]}")
+def test_size_cases_recomputed_from_profiles(case):
+    """A model-shape change (depth, GQA, vocabulary, 7B/13B/70B layers) projected from a llama2-1b run to
+    the target shape measured on an H100: the table's figures again, and the memory within issue 24's 10%."""
+    import gpu_validation
+
+    again = gpu_validation.size_case(case["source"], case["target"], None if case["hardware"] == "this"
+                                      else case["hardware"], case["kind"])
+    assert again["overrides"] == case["overrides"] and "model_size" in again["change_kinds"]
+    for key in ("predicted_step_ms", "step_error_pct", "predicted_memory_gib", "memory_error_pct"):
+        assert again[key] == pytest.approx(case[key], abs=0.05), key
+    assert abs(case["memory_error_pct"]) <= 10
+    if case["kind"] == "CPU to H100":  # a CPU run projected to a GPU is never vouched for
+        assert case["confidence"].startswith("unvalidated"), case["confidence"]
+    else:  # the label carries the largest validated error among its kinds of change
+        worst = max(VALIDATION["by_kind"][k]["step_mape_pct"] for k in case["change_kinds"])
+        assert case["confidence"] == f"±{worst:.1f}%", case["confidence"]
+
+
+def test_size_changes_on_one_gpu_meet_the_issues_goal():
+    """Issue 24's goal for model-size changes (mean <= 10%, max <= 15%), on the GPU: the same machine's
+    llama2-1b run projected to the seven shapes. The other GPU's and the CPU's rows are reported beside
+    it (docs/projection.md) and held to their stated means."""
+    import gpu_validation
+
+    errors = VALIDATION["size_error"]
+    assert errors == gpu_validation.size_summary(VALIDATION["size_cases"])
+    same = errors["same machine"]
+    assert same["cases"] >= 7 and same["step_mape_pct"] <= 10 and same["step_max_pct"] <= 15
+    assert errors["CPU to H100"]["step_mape_pct"] <= 15 and errors["H200 to H100"]["step_mape_pct"] <= 20
+
+
 TRACES = sorted(p for f in GPU for p in f.glob("*.pt.trace.json.gz"))
 
 

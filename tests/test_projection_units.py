@@ -748,16 +748,17 @@ def test_a_probe_process_reads_its_own_peak_not_the_one_of_the_process_that_spaw
     del held
 
 
-@pytest.mark.parametrize("amp", [False, True], ids=["bf16", "amp"])
-def test_counted_elementwise_bytes_match_the_models_own_operators(amp):
+@pytest.mark.parametrize("amp,kv_heads", [(False, 5), (True, 5), (True, 1)], ids=["bf16", "amp", "amp-gqa"])
+def test_counted_elementwise_bytes_match_the_models_own_operators(amp, kv_heads):
     """gemm.ELEMENTWISE_BYTES and REST_BYTES, fitted by scripts/count_traffic.py on a grid of shapes,
     predict the bytes the HF model's non-GEMM operators move at a shape off that grid (a TorchDispatchMode
-    over the real forward and backward); a change of HF's Llama code that moves more shows here."""
+    over the real forward and backward), GQA's narrower keys and values included; a change of HF's Llama
+    code that moves more shows here."""
     sys.path.insert(0, str(REPO / "scripts"))
     from count_traffic import count
 
-    dims = ["model.hidden_size=320", "model.intermediate_size=896", "model.num_heads=5", "model.num_kv_heads=5",
-            "model.vocab_size=1536", "train.micro_batch_size=3", "data.seq_len=96"]
+    dims = ["model.hidden_size=320", "model.intermediate_size=896", "model.num_heads=5",
+            f"model.num_kv_heads={kv_heads}", "model.vocab_size=1536", "train.micro_batch_size=3", "data.seq_len=96"]
     engine = ["engine.kind=torch", "engine.zero_stage=0"] if amp else []
     work = Work.of(load_recipe(QUICKSTART, dims + engine))
     for layers in (1, 2):

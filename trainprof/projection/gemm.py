@@ -18,13 +18,13 @@ from trainprof.shapes import LlamaShape
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Bytes HF Llama's non-GEMM operators read and write per micro batch, counted op by op on the model's own
 # code (scripts/count_traffic.py: every aten op but GEMMs, attention and views, under a TorchDispatchMode,
-# sdpa attention; fits within 2.1%). Per decoder layer: [per token x h, per token x I, per weight
-# element]; the rest of the model: [per token x h, per token x V, per V x h]. "amp": fp32 weights under
-# bf16 autocast (the torch engine), whose casts are the weight term; "bf16": 16-bit weights (DeepSpeed,
-# FSDP2). Heads are counted at num_kv_heads = num_heads: GQA's smaller k and v are not.
+# sdpa attention; fits within 2.1%). Per decoder layer: [per token x h, per token x kv, per token x I, per
+# weight element], kv = num_kv_heads x head_dim (GQA's keys and values are narrower); the rest of the
+# model: [per token x h, per token x V, per V x h]. "amp": fp32 weights under bf16 autocast (the torch
+# engine), whose casts are the weight term; "bf16": 16-bit weights (DeepSpeed, FSDP2).
 ELEMENTWISE_BYTES = {
-    ("bf16", "forward"): (124.22, 10.0, 0.05), ("bf16", "backward"): (286.26, 18.01, 0.05),
-    ("amp", "forward"): (178.36, 9.97, 6.11), ("amp", "backward"): (410.4, 17.98, 6.11),
+    ("bf16", "forward"): (104.31, 20.01, 10.0, 0.04), ("bf16", "backward"): (253.16, 33.0, 18.01, 0.07),
+    ("amp", "forward"): (142.55, 36.02, 9.97, 6.08), ("amp", "backward"): (351.39, 59.0, 17.98, 6.11),
 }
 REST_BYTES = {
     ("bf16", "forward"): (41.39, 17.66, 2.68), ("bf16", "backward"): (98.11, 26.01, 2.0),
@@ -89,13 +89,15 @@ def rest_gemms(shape: LlamaShape, micro_batch: int, seq_len: int, phase: str, *,
 
 def layer_traffic_bytes(shape: LlamaShape, micro_batch: int, seq_len: int, dtype: str, attention: str) -> float:
     """Bytes one decoder layer's non-GEMM work moves per micro batch and pass, to leading order: the
-    elementwise ops read and write activations of width h (norms, residuals, rotary) and I (SwiGLU),
+    elementwise ops read and write activations of width h (norms, residuals, rotary), kv (keys and values)
+    and I (SwiGLU),
     the weights are read once, and eager attention also writes and reads its s x s scores per head."""
     b = DTYPE_BYTES.get(dtype, 2)
-    t, h, i = micro_batch * seq_len, shape.hidden_size, shape.intermediate_size
-    weights = b * (2 * h * h + 2 * h * shape.num_kv_heads * shape.head_dim + 3 * h * i)
+    t, h, i, kv = micro_batch * seq_len, shape.hidden_size, shape.intermediate_size, shape.num_kv_heads * shape.head_dim
+    weights = b * (2 * h * h + 2 * h * kv + 3 * h * i)
     scores = 4 * micro_batch * shape.num_heads * seq_len * seq_len if attention == "eager" else 0.0
-    return b * t * (8 * h + 4 * i) + weights + scores
+    # about an eighth of the per-token width-h traffic is keys' and values' (ELEMENTWISE_BYTES' kv term)
+    return b * t * (7 * h + kv + 4 * i) + weights + scores
 
 
 def rest_traffic_bytes(shape: LlamaShape, micro_batch: int, seq_len: int, dtype: str) -> float:
@@ -203,9 +205,10 @@ class Work:
         step = "forward" if phase == "recompute" else phase
         t, h, i, v = (self.micro_batch * self.seq_len, self.shape.hidden_size, self.shape.intermediate_size,
                       self.shape.vocab_size)
-        a, c, w = ELEMENTWISE_BYTES[(regime, step)]
+        a, k, c, w = ELEMENTWISE_BYTES[(regime, step)]
+        kv = self.shape.num_kv_heads * self.shape.head_dim
         weights = sum(fan_in * fan_out for fan_in, fan_out in linear_dims(self.shape).values())
-        per_layer = t * (a * h + c * i) + w * weights
+        per_layer = t * (a * h + k * kv + c * i) + w * weights
         if self.attention == "eager":
             per_layer += 4 * self.micro_batch * self.shape.num_heads * self.seq_len ** 2 * (1 if step == "forward" else 2)
         if self.quantized:
