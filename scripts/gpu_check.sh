@@ -135,12 +135,13 @@ keep() {  # keep NAME RUN_DIR: what profiles/ keeps of the run, packed as OUTDIR
   fi
   mkdir -p "$dest"
   cp "$run/profile.json" "$run/summary.md" "$run/recipe.yaml" "$dest/"
+  gzip -9 -n "$dest/profile.json"  # profiles/ keeps it gzipped: the tree travels with every device call
   [ -f "$run/calibration.json" ] && cp "$run/calibration.json" "$dest/"
   # shellcheck disable=SC2086  # TRACE_GLOB is a pattern
   local trace; trace=$(ls "$run"/$TRACE_GLOB 2>/dev/null | head -1)
   if [ "${KEEP_TRACE:-1}" = 0 ]; then :
   elif [ -n "$trace" ]; then cp "$trace" "$dest/"; else failed+=("$name: no trace in $run/tb"); fi
-  pack "$name"
+  [ "${KEEP_PACK:-1}" = 0 ] || pack "$name"
 }
 run_recipe() {  # run_recipe NAME LIMIT_S RECIPE [KEY=VALUE...]: one run on this GPU, kept as <kind>-NAME
   local name=$1 limit=$2; shift 2
@@ -187,7 +188,7 @@ program_size() {  # issue 24: the GPU-bound torch step at other model shapes (no
 vocab48k model.vocab_size=48000}"
   for s in "${shapes[@]}"; do
     # shellcheck disable=SC2086
-    KEEP_TRACE=0 run_recipe llama1b_zero3_sdpa-torch-gpubound-${s%% *} 100 recipes/llama1b_zero3_sdpa.yaml $TORCH $GPU_BOUND ${s#* }
+    KEEP_TRACE=0 KEEP_PACK=0 run_recipe llama1b_zero3_sdpa-torch-gpubound-${s%% *} 100 recipes/llama1b_zero3_sdpa.yaml $TORCH $GPU_BOUND ${s#* }
   done
   mkdir -p "$kept/$kind-memory"
   local m=(python3 -m torch.distributed.run --nproc_per_node 1 scripts/memory_at_peak.py)
@@ -198,7 +199,10 @@ vocab48k model.vocab_size=48000}"
   # shellcheck disable=SC2086
   step "memory at peak: Llama2-7B QLoRA" 150 "${m[@]}" "$kept/$kind-memory/llama7b_qlora.json" \
     recipes/llama70b_qlora.yaml model.name=llama2-7b train.steps=3 $quiet
-  [ "$dry_run" = 1 ] || pack memory
+  # one archive for all of it: the device tool returns 8 files at most (the log and runs.tgz among them)
+  if [ "$dry_run" = 0 ]; then
+    (cd "$kept" && tar czf "$out/$kind-size.tgz" "$kind"-*) && echo "--- kept $kind-size.tgz:" && tar tzvf "$out/$kind-size.tgz"
+  fi
 }
 program_lora() {
   run_recipe llama7b_lora 120 recipes/llama13b_lora.yaml model.name=llama2-7b train.steps=8

@@ -25,12 +25,20 @@ OUT = ROOT / "trainprof" / "projection" / "validation_gpu.json"
 
 
 def pairs() -> list[tuple[str, str]]:
-    names = {p.parent.name for p in PROFILES.glob("*/profile.json")}
+    names = {p.parent.name for p in PROFILES.glob("*/profile.json*")}
     return [(n, "h200-" + n[5:]) for n in sorted(names) if n.startswith("h100-") and "h200-" + n[5:] in names]
 
 
+def _kept(name: str) -> bool:
+    from trainprof.io import profile_file
+
+    return profile_file(PROFILES / name) is not None
+
+
 def _profile(name: str) -> dict:
-    return json.loads((PROFILES / name / "profile.json").read_text())
+    from trainprof.io import read_profile
+
+    return read_profile(PROFILES / name)
 
 
 def _against(pred: dict, target: dict) -> dict:
@@ -114,13 +122,14 @@ def elementwise_rows() -> list[dict]:
     the bytes counted for them (gemm.Work.device_bytes), as a share of the GPU's datasheet bandwidth.
     QLoRA is left out: its table predates the rows of bitsandbytes' kernels."""
     from trainprof.hardware import find_accelerator, load_catalog, memory_bandwidth
+    from trainprof.io import read_json
     from trainprof.projection.gemm import Work
     from trainprof.projection.measured import measured_from_profile
     from trainprof.recipe import recipe_from_dict
 
     rows, catalog = [], load_catalog()
-    for path in sorted(PROFILES.glob("*/profile.json")):
-        doc = json.loads(path.read_text())
+    for path in sorted(PROFILES.glob("*/profile.json*")):
+        doc = read_json(path)
         if doc["env"].get("device_type") != "cuda" or doc["recipe"]["task"]["kind"] == "qlora":
             continue
         m = measured_from_profile(doc)
@@ -196,7 +205,7 @@ SIZE_FROM = [(SIZE_SOURCE, None, "same machine"),
 
 
 def size_targets() -> list[str]:
-    return sorted(p.parent.name for p in PROFILES.glob(f"{SIZE_SOURCE}-*/profile.json"))
+    return sorted(p.parent.name for p in PROFILES.glob(f"{SIZE_SOURCE}-*/profile.json*"))
 
 
 def size_case(source: str, target: str, hardware: str | None, kind: str) -> dict:
@@ -280,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"H100 -> H200 step-time MAPE {statistics.fmean(errors):.1f}%, max {max(errors):.1f}% over {len(cases)} pairs")
     elementwise = elementwise_block(elementwise_rows())
     cpu_gpu = [cpu_to_gpu_case(*c) for c in CPU_TO_GPU
-               if (PROFILES / c[0] / "profile.json").is_file() and (PROFILES / c[1] / "profile.json").is_file()]
+               if _kept(c[0]) and _kept(c[1])]
     print(f"elementwise work: {elementwise['share_of_datasheet_bandwidth']:.3f} of the datasheet bandwidth (fitted on "
           f"{len(ELEMENTWISE_FIT)} runs); held-out phases off by {elementwise['held_out_error_pct']['mean']:.1f}% "
           f"on average, {elementwise['held_out_error_pct']['max']:.1f}% at most")
@@ -297,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"replay across GPUs: mean {statistics.fmean(replay_errors):.1f}%, max {max(replay_errors):.1f}% "
               f"over {len(replayed)} cases")
     same = [same_machine_case(s, t) for s, t in SAME_MACHINE
-            if (PROFILES / s / "profile.json").is_file() and (PROFILES / t / "profile.json").is_file()]
+            if _kept(s) and _kept(t)]
     for c in cpu_gpu:
         print(f"{c['source']} -> {c['target']} ({' '.join(c['overrides'])}, {c['hardware']}): predicted "
               f"{c['predicted_step_ms']:.1f}, measured {c['measured_step_ms']:.1f}: {c['step_error_pct']:+.1f}%; memory "
@@ -307,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{c['step_error_pct']:+.1f}%" if c["step_error_pct"] is not None else f"step null: {c['step_reason']}")
         print(f"{c['source']} {' '.join(c['overrides'])} (busy {c['source_gpu_busy_frac']:.0%}): {step}; memory "
               f"{c['predicted_memory_gib']:.2f} vs {c['measured_memory_gib']:.2f} GiB ({c['memory_error_pct']:+.2f}%)")
-    size = [size_case(s, t, hw, kind) for s, hw, kind in SIZE_FROM if (PROFILES / s / "profile.json").is_file()
+    size = [size_case(s, t, hw, kind) for s, hw, kind in SIZE_FROM if _kept(s)
             for t in size_targets()]
     for c in size:
         print(f"model size, {c['kind']}: {c['target'].removeprefix(SIZE_SOURCE + '-'):<11} {' '.join(c['overrides'])}: "

@@ -20,11 +20,12 @@ sys.path.insert(0, str(ROOT))
 
 def reference_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, dict[str, tuple[float, list[str]]]]:
     """engine kind -> phase -> (mean µs per call, ['<profile dir>: <µs>', ...]) over host-bound phases."""
+    from trainprof.io import read_json
     from trainprof.projection.hostref import HOST_PHASES, host_us_per_op
 
     found: dict[str, dict[str, list[tuple[str, float]]]] = {}
-    for path in sorted(profiles_dir.glob("*/profile.json")):
-        profile = json.loads(path.read_text())
+    for path in sorted(profiles_dir.glob("*/profile.json*")):
+        profile = read_json(path)
         if profile["env"].get("device_type") != "cuda":
             continue
         kind = (profile.get("engine") or {}).get("kind") or profile["recipe"]["engine"]["kind"]
@@ -37,12 +38,13 @@ def reference_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, dict[s
 
 def optimizer_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, tuple[float, list[str]]]:
     """engine kind -> (mean bytes per trainable parameter, ['<profile dir>: <bytes>', ...])."""
+    from trainprof.io import read_json
     from trainprof.projection.hostref import optimizer_bytes_per_param
 
     found: dict[str, list[tuple[str, float]]] = {}
-    for path in sorted(profiles_dir.glob("*/profile.json")):
+    for path in sorted(profiles_dir.glob("*/profile.json*")):
         cal = path.parent / "calibration.json"
-        profile = json.loads(path.read_text())
+        profile = read_json(path)
         if profile["env"].get("device_type") != "cuda" or not cal.is_file() \
                 or profile["recipe"]["task"]["kind"] != "pretrain":  # LoRA's optimizer: fixed costs over few params
             continue
@@ -57,12 +59,13 @@ def optimizer_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, tuple[
 def ops_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, dict[str, tuple[float, list[str]]]]:
     """engine kind -> phase -> (median operator calls per decoder layer and micro batch, the runs) over the
     GPU pretraining runs with an operator trace."""
+    from trainprof.io import read_json
     from trainprof.projection.measured import measured_from_profile
     from trainprof.recipe import recipe_from_dict, resolve_shape
 
     found: dict[str, dict[str, list[tuple[str, float]]]] = {}
-    for path in sorted(profiles_dir.glob("*/profile.json")):
-        profile = json.loads(path.read_text())
+    for path in sorted(profiles_dir.glob("*/profile.json*")):
+        profile = read_json(path)
         if profile["env"].get("device_type") != "cuda" or profile["recipe"]["task"]["kind"] != "pretrain":
             continue
         m = measured_from_profile(profile)

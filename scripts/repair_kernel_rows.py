@@ -9,19 +9,20 @@ GPU busy share (which sums the table) is recomputed, and `ops_info.repaired` say
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from trainprof.analysis.gpu_busy import gpu_busy_fields, trace_device_time
-from trainprof.io import atomic_write_json
+from trainprof.io import atomic_write_json, profile_file, read_json
 from trainprof.profiler.ops import counted_again
 
 
 def repair(folder: Path) -> dict:
     """Drop the folder's op-launched `kernel::` rows; returns what was dropped (rows, ms)."""
-    path = folder / "profile.json"
-    doc = json.loads(path.read_text())
+    path = profile_file(folder)
+    if path is None:
+        raise SystemExit(f"{folder}: no profile.json")
+    doc = read_json(path)
     traces = sorted(folder.glob("*.pt.trace.json.gz"))
     if not traces:
         raise SystemExit(f"{folder}: no kept trace (*.pt.trace.json.gz) names what the operators launched")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from trainprof.io import read_profile
 from trainprof.report.advisor import advise, advice_lines
 
 DATA = Path(__file__).parent / "data"
@@ -149,7 +150,7 @@ def test_small_batch_reads_the_gpus_idle_share_on_a_gpu_run():
 
     from conftest import REPO
 
-    profile = json.loads((REPO / "profiles" / "h200-llama7b_qlora" / "profile.json").read_text())
+    profile = read_profile(REPO / "profiles" / "h200-llama7b_qlora")
     a = {x["rule"]: x for x in advise(profile)["advice"]}["small_batch"]
     assert a["trigger"]["figure"] == "gpu_busy.step.idle_frac"
     assert a["trigger"]["value"] == pytest.approx(profile["gpu_busy"]["step"]["idle_frac"]) and a["trigger"]["value"] > 0.9

@@ -10,17 +10,17 @@ H100 and H200 runs measured identical peaks, so run-to-run noise adds nothing.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
+from trainprof.io import read_json, read_profile
 from trainprof.plan import estimate_plan
 from trainprof.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
-GPU_PROFILES = sorted(p.parent for p in (REPO / "profiles").glob("*/profile.json")
-                      if json.loads(p.read_text())["env"].get("device_type") == "cuda")
+GPU_PROFILES = sorted(p.parent for p in (REPO / "profiles").glob("*/profile.json*")
+                      if read_json(p)["env"].get("device_type") == "cuda")
 BOUND = 0.03
 
 
@@ -55,7 +55,7 @@ def _param(folder: Path):
 
 @pytest.mark.parametrize("folder", [_param(f) for f in GPU_PROFILES])
 def test_planned_peaks_match_the_measured_allocator_peaks(folder: Path) -> None:
-    profile = json.loads((folder / "profile.json").read_text())
+    profile = read_profile(folder)
     # the profiler's GPU meter: torch.cuda.max_memory_allocated, reset at every phase start
     assert profile["env"]["memory_meter"].startswith("cuda_allocator_peak")
     measured = profile["summary"]["peak_memory_bytes"]

@@ -1,15 +1,16 @@
-"""Every checked-in reference profile (profiles/*/profile.json) is valid profile.json and closes."""
+"""Every checked-in reference profile (profiles/*/profile.json, gzipped for the GPU runs) is a valid profile
+and closes."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from conftest import REPO
+from trainprof.io import read_json
 from trainprof.profiler.schema import validate_profile
 
-PROFILES = sorted((REPO / "profiles").glob("*/profile.json"))
+PROFILES = sorted((REPO / "profiles").glob("*/profile.json*"))
 
 
 def test_there_is_a_reference_profile():
@@ -18,7 +19,7 @@ def test_there_is_a_reference_profile():
 
 @pytest.mark.parametrize("path", PROFILES, ids=[p.parent.name for p in PROFILES])
 def test_reference_profile_valid_and_closes(path):
-    doc = json.loads(path.read_text())
+    doc = read_json(path)
     validate_profile(doc)
     assert (path.parent / "summary.md").is_file()
     assert not (path.parent / "tb").exists()  # no traces in profiles/

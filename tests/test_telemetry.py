@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from trainprof.analysis.gpu_busy import gpu_busy_fields, phase_busy
+from trainprof.io import read_profile
 from trainprof.profiler import Profiler
 from trainprof.profiler.schema import validate_profile
 from trainprof.profiler.nvml import open_nvml
@@ -188,7 +189,7 @@ def test_profiler_folds_samples_into_its_measured_steps(tmp_path):
 
 def test_gpu_busy_of_the_checked_in_h100_runs():
     """The busy share from a CUDA profile's operator table (device self time over the phase's median)."""
-    doc = json.loads((REPO / "profiles" / "h100-llama1b_zero3_sdpa-torch" / "profile.json").read_text())
+    doc = read_profile(REPO / "profiles" / "h100-llama1b_zero3_sdpa-torch")
     rows, reason = phase_busy(doc)
     assert reason is None
     step = rows[0]
@@ -293,5 +294,5 @@ def test_report_of_a_checked_in_h100_run_shows_its_gpu_busy_share(tmp_path):
     assert '<table id="gpu-busy-table">' in html
     assert "58.6%" in html  # the step: 117.3 ms of device time in a 200.1 ms step
     assert "not available: GPU telemetry" in html and "predates GPU telemetry" in html
-    md = render_summary(json.loads((run / "profile.json").read_text()), run)
+    md = render_summary(read_profile(run), run)
     assert "| step | 200.12 | 117.26 | 58.6% | 41.4% |" in md

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import tempfile
@@ -9,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write `text` to `path` via a temp file in the same directory and os.replace."""
+def atomic_write_text(path: str | Path, text: str | bytes) -> None:
+    """Write `text` (or bytes) to `path` via a temp file in the same directory and os.replace."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -26,7 +27,35 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 
 def atomic_write_json(path: str | Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+    """JSON, indented; gzipped (no timestamp: the same data, the same bytes) where the name ends in .gz."""
+    text = json.dumps(data, indent=2, default=str) + "\n"
+    atomic_write_text(path, gzip.compress(text.encode(), mtime=0) if Path(path).suffix == ".gz" else text)
+
+
+# A run dir's profile; the folders kept in profiles/ store it gzipped (they travel with every GPU call)
+PROFILE_NAMES = ("profile.json", "profile.json.gz")
+
+
+def profile_file(run_dir: str | Path) -> Path | None:
+    """The run dir's profile.json, or its gzipped copy, or None."""
+    return next((p for p in (Path(run_dir) / n for n in PROFILE_NAMES) if p.is_file()), None)
+
+
+def read_json(path: str | Path) -> Any:
+    """A JSON file, gzipped where its name ends in .gz."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt") as f:
+            return json.load(f)
+    return json.loads(path.read_text())
+
+
+def read_profile(run_dir: str | Path) -> dict[str, Any]:
+    """The run dir's profile (profile.json or profile.json.gz); FileNotFoundError without either."""
+    path = profile_file(run_dir)
+    if path is None:
+        raise FileNotFoundError(f"{run_dir}: no profile.json")
+    return read_json(path)
 
 
 def read_yaml(path: str | Path, *, what: str, hint: str, error: type[Exception]) -> Any:

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from trainprof.io import read_json, read_profile
+
 REPO = Path(__file__).resolve().parents[2]
 PROFILES = REPO / "profiles"
 sys.path.insert(0, str(REPO / "scripts"))  # bench_overhead.py and bench_overhead_cuda.py
@@ -26,16 +28,16 @@ TELEMETRY_BOUNDS = {
 
 
 def gpu_folders() -> list[Path]:
-    """profiles/<folder>/ with a CUDA profile.json, sorted."""
+    """profiles/<folder>/ with a CUDA profile (profile.json.gz there), sorted."""
     out = []
-    for path in sorted(PROFILES.glob("*/profile.json")):
-        if (json.loads(path.read_text()).get("env") or {}).get("device_type") == "cuda":
+    for path in sorted(PROFILES.glob("*/profile.json*")):
+        if (read_json(path).get("env") or {}).get("device_type") == "cuda":
             out.append(path.parent)
     return out
 
 
 def load(folder: Path) -> dict[str, Any]:
-    return json.loads((folder / "profile.json").read_text())
+    return read_profile(folder)
 
 
 def used_steps(doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -59,16 +59,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_cross_device(path: Path, steps: list, to: str) -> None:
     """The --to prediction: the measured step carried by the ratio of the replays on the two GPUs."""
-    import json
 
     from trainprof.analysis.replay import cross_device, device_rates
     from trainprof.errors import UserError
     from trainprof.hardware import CatalogError, find_accelerator, load_catalog
+    from trainprof.io import profile_file, read_json
 
-    profile = next((p for p in (path / "profile.json", path.parent / "profile.json") if p.is_file()), None)
+    profile = profile_file(path) or profile_file(path.parent)
     if profile is None:
         raise UserError(f"'{path}': --to needs the run's profile.json beside the trace (its GPU and measured step)")
-    doc = json.loads(profile.read_text())
+    doc = read_json(profile)
     catalog = load_catalog()
     device = (doc.get("env") or {}).get("device") or ""
     key = find_accelerator(catalog, device)

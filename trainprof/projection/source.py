@@ -40,14 +40,15 @@ def load_source(run_dir: str | Path, overrides: list[str] | None = None) -> tupl
     Raises:
         ProjectionError: no profile.json, a partial profile, or neither a recipe nor a workload.
     """
+    from trainprof.io import profile_file, read_json
     from trainprof.recipe import RecipeError, apply_overrides, load_recipe, recipe_from_dict
 
     run_dir = Path(run_dir)
-    path = run_dir / "profile.json"
-    if not path.is_file():
+    path = profile_file(run_dir)
+    if path is None:
         raise ProjectionError(f"'{run_dir}' has no profile.json; pass a run dir written by `trainprof run`, "
                               "`trainprof wrap` or a trainprof callback")
-    profile = json.loads(path.read_text())
+    profile = read_json(path)
     if profile.get("partial"):
         raise ProjectionError(f"'{run_dir}' holds a partial profile (the run failed); project from a finished run")
     recipe_path = run_dir / "recipe.yaml"

@@ -12,6 +12,7 @@ from typing import Any
 
 from trainprof.analysis import records
 from trainprof.analysis.trace import find_traces
+from trainprof.io import profile_file, read_json
 from trainprof.phases import PHASES, PIPELINE_PHASES
 
 
@@ -117,12 +118,14 @@ def load_run(path: str | Path) -> RunData:
         raise RunDirError(f"run dir '{path}' does not exist or is not a directory; pass runs/<run>/")
     profile, source = None, "none"
     recovered = []
-    if not (path / "profile.json").is_file() and list(path.glob("profile.rank*.journal.jsonl")):
+    kept = profile_file(path)
+    if kept is None and list(path.glob("profile.rank*.journal.jsonl")):
         from trainprof.profiler.journal import recover_journals  # imports torch: only for a killed run
 
         recovered = recover_journals(path)
-    if (path / "profile.json").is_file():
-        profile, source = json.loads((path / "profile.json").read_text()), "profile.json"
+        kept = profile_file(path)
+    if kept is not None:
+        profile, source = read_json(kept), kept.name
     elif list(path.glob("profile.rank*.json")):
         from trainprof.analysis.merge import merge_rank_files
 
