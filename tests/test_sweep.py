@@ -1,5 +1,6 @@
-"""`trainprof sweep` on CPU with real DeepSpeed: the shipped ZeRO x recompute x attention sweep gives one
-row per cell with the expected memory orderings, and a second invocation runs nothing again."""
+"""`trainprof sweep` on CPU with real DeepSpeed: the shipped ZeRO x recompute x attention sweep (its ZeRO-0
+and ZeRO-3 cells) gives one row per cell with the expected memory orderings, and a second invocation runs
+nothing again."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 
 import pandas as pd
 import pytest
+import yaml
 
 from conftest import QUIET, REPO
 
@@ -25,12 +27,22 @@ def run_sweep(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_zero_recompute_attention_sweep(tmp_path):
+    # the shipped file's 12 cells, validated; the cells run are its ZeRO-0 and ZeRO-3 ones (each cell is a
+    # process of 7-9 s, most of it imports; ZeRO-2 runs in test_engines)
+    listed = run_sweep(str(SWEEP), "--dry-run", timeout=120)
+    assert listed.returncode == 0 and listed.stdout.count("engine.zero_stage=") == 12, listed.stdout[-2000:]
+    spec = yaml.safe_load(SWEEP.read_text())
+    spec["recipe"] = str((SWEEP.parent / spec["recipe"]).resolve())
+    spec["matrix"]["engine.zero_stage"] = [0, 3]
+    sweep = tmp_path / SWEEP.name
+    sweep.write_text(yaml.safe_dump(spec, sort_keys=False))
     out = tmp_path / "sweep"
     # peak RSS is reached in step 1; the table shows neither calibration nor operator traces
-    proc = run_sweep(str(SWEEP), "train.steps=1", *QUIET, "--out", str(out))
+    proc = run_sweep(str(sweep), "train.steps=1", *QUIET, "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    again = run_sweep(str(sweep), "train.steps=1", *QUIET, "--out", str(out), timeout=120)
     df = pd.read_csv(out / "results.csv")
-    assert len(df) == 12 and set(df["status"]) == {"done"}, df[["cell", "status", "failure_message"]]
+    assert len(df) == 8 and set(df["status"]) == {"done"}, df[["cell", "status", "failure_message"]]
     assert (df["tokens_per_s"] > 0).all() and (df["step_ms"] > 0).all() and (df["world_size"] == 1).all()
     for suffix in ("md", "html", "png"):
         assert (out / f"results.{suffix}").stat().st_size > 0
@@ -41,7 +53,7 @@ def test_zero_recompute_attention_sweep(tmp_path):
     df["zero"], df["recompute"], df["attention"] = cfg[0].astype(int), cfg[1] == "true", cfg[2]
     df = df.set_index(["zero", "recompute", "attention"])
     act, mem = df["activation_mib"], df["peak_memory_mib"]
-    for zero in (0, 2, 3):
+    for zero in (0, 3):
         for attention in ("eager", "sdpa"):
             # recomputation keeps each layer's input instead of its activations: what autograd saves for
             # backward (counted exactly) drops to the loss's share. Peak RSS falls too (74-319 MiB in
@@ -54,11 +66,9 @@ def test_zero_recompute_attention_sweep(tmp_path):
     # activations do not depend on how ZeRO partitions the model states
     assert act.groupby(level=["recompute", "attention"]).nunique().eq(1).all(), act.to_dict()
 
-    # a second invocation finds every cell finished and runs none
-    state = json.loads((out / "sweep.json").read_text())
-    assert all(c["status"] == "done" and c["attempts"] == 1 for c in state["cells"].values())
-    again = run_sweep(str(SWEEP), "train.steps=1", *QUIET, "--out", str(out), timeout=120)
+    # the second invocation (above) found every cell finished and ran none
     assert again.returncode == 0, again.stderr[-2000:]
-    state2 = json.loads((out / "sweep.json").read_text())
-    assert {k: c["attempts"] for k, c in state2["cells"].items()} == {k: 1 for k in state["cells"]}
-    assert len(pd.read_csv(out / "results.csv")) == 12
+    state = json.loads((out / "sweep.json").read_text())
+    assert len(state["cells"]) == 8
+    assert all(c["status"] == "done" and c["attempts"] == 1 for c in state["cells"].values())
+    assert len(pd.read_csv(out / "results.csv")) == 8
