@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             "replay_error_pct": ({"mean": round(statistics.fmean(replay_errors), 1),
                                   "max": round(max(replay_errors), 1), "cases": len(replayed)} if replayed else None),
             "finding": ("the one GPU-bound pair (plain PyTorch AMP, micro batch 16 x 1024, GPU busy 98% on both) is "
-                        "predicted H100 -> H200 at -12.6% by the step model and at -5.5% by the replay (+10.4% the "
+                        "predicted H100 -> H200 at -9.6% by the step model and at -5.5% by the replay (+10.4% the "
                         "other way); the other pairs are host-bound at least in part, and their error is the two "
                         "machines' hosts: the H200's was slower at ZeRO-3 and faster at LoRA than the H100's, which "
                         "neither model can know from the source (the target's host is taken as fast as the source's)."),

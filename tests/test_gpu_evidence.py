@@ -318,17 +318,17 @@ def test_size_cases_recomputed_from_profiles(case):
         assert case["confidence"] == f"±{worst:.1f}%", case["confidence"]
 
 
-def test_size_changes_on_one_gpu_meet_the_issues_goal():
-    """Issue 24's goal for model-size changes (mean <= 10%, max <= 15%), on the GPU: the same machine's
-    llama2-1b run projected to the seven shapes. The other GPU's and the CPU's rows are reported beside
-    it (docs/projection.md) and held to their stated means."""
+def test_size_changes_on_a_gpu_meet_the_issues_goal():
+    """Issue 24's goal for model-size changes (mean <= 10%, max <= 15%), on the GPU, from each source: the
+    same H100's llama2-1b run, the H200's (each GPU's non-GEMM work at the bandwidth share its own runs
+    measured) and the CPU quickstart, to the seven shapes measured on the H100."""
     import gpu_validation
 
     errors = VALIDATION["size_error"]
     assert errors == gpu_validation.size_summary(VALIDATION["size_cases"])
-    same = errors["same machine"]
-    assert same["cases"] >= 7 and same["step_mape_pct"] <= 10 and same["step_max_pct"] <= 15
-    assert errors["CPU to H100"]["step_mape_pct"] <= 15 and errors["H200 to H100"]["step_mape_pct"] <= 20
+    assert set(errors) == {"same machine", "H200 to H100", "CPU to H100"}
+    for kind, row in errors.items():
+        assert row["cases"] >= 7 and row["step_mape_pct"] <= 10 and row["step_max_pct"] <= 15, (kind, row)
 
 
 TRACES = sorted(p for f in GPU for p in f.glob("*.pt.trace.json.gz"))

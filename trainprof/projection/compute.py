@@ -166,13 +166,10 @@ def rerated_phase(m: Measured, ph: str, src: Work, tgt: Work, src_machine: Machi
     if src_machine.is_gpu == dst_machine.is_gpu:  # like for like: the source's efficiency carries over
         matmul_t = matmul * g_tgt / g_src if g_src > 0 else 0.0
         traffic = tgt.traffic_bytes() / src.traffic_bytes()
-        other_t = other * traffic * (src_machine.memory_gbps or 1.0) / (dst_machine.memory_gbps or 1.0)
+        other_t = other * traffic * reached_gbps(src_machine) / reached_gbps(dst_machine)
     else:  # a CPU's efficiency says nothing of a GPU's: the target's work from its shapes and rates alone
-        from trainprof.projection.validation import elementwise_share
-
         matmul_t = g_tgt
-        bandwidth = (dst_machine.memory_gbps or 1.0) * 1e9 * (elementwise_share(dst_machine.name)[0] if dst_machine.is_gpu else 1.0)
-        other_t = tgt.device_bytes(ph) / bandwidth * 1e3
+        other_t = tgt.device_bytes(ph) / (reached_gbps(dst_machine) * 1e9) * 1e3
     host_t = None
     if ops is not None and ops.calls:
         per_layer = (ops_per_layer * ga if ops_per_layer is not None else ops.layer_calls / max(src.shape.num_layers, 1)) \
@@ -183,6 +180,15 @@ def rerated_phase(m: Measured, ph: str, src: Work, tgt: Work, src_machine: Machi
         elif host is not None:
             host_t = host * calls_t / (ops.calls / ga)
     return Rerated(device_ms=matmul_t + other_t, host_ms=host_t)
+
+
+def reached_gbps(machine: Machine) -> float:
+    """The memory bandwidth a model's non-GEMM operators reach: a GPU's datasheet figure times the share its
+    runs measured (its own where it has one, else the share over the measured GPUs: elementwise_share);
+    a CPU's calibrated copy bandwidth as it is."""
+    from trainprof.projection.validation import elementwise_share
+
+    return (machine.memory_gbps or 1.0) * (elementwise_share(machine.name)[0] if machine.is_gpu else 1.0)
 
 
 def task_ops(w: Work) -> float:

@@ -134,15 +134,11 @@ def _rerated(m: Measured, change: Change, inputs: Inputs, notes: list[Assumption
         # the layers' share of the forward, re-rated as the forward was
         fwd_s = m.phases_ms["forward"] / m.grad_accum
         recompute_t = mb["forward"] * layers_f / fwd_s
-    if src_m.is_gpu == dst_m.is_gpu:
-        notes.append(assume("device_rerated", target=dst_m.name, matmul_source=dst_m.matmul_source,
-                            memory_source=dst_m.memory_source))
-    else:
-        from trainprof.projection.validation import elementwise_share
+    from trainprof.projection.validation import elementwise_share
 
-        notes.append(assume("device_analytic", target=dst_m.name, matmul_source=dst_m.matmul_source,
-                            memory_source=dst_m.memory_source,
-                            elementwise=elementwise_share(dst_m.name)[1] if dst_m.is_gpu else "1 (the roofline)"))
+    elementwise = elementwise_share(dst_m.name)[1] if dst_m.is_gpu else "1 (a CPU: its calibrated copy bandwidth)"
+    notes.append(assume("device_rerated" if src_m.is_gpu == dst_m.is_gpu else "device_analytic", target=dst_m.name,
+                        matmul_source=dst_m.matmul_source, memory_source=dst_m.memory_source, elementwise=elementwise))
     return mb, recompute_t
 
 
