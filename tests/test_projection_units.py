@@ -561,6 +561,10 @@ def test_confidence_labels_what_was_never_validated():
     assert cpu_to_gpu.label == "unvalidated" and cpu_to_gpu.expected_error_pct is None
     low = confidence(["hardware_gpu"], table, host_bound=True, source_device="cuda")
     assert low.label == "low" and low.expected_error_pct == 61.5 and "host-bound" in low.text
+    # where the table has the kind's error over host-bound sources, a host-bound source cites that one
+    table["by_kind_gpu"]["hardware_gpu_host_bound"] = {"step_mape_pct": 36.6}
+    assert confidence(["hardware_gpu"], table, host_bound=True, source_device="cuda").expected_error_pct == 36.6
+    assert confidence(["hardware_gpu"], table, host_bound=False, source_device="cuda").text == "±61.5%"
     assert confidence(["model_size"], table, host_bound=False).text == "unvalidated: model_size"
     # each table vouches for sources of its own device type only
     assert confidence(["micro_batch"], table, host_bound=False, source_device="cuda").text == "±6.8%"

@@ -55,11 +55,15 @@ def _for_source(validation: dict[str, Any] | None, source_device: str) -> dict[s
     return {**validation, "by_kind": validation.get("by_kind_gpu" if source_device == "cuda" else "by_kind") or {}}
 
 
-def expected_error(kinds: list[str], validation: dict[str, Any] | None) -> tuple[float | None, str]:
-    """The largest validated mean absolute error among the kinds of change, or None with the reason."""
+def expected_error(kinds: list[str], validation: dict[str, Any] | None,
+                   host_bound: bool = False) -> tuple[float | None, str]:
+    """The largest validated mean absolute error among the kinds of change, or None with the reason. For a
+    host-bound source a kind's `<kind>_host_bound` entry, where the table has one, speaks instead."""
     if validation is None:
         return None, "no validation table (run scripts/bench_projection.py --write)"
-    by_kind = validation.get("by_kind", {})
+    by_kind = dict(validation.get("by_kind", {}))
+    if host_bound:
+        by_kind.update({k: by_kind[f"{k}_host_bound"] for k in kinds if f"{k}_host_bound" in by_kind})
     missing = [k for k in kinds if k not in by_kind]
     if missing:
         return None, (f"not validated for {', '.join(missing)} changes"
@@ -80,7 +84,7 @@ def confidence(kinds: list[str], validation: dict[str, Any] | None, *, host_boun
     if kinds == ["none"]:
         return Confidence(label="measured", expected_error_pct=0.0, why="", reason="no change: the measured step")
     validation = _for_source(validation, source_device)
-    err, why = expected_error(kinds, validation)
+    err, why = expected_error(kinds, validation, host_bound)
     if "hardware" in kinds:
         return Confidence(label="unvalidated", expected_error_pct=None, why="CPU run -> GPU",
                           reason="a CPU run projected to a GPU was never checked against a GPU run")
