@@ -6,7 +6,8 @@
 recipe in this process with the CUDA caching allocator's history on (torch.cuda.memory._record_memory_history,
 Python frames), then finds the moment the allocated bytes peaked and writes the blocks live then, grouped by
 the innermost frames outside torch's own internals (DeepSpeed, bitsandbytes, peft, transformers, trainprof,
-torch.optim...). The peak is sought from the first step on (model building can peak higher, e.g. 4-bit
+torch.optim...), each group with where its blocks were freed afterwards (what held them). The peak is
+sought from the first step on (model building can peak higher, e.g. 4-bit
 quantization on the GPU). --no-stacks records no frames (blocks are then grouped by size): torch 2.11's
 history with Python stacks fails DeepSpeed ZeRO-3 under activation checkpointing (pytorch#179536).
 Without CUDA it writes nothing and exits 2 with the reason.
@@ -77,12 +78,21 @@ def live_at_peak(trace: list[dict], allocated_at_end: int) -> dict:
             live[event["addr"]] = (event["size"], _key(event))
         elif event["action"] == "free_completed":
             live.pop(event["addr"], None)
-    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for size, where in live.values():
+    # where each of those blocks was let go after the peak (the frames of its free request: where its last
+    # reference went, so what held it); "not freed" when the history ends first
+    freed = {addr: "not freed in the history" for addr in live}
+    for event in trace[peak_index + 1:]:
+        if event["action"] in ("free_requested", "free_completed") and \
+                freed.get(event["addr"]) == "not freed in the history":
+            freed[event["addr"]] = _where(event["frames"]) if event.get("frames") else "(no frames)"
+    groups: dict[str, list] = defaultdict(lambda: [0, 0, defaultdict(int)])
+    for addr, (size, where) in live.items():
         groups[where][0] += size
         groups[where][1] += 1
-    rows = sorted(({"where": w, "bytes": b, "blocks": n} for w, (b, n) in groups.items()),
-                  key=lambda r: -r["bytes"])
+        groups[where][2][freed[addr]] += size
+    rows = sorted(({"where": w, "bytes": b, "blocks": n,
+                    "freed_at": [{"where": f, "bytes": fb} for f, fb in sorted(sites.items(), key=lambda x: -x[1])[:3]]}
+                   for w, (b, n, sites) in groups.items()), key=lambda r: -r["bytes"])
     return {"peak_allocated_bytes": peak + offset, "allocated_before_history": offset,
             "events": len(trace), "training_from_event": start, "peak_event": peak_index,
             "peak_event_where": _key(trace[peak_index]) if peak_index >= 0 else None,
@@ -127,6 +137,7 @@ def main(argv: list[str]) -> int:
     print(f"peak allocated {result['peak_allocated_bytes'] / gib:.2f} GiB; live then:")
     for row in result["live_at_peak"][:15]:
         print(f"  {row['bytes'] / gib:7.2f} GiB {row['blocks']:6d}  {row['where']}")
+        print(f"  {'':7s}     freed at: {row['freed_at'][0]['where']}")
     return rc
 
 

@@ -22,6 +22,7 @@ def test_live_at_peak_finds_the_peak_and_charges_blocks_past_torch_internals():
         {"action": "free_requested", "addr": 1, "size": 100},
         {"action": "free_completed", "addr": 1, "size": 100},  # 300 live
         {"action": "alloc", "addr": 3, "size": 250, "frames": [ds]},  # 550: the peak
+        {"action": "free_requested", "addr": 2, "size": 300, "frames": [frame(F), mine]},
         {"action": "free_completed", "addr": 2, "size": 300},
         {"action": "free_completed", "addr": 3, "size": 250},  # 0 of the history's own left
     ]
@@ -31,7 +32,9 @@ def test_live_at_peak_finds_the_peak_and_charges_blocks_past_torch_internals():
     assert result["allocated_before_history"] == 1000
     assert result["peak_event"] == 4
     [row] = result["live_at_peak"]
-    assert row == {"where": "deepspeed/runtime/zero/stage3.py:10 step", "bytes": 550, "blocks": 2}
+    assert row == {"where": "deepspeed/runtime/zero/stage3.py:10 step", "bytes": 550, "blocks": 2,
+                   "freed_at": [{"where": "trainprof/engines/torch_engine.py:5 forward", "bytes": 300},
+                                {"where": "(no frames)", "bytes": 250}]}
     assert memory_at_peak._where([frame(F), mine]) == "trainprof/engines/torch_engine.py:5 forward"
 
 
@@ -47,4 +50,5 @@ def test_the_peak_is_sought_from_the_first_step_and_frameless_blocks_group_by_si
     ]
     result = memory_at_peak.live_at_peak(trace, allocated_at_end=128)
     assert (result["training_from_event"], result["peak_event"], result["peak_allocated_bytes"]) == (4, 4, 138)
-    assert result["live_at_peak"][0] == {"where": "(no frames) blocks of 64 bytes", "bytes": 128, "blocks": 2}
+    assert result["live_at_peak"][0] == {"where": "(no frames) blocks of 64 bytes", "bytes": 128, "blocks": 2,
+                                         "freed_at": [{"where": "not freed in the history", "bytes": 128}]}
