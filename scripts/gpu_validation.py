@@ -25,7 +25,9 @@ OUT = ROOT / "trainprof" / "projection" / "validation_gpu.json"
 
 
 def pairs() -> list[tuple[str, str]]:
-    names = {p.parent.name for p in PROFILES.glob("*/profile.json*")}
+    from trainprof.io import kept_profiles
+
+    names = {p.parent.name for p in kept_profiles(PROFILES)}
     return [(n, "h200-" + n[5:]) for n in sorted(names) if n.startswith("h100-") and "h200-" + n[5:] in names]
 
 
@@ -122,13 +124,13 @@ def elementwise_rows() -> list[dict]:
     the bytes counted for them (gemm.Work.device_bytes), as a share of the GPU's datasheet bandwidth.
     QLoRA is left out: its table predates the rows of bitsandbytes' kernels."""
     from trainprof.hardware import find_accelerator, load_catalog, memory_bandwidth
-    from trainprof.io import read_json
+    from trainprof.io import kept_profiles, read_json
     from trainprof.projection.gemm import Work
     from trainprof.projection.measured import measured_from_profile
     from trainprof.recipe import recipe_from_dict
 
     rows, catalog = [], load_catalog()
-    for path in sorted(PROFILES.glob("*/profile.json*")):
+    for path in kept_profiles(PROFILES):
         doc = read_json(path)
         if doc["env"].get("device_type") != "cuda" or doc["recipe"]["task"]["kind"] == "qlora":
             continue
@@ -205,7 +207,9 @@ SIZE_FROM = [(SIZE_SOURCE, None, "same machine"),
 
 
 def size_targets() -> list[str]:
-    return sorted(p.parent.name for p in PROFILES.glob(f"{SIZE_SOURCE}-*/profile.json*"))
+    from trainprof.io import kept_profiles
+
+    return [p.parent.name for p in kept_profiles(PROFILES) if p.parent.name.startswith(f"{SIZE_SOURCE}-")]
 
 
 def size_case(source: str, target: str, hardware: str | None, kind: str) -> dict:
@@ -222,13 +226,18 @@ def size_case(source: str, target: str, hardware: str | None, kind: str) -> dict
             "source_step_ms": src["summary"]["step_ms"]["median"], **_against(pred, tgt)}
 
 
+def step_errors(errors: list[float]) -> dict:
+    """Absolute step errors (%) as validation_gpu.json states them: mean, max and count."""
+    return {"step_mape_pct": round(statistics.fmean(errors), 1), "step_max_pct": round(max(errors), 1),
+            "cases": len(errors)}
+
+
 def size_summary(cases: list[dict]) -> dict[str, dict]:
     out = {}
     for kind in dict.fromkeys(c["kind"] for c in cases):
-        step = [abs(c["step_error_pct"]) for c in cases if c["kind"] == kind]
-        memory = [abs(c["memory_error_pct"]) for c in cases if c["kind"] == kind]
-        out[kind] = {"step_mape_pct": round(statistics.fmean(step), 1), "step_max_pct": round(max(step), 1),
-                     "memory_mape_pct": round(statistics.fmean(memory), 2), "cases": len(step)}
+        ours = [c for c in cases if c["kind"] == kind]
+        out[kind] = {**step_errors([abs(c["step_error_pct"]) for c in ours]),
+                     "memory_mape_pct": round(statistics.fmean(abs(c["memory_error_pct"]) for c in ours), 2)}
     return out
 
 
@@ -239,9 +248,8 @@ def same_machine_kinds(same: list[dict]) -> dict[str, dict]:
         if c["step_error_pct"] is not None:
             for kind in c["change_kinds"]:
                 errors.setdefault(kind, []).append(abs(c["step_error_pct"]))
-    return {k: {"step_mape_pct": round(statistics.fmean(e), 1), "step_max_pct": round(max(e), 1), "cases": len(e),
-                "note": "from runs of one GPU session (same_machine_cases, size_cases of the same machine), not "
-                        "from the CPU bench"}
+    return {k: {**step_errors(e), "note": "from runs of one GPU session (same_machine_cases, size_cases of the same "
+                                          "machine), not from the CPU bench"}
             for k, e in errors.items()}
 
 
@@ -285,8 +293,7 @@ def hardware_kinds(cases: list[dict], size: list[dict]) -> dict[str, dict]:
     notes = {"hardware_gpu": f"sources whose GPU was busy >= {HOST_BOUND_BUSY:.0%} of the step: cases and "
                              "size_cases (H200 to H100)",
              "hardware_gpu_host_bound": f"sources whose GPU was busy < {HOST_BOUND_BUSY:.0%}: cases"}
-    return {k: {"step_mape_pct": round(statistics.fmean(e), 1), "step_max_pct": round(max(e), 1), "cases": len(e),
-                "note": notes[k]} for k, e in bound.items() if e}
+    return {k: {**step_errors(e), "note": notes[k]} for k, e in bound.items() if e}
 
 
 def _busy(profile: dict) -> float:

@@ -20,11 +20,11 @@ sys.path.insert(0, str(ROOT))
 
 def reference_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, dict[str, tuple[float, list[str]]]]:
     """engine kind -> phase -> (mean µs per call, ['<profile dir>: <µs>', ...]) over host-bound phases."""
-    from trainprof.io import read_json
+    from trainprof.io import kept_profiles, read_json
     from trainprof.projection.hostref import HOST_PHASES, host_us_per_op
 
     found: dict[str, dict[str, list[tuple[str, float]]]] = {}
-    for path in sorted(profiles_dir.glob("*/profile.json*")):
+    for path in kept_profiles(profiles_dir):
         profile = read_json(path)
         if profile["env"].get("device_type") != "cuda":
             continue
@@ -38,11 +38,11 @@ def reference_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, dict[s
 
 def optimizer_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, tuple[float, list[str]]]:
     """engine kind -> (mean bytes per trainable parameter, ['<profile dir>: <bytes>', ...])."""
-    from trainprof.io import read_json
+    from trainprof.io import kept_profiles, read_json
     from trainprof.projection.hostref import optimizer_bytes_per_param
 
     found: dict[str, list[tuple[str, float]]] = {}
-    for path in sorted(profiles_dir.glob("*/profile.json*")):
+    for path in kept_profiles(profiles_dir):
         cal = path.parent / "calibration.json"
         profile = read_json(path)
         if profile["env"].get("device_type") != "cuda" or not cal.is_file() \
@@ -59,12 +59,12 @@ def optimizer_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, tuple[
 def ops_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, dict[str, tuple[float, list[str]]]]:
     """engine kind -> phase -> (median operator calls per decoder layer and micro batch, the runs) over the
     GPU pretraining runs with an operator trace."""
-    from trainprof.io import read_json
+    from trainprof.io import kept_profiles, read_json
     from trainprof.projection.measured import measured_from_profile
     from trainprof.recipe import recipe_from_dict, resolve_shape
 
     found: dict[str, dict[str, list[tuple[str, float]]]] = {}
-    for path in sorted(profiles_dir.glob("*/profile.json*")):
+    for path in kept_profiles(profiles_dir):
         profile = read_json(path)
         if profile["env"].get("device_type") != "cuda" or profile["recipe"]["task"]["kind"] != "pretrain":
             continue

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from trainprof.io import atomic_write_json, profile_file, read_profile
+from trainprof.io import atomic_write_json, kept_profiles, profile_file, read_profile
 
 
 def test_a_gzipped_profile_reads_as_the_plain_one_and_is_written_byte_stable(tmp_path):
@@ -21,3 +21,6 @@ def test_a_gzipped_profile_reads_as_the_plain_one_and_is_written_byte_stable(tmp
     assert sorted(p.name for p in kept.iterdir()) == ["profile.json.gz"]  # no temp file left behind
     with pytest.raises(FileNotFoundError, match="no profile.json"):
         read_profile(tmp_path / "empty")
+    (tmp_path / "empty").mkdir()
+    # one file a folder that holds a profile, either form, sorted
+    assert kept_profiles(tmp_path) == [kept / "profile.json.gz", plain / "profile.json"]

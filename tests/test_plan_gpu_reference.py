@@ -14,13 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from trainprof.io import read_json, read_profile
+from helpers.evidence import gpu_folders, load
 from trainprof.plan import estimate_plan
 from trainprof.recipe import load_recipe
 
-REPO = Path(__file__).resolve().parents[1]
-GPU_PROFILES = sorted(p.parent for p in (REPO / "profiles").glob("*/profile.json*")
-                      if read_json(p)["env"].get("device_type") == "cuda")
+GPU_PROFILES = gpu_folders()
 BOUND = 0.03
 
 
@@ -55,7 +53,7 @@ def _param(folder: Path):
 
 @pytest.mark.parametrize("folder", [_param(f) for f in GPU_PROFILES])
 def test_planned_peaks_match_the_measured_allocator_peaks(folder: Path) -> None:
-    profile = read_profile(folder)
+    profile = load(folder)
     # the profiler's GPU meter: torch.cuda.max_memory_allocated, reset at every phase start
     assert profile["env"]["memory_meter"].startswith("cuda_allocator_peak")
     measured = profile["summary"]["peak_memory_bytes"]

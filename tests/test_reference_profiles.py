@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from conftest import REPO
-from trainprof.io import read_json
+from trainprof.io import kept_profiles, read_json
 from trainprof.profiler.schema import validate_profile
 
-PROFILES = sorted((REPO / "profiles").glob("*/profile.json*"))
+PROFILES = kept_profiles(REPO / "profiles")
 
 
 def test_there_is_a_reference_profile():

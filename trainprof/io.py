@@ -41,6 +41,11 @@ def profile_file(run_dir: str | Path) -> Path | None:
     return next((p for p in (Path(run_dir) / n for n in PROFILE_NAMES) if p.is_file()), None)
 
 
+def kept_profiles(root: str | Path) -> list[Path]:
+    """The profile file of each folder under `root` that holds one (profiles/<folder>/), sorted."""
+    return sorted(p for p in map(profile_file, Path(root).iterdir() if Path(root).is_dir() else ()) if p)
+
+
 def read_json(path: str | Path) -> Any:
     """A JSON file, gzipped where its name ends in .gz."""
     path = Path(path)

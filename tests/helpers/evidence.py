@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from trainprof.io import read_json, read_profile
+from trainprof.io import kept_profiles, read_json, read_profile
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILES = REPO / "profiles"
@@ -30,7 +30,7 @@ TELEMETRY_BOUNDS = {
 def gpu_folders() -> list[Path]:
     """profiles/<folder>/ with a CUDA profile (profile.json.gz there), sorted."""
     out = []
-    for path in sorted(PROFILES.glob("*/profile.json*")):
+    for path in kept_profiles(PROFILES):
         if (read_json(path).get("env") or {}).get("device_type") == "cuda":
             out.append(path.parent)
     return out

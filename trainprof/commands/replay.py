@@ -59,7 +59,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_cross_device(path: Path, steps: list, to: str) -> None:
     """The --to prediction: the measured step carried by the ratio of the replays on the two GPUs."""
-
     from trainprof.analysis.replay import cross_device, device_rates
     from trainprof.errors import UserError
     from trainprof.hardware import CatalogError, find_accelerator, load_catalog

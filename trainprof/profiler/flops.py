@@ -51,6 +51,7 @@ NAMED_FORMULAS: dict[str, Callable[..., int]] = {
     "bitsandbytes::gemm_4bit": _gemm_4bit_flop,
 }
 
+
 def as_multi_head(name: str, args: tuple) -> tuple:
     """An SDPA op's arguments with grouped-query key/value (fewer heads than the query) stood in for by
     meta tensors of the query's head count: the kernel broadcasts them, and flop_counter's formulas before

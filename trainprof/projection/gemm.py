@@ -90,8 +90,8 @@ def rest_gemms(shape: LlamaShape, micro_batch: int, seq_len: int, phase: str, *,
 def layer_traffic_bytes(shape: LlamaShape, micro_batch: int, seq_len: int, dtype: str, attention: str) -> float:
     """Bytes one decoder layer's non-GEMM work moves per micro batch and pass, to leading order: the
     elementwise ops read and write activations of width h (norms, residuals, rotary), kv (keys and values)
-    and I (SwiGLU),
-    the weights are read once, and eager attention also writes and reads its s x s scores per head."""
+    and I (SwiGLU), the weights are read once, and eager attention also writes and reads its s x s scores
+    per head."""
     b = DTYPE_BYTES.get(dtype, 2)
     t, h, i, kv = micro_batch * seq_len, shape.hidden_size, shape.intermediate_size, shape.num_kv_heads * shape.head_dim
     weights = b * (2 * h * h + 2 * h * kv + 3 * h * i)
