@@ -172,29 +172,28 @@ def elementwise_block(rows: list[dict]) -> dict:
             "rows": rows}
 
 
-# A CPU run projected to a GPU run's model, settings and GPU: (CPU source, GPU target, catalog key)
-CPU_TO_GPU = [("cpu-x86_64-quickstart_cpu-torch", "h200-llama1b_zero3_sdpa-torch-gpubound", "h200"),
-              ("cpu-x86_64-quickstart_cpu-torch", "h200-llama1b_zero3_sdpa-torch-hostbound", "h200"),
-              ("cpu-x86_64-quickstart_cpu-torch", "h200-llama1b_zero3_sdpa-torch", "h200"),
-              ("cpu-x86_64-quickstart_cpu-torch", "h100-llama1b_zero3_sdpa-torch", "h100-sxm"),
-              ("cpu-x86_64-quickstart_cpu-torch", "h100-llama1b_zero3_sdpa-torch-gpubound", "h100-sxm"),
-              ("cpu-x86_64-quickstart_cpu-torch", "h100-llama1b_zero3_sdpa-torch-hostbound", "h100-sxm")]
+# A CPU run projected to a GPU run's model, settings and GPU: (CPU source, GPU target, catalog key); the
+# quickstart on plain PyTorch (1 rank) to the plain-PyTorch GPU runs, and on DeepSpeed ZeRO-3 (2 ranks) to
+# the ZeRO-3 ones (1 GPU)
+CPU_TO_GPU = [(f"cpu-x86_64-quickstart_cpu{engine}", f"{gpu}-llama1b_zero3_sdpa{engine}{variant}", hardware)
+              for engine in ("-torch", "") for gpu, hardware in (("h200", "h200"), ("h100", "h100-sxm"))
+              for variant in ("-gpubound", "-hostbound", "")]
+CPU_TO_GPU.append(("cpu-x86_64-quickstart_cpu", "h100-llama1b_zero3_sdpa-gpubound32", "h100-sxm"))
 
 
 def cpu_to_gpu_case(source: str, target: str, hardware: str) -> dict:
-    """A CPU run (this machine) projected to a measured GPU run: model, micro batch and seq_len changed,
-    the GPU from the catalog, no probes."""
+    """A CPU run (this machine) projected to a measured GPU run: model, micro batch, seq_len and whatever
+    other setting the target ran at changed, the GPU from the catalog, no probes."""
     from trainprof.projection.project import project
 
     src, tgt = _profile(source), _profile(target)
-    r = tgt["recipe"]
-    overrides = [f"model.name={r['model']['name']}", f"train.micro_batch_size={r['train']['micro_batch_size']}",
-                 f"data.seq_len={r['data']['seq_len']}"]
+    overrides = overrides_between(src, tgt, SHAPE_KEYS + CHANGED_KEYS)
     (pred,) = project(PROFILES / source, overrides=overrides, targets=[hardware], gpus_per_node=1,
                       probe=False)["predictions"]
     return {"source": source, "target": target, "hardware": hardware, "overrides": overrides,
             "change_kinds": pred["change_kinds"], "confidence": pred["confidence_text"],
-            "source_step_ms": src["summary"]["step_ms"]["median"], **_against(pred, tgt)}
+            "source_step_ms": src["summary"]["step_ms"]["median"], "target_gpu_busy_frac": round(_busy(tgt), 2),
+            **_against(pred, tgt)}
 
 
 # Model-shape changes, all measured in one H100 session (2026-11-26): the GPU-bound llama2-1b step at other
