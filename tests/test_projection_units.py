@@ -727,7 +727,7 @@ def test_a_cpu_prediction_with_larger_logits_says_the_heap_keeps_more_than_the_p
     src = load_recipe(QUICK, [])  # vocab 1,024, micro batch 4, seq 256: 4 MiB of fp32 logits
     big = load_recipe(QUICK, ["model.vocab_size=16384"])
     note = heap_kept("cpu", src, big)
-    assert note is not None and (note.values["source_mib"], note.values["target_mib"]) == (4, 64)
+    assert note is not None and (note.values["source_logits_mib"], note.values["target_logits_mib"]) == (4, 64)
     assert "train.cpu_allocator: cache" in note.text
     # not where the logits do not grow, on a GPU (its allocator's reserve is not what the meter reads), or
     # under the system allocator (which returns the freed blocks)

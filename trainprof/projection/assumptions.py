@@ -115,8 +115,16 @@ TEMPLATES: dict[str, str] = {
                              "{target_mib:.0f} MiB: libraries, the engine's runtime and buffers)"),
     "memory_heap_kept": ("memory: the freed blocks a CPU process's heap keeps (train.cpu_allocator: cache) are in the "
                          "measured peak but not in the plan's formulas, and they grow with the step's largest "
-                         "transient tensors (the fp32 logits of a micro batch: {source_mib:.0f} -> {target_mib:.0f} "
-                         "MiB): expect a higher peak than this (docs/projection.md, model size)"),
+                         "transient tensors (the fp32 logits of a micro batch: {source_logits_mib:.0f} -> "
+                         "{target_logits_mib:.0f} MiB): expect a higher peak than this (docs/projection.md, model "
+                         "size){why}"),
+    "memory_heap_probed": ("memory: the freed blocks a CPU process's heap keeps (train.cpu_allocator: cache) grow with "
+                           "the step's largest transient tensors (the fp32 logits of a micro batch: {source_logits_mib:.0f} "
+                           "-> {target_logits_mib:.0f} MiB); the source's and the target's recipes, each with {layers} "
+                           "decoder layers, were run for 3 steps by {world} fresh processes, and the fullest one's peak "
+                           "RSS minus what the plan counts in it ({source_mib:.0f} and {target_mib:.0f} MiB: libraries, the "
+                           "engine's runtime and buffers, and the heap's freed blocks) moves the measured peak; the heap "
+                           "also grows over a run's steps, which 3 steps do not show (docs/projection.md, model size)"),
     "pipeline_bubble": ("pipeline: stage {stage} sets the pace (the busiest); its measured bubble {bubble_ms:.2f} ms x its "
                         "predicted / measured compute per micro batch ({target_mb_ms:.2f} / {source_mb_ms:.2f} ms): fill "
                         "and drain take (p - 1) micro-batch times whatever the number of micro batches"),

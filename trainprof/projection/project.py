@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,16 @@ DATA_WAIT_DOMINATES = 0.2  # flag data wait above this share of the predicted st
 # recipe changes tried, in order, when a prediction does not fit the target's memory
 FIT_SUGGESTIONS = (["engine.zero_stage=3"], ["model.recompute=true"], ["engine.offload=optimizer"],
                    ["engine.offload=optimizer+params", "engine.zero_stage=3"])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResidentProbe:
+    """What a fresh process of the source's recipe and one of the target's held besides what the plan
+    counts (peak RSS minus the plan's resident figure), as Projector.resident_fixed probed them."""
+
+    source_bytes: int
+    target_bytes: int
+    layers: int | None  # the decoder layers both were built with; None: the source's model, two engines
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -299,15 +310,8 @@ class Projector:
                            * (1 if pipeline.is_pipeline(src.profile) else t.world))
         tps = tokens_per_step / (step_ms / 1e3) if step_ms else None
         memory, fits, fit_note = self._memory(r, t.world, t.hardware, overrides)
-        if t.hardware is None and memory is not None and src.recipe.engine.kind != r.engine.kind:
-            fixed = self.engine_fixed(r)
-            notes.append(assume("memory_engine_probed", source_engine=src.recipe.engine.kind, target_engine=r.engine.kind,
-                                world=src.measured.world_size, source_mib=fixed[0] / 2**20,
-                                target_mib=fixed[1] / 2**20) if fixed else
-                         assume("memory_engine_fixed_part", engine=src.recipe.engine.kind,
-                                why=f"; {self._resident_failed}" if self._resident_failed else ""))
-        if t.hardware is None and memory is not None and (kept := heap_kept(src.measured.device_type, src.recipe, r)):
-            notes.append(kept)
+        if t.hardware is None and memory is not None:
+            notes += self._memory_notes(r)
         host_bound = (src.measured.busy_frac() or 1.0) < HOST_BOUND_BUSY
         conf = confidence(t.kinds, self.validation, host_bound=host_bound, source_device=src.measured.device_type)
         pred: dict[str, Any] = {
@@ -378,9 +382,9 @@ class Projector:
             # allocator slack) stays as measured, what the formulas see moves with the recipe. A CPU run's
             # meter is its resident set, which holds only the written part of a buffer
             alloc = "gpu_allocated_per_rank" if m.device_type == "cuda" else "resident_per_rank"
-            fixed = self.engine_fixed(recipe)
+            fixed = self.resident_fixed(recipe)
             return int(m.peak_memory_bytes + _plan_bytes(recipe, world, alloc) - _plan_bytes(src.recipe, m.world_size, alloc)
-                       + (fixed[1] - fixed[0] if fixed else 0)), None, None
+                       + (fixed.target_bytes - fixed.source_bytes if fixed else 0)), None, None
         planned = _plan_bytes(recipe, world)
         capacity = target.figure("memory_gb")
         if capacity is None:
@@ -459,27 +463,64 @@ class Projector:
         self._used.append(key)
         return self._cache[key]
 
-    def engine_fixed(self, target_recipe: Any) -> tuple[int, int] | None:
-        """On a CPU source whose engine the target changes: the bytes a process of the source's engine and
-        one of the target's hold besides what the plan counts (libraries, the engine's runtime and buffers),
-        each engine built around the source's model by as many processes as the source had ranks, the
-        fullest one's peak RSS minus the plan's resident figure for the same recipe. None where the engine
-        kind stays, on a GPU (the allocator's peak holds no libraries) or where a probe failed."""
+    def _memory_notes(self, r: Any) -> list[Assumption]:
+        """What a same-machine memory prediction took from the resident-memory probes, or left out."""
+        src, fixed = self.source, self.resident_fixed(r)
+        kept = heap_kept(src.measured.device_type, src.recipe, r)
+        world = src.measured.world_size
+        why = f"; {self._resident_failed}" if self._resident_failed else ""
+        notes = []
+        if fixed is not None and fixed.layers is not None:
+            notes.append(assume("memory_heap_probed", layers=fixed.layers, world=world, source_mib=fixed.source_bytes / 2**20,
+                                target_mib=fixed.target_bytes / 2**20, source_logits_mib=kept.values["source_logits_mib"],
+                                target_logits_mib=kept.values["target_logits_mib"]))
+        elif kept is not None:
+            notes.append(assume("memory_heap_kept", **{**kept.values, "why": why}))
+        if src.recipe.engine.kind != r.engine.kind and (fixed is None or fixed.layers is None):
+            notes.append(assume("memory_engine_probed", source_engine=src.recipe.engine.kind, target_engine=r.engine.kind,
+                                world=world, source_mib=fixed.source_bytes / 2**20, target_mib=fixed.target_bytes / 2**20)
+                         if fixed else assume("memory_engine_fixed_part", engine=src.recipe.engine.kind, why=why))
+        return notes
+
+    def resident_fixed(self, target_recipe: Any) -> ResidentProbe | None:
+        """On a CPU source: what a process of the source's and one of the target's hold besides what the
+        plan counts, where the target changes what that is. An engine change moves the libraries and the
+        engine's runtime and buffers: each engine is built around the source's model. A step whose largest
+        transient tensors grow (heap_kept) makes the heap keep more freed blocks: the source's and the
+        target's recipes are each built with k decoder layers (the parts probe's k, at most the source's),
+        the target's engine and shape in the second. Either way by as many fresh processes as the source
+        had ranks, the fullest one's peak RSS minus the plan's resident figure for the same recipe. None
+        where neither changes, on a GPU (the allocator's peak holds no libraries) or where a probe failed
+        (its reason in self._resident_failed)."""
+        from trainprof.models import resolve_shape
+        from trainprof.projection.probes import probe_layers
+
         src = self.source
-        if src.measured.device_type != "cpu" or src.recipe.engine.kind == target_recipe.engine.kind:
+        if src.measured.device_type != "cpu":
+            return None
+        heap = heap_kept(src.measured.device_type, src.recipe, target_recipe) is not None
+        if not heap and src.recipe.engine.kind == target_recipe.engine.kind:
             return None
         if not (self.probe and same_machine_as_source(src)):
             self._resident_failed = "not probed: --no-probe" if not self.probe else "not probed: another machine"
             return None
         world = src.measured.world_size
-        key = ("resident", src.recipe.engine.kind, target_recipe.engine.kind, world)
+        if heap:
+            layers = min(resolve_shape(src.recipe.model).num_layers, probe_layers(target_recipe))
+            recipes = tuple(dataclasses.replace(r, model=dataclasses.replace(r.model, num_layers=layers))
+                            for r in (src.recipe, target_recipe))
+        else:
+            layers = None
+            recipes = (src.recipe, dataclasses.replace(src.recipe, engine=target_recipe.engine))
+        key = ("resident", *(json.dumps(r.to_dict(), sort_keys=True, default=str) for r in recipes), world) if heap \
+            else ("resident", src.recipe.engine.kind, target_recipe.engine.kind, world)
         if key not in self._cache:
             from trainprof.projection.probes import engine_resident
 
-            recipes = (src.recipe, dataclasses.replace(src.recipe, engine=target_recipe.engine))
             try:
-                self._cache[key] = tuple(self._kept(key, "resident memory", lambda: [
-                    engine_resident(r, world) - _plan_bytes(r, world, "resident_per_rank") for r in recipes]))
+                fixed = self._kept(key, "resident memory", lambda: [
+                    engine_resident(r, world) - _plan_bytes(r, world, "resident_per_rank") for r in recipes])
+                self._cache[key] = ResidentProbe(source_bytes=fixed[0], target_bytes=fixed[1], layers=layers)
             except ValueError as err:  # a probe process failed: memory keeps the measured fixed part, saying why
                 self._cache[key] = None
                 self._resident_failed = str(err)
@@ -592,7 +633,7 @@ def heap_kept(device_type: str, source: Any, target: Any) -> Assumption | None:
     before, after = _logits_bytes(source), _logits_bytes(target)
     if after <= before:
         return None
-    return assume("memory_heap_kept", source_mib=before / 2**20, target_mib=after / 2**20)
+    return assume("memory_heap_kept", source_logits_mib=before / 2**20, target_logits_mib=after / 2**20, why="")
 
 
 def _logits_bytes(recipe: Any) -> int:
