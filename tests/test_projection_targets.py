@@ -122,23 +122,23 @@ def test_best_settings_and_the_research_tables(source):
 def test_larger_logits_move_the_memory_by_what_the_heap_keeps(shared_run, tmp_path):
     """A vocabulary 32x the source's on the source's CPU: the step's fp32 logits and their gradient grow
     from 0.5 to 16 MiB, and the heap (train.cpu_allocator: cache) keeps freed blocks of them that the
-    plan's formulas do not count. Both recipes at the source's depth, each run by fresh processes, give
+    plan's formulas do not count. Both recipes at the source's depth, each run by a fresh process, give
     that part; the predicted peak lands near a real run's. Without probes the prediction says what it
-    leaves out. Untraced runs: the traced steps' records make the heap keep more again, which the probe
-    does not trace (docs/projection.md)."""
+    leaves out. Untraced 1-rank runs: traced steps make the heap keep more again, which the probe does
+    not trace (docs/projection.md)."""
     from trainprof.projection.measured import measured_from_profile
 
-    run_dir, _ = shared_run(2, *QUIET)
+    run_dir, _ = shared_run(1, "engine.zero_stage=3", "engine.offload=none", *QUIET)  # test_engines' ZeRO-3 run
     overrides = ["model.vocab_size=32768"]
     bare = project(str(run_dir), *overrides, "--no-probe")["predictions"][0]
     assert "not probed: --no-probe" in kinds(bare)["memory_heap_kept"]["why"]
     pred = project(str(run_dir), *overrides)["predictions"][0]
     heap = kinds(pred)["memory_heap_probed"]
-    assert heap["layers"] == 2 and (heap["source_logits_mib"], heap["target_logits_mib"]) == (0.5, 16), heap
+    assert (heap["layers"], heap["world"]) == (2, 1) and (heap["source_logits_mib"], heap["target_logits_mib"]) == (0.5, 16), heap
     assert heap["target_mib"] > heap["source_mib"] + 16, heap  # a freed block of the logits at least
     assert pred["memory_per_rank_bytes"] - bare["memory_per_rank_bytes"] == pytest.approx(
         (heap["target_mib"] - heap["source_mib"]) * 2**20, abs=1)
-    _, real = run_trainprof(tmp_path / "vocab", 2, *overrides, *QUIET)
+    _, real = run_trainprof(tmp_path / "vocab", 1, *overrides, *QUIET)
     measured = measured_from_profile(real).peak_memory_bytes
     assert abs(pred["memory_per_rank_bytes"] - measured) / measured < MEMORY_TOLERANCE, (
         pred["memory_per_rank_bytes"], measured, heap)
