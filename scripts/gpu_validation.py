@@ -88,14 +88,22 @@ SHAPE_KEYS = ("model.name", "model.num_layers", "model.hidden_size", "model.inte
               "model.num_kv_heads", "model.vocab_size")
 
 
+# a finetuning target's task and its adapters
+TASK_KEYS = ("task.kind", "task.lora.r", "task.lora.alpha", "task.lora.target_modules")
+
+
 def overrides_between(source: dict, target: dict, keys: tuple[str, ...] = CHANGED_KEYS) -> list[str]:
     """KEY=VALUE for each of `keys` the target's recipe sets otherwise (and sets at all)."""
+    def value(recipe: dict, key: str) -> object:
+        for part in key.split("."):
+            recipe = recipe.get(part) if isinstance(recipe, dict) else None
+        return recipe
+
     out = []
     for key in keys:
-        section, leaf = key.split(".")
-        value = target["recipe"][section].get(leaf)
-        if value is not None and source["recipe"][section].get(leaf) != value:
-            out.append(f"{key}={value}")
+        wanted = value(target["recipe"], key)
+        if wanted is not None and value(source["recipe"], key) != wanted:
+            out.append(f"{key}={'[' + ','.join(wanted) + ']' if isinstance(wanted, list) else wanted}")
     return out
 
 
@@ -179,6 +187,9 @@ CPU_TO_GPU = [(f"cpu-x86_64-quickstart_cpu{engine}", f"{gpu}-llama1b_zero3_sdpa{
               for engine in ("-torch", "") for gpu, hardware in (("h200", "h200"), ("h100", "h100-sxm"))
               for variant in ("-gpubound", "-hostbound", "")]
 CPU_TO_GPU.append(("cpu-x86_64-quickstart_cpu", "h100-llama1b_zero3_sdpa-gpubound32", "h100-sxm"))
+# and the quickstart's pretraining to Llama2-7B LoRA and QLoRA finetuning at ZeRO-2 (a task change)
+CPU_TO_GPU += [("cpu-x86_64-quickstart_cpu", f"{gpu}-llama7b_{task}", hardware)
+               for task in ("lora", "qlora") for gpu, hardware in (("h200", "h200"), ("h100", "h100-sxm"))]
 
 
 def cpu_to_gpu_case(source: str, target: str, hardware: str) -> dict:
@@ -187,7 +198,7 @@ def cpu_to_gpu_case(source: str, target: str, hardware: str) -> dict:
     from trainprof.projection.project import project
 
     src, tgt = _profile(source), _profile(target)
-    overrides = overrides_between(src, tgt, SHAPE_KEYS + CHANGED_KEYS)
+    overrides = overrides_between(src, tgt, SHAPE_KEYS + CHANGED_KEYS + TASK_KEYS)
     (pred,) = project(PROFILES / source, overrides=overrides, targets=[hardware], gpus_per_node=1,
                       probe=False)["predictions"]
     return {"source": source, "target": target, "hardware": hardware, "overrides": overrides,
