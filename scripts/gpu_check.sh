@@ -32,6 +32,8 @@
 #   --program size (<= 6 min): the GPU-bound plain PyTorch step at seven other shapes (depth, GQA, vocabulary,
 #     7B, 13B and 70B width at a few layers; SIZE_RUNS="NAME OVERRIDES...;..." picks), then scripts/memory_at_peak.py
 #     on ZeRO-3 32 x 1024 recompute and 7B QLoRA (plan's misses)
+#   --program zero2 (<= 5 min): llama2-1b DeepSpeed ZeRO-2, host-bound (8 x 350) and GPU-bound: the host
+#     reference a ZeRO-1/2 target needs (the catalog has ZeRO-3's and plain PyTorch's only)
 # Each kept run leaves OUTDIR/<kind>-<name>/ as profiles/ keeps it: profile.json (CUDA-event profile,
 # NVML telemetry, GPU busy per phase), summary.md, recipe.yaml, calibration.json and the one traced
 # step's Kineto trace (rank0.*.pt.trace.json.gz; no stacks, no shapes), packed as OUTDIR/<kind>-<name>.tgz
@@ -44,7 +46,7 @@ program=""; dry_run=0; rest=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --program) program=${2:-}; shift
-      case "$program" in core|lora|pair|extra|size) ;; *) echo "--program takes core, lora, pair, extra or size, not '$program'"; exit 2;; esac;;
+      case "$program" in core|lora|pair|extra|size|zero2) ;; *) echo "--program takes core, lora, pair, extra, size or zero2, not '$program'"; exit 2;; esac;;
     --dry-run) dry_run=1;;
     *) rest+=("$1");;
   esac
@@ -203,6 +205,11 @@ vocab48k model.vocab_size=48000}"
   if [ "$dry_run" = 0 ]; then
     (cd "$kept" && tar czf "$out/$kind-size.tgz" "$kind"-*) && echo "--- kept $kind-size.tgz:" && tar tzvf "$out/$kind-size.tgz"
   fi
+}
+program_zero2() {  # issue 24: a ZeRO-2 target's host per operator call, which ZeRO-3's hooks inflate
+  run_recipe llama1b_zero3_sdpa-zero2-hostbound 150 recipes/llama1b_zero3_sdpa.yaml engine.zero_stage=2
+  # shellcheck disable=SC2086
+  run_recipe llama1b_zero3_sdpa-zero2-gpubound 200 recipes/llama1b_zero3_sdpa.yaml engine.zero_stage=2 $GPU_BOUND
 }
 program_lora() {
   run_recipe llama7b_lora 120 recipes/llama13b_lora.yaml model.name=llama2-7b train.steps=8

@@ -81,6 +81,9 @@ SAME_MACHINE = [
     ("h100-llama1b_zero3_sdpa-hostbound", "h100-llama1b_zero3_sdpa-gpubound"),
     ("h100-llama1b_zero3_sdpa-torch-gpubound", "h100-llama1b_zero3_sdpa-gpubound"),
     ("h100-llama1b_zero3_sdpa-gpubound", "h100-llama1b_zero3_sdpa-gpubound32"),
+    # gpu_check.sh --program zero2, once a session has run it
+    *((f"{gpu}-llama1b_zero3_sdpa{bound}", f"{gpu}-llama1b_zero3_sdpa-zero2{bound}")
+      for gpu in ("h200", "h100") for bound in ("-hostbound", "-gpubound")),
 ]
 CHANGED_KEYS = ("train.micro_batch_size", "data.seq_len", "engine.kind", "engine.zero_stage", "model.recompute")
 # model.name first: the shape keys after it refine the named shape
@@ -187,6 +190,8 @@ CPU_TO_GPU = [(f"cpu-x86_64-quickstart_cpu{engine}", f"{gpu}-llama1b_zero3_sdpa{
               for engine in ("-torch", "") for gpu, hardware in (("h200", "h200"), ("h100", "h100-sxm"))
               for variant in ("-gpubound", "-hostbound", "")]
 CPU_TO_GPU.append(("cpu-x86_64-quickstart_cpu", "h100-llama1b_zero3_sdpa-gpubound32", "h100-sxm"))
+CPU_TO_GPU += [("cpu-x86_64-quickstart_cpu", f"{gpu}-llama1b_zero3_sdpa-zero2{bound}", hardware)  # --program zero2
+               for gpu, hardware in (("h200", "h200"), ("h100", "h100-sxm")) for bound in ("-hostbound", "-gpubound")]
 # and the quickstart's pretraining to Llama2-7B LoRA and QLoRA finetuning at ZeRO-2 (a task change)
 CPU_TO_GPU += [("cpu-x86_64-quickstart_cpu", f"{gpu}-llama7b_{task}", hardware)
                for task in ("lora", "qlora") for gpu, hardware in (("h200", "h200"), ("h100", "h100-sxm"))]
