@@ -1,8 +1,8 @@
-"""`trainprof project` on the 2-rank DeepSpeed ZeRO-3 quickstart (test_projection's source), for what no
-clock decides, so these share the machine with other tests: an engine change's memory against a real run,
-catalog targets with confidence marked in the table, costs only from given prices, a fit suggestion when
-memory does not fit, every call kept in its own folder and listed by the report, --best and the research's
-tables."""
+"""`trainprof project` on the DeepSpeed ZeRO-3 quickstart (test_projection's source, and test_engines'
+1-rank run), for what no clock decides, so these share the machine with other tests: the memory of an
+engine change and of larger logits against real runs, catalog targets with confidence marked in the
+table, costs only from given prices, a fit suggestion when memory does not fit, every call kept in its
+own folder and listed by the report, --best and the research's tables."""
 
 from __future__ import annotations
 
