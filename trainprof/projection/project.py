@@ -509,11 +509,11 @@ class Projector:
             layers = min(resolve_shape(src.recipe.model).num_layers, probe_layers(target_recipe))
             recipes = tuple(dataclasses.replace(r, model=dataclasses.replace(r.model, num_layers=layers))
                             for r in (src.recipe, target_recipe))
+            key = ("resident", *(json.dumps(r.to_dict(), sort_keys=True, default=str) for r in recipes), world)
         else:
             layers = None
             recipes = (src.recipe, dataclasses.replace(src.recipe, engine=target_recipe.engine))
-        key = ("resident", *(json.dumps(r.to_dict(), sort_keys=True, default=str) for r in recipes), world) if heap \
-            else ("resident", src.recipe.engine.kind, target_recipe.engine.kind, world)
+            key = ("resident", src.recipe.engine.kind, target_recipe.engine.kind, world)
         if key not in self._cache:
             from trainprof.projection.probes import engine_resident
 
