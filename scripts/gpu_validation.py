@@ -85,7 +85,7 @@ SAME_MACHINE = [
     *((f"{gpu}-llama1b_zero3_sdpa{bound}", f"{gpu}-llama1b_zero3_sdpa-zero2{bound}")
       for gpu in ("h200", "h100") for bound in ("-hostbound", "-gpubound")),
 ]
-CHANGED_KEYS = ("train.micro_batch_size", "data.seq_len", "engine.kind", "engine.zero_stage", "model.recompute")
+CHANGED_KEYS = ("train.micro_batch_size", "train.grad_accum", "data.seq_len", "engine.kind", "engine.zero_stage", "model.recompute")
 # model.name first: the shape keys after it refine the named shape
 SHAPE_KEYS = ("model.name", "model.num_layers", "model.hidden_size", "model.intermediate_size", "model.num_heads",
               "model.num_kv_heads", "model.vocab_size")
@@ -209,6 +209,7 @@ def cpu_to_gpu_case(source: str, target: str, hardware: str) -> dict:
     return {"source": source, "target": target, "hardware": hardware, "overrides": overrides,
             "change_kinds": pred["change_kinds"], "confidence": pred["confidence_text"],
             "source_step_ms": src["summary"]["step_ms"]["median"], "target_gpu_busy_frac": round(_busy(tgt), 2),
+            "host_assumptions": [a["kind"] for a in pred["assumptions"] if a["kind"].startswith(("host", "gpu_ops"))],
             **_against(pred, tgt)}
 
 

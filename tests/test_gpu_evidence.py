@@ -290,9 +290,11 @@ def test_cpu_to_gpu_cases_recomputed_from_profiles(case):
     that kept its GPU busy (>= 80%: the 16 and 32 x 1024 ones), and each plain-PyTorch one of that day
     (their means are in docs/projection.md). The host-bound ZeRO-3 recipe measured 297 to 540 ms on three
     machines (and 498 ms at 16 x 1024 on the H200, 68% busy), the plain-PyTorch one 118 to 165 ms on two
-    H200s, which a prediction from the host reference cannot know: those rows are kept, not held to it;
-    so are the host-bound LoRA and QLoRA finetuning rows (a task change from a pretraining source, off by
-    +76% to +127% and -67%: docs/projection.md)."""
+    H200s, which a prediction from the host reference cannot know: those rows are kept, not held to it.
+    A DeepSpeed ZeRO-0/1/2 target takes plain PyTorch's host time per call for its model phases (ZeRO-3's
+    module hooks are not in its host path): the host-bound Llama2-7B LoRA rows (ZeRO-2, held out of every
+    catalog figure) within 20%; the QLoRA rows say that bitsandbytes' calls are left out and are kept, not
+    held (-86%: docs/projection.md)."""
     import gpu_validation
 
     again = gpu_validation.cpu_to_gpu_case(case["source"], case["target"], case["hardware"])
@@ -306,6 +308,13 @@ def test_cpu_to_gpu_cases_recomputed_from_profiles(case):
     torch_run_of_the_day = case["target"].endswith(("-torch-gpubound", "-torch-hostbound"))
     if gpu_bound_of_the_day or torch_run_of_the_day:
         assert abs(case["step_error_pct"]) <= 15
+    assert again["host_assumptions"] == case["host_assumptions"]
+    zero12 = any(o in case["overrides"] for o in ("engine.zero_stage=0", "engine.zero_stage=1", "engine.zero_stage=2"))
+    assert ("host_stand_in" in case["host_assumptions"]) == zero12, case["host_assumptions"]
+    finetune = next((o.split("=")[1] for o in case["overrides"] if o.startswith("task.kind=")), None)
+    assert ("gpu_ops_finetune" in case["host_assumptions"]) == (finetune is not None), case["host_assumptions"]
+    if finetune == "lora":
+        assert abs(case["step_error_pct"]) <= 20
 
 
 @pytest.mark.parametrize("case", VALIDATION.get("size_cases") or [],

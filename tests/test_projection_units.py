@@ -541,6 +541,25 @@ def test_another_machine_rerates_like_with_like_and_a_gpu_waits_for_its_host():
     assert phases["forward"] == pytest.approx(8.0 * cpu2.gemm["forward"].ms(w.gemms("forward")) / g + 8.0 + 4.0)
 
 
+def test_a_gpu_hosts_time_per_call_follows_the_engines_host_path():
+    """DeepSpeed's host path depends on its ZeRO stage: ZeRO-3's module hooks are in the catalog's
+    `deepspeed` figures; ZeRO-0/1/2 hook no module, so until their own runs are kept plain PyTorch's
+    figures stand in for the model's phases (DeepSpeed's optimizer step stays ZeRO-3's), and the prediction
+    says so; FSDP takes PyTorch's; an engine without references takes ZeRO-3's, also said."""
+    from trainprof.projection.machines import gpu_host
+
+    cat = load_catalog()
+    figure = {key: {ph: fig["value"] for ph, fig in block.items()} for key, block in cat.host_us_per_op.items()}
+    zero3, _, why = gpu_host(cat, "deepspeed", 3)
+    assert why is None and zero3["forward"] == figure["deepspeed"]["forward"] == zero3["recompute"]
+    zero2, source, why = gpu_host(cat, "deepspeed", 2)
+    assert (zero2["forward"], zero2["backward"]) == (figure["torch"]["forward"], figure["torch"]["backward"])
+    assert zero2["optimizer"] == figure["deepspeed"]["optimizer"] and "stands in" in why and "-torch" in source
+    assert gpu_host(cat, "fsdp", 0)[:2] == gpu_host(cat, "torch", 0)[:2] and gpu_host(cat, "fsdp", 0)[2] is None
+    other, _, why = gpu_host(cat, "megatron", 0)
+    assert other["forward"] == figure["deepspeed"]["forward"] and "no GPU host reference for megatron" in why
+
+
 def test_the_residual_scales_with_the_phases_so_a_faster_target_keeps_a_positive_step():
     # the median step (90 ms) is below the sum of per-phase medians (96 ms): a -6 ms residual
     m = _measured(step_ms=90.0, unattributed_ms=-6.0)

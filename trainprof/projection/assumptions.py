@@ -46,6 +46,10 @@ TEMPLATES: dict[str, str] = {
                   "the longer of its host and device time (the GPU runs asynchronously)"),
     "gpu_ops_per_layer": ("host: a decoder layer issues {forward:.0f} operator calls a forward and {backward:.0f} a "
                           "backward, as GPU runs of the engine issue them ({source}), not as this CPU run did"),
+    "host_stand_in": "host: {why}",
+    "gpu_ops_finetune": ("host: those counts are pretraining runs'; a {task} layer's adapters{quantized} issue calls "
+                         "they leave out, at a host cost per call no reference run measured: the host time is likely "
+                         "low"),
     "host_unknown": ("host: not modelled ({why}); the prediction is the device time alone and may be optimistic"),
     # optimizer
     "optimizer_probed_step": ("optimizer: the target engine's step() probed in a group of one ({step_ms:.2f} ms over "

@@ -253,12 +253,3 @@ def engine_scaled(phases: dict[str, float], engine: EngineProbe) -> tuple[dict[s
 
 def per_micro_batch(m: Measured) -> dict[str, float]:
     return {ph: m.phases_ms[ph] / m.grad_accum for ph in (*COMPUTE_PHASES, "data_wait")}
-
-
-def host_reference(engine: str, phase: str, catalog_host: dict[str, Any] | None) -> tuple[float | None, str]:
-    """Host time per operator call on a GPU machine for an engine and phase, from the catalog's
-    reference runs; None where no host-bound reference exists."""
-    entry = ((catalog_host or {}).get(engine) or {}).get(phase)
-    if not entry or entry.get("value") is None:
-        return None, f"no host-bound {engine} {phase} reference in the catalog"
-    return float(entry["value"]), entry["source"]

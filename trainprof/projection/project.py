@@ -223,14 +223,18 @@ class Projector:
         if not inputs.target_machine.gemm:
             reasons.setdefault("step_ms", f"{t.machine} lacks a matmul rate or memory bandwidth in the catalog")
         # a CPU source's host work on the GPU is the target engine's, as the reference GPU runs measured it
-        engine = t.recipe.engine.kind if src.measured.device_type == "cpu" else src.recipe.engine.kind
-        inputs.host_us_per_op = self._gpu_host(notes, engine)
+        engine = t.recipe.engine if src.measured.device_type == "cpu" else src.recipe.engine
+        inputs.host_us_per_op = self._gpu_host(notes, engine.kind, engine.zero_stage)
         if inputs.host_us_per_op is not None and src.measured.device_type == "cpu":
-            calls, calls_source = gpu_ops_per_layer(self.catalog, engine)
+            calls, calls_source = gpu_ops_per_layer(self.catalog, engine.kind)
             if calls:
                 inputs.ops_per_layer = calls
                 notes.append(assume("gpu_ops_per_layer", forward=calls.get("forward", 0.0),
                                     backward=calls.get("backward", 0.0), source=calls_source))
+                if t.recipe.task.kind != "pretrain":
+                    notes.append(assume("gpu_ops_finetune", task=t.recipe.task.kind,
+                                        quantized=" and bitsandbytes' 4-bit matmuls" if t.recipe.task.kind == "qlora"
+                                        else ""))
         ref = self.catalog.optimizer_bytes_per_param.get(reference_engine(t.recipe.engine.kind))
         if ref:
             inputs.optimizer_bytes_per_param = (float(ref["value"]), ref["source"])
@@ -238,7 +242,7 @@ class Projector:
             notes.append(assume("engine_change_other_machine"))
         return inputs
 
-    def _gpu_host(self, notes: list[Assumption], engine: str) -> dict[str, float] | None:
+    def _gpu_host(self, notes: list[Assumption], engine: str, zero_stage: int) -> dict[str, float] | None:
         """Host µs per operator call on the target: a GPU source's own (where its phase was host-bound,
         else the catalog's reference for `engine`), a CPU source's from the catalog's GPU references for
         `engine` (the target's)."""
@@ -247,7 +251,9 @@ class Projector:
             notes.append(assume("host_unknown", why="the source profile has no operator trace (profile.ops=true "
                                                     "records the operator calls the host issues)"))
             return None
-        ref, ref_source = gpu_host(self.catalog, engine)
+        ref, ref_source, stand_in = gpu_host(self.catalog, engine, zero_stage)
+        if stand_in is not None:
+            notes.append(assume("host_stand_in", why=stand_in))
         values = dict(ref)
         if m.device_type == "cuda":
             from trainprof.projection.hostref import host_us_per_op
