@@ -1,10 +1,13 @@
 """Print the catalog's `gpu_host_us_per_op`, `gpu_optimizer_bytes_per_param` and `gpu_ops_per_layer`
-blocks from the GPU reference runs under profiles/: per engine kind and phase, the mean over the runs of
-a host-bound phase's µs per operator call, per engine kind the optimizer kernels' bytes per trainable
-parameter (trainprof/projection/hostref.py; pretraining runs), and the operator calls a decoder layer
-issues per micro batch (pretraining runs), with the runs they came from as the source.
+blocks from the GPU pretraining runs under profiles/ (the finetuning runs are held out as targets): per
+host path (machines.host_key: DeepSpeed ZeRO-3 and ZeRO-0/1/2 apart) and phase, the mean over the runs of a
+host-bound phase's µs per operator call (trainprof/projection/hostref.py); per engine kind the optimizer
+kernels' bytes per trainable parameter; and the operator calls a decoder layer issues per micro batch; each
+with the runs it came from as the source (tests/test_reference_profiles.py recomputes the catalog's).
 
-    python scripts/host_reference.py            # paste the output into trainprof/hardware.yaml
+    python scripts/host_reference.py                      # every GPU pretraining run under profiles/
+    python scripts/host_reference.py --runs h100-a,h200-b # only these folders
+    # paste the output into trainprof/hardware.yaml
 """
 
 from __future__ import annotations
@@ -18,62 +21,69 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def reference_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, dict[str, tuple[float, list[str]]]]:
-    """engine kind -> phase -> (mean µs per call, ['<profile dir>: <µs>', ...]) over host-bound phases."""
+def reference_profiles(profiles_dir: Path, runs: set[str] | None) -> list[tuple[str, dict]]:
+    """(folder name, profile) of the GPU pretraining runs under profiles_dir (only `runs`, if given): the
+    finetuning runs are held out, as targets the references are checked against (gpu_validation.py)."""
     from trainprof.io import kept_profiles, read_json
+
+    found = []
+    for path in kept_profiles(profiles_dir):
+        if runs is not None and path.parent.name not in runs:
+            continue
+        profile = read_json(path)
+        if profile["env"].get("device_type") == "cuda" and profile["recipe"]["task"]["kind"] == "pretrain":
+            found.append((path.parent.name, profile))
+    return found
+
+
+def reference_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | None = None
+                     ) -> dict[str, dict[str, tuple[float, list[str]]]]:
+    """host key -> phase -> (mean µs per call, ['<profile dir>: <µs>', ...]) over host-bound phases."""
     from trainprof.projection.hostref import HOST_PHASES, host_us_per_op
+    from trainprof.projection.machines import host_key
 
     found: dict[str, dict[str, list[tuple[str, float]]]] = {}
-    for path in kept_profiles(profiles_dir):
-        profile = read_json(path)
-        if profile["env"].get("device_type") != "cuda":
-            continue
-        kind = (profile.get("engine") or {}).get("kind") or profile["recipe"]["engine"]["kind"]
+    for name, profile in reference_profiles(profiles_dir, runs):
+        engine = profile["recipe"]["engine"]
+        kind = host_key(engine["kind"], engine.get("zero_stage", 0))
         for phase, us in host_us_per_op(profile).items():
             if us is not None and phase in HOST_PHASES:
-                found.setdefault(kind, {}).setdefault(phase, []).append((path.parent.name, us))
+                found.setdefault(kind, {}).setdefault(phase, []).append((name, us))
     return {kind: {ph: (statistics.mean(v for _, v in runs), [f"{d}: {v:.1f}" for d, v in runs])
                    for ph, runs in phases.items()} for kind, phases in found.items()}
 
 
-def optimizer_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, tuple[float, list[str]]]:
+def optimizer_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | None = None
+                     ) -> dict[str, tuple[float, list[str]]]:
     """engine kind -> (mean bytes per trainable parameter, ['<profile dir>: <bytes>', ...])."""
-    from trainprof.io import kept_profiles, read_json
     from trainprof.projection.hostref import optimizer_bytes_per_param
 
     found: dict[str, list[tuple[str, float]]] = {}
-    for path in kept_profiles(profiles_dir):
-        cal = path.parent / "calibration.json"
-        profile = read_json(path)
-        if profile["env"].get("device_type") != "cuda" or not cal.is_file() \
-                or profile["recipe"]["task"]["kind"] != "pretrain":  # LoRA's optimizer: fixed costs over few params
-            continue
-        value = optimizer_bytes_per_param(profile, json.loads(cal.read_text())["memory"]["gbps"])
+    for name, profile in reference_profiles(profiles_dir, runs):
+        cal = profiles_dir / name / "calibration.json"
+        value = optimizer_bytes_per_param(profile, json.loads(cal.read_text())["memory"]["gbps"]) \
+            if cal.is_file() else None
         if value is not None:
-            kind = (profile.get("engine") or {}).get("kind") or profile["recipe"]["engine"]["kind"]
-            found.setdefault(kind, []).append((path.parent.name, value))
+            found.setdefault(profile["recipe"]["engine"]["kind"], []).append((name, value))
     return {kind: (statistics.mean(v for _, v in runs), [f"{d}: {v:.1f}" for d, v in runs])
             for kind, runs in found.items()}
 
 
-def ops_values(profiles_dir: Path = ROOT / "profiles") -> dict[str, dict[str, tuple[float, list[str]]]]:
+def ops_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | None = None
+               ) -> dict[str, dict[str, tuple[float, list[str]]]]:
     """engine kind -> phase -> (median operator calls per decoder layer and micro batch, the runs) over the
     GPU pretraining runs with an operator trace."""
-    from trainprof.io import kept_profiles, read_json
     from trainprof.projection.measured import measured_from_profile
     from trainprof.recipe import recipe_from_dict, resolve_shape
 
     found: dict[str, dict[str, list[tuple[str, float]]]] = {}
-    for path in kept_profiles(profiles_dir):
-        profile = read_json(path)
-        if profile["env"].get("device_type") != "cuda" or profile["recipe"]["task"]["kind"] != "pretrain":
-            continue
+    for name, profile in reference_profiles(profiles_dir, runs):
         m = measured_from_profile(profile)
         layers = resolve_shape(recipe_from_dict(profile["recipe"]).model).num_layers
         for phase in ("forward", "backward"):
             if m.ops and phase in m.ops:
                 found.setdefault(profile["recipe"]["engine"]["kind"], {}).setdefault(phase, []).append(
-                    (path.parent.name, m.ops[phase].layer_calls / layers / m.grad_accum))
+                    (name, m.ops[phase].layer_calls / layers / m.grad_accum))
     return {kind: {ph: (statistics.median(v for _, v in runs), [d for d, _ in runs]) for ph, runs in phases.items()}
             for kind, phases in found.items()}
 
@@ -87,13 +97,22 @@ def print_per_phase(block: str, values: dict[str, dict[str, tuple[float, list[st
             print(f'    {phase}: {{value: {value:.1f}, source: "{what} (profiles/ {sep.join(runs)})"}}')
 
 
-def main() -> int:
-    print_per_phase("gpu_host_us_per_op", reference_values(), "mean of host-bound phases, us per operator call", "; ")
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", help="comma-separated profiles/ folders to use (default: every GPU pretraining run)")
+    args = parser.parse_args(argv)
+    runs = set(args.runs.split(",")) if args.runs else None
+    print_per_phase("gpu_host_us_per_op", reference_values(runs=runs), "mean of host-bound phases, us per operator call",
+                    "; ")
     print("gpu_optimizer_bytes_per_param:")
-    for kind, (mean, runs) in sorted(optimizer_values().items()):
+    for kind, (mean, names) in sorted(optimizer_values(runs=runs).items()):
         print(f'  {kind}: {{value: {mean:.1f}, source: "mean of the optimizer kernels\' device time x the measured '
-              f'copy bandwidth / trainable parameters (profiles/ {"; ".join(runs)})"}}')
-    print_per_phase("gpu_ops_per_layer", ops_values(), "median operator calls per decoder layer and micro batch", ", ")
+              f'copy bandwidth / trainable parameters (profiles/ {"; ".join(names)})"}}')
+    print_per_phase("gpu_ops_per_layer", ops_values(runs=runs), "median operator calls per decoder layer and micro batch",
+                    ", ")
     return 0
 
 

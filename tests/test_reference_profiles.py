@@ -1,12 +1,15 @@
 """Every checked-in reference profile (profiles/*/profile.json, gzipped for the GPU runs) is a valid profile
-and closes."""
+and closes, and the catalog's GPU host figures are what the runs they name give."""
 
 from __future__ import annotations
 
+import re
+import sys
 
 import pytest
 
 from conftest import REPO
+from trainprof.hardware import load_catalog
 from trainprof.io import kept_profiles, read_json
 from trainprof.profiler.schema import validate_profile
 
@@ -26,3 +29,34 @@ def test_reference_profile_valid_and_closes(path):
     frac = doc["summary"]["unattributed_frac"]
     assert frac is not None and 0 <= abs(frac) <= 0.02, f"{path}: unattributed_frac {frac} > 2%"
     assert doc["modules"] and doc["steps"]
+
+
+def _named_runs(source: str) -> set[str]:
+    """The profiles/ folders a catalog figure's source names: '(profiles/ a: 48.5; b: 27.7)' or '(profiles/ a, b)'."""
+    named = re.search(r"\(profiles/ ([^()]*)\)$", source)
+    assert named, source
+    return {run.split(":")[0].strip() for run in re.split(r"[;,] ", named.group(1))}
+
+
+def test_the_catalogs_gpu_host_figures_are_what_the_runs_they_name_give():
+    """gpu_host_us_per_op, gpu_optimizer_bytes_per_param and gpu_ops_per_layer (trainprof/hardware.yaml),
+    recomputed by scripts/host_reference.py from the very runs each figure names: none drifts from its
+    runs, and the finetuning runs stay out (they are the held-out targets of gpu_validation's CPU -> GPU
+    rows)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import host_reference
+
+    cat = load_catalog()
+    for block, compute in (("host_us_per_op", host_reference.reference_values),
+                           ("ops_per_layer", host_reference.ops_values)):
+        for key, phases in getattr(cat, block).items():
+            for phase, fig in phases.items():
+                runs = _named_runs(fig["source"])
+                value, names = compute(runs=runs)[key][phase]
+                assert value == pytest.approx(fig["value"], abs=0.05), (block, key, phase)
+                assert {n.split(":")[0] for n in names} == runs, (block, key, phase)
+    for key, fig in cat.optimizer_bytes_per_param.items():
+        value, names = host_reference.optimizer_values(runs=_named_runs(fig["source"]))[key]
+        assert value == pytest.approx(fig["value"], abs=0.05), key
+    assert not any("lora" in run for fig in cat.host_us_per_op["deepspeed"].values()
+                   for run in _named_runs(fig["source"]))
