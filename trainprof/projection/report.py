@@ -87,8 +87,10 @@ def notes(result: dict[str, Any]) -> list[str]:
         "memory/GPU: trainprof plan's formulas for the target (plus what the source measured beyond them on the "
         "same machine); fits: under the catalog's memory capacity",
         "cost: price x GPUs / tokens/s, only from --price or a price file with source and date (never invented)",
-        "host on a GPU: operator calls x a GPU host's time per call from the reference profiles' operator tables; a "
-        "trace-replay host/device model waits for Kineto traces of one recipe on two GPU kinds in profiles/",
+        "host on a GPU: operator calls x a GPU host's time per call (the source's own where its GPU waited for it, "
+        "else the catalog's gpu_host_us_per_op, measured on the reference profiles per engine and ZeRO-3 or not; "
+        "which one, and any stand-in, is among the assumptions); for a traced GPU source, `trainprof replay SOURCE "
+        "--to TARGET` replays its kernels from its host launches instead (its error: validation_gpu.json)",
     ]
     if src.get("unknown"):
         out.append("not recorded by the wrapped run, recipe defaults used: "
