@@ -114,6 +114,12 @@ def test_best_settings_and_the_research_tables(source):
     assert seven_zero3["a800-80g"]["tokens_per_s"] > seven_zero3["rtx4090"]["tokens_per_s"]
     four_bit = next(r for r in tables["table_iii"] if r["method"] == "ZeRO-2 + 4-bit")
     assert four_bit["a800-80g"]["tokens_per_s"] is None and "optimizer.state_bits" in four_bit["a800-80g"]["reason"]
+    # offload runs the optimizer on a host the catalog does not describe: no step, the memory still planned,
+    # and never the best setting
+    offload = next(r for r in tables["table_iii"] if r["model"] == "llama2-7b" and r["method"] == "ZeRO-3 + offload")
+    assert offload["a800-80g"]["tokens_per_s"] is None and "host CPU" in offload["a800-80g"]["reason"]
+    assert offload["a800-80g"]["memory_gib"] < seven_zero3["a800-80g"]["memory_gib"]
+    assert "offload=none" in top["setting"] and "offload=none" in cheap["setting"]
     ix = next(r for r in tables["table_ix"] if r["model"] == "llama2-70b" and r["method"] == "qlora")
     assert ix["a800-80g"]["memory_gib"] < 80
 

@@ -144,6 +144,12 @@ class Projector:
         elif "megatron" in (t.recipe.engine.kind, self.source.recipe.engine.kind) and "engine" in t.kinds:
             reasons["step_ms"] = ("a change to or from Megatron's engine is not derived (its tensor- and pipeline-"
                                   "parallel collectives and its own kernels): measure a run of the target engine")
+        elif not t.same_machine and (_offload(t.recipe) != "none" or (
+                self.source.measured.device_type == "cuda" and _offload(self.source.recipe) != "none")):
+            reasons["step_ms"] = ("engine.offload on a GPU moves the optimizer step to the host CPU (DeepSpeed's CPU "
+                                  "Adam; torch's Adam for FSDP) and the gradients and parameters over PCIe, and the "
+                                  "catalog describes no GPU machine's host: measure the offload on the source's "
+                                  "machine (--to this) or on a GPU machine with the host you will use")
         elif "compile" in t.kinds and not t.same_machine:
             reasons["step_ms"] = ("torch.compile's effect is probed on the source's machine only (what inductor "
                                   "fuses on the target's GPU cannot be derived): project the compile change there, "
@@ -680,6 +686,10 @@ def _zero_buckets(recipe: Any) -> dict[str, Any]:
 
 def _zero(recipe: Any) -> int:
     return recipe.engine.zero_stage if recipe.engine.kind == "deepspeed" else 0
+
+
+def _offload(recipe: Any) -> str:
+    return recipe.engine.offload if recipe.engine.kind in ("deepspeed", "fsdp") else "none"
 
 
 # ---------------------------------------------------------------------------------------------
