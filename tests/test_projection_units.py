@@ -545,7 +545,7 @@ def test_a_gpu_hosts_time_per_call_follows_the_engines_host_path():
     """DeepSpeed's host path depends on its ZeRO stage: ZeRO-3's module hooks are in the catalog's
     `deepspeed` figures; ZeRO-0/1/2 hook no module, so until their own runs are kept plain PyTorch's
     figures stand in for the model's phases (DeepSpeed's optimizer step stays ZeRO-3's), and the prediction
-    says so; FSDP takes PyTorch's; an engine without references takes ZeRO-3's, also said."""
+    says so; FSDP takes PyTorch's, and an engine without references ZeRO-3's, each said too."""
     from trainprof.projection.machines import gpu_host
 
     cat = load_catalog()
@@ -555,7 +555,8 @@ def test_a_gpu_hosts_time_per_call_follows_the_engines_host_path():
     zero2, source, why = gpu_host(cat, "deepspeed", 2)
     assert (zero2["forward"], zero2["backward"]) == (figure["torch"]["forward"], figure["torch"]["backward"])
     assert zero2["optimizer"] == figure["deepspeed"]["optimizer"] and "stands in" in why and "-torch" in source
-    assert gpu_host(cat, "fsdp", 0)[:2] == gpu_host(cat, "torch", 0)[:2] and gpu_host(cat, "fsdp", 0)[2] is None
+    assert gpu_host(cat, "fsdp", 0)[:2] == gpu_host(cat, "torch", 0)[:2] and gpu_host(cat, "torch", 0)[2] is None
+    assert "no GPU host reference for fsdp: torch's" in gpu_host(cat, "fsdp", 0)[2]
     other, _, why = gpu_host(cat, "megatron", 0)
     assert other["forward"] == figure["deepspeed"]["forward"] and "no GPU host reference for megatron" in why
 

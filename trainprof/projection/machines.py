@@ -148,7 +148,7 @@ def host_key(engine: str, zero_stage: int) -> str:
     forward (deepspeed/runtime/zero/stage_1_and_2.py hooks only the gradients)."""
     if engine == "deepspeed":
         return "deepspeed" if zero_stage >= 3 else "deepspeed-zero12"
-    return reference_engine(engine)
+    return engine
 
 
 def gpu_host(catalog: Catalog, engine: str, zero_stage: int = 3) -> tuple[dict[str, float], str, str | None]:
@@ -165,6 +165,10 @@ def gpu_host(catalog: Catalog, engine: str, zero_stage: int = 3) -> tuple[dict[s
         return (*_per_phase(stand_in), "DeepSpeed ZeRO-0/1/2 hook no module in the forward, so plain PyTorch's "
                                        "host time per call stands in for the model's phases and ZeRO-3's for "
                                        "DeepSpeed's optimizer step (no ZeRO-1/2 GPU reference run is kept)")
+    if key in REFERENCE_ENGINE and refs.get(REFERENCE_ENGINE[key]):
+        closest = REFERENCE_ENGINE[key]
+        return (*_per_phase(refs[closest]), f"no GPU host reference for {engine}: {closest}'s, the closest host path "
+                                            "measured, stands in (FSDP2 adds hooks at its fully_shard units only)")
     return (*_per_phase(refs.get("deepspeed") or {}),
             f"no GPU host reference for {engine}: DeepSpeed ZeRO-3's, the slowest host path measured, stands in")
 
