@@ -13,7 +13,6 @@ model's.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -370,7 +369,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         from trainprof.io import atomic_write_json
 
-        old = json.loads(OUT.read_text()) if OUT.is_file() else {}
         atomic_write_json(OUT, {
             "measured_on": "lent NVIDIA H100 80GB HBM3 and H200 machines (one GPU each): the folders without a suffix "
                            "2026-11-23, the -gpubound, -hostbound, LoRA and QLoRA ones 2026-11-26 (H200 then H100, "

@@ -22,7 +22,6 @@ engine's probed step().
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from trainprof.projection.assumptions import Assumption, assume
 from trainprof.projection.gemm import GemmRate, Work

@@ -212,7 +212,7 @@ class Projector:
     def _inputs_there(self, t: TargetRun, reasons: dict[str, str], notes: list[Assumption]) -> Inputs:
         """Rates, link and host for a catalog target: the source's calibration re-rated to the target's
         figures, NCCL's latency on its links, and its host time per operator call."""
-        src, m = self.source, self.source.measured
+        src = self.source
         assert t.hardware is not None
         inputs = Inputs(link=catalog_link(self.catalog, t.hardware, t.world, t.gpus_per_node))
         cal = ensure_calibration(src)

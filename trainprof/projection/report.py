@@ -287,7 +287,7 @@ def _research_notes(result: dict[str, Any]) -> list[str]:
 def write_tables_doc(result: dict[str, Any], out_dir: Path, *, command: str) -> list[Path]:
     notes_ = _research_notes(result)
     paths: list[Path] = []
-    md = [f"# Zhang et al. (arXiv 2311.03687) tables, predicted", "", f"Command: `{command}`", ""]
+    md = ["# Zhang et al. (arXiv 2311.03687) tables, predicted", "", f"Command: `{command}`", ""]
     for key, title in TABLE_TITLES.items():
         cols, rows = _research_rows(result, key)
         paths += write_tables(out_dir / key, rows, cols, title=title, notes=notes_)
