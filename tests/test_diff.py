@@ -152,10 +152,19 @@ def test_sdpa_against_eager_speeds_up_attention_and_nothing_else(tmp_path):
                 row = next(r for r in d.modules if r.name == f"model.layers.{layer}.self_attn" and r.phase == phase)
                 assert row.verdict == "faster", (row, d.band)
         assert all(r.verdict == "faster" for r in d.parts if r.name == "attention")
-        # everything that does not contain attention: within that band (or too small to judge)
+        # everything that does not contain attention: within that band (or too small to judge); but the MLP's
+        # forward, which runs right after attention, ran 6-16% faster under SDPA in three trios, beyond the band
+        # in some (docs/reports.md): it may be faster, by far less than attention, never slower
+        attention = min(r.change for r in d.parts if r.name == "attention" and r.phase == "forward")
         rest = [r for r in d.modules if not _contains_attention(r.name)]
         rest += [r for r in d.parts if r.name in ("MLP", "norms", "head", "embedding")]
-        assert rest and all(r.verdict in ("within noise", "too small") for r in rest), \
-            ([(r.name, r.phase, r.change) for r in rest if r.verdict not in ("within noise", "too small")], d.band)
+
+        def judged_alike(r) -> bool:
+            after_attention = r.phase == "forward" and (r.name == "MLP" or ".mlp" in r.name)
+            return r.verdict in ("within noise", "too small") or \
+                after_attention and r.verdict == "faster" and r.change > attention / 3
+
+        assert rest and all(judged_alike(r) for r in rest), \
+            ([(r.name, r.phase, r.change) for r in rest if not judged_alike(r)], d.band, attention)
 
     retry_on_noise(check)
