@@ -313,6 +313,7 @@ def test_cpu_to_gpu_cases_recomputed_from_profiles(case):
     assert ("host_stand_in" in case["host_assumptions"]) == zero12, case["host_assumptions"]
     finetune = next((o.split("=")[1] for o in case["overrides"] if o.startswith("task.kind=")), None)
     assert ("gpu_ops_finetune" in case["host_assumptions"]) == (finetune is not None), case["host_assumptions"]
+    assert ("host likely low" in case["confidence"]) == (finetune is not None), case["confidence"]  # in the table
     if finetune == "lora":
         assert abs(case["step_error_pct"]) <= 20
 
