@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
               for n in args.groups.split(",") if n in GROUPS]
     groups = [g for g in groups if g.cases]
     if not groups:
-        parser.error(f"--groups/--cases name no case; the cases are: "
+        parser.error("--groups/--cases name no case; the cases are: "
                      + ", ".join(c.name for g in GROUPS.values() for c in g.cases))
     bar = tqdm(total=sum(len(g.cases) + 1 for g in groups) * args.repeats, desc="bench_projection", unit="run",
                file=sys.stderr)

@@ -11,7 +11,6 @@ import argparse
 import functools
 import importlib.abc
 import importlib.util
-import os
 import runpy
 import sys
 import traceback

@@ -4,7 +4,6 @@ run on a tiny model on CPU, so its JSON is checked before a GPU produces one).""
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path

@@ -17,7 +17,7 @@ from trainprof.analysis.records import ROOT_LABEL
 from trainprof.analysis.trace import TraceFormatError, summarize_trace
 from trainprof.errors import UserError
 from trainprof.io import atomic_write_text, dig
-from trainprof.report.document import Details, Document, Facts, Missing, Para, Table, fmt
+from trainprof.report.document import Details, Document, Facts, Missing, Para, Table
 from trainprof.report.document import render_html, render_markdown
 from trainprof.report.gpu import gpu_section
 from trainprof.report.pipeline import pipeline_section
