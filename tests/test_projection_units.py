@@ -543,9 +543,9 @@ def test_another_machine_rerates_like_with_like_and_a_gpu_waits_for_its_host():
 
 def test_a_gpu_hosts_time_per_call_follows_the_engines_host_path():
     """DeepSpeed's host path depends on its ZeRO stage: ZeRO-3's module hooks are in the catalog's
-    `deepspeed` figures; ZeRO-0/1/2 hook no module, so until their own runs are kept plain PyTorch's
-    figures stand in for the model's phases (DeepSpeed's optimizer step stays ZeRO-3's), and the prediction
-    says so; FSDP takes PyTorch's, and an engine without references ZeRO-3's, each said too."""
+    `deepspeed` figures; ZeRO-0/1/2 hook only the root module, so until their own runs are kept plain
+    PyTorch's figures stand in for the model's phases (DeepSpeed's optimizer step stays ZeRO-3's), and the
+    prediction says so; FSDP takes PyTorch's, and an engine without references ZeRO-3's, each said too."""
     from trainprof.projection.machines import gpu_host
 
     cat = load_catalog()

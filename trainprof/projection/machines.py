@@ -144,8 +144,9 @@ def gpu_ops_per_layer(catalog: Catalog, engine: str) -> tuple[dict[str, float], 
 
 def host_key(engine: str, zero_stage: int) -> str:
     """The catalog key of an engine's GPU host figures. DeepSpeed's host path depends on its ZeRO stage:
-    ZeRO-3 fetches and releases parameters in hooks on every module; ZeRO-0/1/2 hook no module in the
-    forward (deepspeed/runtime/zero/stage_1_and_2.py hooks only the gradients)."""
+    ZeRO-3 fetches and releases parameters in hooks on every module (deepspeed/runtime/zero/
+    parameter_offload.py); ZeRO-0/1/2 hook only the root module in the forward (runtime/engine.py) and the
+    gradients (runtime/zero/stage_1_and_2.py)."""
     if engine == "deepspeed":
         return "deepspeed" if zero_stage >= 3 else "deepspeed-zero12"
     return engine
@@ -162,9 +163,10 @@ def gpu_host(catalog: Catalog, engine: str, zero_stage: int = 3) -> tuple[dict[s
         # the model's phases run as plain PyTorch's do; the optimizer is DeepSpeed's own step()
         stand_in = {**{ph: fig for ph, fig in refs["torch"].items() if ph != "optimizer"},
                     **{ph: fig for ph, fig in refs["deepspeed"].items() if ph == "optimizer"}}
-        return (*_per_phase(stand_in), "DeepSpeed ZeRO-0/1/2 hook no module in the forward, so plain PyTorch's "
-                                       "host time per call stands in for the model's phases and ZeRO-3's for "
-                                       "DeepSpeed's optimizer step (no ZeRO-1/2 GPU reference run is kept)")
+        return (*_per_phase(stand_in), "DeepSpeed ZeRO-0/1/2 hook only the root module in the forward, so plain "
+                                       "PyTorch's host time per call stands in for the model's phases and "
+                                       "ZeRO-3's for DeepSpeed's optimizer step (no ZeRO-1/2 GPU reference run "
+                                       "is kept)")
     if key in REFERENCE_ENGINE and refs.get(REFERENCE_ENGINE[key]):
         closest = REFERENCE_ENGINE[key]
         return (*_per_phase(refs[closest]), f"no GPU host reference for {engine}: {closest}'s, the closest host path "

@@ -327,7 +327,8 @@ class Projector:
         host_bound = (src.measured.busy_frac() or 1.0) < HOST_BOUND_BUSY
         conf = confidence(t.kinds, self.validation, host_bound=host_bound, source_device=src.measured.device_type)
         if any(a.kind == "gpu_ops_finetune" for a in notes):  # in the table cell, not only among the assumptions
-            conf = dataclasses.replace(conf, why=f"{conf.why}; {src.recipe.task.kind} -> {r.task.kind}: host likely low")
+            conf = dataclasses.replace(conf, why=f"{conf.why}; {src.recipe.task.kind} -> {r.task.kind}: host "
+                                                 "likely low")
         pred: dict[str, Any] = {
             "hardware": t.machine if t.hardware is not None else
             f"this ({src.profile['env']['device']}" + (f", {t.threads} threads" if t.threads else "") + ")",
