@@ -118,8 +118,18 @@ def task_key(recipe: Any) -> str:
                  dataclasses.asdict(t.quant) if t.kind == "qlora" else None))
 
 
+def zero_stage_of(recipe: Any) -> int:
+    """The recipe's DeepSpeed ZeRO stage; 0 for the engines that have none."""
+    return recipe.engine.zero_stage if recipe.engine.kind == "deepspeed" else 0
+
+
+def offload_of(recipe: Any) -> str:
+    """What the recipe's engine offloads to the host; "none" for the engines that cannot."""
+    return recipe.engine.offload if recipe.engine.kind in ("deepspeed", "fsdp") else "none"
+
+
 def engine_key(recipe: Any) -> tuple[Any, ...]:
     """What decides the engine a probe builds: its kind and settings, and whether the layers are compiled."""
     e = recipe.engine
-    return (e.kind, e.zero_stage if e.kind == "deepspeed" else 0, e.offload if e.kind in ("deepspeed", "fsdp") else "none",
+    return (e.kind, zero_stage_of(recipe), offload_of(recipe),
             getattr(e, "reshard_after_forward", True) if e.kind == "fsdp" else None, getattr(recipe.model, "compile", False))

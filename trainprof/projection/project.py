@@ -23,8 +23,8 @@ from trainprof.hardware import Catalog, CatalogError, Target, find_accelerator, 
 from trainprof.projection import pipeline
 from trainprof.projection.assumptions import Assumption, assume
 from trainprof.projection.census import census, zero3_settings, zero3_traffic
-from trainprof.projection.changes import (KINDS, THIS, change_kinds, engine_key, model_shape, recipe_kinds, task_key,
-                                          unmodelled_changes)
+from trainprof.projection.changes import (KINDS, THIS, change_kinds, engine_key, model_shape, offload_of, recipe_kinds,
+                                          task_key, unmodelled_changes, zero_stage_of)
 from trainprof.projection.comm import CommTarget, Link
 from trainprof.projection.compute import HOST_BOUND_BUSY, EngineProbe, Parts, StepProbe
 from trainprof.projection.gemm import Work
@@ -119,8 +119,9 @@ class Projector:
         other_params = "task" in kinds or "model_size" in kinds
         trainable_t = tgt_census.trainable if other_params else float(src.profile["params"]["trainable"])
         comm = CommTarget(
-            engine=recipe.engine.kind, zero_stage=_zero(recipe), world_size=world, grad_accum=recipe.train.grad_accum,
-            source_engine=src.recipe.engine.kind, source_zero_stage=_zero(src.recipe),
+            engine=recipe.engine.kind, zero_stage=zero_stage_of(recipe), world_size=world,
+            grad_accum=recipe.train.grad_accum,
+            source_engine=src.recipe.engine.kind, source_zero_stage=zero_stage_of(src.recipe),
             trainable_param_bytes=trainable_t * m.dtype_bytes if other_params else None,
             census=tgt_census, source_census=self.source_census,
             zero3=zero3_settings(recipe), source_zero3=zero3_settings(src.recipe),
@@ -144,8 +145,8 @@ class Projector:
         elif "megatron" in (t.recipe.engine.kind, self.source.recipe.engine.kind) and "engine" in t.kinds:
             reasons["step_ms"] = ("a change to or from Megatron's engine is not derived (its tensor- and pipeline-"
                                   "parallel collectives and its own kernels): measure a run of the target engine")
-        elif not t.same_machine and (_offload(t.recipe) != "none" or (
-                self.source.measured.device_type == "cuda" and _offload(self.source.recipe) != "none")):
+        elif not t.same_machine and (offload_of(t.recipe) != "none" or (
+                self.source.measured.device_type == "cuda" and offload_of(self.source.recipe) != "none")):
             reasons["step_ms"] = ("engine.offload on a GPU moves the optimizer step to the host CPU (DeepSpeed's CPU "
                                   "Adam; torch's Adam for FSDP) and the gradients and parameters over PCIe, and the "
                                   "catalog describes no GPU machine's host: measure the offload on the source's "
@@ -185,7 +186,7 @@ class Projector:
                                           "on that machine" + ("" if self.probe else ", without --no-probe"))
                     return inputs
                 inputs.engine = self.engine_probe(t.recipe)
-            if inputs.engine is None and t.world == 1 < m.world_size and _zero(src.recipe) == 3:
+            if inputs.engine is None and t.world == 1 < m.world_size and zero_stage_of(src.recipe) == 3:
                 inputs.step_probe = self.source_step()  # one rank: no gathers after the step
         except ValueError as err:
             reasons["step_ms"] = f"the engine could not be probed: {err}"
@@ -567,7 +568,7 @@ class Projector:
         return result
 
     def _zero3_gathered_bytes(self, t: TargetRun) -> tuple[float, float] | None:
-        if _zero(self.source.recipe) != 3:
+        if zero_stage_of(self.source.recipe) != 3:
             return None
         b = self.source.measured.dtype_bytes
         s = zero3_traffic(self.source_census, zero3_settings(self.source.recipe))
@@ -683,16 +684,8 @@ def _zero_buckets(recipe: Any) -> dict[str, Any]:
         out["reduce_bucket_elements"] = float(zero["reduce_bucket_size"])
     if zero.get("allgather_bucket_size") is not None:
         out["allgather_bucket_elements"] = float(zero["allgather_bucket_size"])
-    out["overlap_comm"] = bool(zero.get("overlap_comm", _zero(recipe) == 3))  # DeepSpeed: on for stage 3 only
+    out["overlap_comm"] = bool(zero.get("overlap_comm", zero_stage_of(recipe) == 3))  # DeepSpeed: on for stage 3 only
     return out
-
-
-def _zero(recipe: Any) -> int:
-    return recipe.engine.zero_stage if recipe.engine.kind == "deepspeed" else 0
-
-
-def _offload(recipe: Any) -> str:
-    return recipe.engine.offload if recipe.engine.kind in ("deepspeed", "fsdp") else "none"
 
 
 # ---------------------------------------------------------------------------------------------
