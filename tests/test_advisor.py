@@ -146,7 +146,6 @@ def test_small_batch_reads_the_gpus_idle_share_on_a_gpu_run():
     """On a GPU the idle share is the GPU's (profile.json gpu_busy): the H200 QLoRA run at micro batch 1
     spent 0.3% of its step outside every phase, but its GPU ran kernels 9% of it. Its recomputation is
     already on, so the advice does not ask for it."""
-
     from conftest import REPO
 
     profile = read_profile(REPO / "profiles" / "h200-llama7b_qlora")

@@ -294,7 +294,7 @@ def test_cpu_to_gpu_cases_recomputed_from_profiles(case):
     A DeepSpeed ZeRO-0/1/2 target takes plain PyTorch's host time per call for its model phases (ZeRO-3's
     module hooks are not in its host path): the host-bound Llama2-7B LoRA rows (ZeRO-2, held out of every
     catalog figure) within 20%; the QLoRA rows say that bitsandbytes' calls are left out and are kept, not
-    held (-86%: docs/projection.md)."""
+    held (-44%: docs/projection.md)."""
     import gpu_validation
 
     again = gpu_validation.cpu_to_gpu_case(case["source"], case["target"], case["hardware"])
