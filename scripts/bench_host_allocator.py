@@ -24,10 +24,10 @@ MODES = ("cache", "system")
 
 
 def run(recipe: str, overrides: list[str], nproc: int, out: Path) -> dict:
-    from trainprof.sweep.launch import torchrun_command
+    from trainprof.sweep.launch import launch_command
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = torchrun_command(recipe, [*overrides, "profile.ops=false", "profile.calibrate=false", f"output.dir={out}"],
+    cmd = launch_command(recipe, [*overrides, "profile.ops=false", "profile.calibrate=false", f"output.dir={out}"],
                            nproc=nproc)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     found = sorted(out.glob("*/profile.json"))

@@ -99,14 +99,14 @@ GROUPS = {g.name: g for g in (SETTINGS, SIZE, TORCH)}
 
 
 def run(overrides: list[str], nproc: int, threads: int, out: Path, steps: int, reuse: bool = False) -> Path:
-    from trainprof.sweep.launch import torchrun_command
+    from trainprof.sweep.launch import launch_command
 
     kept = sorted(out.glob("*/profile.json")) if reuse else []
     if kept:  # a run made by an earlier call with this --out: projected again, not run again
         return kept[-1].parent
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    cmd = torchrun_command(RECIPE, [*COMMON, f"train.steps={steps}", *overrides, f"output.dir={out}"], nproc=nproc)
+    cmd = launch_command(RECIPE, [*COMMON, f"train.steps={steps}", *overrides, f"output.dir={out}"], nproc=nproc)
     log = out / "launch.log"
     with log.open("w") as f:
         rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

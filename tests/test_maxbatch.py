@@ -1,5 +1,6 @@
 """`trainprof maxbatch` on CPU: under a per-rank memory cap, the search doubles then bisects, each try a
-fresh torchrun process, and reports the largest micro batch that ran with the next one out of memory."""
+fresh process (a single rank, without torchrun), and reports the largest micro batch that ran with the
+next one out of memory."""
 
 from __future__ import annotations
 

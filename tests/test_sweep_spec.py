@@ -4,6 +4,7 @@ arithmetic, tables and the launcher's timeout: everything about sweeps that need
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -258,6 +259,21 @@ def test_failure_record_names_the_killed_rank_and_signal(tmp_path):
     assert timed["kind"] == "timeout"
 
 
+def test_a_single_rank_cell_runs_without_torchrun_and_its_kill_names_rank_0(tmp_path):
+    from trainprof.sweep.launch import launch_command
+
+    assert launch_command("r.yaml", ["a=1"], nproc=1) == [sys.executable, "-m", "trainprof.run", "r.yaml", "a=1"]
+    # the launcher is the rank: its own death by a signal is the cell's root cause, with no torchrun report
+    suicide = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    result = launch(suicide, log_path=tmp_path / "launch.log", timeout_s=60)
+    assert result.returncode == -signal.SIGKILL
+    f = failure_record(result, None, world_size=1)
+    assert (f["kind"], f["rank"], f["signal"]) == ("killed", 0, "SIGKILL") and "OOM killer" in f["message"]
+    assert f["ranks_silent"] == [0]
+    # with several ranks and no report naming one, which rank it was is not known
+    assert failure_record(result, None, world_size=2)["rank"] is None
+
+
 def test_metrics_row_reads_absent_fields_as_null_with_a_reason():
     values, methods, why = metrics_row({"env": {"world_size": 2, "timer": "host"},
                                         "summary": {"tokens_per_s": 10.0, "step_ms": {"median": 5.0}}})
@@ -294,16 +310,16 @@ def test_launch_timeout_kills_the_whole_tree(tmp_path):
 
 def test_multi_node_cells_use_srun_inside_slurm_only(monkeypatch):
     from trainprof.errors import UserError
-    from trainprof.sweep.launch import torchrun_command
+    from trainprof.sweep.launch import launch_command
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    single = torchrun_command("r.yaml", ["a=1"], nproc=2)
+    single = launch_command("r.yaml", ["a=1"], nproc=2)
     assert single[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     with pytest.raises(UserError, match="needs a SLURM allocation"):
-        torchrun_command("r.yaml", [], nproc=8, nnodes=2)
+        launch_command("r.yaml", [], nproc=8, nnodes=2)
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     monkeypatch.setenv("TRAINPROF_RDZV_HOST", "node7")
-    cmd = torchrun_command("r.yaml", ["a=1"], nproc=8, nnodes=2)
+    cmd = launch_command("r.yaml", ["a=1"], nproc=8, nnodes=2)
     assert cmd[:3] == ["srun", "--nodes=2", "--ntasks-per-node=1"]
     assert "--nnodes=2" in cmd and "--nproc_per_node=8" in cmd and "--rdzv_endpoint=node7:29500" in cmd
     assert cmd[-4:] == ["-m", "trainprof.run", "r.yaml", "a=1"]

@@ -58,11 +58,14 @@ def check_closure(result: dict[str, Any]) -> None:
 def retry_on_noise(check: Callable[[], None], attempts: int = 3) -> None:
     """Run a timing test (training and its assertions) up to `attempts` times. A wrong attribution
     fails every attempt; a run that a loaded shared machine preempted at the wrong moment rarely fails
-    twice in a row. The last failure is raised."""
+    twice in a row. The last failure is raised, with the earlier attempts' messages (one miss repeated
+    is a wrong model; different misses are noise)."""
+    misses: list[str] = []
     for attempt in range(attempts):
         try:
             check()
             return
-        except AssertionError:
+        except AssertionError as miss:
+            misses.append(f"attempt {attempt + 1}: {str(miss).splitlines()[0] if str(miss) else 'failed'}")
             if attempt == attempts - 1:
-                raise
+                raise AssertionError("\n".join(misses)) from miss

@@ -57,7 +57,7 @@ def _maxbatch(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         interrupted = True
     notes = [
-        "a try is a fresh torchrun process with train.micro_batch_size set"
+        "a try is a fresh process (torchrun for several ranks) with train.micro_batch_size set"
         + (f", train.steps={args.steps} and train.warmup_steps=1" if args.steps else "")
         + "; it fits when it finishes all its steps",
         "does not fit: failure kind oom (CUDA out of memory, or on CPU peak RSS over train.memory_cap_gb, checked "
@@ -81,7 +81,7 @@ def _maxbatch(args: argparse.Namespace) -> int:
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("maxbatch", help="find the largest micro batch that fits (doubling, then bisection)",
                        description="Find the largest train.micro_batch_size that runs without running out of memory: "
-                       "double from --start until a try fails, then bisect. Each try is a fresh torchrun process. "
+                       "double from --start until a try fails, then bisect. Each try is a fresh process. "
                        "Give a recipe (with overrides) or a sweep file (one search per cell, one table, like the "
                        "Zhang et al.'s (arXiv 2311.03687) max-batch table). Resumable: tries already made are not run again.")
     p.add_argument("target", help="recipe YAML, or a sweep YAML (recipes/sweeps/)")

@@ -1,4 +1,5 @@
-"""`trainprof run RECIPE [key=value ...] --nproc N`: validate here, then launch torchrun."""
+"""`trainprof run RECIPE [key=value ...] --nproc N`: validate here, then launch torchrun (one rank: the run
+itself, sweep/launch.py's launch_command)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import subprocess
 import sys
 
 from trainprof.recipe import check_environment, check_world_size, load_recipe
-from trainprof.sweep.launch import torchrun_command
+from trainprof.sweep.launch import launch_command
 
 
 def positive_int(text: str) -> int:
@@ -18,20 +19,21 @@ def positive_int(text: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """Validate in this process (one-line errors, no torchrun noise), then launch torchrun."""
+    """Validate in this process (one-line errors, no torchrun noise), then launch the run."""
     import torch
 
     recipe = load_recipe(args.recipe, args.overrides)
     check_environment(recipe, cuda_available=torch.cuda.is_available())
     check_world_size(recipe, args.nproc)
-    cmd = torchrun_command(args.recipe, args.overrides, nproc=args.nproc)
+    cmd = launch_command(args.recipe, args.overrides, nproc=args.nproc)
     print("+ " + " ".join(cmd), file=sys.stderr)
     return subprocess.call(cmd)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="train and profile a recipe under torchrun",
-                       description="Validate a recipe, then run it under torchrun with --nproc ranks.")
+                       description="Validate a recipe, then run it under torchrun with --nproc ranks "
+                       "(one rank: python -m trainprof.run, without torchrun).")
     p.add_argument("recipe", help="recipe YAML file")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. engine.zero_stage=2")
     p.add_argument("--nproc", type=positive_int, default=1, help="ranks on this node (default 1)")

@@ -1,7 +1,8 @@
-"""Sweeps, max-batch searches and scaling reports: many runs of one recipe, each a torchrun process.
+"""Sweeps, max-batch searches and scaling reports: many runs of one recipe, each a process
+(torchrun for several ranks).
 
     spec.py      sweep files -> cells (a base recipe plus overrides, a world size), validated up front
-    launch.py    one cell as a torchrun process tree: own session, timeout, signals, no orphans
+    launch.py    one cell as a process tree (torchrun's, or one rank): own session, timeout, signals, no orphans
     outcome.py   what a finished cell left behind: a metrics row from profile.json or a failure record
     state.py     the resumable state file (atomic after every cell)
     runner.py    runs cells in order with a progress bar; skips finished ones; SIGINT-safe

@@ -1,5 +1,5 @@
-"""One cell as a torchrun process tree: its own session, a wall-clock timeout, signals forwarded,
-and no process left behind.
+"""One cell as a process tree (torchrun and its ranks, or a single rank): its own session, a wall-clock
+timeout, signals forwarded, and no process left behind.
 
 torchrun starts each rank in a session of its own, so killing torchrun's process group does not reach
 the ranks. The launcher therefore remembers every descendant it has seen (psutil) and, when it has to
@@ -37,10 +37,14 @@ class Launch:
     log: str = ""
 
 
-def torchrun_command(recipe_path: str, overrides: list[str], *, nproc: int, nnodes: int = 1) -> list[str]:
-    """The command that runs one cell. One node: `torchrun --standalone` (a free port per cell).
-    Several nodes: `srun` starts one torchrun per node of the current SLURM allocation, which meet at
-    the first node (c10d rendezvous); see scripts/slurm_sweep.sh."""
+def launch_command(recipe_path: str, overrides: list[str], *, nproc: int, nnodes: int = 1) -> list[str]:
+    """The command that runs one cell. One rank: `python -m trainprof.run`, which makes its own group
+    of one (torchrun's agent would add an interpreter and 2-3 s of start-up to each such cell). One
+    node: `torchrun --standalone` (a free port per cell). Several nodes: `srun` starts one torchrun per
+    node of the current SLURM allocation, which meet at the first node (c10d rendezvous); see
+    scripts/slurm_sweep.sh."""
+    if nproc == 1 and nnodes == 1:
+        return [sys.executable, "-m", "trainprof.run", recipe_path, *overrides]
     if nnodes == 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 "-m", "trainprof.run", recipe_path, *overrides]
@@ -61,7 +65,7 @@ def check_launchable(cells) -> None:
     """Raise UserError now, before anything runs, for a cell this machine cannot launch (nnodes > 1
     outside SLURM)."""
     for cell in cells:
-        torchrun_command(cell.recipe_path, cell.overrides, nproc=cell.nproc, nnodes=cell.nnodes)
+        launch_command(cell.recipe_path, cell.overrides, nproc=cell.nproc, nnodes=cell.nnodes)
 
 
 def _first_slurm_node() -> str:

@@ -1,5 +1,5 @@
 """The largest micro batch that fits: double from a start value until a try runs out of memory, then
-bisect between the last fit and the first failure. Every try is a fresh torchrun process (a cell), so
+bisect between the last fit and the first failure. Every try is a fresh process (a cell), so
 an out-of-memory failure cannot poison the next try, and tries are cached in the state file (resume).
 
 What counts as "does not fit": a try that failed with kind `oom` (a rank's CUDA OOM, or the CPU cap

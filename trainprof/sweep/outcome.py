@@ -198,6 +198,10 @@ def failure_record(launch: Launch, run_dir: Path | None, world_size: int) -> dic
                 "message": _last_error_line(tail) or f"rank {rank} exited with code {code}"}
     code = launch.returncode
     sig = _signal_name(-code) if code is not None and code < 0 else None
+    if sig and world_size == 1:  # a single rank runs without torchrun: the launcher was the rank
+        hint = " (the kernel OOM killer sends SIGKILL; check dmesg)" if -code == signal.SIGKILL else ""
+        return {**base, "kind": "killed", "rank": 0, "signal": sig, "type": sig, "peak_memory_bytes": None,
+                "message": f"rank 0 was killed by {sig}{hint}"}
     return {**base, "kind": "killed" if sig else "error", "rank": None, "signal": sig, "type": sig or "Error",
             "peak_memory_bytes": None,
             "message": _last_error_line(tail) or f"the launcher exited with code {code} and no failure record"}

@@ -1,8 +1,8 @@
-"""Run cells one after another, each as its own torchrun process, recording each in the state file.
+"""Run cells one after another, each as its own process tree (sweep/launch.py), recording each in the state file.
 
 A finished cell (done or failed) is never run again; a cell interrupted by Ctrl-C / SIGTERM is marked
 `interrupted` and runs again on the next invocation. Every cell writes under <out>/cells/<cell id>/:
-launch.log (torchrun's output) and the run dir trainprof.run makes there.
+launch.log (torchrun's or the single rank's output) and the run dir trainprof.run makes there.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
-from trainprof.sweep.launch import launch, torchrun_command
+from trainprof.sweep.launch import launch, launch_command
 from trainprof.sweep.outcome import failure_record, find_run_dir, metrics_row
 from trainprof.sweep.spec import Cell
 from trainprof.sweep.state import SweepState, now
@@ -49,7 +49,7 @@ def run_cell(cell: Cell, out_dir: Path, state: SweepState, *, timeout_s: float) 
     state.update(cell.key, {**cell.to_dict(), "status": "running", "started": now(), "finished": None,
                            "attempts": previous.get("attempts", 0) + 1, "run_dir": None, "values": None,
                            "methods": None, "null_reasons": None, "failure": None})
-    cmd = torchrun_command(cell.recipe_path, [*cell.overrides, f"output.dir={cell_dir}"],
+    cmd = launch_command(cell.recipe_path, [*cell.overrides, f"output.dir={cell_dir}"],
                            nproc=cell.nproc, nnodes=cell.nnodes)
     result = launch(cmd, log_path=cell_dir / "launch.log", timeout_s=timeout_s, env=cell_env())
     run_dir = find_run_dir(cell_dir)
@@ -65,7 +65,7 @@ def run_cell(cell: Cell, out_dir: Path, state: SweepState, *, timeout_s: float) 
                                       "null_reasons": why})
     failure = failure_record(result, run_dir, cell.world_size)
     if result.returncode == 0 and failure["kind"] == "error" and failure["rank"] is None:
-        failure["message"] = "torchrun exited 0 but the run wrote no profile.json"
+        failure["message"] = "the launcher exited 0 but the run wrote no profile.json"
     return state.update(cell.key, {**common, "status": "failed", "failure": failure})
 
 
