@@ -70,9 +70,12 @@ class SharedRuns:
     def __init__(self, root: Path, machine: MachineLock | None) -> None:
         self.root, self.machine = root, machine
 
+    def slot(self, key: str) -> Path:
+        return self.root / hashlib.sha1(key.encode()).hexdigest()[:16]
+
     def made(self, nproc: int, *overrides: str, recipe: Path = QUICKSTART, timeout: int = 240) -> Path:
         key = run_key(nproc, recipe, overrides)
-        slot = self.root / hashlib.sha1(key.encode()).hexdigest()[:16]
+        slot = self.slot(key)
         slot.mkdir(parents=True, exist_ok=True)
         made, failed = slot / "run_dir.txt", slot / "failure.txt"
         if not (made.exists() or failed.exists()):
@@ -177,6 +180,20 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return (yield)
     with machine.held(alone=item.get_closest_marker("timed") is not None):
         return (yield)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The machine's speed during this session, for comparing suite times across sessions: the median
+    step of the shared quickstart runs that were made with the machine to themselves (the same 2-core
+    machine has run them 1.7x slower on some hours than on others)."""
+    runs = SharedRuns(session_dir(config) / "shared_runs", None)
+    for nproc, *overrides in MEASURED:
+        made = runs.slot(run_key(nproc, QUICKSTART, tuple(overrides))) / "run_dir.txt"
+        if made.exists():
+            profile = json.loads((Path(made.read_text()) / "profile.json").read_text())
+            terminalreporter.write_line(
+                f"machine speed: shared run ({nproc} ranks, {' '.join(overrides)}) median step "
+                f"{profile['summary']['across_ranks']['step_ms_median']['max']:.1f} ms (slowest rank, made alone)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist names the groups in the node ids
