@@ -28,7 +28,7 @@ def run(recipe: str, overrides: list[str], nproc: int, out: Path) -> dict:
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = launch_command(recipe, [*overrides, "profile.ops=false", "profile.calibrate=false", f"output.dir={out}"],
-                           nproc=nproc)
+                         nproc=nproc)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     found = sorted(out.glob("*/profile.json"))
     if proc.returncode != 0 or not found:

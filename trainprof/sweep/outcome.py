@@ -149,6 +149,14 @@ def _last_error_line(tail: list[str]) -> str:
     return next((t.strip()[:500] for t in reversed(tail) if t.strip()), "")
 
 
+def _killed(base: dict[str, Any], rank: int, signum: int, aftermath: str = "") -> dict[str, Any]:
+    """The record of a rank that a signal ended before it could write a failure file."""
+    sig = _signal_name(signum)
+    hint = " (the kernel OOM killer sends SIGKILL; check dmesg)" if signum == signal.SIGKILL else ""
+    return {**base, "kind": "killed", "rank": rank, "signal": sig, "type": sig, "peak_memory_bytes": None,
+            "message": f"rank {rank} was killed by {sig}{hint}{aftermath}"}
+
+
 def failure_record(launch: Launch, run_dir: Path | None, world_size: int) -> dict[str, Any]:
     """Why a cell failed: {kind, rank, signal, type, message, peak_memory_bytes, exit_code, ranks_*}.
 
@@ -180,10 +188,7 @@ def failure_record(launch: Launch, run_dir: Path | None, world_size: int) -> dic
     if root:
         rank, code = int(root.group(1)), int(root.group(2))
         if code < 0 and rank not in failed_ranks:
-            sig = _signal_name(-code)
-            hint = " (the kernel OOM killer sends SIGKILL; check dmesg)" if -code == signal.SIGKILL else ""
-            return {**base, "kind": "killed", "rank": rank, "signal": sig, "type": sig, "peak_memory_bytes": None,
-                    "message": f"rank {rank} was killed by {sig}{hint}; the other ranks were stopped by torchrun"}
+            return _killed(base, rank, -code, "; the other ranks were stopped by torchrun")
     if failures:
         first = min(failures, key=lambda r: (_KIND_ORDER.get(r.get("kind"), 9), r["_mtime"]))
         return {**base, "kind": first.get("kind", "error"), "rank": first.get("rank"), "signal": None,
@@ -199,9 +204,7 @@ def failure_record(launch: Launch, run_dir: Path | None, world_size: int) -> dic
     code = launch.returncode
     sig = _signal_name(-code) if code is not None and code < 0 else None
     if sig and world_size == 1:  # a single rank runs without torchrun: the launcher was the rank
-        hint = " (the kernel OOM killer sends SIGKILL; check dmesg)" if -code == signal.SIGKILL else ""
-        return {**base, "kind": "killed", "rank": 0, "signal": sig, "type": sig, "peak_memory_bytes": None,
-                "message": f"rank 0 was killed by {sig}{hint}"}
+        return _killed(base, 0, -code)
     return {**base, "kind": "killed" if sig else "error", "rank": None, "signal": sig, "type": sig or "Error",
             "peak_memory_bytes": None,
             "message": _last_error_line(tail) or f"the launcher exited with code {code} and no failure record"}

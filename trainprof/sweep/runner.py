@@ -1,4 +1,5 @@
-"""Run cells one after another, each as its own process tree (sweep/launch.py), recording each in the state file.
+"""Run cells one after another, each as its own process tree (sweep/launch.py), recording each in the
+state file.
 
 A finished cell (done or failed) is never run again; a cell interrupted by Ctrl-C / SIGTERM is marked
 `interrupted` and runs again on the next invocation. Every cell writes under <out>/cells/<cell id>/:
@@ -50,7 +51,7 @@ def run_cell(cell: Cell, out_dir: Path, state: SweepState, *, timeout_s: float) 
                            "attempts": previous.get("attempts", 0) + 1, "run_dir": None, "values": None,
                            "methods": None, "null_reasons": None, "failure": None})
     cmd = launch_command(cell.recipe_path, [*cell.overrides, f"output.dir={cell_dir}"],
-                           nproc=cell.nproc, nnodes=cell.nnodes)
+                         nproc=cell.nproc, nnodes=cell.nnodes)
     result = launch(cmd, log_path=cell_dir / "launch.log", timeout_s=timeout_s, env=cell_env())
     run_dir = find_run_dir(cell_dir)
     common = {"finished": now(), "elapsed_s": round(result.elapsed_s, 1), "log": result.log,
