@@ -174,7 +174,7 @@ def native_chatter_to(log: Path | None, prefixes: tuple[str, ...] = ("USDT:",)) 
 
 
 # glibc mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _TRIM_THRESHOLD_MAX = 2**31 - 1  # mallopt takes an int
 _SYSTEM_DETAIL = "the C library's defaults (glibc: free memory above 128 KiB goes back to the system)"
 _host_allocator: dict[str, Any] = {"mode": "system", "detail": _SYSTEM_DETAIL}
@@ -196,16 +196,14 @@ def apply_host_allocator(device: torch.device, mode: str) -> dict[str, Any]:
         return _host_allocator
     try:
         libc = ctypes.CDLL("libc.so.6")
-        ok = all(libc.mallopt(param, value) == 1 for param, value in
-                 ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_MAX), (_M_ARENA_MAX, 1)))
+        ok = libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_MAX) == 1
     except (OSError, AttributeError) as err:  # not glibc (macOS, musl)
         _host_allocator = {"mode": "system", "detail": f"{_SYSTEM_DETAIL}; cache not applied: {err}"}
         return _host_allocator
     if ok:
         _host_allocator = {"mode": "cache", "detail": (
-            f"glibc mallopt: M_MMAP_MAX 0, M_TRIM_THRESHOLD {_TRIM_THRESHOLD_MAX} B, M_ARENA_MAX 1: freed "
-            "memory is kept for the next step, in one heap that every thread's tensors reuse; peak RSS "
-            "includes the freed blocks the heap keeps")}
+            f"glibc mallopt: M_MMAP_MAX 0, M_TRIM_THRESHOLD {_TRIM_THRESHOLD_MAX} B: freed memory is kept "
+            "for the next step; peak RSS includes the freed blocks the heap keeps")}
     return _host_allocator
 
 

@@ -86,7 +86,7 @@ class TrainConfig:
     warmup_steps: int = 2  # optimizer steps run before measuring
     seed: int = 1234  # seeds Python, NumPy and torch on every rank (model init, data)
     memory_cap_gb: float | None = None  # per-rank memory cap: GPU allocator cap; CPU peak RSS checked per step
-    cpu_allocator: Literal["cache", "system"] = "cache"  # CPU runs: cache keeps freed host memory in the process (glibc mallopt: no mmap, no trim, one arena), as a GPU's caching allocator does, so steps do not page-fault their tensors in again; system: the C library's defaults
+    cpu_allocator: Literal["cache", "system"] = "cache"  # CPU runs: cache keeps freed host memory in the process (glibc mallopt), as a GPU's caching allocator does, so steps do not page-fault their tensors in again; system: the C library's defaults
 
 
 @dataclass(kw_only=True)

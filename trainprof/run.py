@@ -72,11 +72,9 @@ def train(recipe: Recipe) -> Path:
     import yaml
 
     from trainprof.distributed import DistContext, init_distributed, shared_run_dir
-    from trainprof.env import apply_host_allocator
     from trainprof.io import atomic_write_text
 
     ctx = DistContext.from_env()
-    apply_host_allocator(ctx.device, recipe.train.cpu_allocator)  # before the process group starts its threads
     init_distributed(ctx, engine_kind=recipe.engine.kind)
     run_dir = shared_run_dir(recipe.output.dir, recipe.output.name)
     if ctx.rank == 0:
@@ -141,10 +139,11 @@ def build_run(recipe: Recipe, ctx, run_dir: Path):
     from trainprof.data import build_loader
     from trainprof.distributed import seed_everything
     from trainprof.engines import build_engine, data_split
-    from trainprof.env import apply_memory_cap, check_memory_cap
+    from trainprof.env import apply_host_allocator, apply_memory_cap, check_memory_cap
     from trainprof.models import resolve_shape
     from trainprof.profiler import Profiler
 
+    apply_host_allocator(ctx.device, recipe.train.cpu_allocator)
     seed_everything(recipe.train.seed)
     apply_memory_cap(ctx.device, recipe.train.memory_cap_gb)
     engine = build_engine(recipe, ctx)
