@@ -135,12 +135,14 @@ def abs_errors(rows: list[dict], key: str) -> list[float]:
 
 def run_group(g: Group, out: Path, steps: int, repeats: int, bar, reuse: bool = False
               ) -> tuple[list[dict[str, Any]], float]:
-    """Every configuration of a group `repeats` times, interleaved; the rows and the baseline's noise floor."""
+    """Every configuration of a group `repeats` times, interleaved, and after each repeat its cases projected
+    from that repeat's baseline; the rows and the baseline's noise floor."""
     from trainprof.projection.project import project
 
     steps_by: dict[int, list[float]] = {}
     mems: dict[int, list[int]] = {}
-    base_dirs = []
+    preds: dict[int, list[dict[str, Any]]] = {}
+    base_steps = []
     configs = [("base", [], g.nproc, g.threads)] + [(c.name, c.overrides, c.nproc, c.threads) for c in g.cases]
     for rep in range(repeats):
         for i, (name, overrides, nproc, threads) in enumerate(configs):
@@ -150,17 +152,21 @@ def run_group(g: Group, out: Path, steps: int, repeats: int, bar, reuse: bool = 
             steps_by.setdefault(i, []).append(step)
             mems.setdefault(i, []).append(mem)
             if i == 0:
-                base_dirs.append(d)
-    base_steps = steps_by[0]
+                base, base_steps = d, [*base_steps, step]
+        # every case projected from this repeat's baseline, right after its runs: the probes are timed in the
+        # spell of the machine the runs were (its speed moves by the hour), and a slow or fast baseline run
+        # moves the prediction as much as a slow run of the case moves the measurement
+        for i, c in enumerate(g.cases, 1):
+            bar.set_postfix_str(f"projecting {c.name}")
+            preds.setdefault(i, []).append(project(
+                base, overrides=[*g.base, *c.overrides], nproc=[c.nproc],
+                threads=c.threads if c.threads != g.threads else None)["predictions"][0])
+            bar.update()
     noise = 100 * (max(base_steps) - min(base_steps)) / statistics.median(base_steps)
     rows = []
     for i, c in enumerate(g.cases, 1):
-        # projected from every baseline run and the median taken, as the measured side is: a slow or fast
-        # baseline run moves the prediction as much as a slow run of the case moves the measurement
-        preds = [project(d, overrides=[*g.base, *c.overrides], nproc=[c.nproc],
-                         threads=c.threads if c.threads != g.threads else None)["predictions"][0] for d in base_dirs]
-        steps_pred = [p["step_ms"] for p in preds if p["step_ms"]]
-        mems_pred = [p["memory_per_rank_bytes"] for p in preds if p["memory_per_rank_bytes"]]
+        steps_pred = [p["step_ms"] for p in preds[i] if p["step_ms"]]
+        mems_pred = [p["memory_per_rank_bytes"] for p in preds[i] if p["memory_per_rank_bytes"]]
         pred_step = statistics.median(steps_pred) if steps_pred else None
         pred_mem = statistics.median(mems_pred) if mems_pred else None
         step, mem = statistics.median(steps_by[i]), statistics.median(mems[i])
@@ -172,7 +178,7 @@ def run_group(g: Group, out: Path, steps: int, repeats: int, bar, reuse: bool = 
             "step_error_pct": 100 * (pred_step - step) / step if pred_step else None,
             "measured_memory_bytes": mem, "predicted_memory_bytes": pred_mem,
             "memory_error_pct": 100 * (pred_mem - mem) / mem if pred_mem else None,
-            "reason": (preds[0].get("reasons") or {}).get("step_ms"),
+            "reason": (preds[i][0].get("reasons") or {}).get("step_ms"),
         })
     return rows, noise
 
@@ -358,8 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     if not groups:
         parser.error("--groups/--cases name no case; the cases are: "
                      + ", ".join(c.name for g in GROUPS.values() for c in g.cases))
-    bar = tqdm(total=sum(len(g.cases) + 1 for g in groups) * args.repeats, desc="bench_projection", unit="run",
-               file=sys.stderr)
+    # every configuration's runs, then every case's projection from each baseline run
+    bar = tqdm(total=sum(2 * len(g.cases) + 1 for g in groups) * args.repeats, desc="bench_projection",
+               unit="call", file=sys.stderr)
     rows, noise = [], []
     for g in groups:
         more, floor = run_group(g, out, args.steps, args.repeats, bar, args.reuse)
