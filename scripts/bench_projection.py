@@ -142,7 +142,6 @@ def run_group(g: Group, out: Path, steps: int, repeats: int, bar, reuse: bool = 
     steps_by: dict[int, list[float]] = {}
     mems: dict[int, list[int]] = {}
     preds: dict[int, list[dict[str, Any]]] = {}
-    base_steps = []
     configs = [("base", [], g.nproc, g.threads)] + [(c.name, c.overrides, c.nproc, c.threads) for c in g.cases]
     for rep in range(repeats):
         for i, (name, overrides, nproc, threads) in enumerate(configs):
@@ -152,7 +151,7 @@ def run_group(g: Group, out: Path, steps: int, repeats: int, bar, reuse: bool = 
             steps_by.setdefault(i, []).append(step)
             mems.setdefault(i, []).append(mem)
             if i == 0:
-                base, base_steps = d, [*base_steps, step]
+                base = d
         # every case projected from this repeat's baseline, right after its runs: the probes are timed in the
         # spell of the machine the runs were (its speed moves by the hour), and a slow or fast baseline run
         # moves the prediction as much as a slow run of the case moves the measurement
@@ -162,6 +161,7 @@ def run_group(g: Group, out: Path, steps: int, repeats: int, bar, reuse: bool = 
                 base, overrides=[*g.base, *c.overrides], nproc=[c.nproc],
                 threads=c.threads if c.threads != g.threads else None)["predictions"][0])
             bar.update()
+    base_steps = steps_by[0]
     noise = 100 * (max(base_steps) - min(base_steps)) / statistics.median(base_steps)
     rows = []
     for i, c in enumerate(g.cases, 1):
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     if not groups:
         parser.error("--groups/--cases name no case; the cases are: "
                      + ", ".join(c.name for g in GROUPS.values() for c in g.cases))
-    # every configuration's runs, then every case's projection from each baseline run
+    # per repeat: every configuration's run, then every case's projection from that repeat's baseline
     bar = tqdm(total=sum(2 * len(g.cases) + 1 for g in groups) * args.repeats, desc="bench_projection",
                unit="call", file=sys.stderr)
     rows, noise = [], []
