@@ -260,8 +260,7 @@ class ModuleHooks:
         self.backward_stack.clear()
 
     def end_step(self) -> None:
-        """Settle what the engine reported, then let go of this step's autograd nodes (their saved tensors
-        are freed by backward already)."""
+        """Settle what the engine reported, and drop any node a forward left unflushed."""
         if self.pending:
             self.settle()
         self.watched = {}
@@ -269,19 +268,25 @@ class ModuleHooks:
 
     def flush(self) -> None:
         """Register the pre-hooks of the nodes watched since the last flush, in one loop (see the module
-        docstring); called when the outermost profiled forward call returns and when a backward region opens."""
+        docstring); called when the outermost profiled forward call returns, after each call of a re-run
+        inside backward, and when a backward region opens.
+
+        Once no profiled call is open, the nodes are let go: a node keeps its graph's saved tensors alive,
+        and a re-run's graph under non-reentrant checkpointing is never run backward, so holding its nodes
+        to the step's end held every recomputed activation of the step (the GPU peaks of docs/memory.md)."""
         nodes = self.unregistered
-        if not nodes:
-            return
-        self.unregistered = []
-        watched = self.watched
-        queue, at_once = self._on_grad, self._on_grad_now
-        if self.range_names is not None:  # operator tracing: backward ranges open and close live
-            queue = at_once
-        for node in nodes:
-            watch = watched[node]
-            live = watch.opens and any(call.module == 0 for call in watch.opens)  # the root's backward (memory meter)
-            node.register_prehook(functools.partial(at_once if live else queue, watch))
+        if nodes:
+            self.unregistered = []
+            watched = self.watched
+            queue, at_once = self._on_grad, self._on_grad_now
+            if self.range_names is not None:  # operator tracing: backward ranges open and close live
+                queue = at_once
+            for node in nodes:
+                watch = watched[node]
+                live = watch.opens and any(call.module == 0 for call in watch.opens)  # the root's backward (memory meter)
+                node.register_prehook(functools.partial(at_once if live else queue, watch))
+        if not self.forward_stack and self.watched:
+            self.watched = {}  # a later call's watch of one of these nodes only closes what they close
 
     def settle(self) -> None:
         """Apply the queued engine calls to the backward stack, in the order the engine made them. The
