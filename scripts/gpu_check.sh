@@ -34,6 +34,9 @@
 #     on ZeRO-3 32 x 1024 recompute and 7B QLoRA (plan's misses)
 #   --program zero2 (<= 5 min): llama2-1b DeepSpeed ZeRO-2, host-bound (8 x 350) and GPU-bound: the host
 #     reference a ZeRO-1/2 target needs (the catalog has ZeRO-3's and plain PyTorch's only)
+#   --program memory (<= 4 min): size's memory_at_peak.py part alone; --program zero2_memory: zero2 then memory,
+#     one command (<= 9.5 min; the memory steps are skipped by the budget when zero2 ran long)
+#   --program recompute (<= 7 min): 7B QLoRA and ZeRO-3 32 x 1024 recompute again (as <kind>-*-v2), then memory
 # Each kept run leaves OUTDIR/<kind>-<name>/ as profiles/ keeps it: profile.json (CUDA-event profile,
 # NVML telemetry, GPU busy per phase), summary.md, recipe.yaml, calibration.json and the one traced
 # step's Kineto trace (rank0.*.pt.trace.json.gz; no stacks, no shapes), packed as OUTDIR/<kind>-<name>.tgz
@@ -46,7 +49,7 @@ program=""; dry_run=0; rest=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --program) program=${2:-}; shift
-      case "$program" in core|lora|pair|extra|size|zero2) ;; *) echo "--program takes core, lora, pair, extra, size or zero2, not '$program'"; exit 2;; esac;;
+      case "$program" in core|lora|pair|extra|size|zero2|memory|zero2_memory|recompute) ;; *) echo "--program takes core, lora, pair, extra, size, zero2, memory, zero2_memory or recompute, not '$program'"; exit 2;; esac;;
     --dry-run) dry_run=1;;
     *) rest+=("$1");;
   esac
@@ -192,6 +195,9 @@ vocab48k model.vocab_size=48000}"
     # shellcheck disable=SC2086
     KEEP_TRACE=0 KEEP_PACK=0 run_recipe llama1b_zero3_sdpa-torch-gpubound-${s%% *} 100 recipes/llama1b_zero3_sdpa.yaml $TORCH $GPU_BOUND ${s#* }
   done
+  program_memory
+}
+program_memory() {  # issue 24 (d): what is live at the peaks plan misses, and where each block was freed
   mkdir -p "$kept/$kind-memory"
   local m=(python3 -m torch.distributed.run --nproc_per_node 1 scripts/memory_at_peak.py)
   local quiet="profile.ops=false profile.calibrate=false profile.telemetry_period_ms=0 output.dir=$runs"
@@ -201,15 +207,26 @@ vocab48k model.vocab_size=48000}"
   # shellcheck disable=SC2086
   step "memory at peak: Llama2-7B QLoRA" 150 "${m[@]}" "$kept/$kind-memory/llama7b_qlora.json" \
     recipes/llama70b_qlora.yaml model.name=llama2-7b train.steps=3 $quiet
-  # one archive for all of it: the device tool returns 8 files at most (the log and runs.tgz among them)
-  if [ "$dry_run" = 0 ]; then
-    (cd "$kept" && tar czf "$out/$kind-size.tgz" "$kind"-*) && echo "--- kept $kind-size.tgz:" && tar tzvf "$out/$kind-size.tgz"
+}
+pack_all() {  # pack_all NAME: every kept folder as one OUTDIR/<kind>-NAME.tgz (the device tool returns 8 files at most)
+  if [ "$dry_run" = 0 ] && ls -d "$kept/$kind"-* >/dev/null 2>&1; then
+    (cd "$kept" && tar czf "$out/$kind-$1.tgz" "$kind"-*) && echo "--- kept $kind-$1.tgz:" && tar tzvf "$out/$kind-$1.tgz"
   fi
 }
 program_zero2() {  # issue 24: a ZeRO-2 target's host per operator call, which ZeRO-3's hooks inflate
   run_recipe llama1b_zero3_sdpa-zero2-hostbound 150 recipes/llama1b_zero3_sdpa.yaml engine.zero_stage=2
   # shellcheck disable=SC2086
   run_recipe llama1b_zero3_sdpa-zero2-gpubound 200 recipes/llama1b_zero3_sdpa.yaml engine.zero_stage=2 $GPU_BOUND
+}
+program_zero2_memory() {  # both of issue 24's GPU parts in one command (about 7 min: zero2, then memory)
+  KEEP_PACK=0 program_zero2
+  program_memory
+}
+program_recompute() {  # issue 24 (d): the recompute runs again since the profiler lets go of re-run graphs
+  run_recipe llama7b_qlora-v2 150 recipes/llama70b_qlora.yaml model.name=llama2-7b train.steps=8
+  # shellcheck disable=SC2086
+  run_recipe llama1b_zero3_sdpa-gpubound32-v2 200 recipes/llama1b_zero3_sdpa.yaml $GPU_BOUND train.micro_batch_size=32 model.recompute=true
+  KEEP_PACK=0 program_memory
 }
 program_lora() {
   run_recipe llama7b_lora 120 recipes/llama13b_lora.yaml model.name=llama2-7b train.steps=8
@@ -218,6 +235,7 @@ program_lora() {
 if [ -n "$program" ]; then
   tests=0  # the program runs its own GPU tests first
   "program_$program"
+  case "$program" in size|memory|zero2_memory|recompute) pack_all "$program";; esac
 fi
 # --- end of the GPU program -------------------------------------------------------------------------------
 
