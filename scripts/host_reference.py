@@ -2,7 +2,7 @@
 blocks from the GPU pretraining runs under profiles/ (the finetuning runs are held out as targets): per
 host path (machines.host_key: DeepSpeed ZeRO-3 and ZeRO-0/1/2 apart) and phase, the mean over the runs of a
 host-bound phase's µs per operator call (trainprof/projection/hostref.py); per engine kind the optimizer
-kernels' bytes per trainable parameter; and the operator calls a decoder layer issues per micro batch; each
+kernels' bytes per trainable parameter (per host path too); and the operator calls a decoder layer issues per micro batch; each
 with the runs it came from as the source (tests/test_reference_profiles.py recomputes the catalog's).
 
     python scripts/host_reference.py                      # every GPU pretraining run under profiles/
@@ -55,8 +55,10 @@ def reference_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | No
 
 def optimizer_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | None = None
                      ) -> dict[str, tuple[float, list[str]]]:
-    """engine kind -> (mean bytes per trainable parameter, ['<profile dir>: <bytes>', ...])."""
+    """host key (engine kind, DeepSpeed's ZeRO-0/1/2 apart: their step moves more) -> (mean bytes per
+    trainable parameter, ['<profile dir>: <bytes>', ...])."""
     from trainprof.projection.hostref import optimizer_bytes_per_param
+    from trainprof.projection.machines import host_key
 
     found: dict[str, list[tuple[str, float]]] = {}
     for name, profile in reference_profiles(profiles_dir, runs):
@@ -64,15 +66,17 @@ def optimizer_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | No
         value = optimizer_bytes_per_param(profile, json.loads(cal.read_text())["memory"]["gbps"]) \
             if cal.is_file() else None
         if value is not None:
-            found.setdefault(profile["recipe"]["engine"]["kind"], []).append((name, value))
+            engine = profile["recipe"]["engine"]
+            found.setdefault(host_key(engine["kind"], engine.get("zero_stage", 0)), []).append((name, value))
     return {kind: (statistics.mean(v for _, v in runs), [f"{d}: {v:.1f}" for d, v in runs])
             for kind, runs in found.items()}
 
 
 def ops_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | None = None
                ) -> dict[str, dict[str, tuple[float, list[str]]]]:
-    """engine kind -> phase -> (median operator calls per decoder layer and micro batch, the runs) over the
-    GPU pretraining runs with an operator trace."""
+    """host key (as reference_values': ZeRO-3's hooks issue more calls) -> phase -> (median operator calls
+    per decoder layer and micro batch, the runs) over the GPU pretraining runs with an operator trace."""
+    from trainprof.projection.machines import host_key
     from trainprof.projection.measured import measured_from_profile
     from trainprof.recipe import recipe_from_dict, resolve_shape
 
@@ -82,7 +86,8 @@ def ops_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | None = N
         layers = resolve_shape(recipe_from_dict(profile["recipe"]).model).num_layers
         for phase in ("forward", "backward"):
             if m.ops and phase in m.ops:
-                found.setdefault(profile["recipe"]["engine"]["kind"], {}).setdefault(phase, []).append(
+                engine = profile["recipe"]["engine"]
+                found.setdefault(host_key(engine["kind"], engine.get("zero_stage", 0)), {}).setdefault(phase, []).append(
                     (name, m.ops[phase].layer_calls / layers / m.grad_accum))
     return {kind: {ph: (statistics.median(v for _, v in runs), [d for d, _ in runs]) for ph, runs in phases.items()}
             for kind, phases in found.items()}

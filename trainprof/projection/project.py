@@ -28,7 +28,7 @@ from trainprof.projection.changes import (KINDS, THIS, change_kinds, engine_key,
 from trainprof.projection.comm import CommTarget, Link
 from trainprof.projection.compute import HOST_BOUND_BUSY, EngineProbe, Parts, StepProbe
 from trainprof.projection.gemm import Work
-from trainprof.projection.machines import (catalog_link, gpu_host, gpu_ops_per_layer, machine_from_calibration,
+from trainprof.projection.machines import (catalog_link, gpu_host, gpu_ops_per_layer, host_key, machine_from_calibration,
                                            machine_from_target, measured_link, reference_engine)
 from trainprof.projection.measured import PHASES
 from trainprof.projection.source import (PROBES_FILE, ProjectionError, Source, ensure_calibration, kept_probe,
@@ -233,7 +233,7 @@ class Projector:
         engine = t.recipe.engine if src.measured.device_type == "cpu" else src.recipe.engine
         inputs.host_us_per_op = self._gpu_host(notes, engine.kind, engine.zero_stage)
         if inputs.host_us_per_op is not None and src.measured.device_type == "cpu":
-            calls, calls_source = gpu_ops_per_layer(self.catalog, engine.kind)
+            calls, calls_source = gpu_ops_per_layer(self.catalog, engine.kind, engine.zero_stage)
             if calls:
                 inputs.ops_per_layer = calls
                 notes.append(assume("gpu_ops_per_layer", forward=calls.get("forward", 0.0),
@@ -242,7 +242,9 @@ class Projector:
                     notes.append(assume("gpu_ops_finetune", task=t.recipe.task.kind,
                                         quantized=" and bitsandbytes' 4-bit matmuls" if t.recipe.task.kind == "qlora"
                                         else ""))
-        ref = self.catalog.optimizer_bytes_per_param.get(reference_engine(t.recipe.engine.kind))
+        by = self.catalog.optimizer_bytes_per_param  # ZeRO-1/2's step moves more than ZeRO-3's: their own where kept
+        target = t.recipe.engine
+        ref = by.get(host_key(target.kind, target.zero_stage)) or by.get(reference_engine(target.kind))
         if ref:
             inputs.optimizer_bytes_per_param = (float(ref["value"]), ref["source"])
         if engine_key(src.recipe) != engine_key(t.recipe):
