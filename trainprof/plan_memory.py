@@ -195,14 +195,29 @@ def _state_rows(recipe: Recipe, per_rank: dict[str, Any], census: dict[str, Any]
 
 def _activation_rows(activations: dict[str, Any], saved: SavedTensors, layers: int) -> dict[str, MemoryRow]:
     used = activations["used"]
-    if used == "full_recompute":
-        tensors = [(layers, saved.layer_input), *saved.layer, *saved.head]
-    else:
+    loss = _loss_row(activations, saved)
+    if used != "full_recompute":
         tensors = [(count * layers, nbytes) for count, nbytes in saved.layer] + saved.head
+        return {"activations": MemoryRow(gpu_bytes=activations["hf_llama"][used]["value"], phases=(FWD_BWD,),
+                                         source=f"activations.hf_llama.{used}", tensors=tensors),
+                "logits_loss": loss}
+    # Full recomputation: at the turn the layers' inputs, the final norm's and the loss's tensors are live; a
+    # layer re-runs only once the loss's backward is over, so its activations raise the phase's peak only by
+    # what they exceed the loss's and the final norm's
+    kept = [(layers, saved.layer_input), *saved.head]
+    rerun = tensor_bytes(saved.layer)
+    excess = max(0, rerun - loss.gpu_bytes - tensor_bytes(saved.head))
     return {
-        "activations": MemoryRow(gpu_bytes=activations["hf_llama"][used]["value"], phases=(FWD_BWD,),
-                                 source=f"activations.hf_llama.{used}", tensors=tensors),
-        "logits_loss": _loss_row(activations, saved),
+        "activations": MemoryRow(gpu_bytes=tensor_bytes(kept), phases=(FWD_BWD,), tensors=kept,
+                                 source="activations.hf_llama.full_recompute less its one re-run layer: the "
+                                        "layers' inputs and the final norm's tensors"),
+        "logits_loss": loss,
+        "recompute_layer": MemoryRow(
+            gpu_bytes=excess, phases=(FWD_BWD,), tensors=saved.layer if excess else [],
+            source=(f"the layer re-running in backward ({rerun:,} B saved) beyond the loss's and final norm's "
+                    f"tensors it follows ({loss.gpu_bytes + tensor_bytes(saved.head):,} B): the two are never "
+                    "live together (H100, ZeRO-3 32 x 1024: the peak held the loss's 3 fp32 s*b*V tensors and "
+                    "no re-run layer, docs/memory.md)")),
     }
 
 
