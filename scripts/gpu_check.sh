@@ -223,7 +223,7 @@ program_zero2_memory() {  # both of issue 24's GPU parts in one command (about 7
   program_memory
 }
 program_recompute() {  # issue 24 (d): the recompute runs again since the profiler lets go of re-run graphs
-  run_recipe llama7b_qlora-v2 150 recipes/llama70b_qlora.yaml model.name=llama2-7b train.steps=8
+  run_recipe llama7b_qlora-v2 200 recipes/llama70b_qlora.yaml model.name=llama2-7b train.steps=8
   # shellcheck disable=SC2086
   run_recipe llama1b_zero3_sdpa-gpubound32-v2 200 recipes/llama1b_zero3_sdpa.yaml $GPU_BOUND train.micro_batch_size=32 model.recompute=true
   KEEP_PACK=0 program_memory
