@@ -1,8 +1,9 @@
-"""Print the catalog's `gpu_host_us_per_op`, `gpu_optimizer_bytes_per_param` and `gpu_ops_per_layer`
-blocks from the GPU pretraining runs under profiles/ (the finetuning runs are held out as targets): per
-host path (machines.host_key: DeepSpeed ZeRO-3 and ZeRO-0/1/2 apart) and phase, the mean over the runs of a
-host-bound phase's µs per operator call (trainprof/projection/hostref.py); per engine kind the optimizer
-kernels' bytes per trainable parameter (per host path too); and the operator calls a decoder layer issues per micro batch; each
+"""Print the catalog's `gpu_host_us_per_op`, `gpu_optimizer_bytes_per_param`, `gpu_ops_per_layer` and
+`gpu_optimizer_host` blocks from the GPU pretraining runs under profiles/ (the finetuning runs are held
+out as targets): per host path (machines.host_key: DeepSpeed ZeRO-3 and ZeRO-0/1/2 apart) and phase, the
+mean over the runs of a host-bound phase's µs per operator call (trainprof/projection/hostref.py); the
+optimizer kernels' bytes per trainable parameter; the operator calls a decoder layer issues per micro
+batch; and DeepSpeed's optimizer calls per trainable tensor and host µs per call beside its kernels; each
 with the runs it came from as the source (tests/test_reference_profiles.py recomputes the catalog's).
 
     python scripts/host_reference.py                      # every GPU pretraining run under profiles/
@@ -72,6 +73,36 @@ def optimizer_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | No
             for kind, runs in found.items()}
 
 
+def trainable_tensors(profile: dict) -> int:
+    """Trainable parameter tensors of the profile's recipe (trainprof.projection.census)."""
+    from trainprof.projection.census import census
+    from trainprof.recipe import recipe_from_dict
+
+    return sum(1 for t in census(recipe_from_dict(profile["recipe"])).tensors if t.trains)
+
+
+def optimizer_host_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | None = None
+                          ) -> dict[str, dict[str, tuple[float, list[str]]]]:
+    """DeepSpeed host key -> {"calls_per_tensor": (median optimizer calls per trainable tensor, runs),
+    "us_per_call": (mean host µs per call beside the kernels, runs)} (hostref.optimizer_host). Plain
+    PyTorch's step is left out: its foreach kernels run asynchronously, so its phase is the longer of the
+    two, which gpu_host_us_per_op's optimizer figure and gpu_optimizer_bytes_per_param already price."""
+    from trainprof.projection.hostref import optimizer_host
+    from trainprof.projection.machines import host_key
+
+    found: dict[str, list[tuple[str, float, float]]] = {}
+    for name, profile in reference_profiles(profiles_dir, runs):
+        engine = profile["recipe"]["engine"]
+        got = optimizer_host(profile) if engine["kind"] == "deepspeed" else None
+        if got is not None:
+            calls, us = got
+            found.setdefault(host_key(engine["kind"], engine.get("zero_stage", 0)), []).append(
+                (name, calls / trainable_tensors(profile), us))
+    return {kind: {"calls_per_tensor": (statistics.median(c for _, c, _ in rows), [f"{d}: {c:.1f}" for d, c, _ in rows]),
+                   "us_per_call": (statistics.mean(u for _, _, u in rows), [f"{d}: {u:.1f}" for d, _, u in rows])}
+            for kind, rows in found.items()}
+
+
 def ops_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | None = None
                ) -> dict[str, dict[str, tuple[float, list[str]]]]:
     """host key (as reference_values': ZeRO-3's hooks issue more calls) -> phase -> (median operator calls
@@ -118,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
               f'copy bandwidth / trainable parameters (profiles/ {"; ".join(names)})"}}')
     print_per_phase("gpu_ops_per_layer", ops_values(runs=runs), "median operator calls per decoder layer and micro batch",
                     ", ")
+    host = optimizer_host_values(runs=runs)
+    print("gpu_optimizer_host:")
+    for kind, figs in sorted(host.items()):
+        print(f"  {kind}:")
+        for key, what in (("calls_per_tensor", "median optimizer calls per trainable tensor"),
+                          ("us_per_call", "mean of (optimizer phase - its kernels) / its calls, us")):
+            value, names = figs[key]
+            print(f'    {key}: {{value: {value:.1f}, source: "{what} (profiles/ {"; ".join(names)})"}}')
     return 0
 
 

@@ -543,9 +543,12 @@ def test_another_machine_rerates_like_with_like_and_a_gpu_waits_for_its_host():
 
 def test_a_gpu_hosts_time_per_call_follows_the_engines_host_path():
     """DeepSpeed's host path depends on its ZeRO stage: ZeRO-3's module hooks are in the catalog's
-    `deepspeed` figures; ZeRO-0/1/2 hook only the root module, so until their own runs are kept plain
-    PyTorch's figures stand in for the model's phases (DeepSpeed's optimizer step stays ZeRO-3's), and the
-    prediction says so; FSDP takes PyTorch's, and an engine without references ZeRO-3's, each said too."""
+    `deepspeed` figures, ZeRO-0/1/2's own runs in `deepspeed-zero12`; a catalog without the latter lets
+    plain PyTorch's figures stand in for the model's phases (ZeRO-0/1/2 hook only the root module; the
+    optimizer step stays ZeRO-3's), and the prediction says so; FSDP takes PyTorch's, and an engine without
+    references ZeRO-3's, each said too."""
+    import dataclasses
+
     from trainprof.projection.machines import gpu_host
 
     cat = load_catalog()
@@ -553,6 +556,10 @@ def test_a_gpu_hosts_time_per_call_follows_the_engines_host_path():
     zero3, _, why = gpu_host(cat, "deepspeed", 3)
     assert why is None and zero3["forward"] == figure["deepspeed"]["forward"] == zero3["recompute"]
     zero2, source, why = gpu_host(cat, "deepspeed", 2)
+    assert why is None and zero2["forward"] == figure["deepspeed-zero12"]["forward"] != figure["deepspeed"]["forward"]
+    assert "-zero2-hostbound" in source
+    older = dataclasses.replace(cat, host_us_per_op={k: v for k, v in cat.host_us_per_op.items() if k != "deepspeed-zero12"})
+    zero2, source, why = gpu_host(older, "deepspeed", 2)
     assert (zero2["forward"], zero2["backward"]) == (figure["torch"]["forward"], figure["torch"]["backward"])
     assert zero2["optimizer"] == figure["deepspeed"]["optimizer"] and "stands in" in why and "-torch" in source
     assert gpu_host(cat, "fsdp", 0)[:2] == gpu_host(cat, "torch", 0)[:2] and gpu_host(cat, "torch", 0)[2] is None
@@ -805,3 +812,32 @@ def test_elementwise_share_is_the_gpus_own_where_its_runs_measured_it():
     assert h100[0] == block["by_accelerator"]["h100-sxm"]["share"] and "h100-sxm's datasheet" in h100[1]
     assert h200[0] == block["by_accelerator"]["h200"]["share"] and h100[0] > h200[0]
     assert other[0] == block["share_of_datasheet_bandwidth"] and "not on this GPU" in other[1]
+
+
+def test_deepspeeds_optimizer_on_a_gpu_is_its_kernels_plus_its_host_calls():
+    """A CPU run projected to DeepSpeed ZeRO-2 on an H100: the optimizer is the kernels (parameters x the
+    catalog's bytes per parameter over the bandwidth) plus the catalog's calls per trainable tensor x the
+    target's tensors x µs per call, added (DeepSpeed's step waits for its kernels). Plain PyTorch's
+    asynchronous step takes the longer of the two, which is its kernels: every reference run's optimizer was
+    device-bound, so the catalog has no host figure for it."""
+    from trainprof.projection.project import project
+
+    cat = load_catalog()
+    host = cat.optimizer_host["deepspeed-zero12"]
+    size = ["model.name=llama2-1b", "train.micro_batch_size=8", "data.seq_len=350"]
+    source = REPO / "profiles" / "cpu-x86_64-quickstart_cpu"
+    (pred,) = project(source, overrides=[*size, "engine.zero_stage=2"], targets=["h100-sxm"], gpus_per_node=1,
+                      probe=False)["predictions"]
+    notes = {a["kind"]: a["values"] for a in pred["assumptions"]}
+    kernels = notes["optimizer_gpu_bytes"]
+    kernels_ms = kernels["target_elements"] * kernels["bytes_per_param"] / (kernels["memory_gbps"] * 1e9) * 1e3
+    calls = host["calls_per_tensor"]["value"] * 201  # llama2-1b's trainable tensors: 22 layers x 9 + 3
+    assert notes["optimizer_host_added"]["calls"] == pytest.approx(calls)
+    assert pred["phases_ms"]["optimizer"] == pytest.approx(kernels_ms + calls * host["us_per_call"]["value"] / 1e3)
+    (torch_pred,) = project(REPO / "profiles" / "cpu-x86_64-quickstart_cpu-torch", overrides=size,
+                            targets=["h100-sxm"], gpus_per_node=1, probe=False)["predictions"]
+    notes = {a["kind"]: a["values"] for a in torch_pred["assumptions"]}
+    assert "optimizer_host_added" not in notes and "optimizer" not in cat.host_us_per_op["torch"]
+    kernels = notes["optimizer_gpu_bytes"]
+    assert torch_pred["phases_ms"]["optimizer"] == pytest.approx(
+        kernels["target_elements"] * kernels["bytes_per_param"] / (kernels["memory_gbps"] * 1e9) * 1e3)

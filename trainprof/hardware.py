@@ -75,6 +75,7 @@ class Catalog:
     host_us_per_op: dict[str, Any] = dataclasses.field(default_factory=dict)  # gpu_host_us_per_op: engine -> phase
     optimizer_bytes_per_param: dict[str, Any] = dataclasses.field(default_factory=dict)  # engine -> {value, source}
     ops_per_layer: dict[str, Any] = dataclasses.field(default_factory=dict)  # gpu_ops_per_layer: engine -> phase
+    optimizer_host: dict[str, Any] = dataclasses.field(default_factory=dict)  # gpu_optimizer_host: host key -> figures
 
     def names(self) -> list[str]:
         return sorted(self.accelerators) + sorted(self.nodes)
@@ -159,7 +160,8 @@ def load_catalog(user_file: str | Path | None = None) -> Catalog:
                    latency=data["collective_latency"], files=files,
                    host_us_per_op=data.get("gpu_host_us_per_op") or {},
                    optimizer_bytes_per_param=data.get("gpu_optimizer_bytes_per_param") or {},
-                   ops_per_layer=data.get("gpu_ops_per_layer") or {})
+                   ops_per_layer=data.get("gpu_ops_per_layer") or {},
+                   optimizer_host=data.get("gpu_optimizer_host") or {})
 
 
 @functools.lru_cache(maxsize=1)

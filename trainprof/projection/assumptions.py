@@ -64,10 +64,13 @@ TEMPLATES: dict[str, str] = {
     "optimizer_scaled": "optimizer: scaled by state elements per rank ({ratio:.3g}x)",
     "optimizer_engine_ratio": "engine change: optimizer step x{ratio:.2f} (both engines' step() probed in a group of one)",
     "optimizer_rerated": ("optimizer on {target}: the source's optimizer kernels moved with the {target_elements:,.0f} "
-                          "state elements per rank and the bandwidth ({memory_gbps:.4g} GB/s); the host's operator calls "
-                          "if longer"),
+                          "state elements per rank and the bandwidth ({memory_gbps:.4g} GB/s)"),
     "optimizer_gpu_bytes": ("optimizer on {target}: {target_elements:,.0f} parameters per rank x {bytes_per_param:.1f} B "
-                            "({source}) over {memory_gbps:.4g} GB/s; the host's operator calls if longer"),
+                            "({source}) over {memory_gbps:.4g} GB/s"),
+    "optimizer_host_longer": ("optimizer: the longer of its kernels and the host's {calls:,.0f} calls x {us:.1f} µs (a step "
+                              "that does not wait for its kernels)"),
+    "optimizer_host_added": ("optimizer: DeepSpeed's step waits for its kernels between its host calls, so "
+                             "{calls:,.0f} calls x {us:.1f} µs add to the kernels ({source})"),
     # communication
     "comm_as_measured": "comm: as measured (same world size and link); forward/backward collectives per micro batch",
     "comm_zero_volume": "comm: ZeRO stage {source_stage} -> {target_stage} volume x{ratio:.2f} (ZeRO paper)",

@@ -71,6 +71,11 @@ def census(recipe: Any) -> Census:
     return Census(tensors=(embed, *(layer * shape.num_layers), *tail), layers=shape.num_layers)
 
 
+def trainable_tensors(c: Census) -> int:
+    """The parameter tensors the optimizer steps (an optimizer's per-tensor host calls scale with them)."""
+    return sum(1 for t in c.tensors if t.trains)
+
+
 def zero3_settings(recipe: Any) -> dict[str, int]:
     """The recipe's ZeRO-3 settings that decide its collectives (DeepSpeed's defaults where unset)."""
     zero = (recipe.deepspeed or {}).get("zero_optimization") or {}

@@ -7,7 +7,9 @@ operator calls is the host's time per call. A device-bound phase hides its host 
 The optimizer's kernels (device self time of the traced step) at the machine's measured copy bandwidth
 (calibration.json) give the bytes an engine's Adam moves per trainable parameter on a GPU: fused, multi-
 tensor and per-op implementations differ several-fold from the 28 B of one ideal pass.
-The catalog's `gpu_host_us_per_op` and `gpu_optimizer_bytes_per_param` hold these figures for the
+DeepSpeed's optimizer step adds its host calls to its kernels (`optimizer_host`): the calls a trainable
+tensor costs and each call's host time beside the kernels.
+The catalog's `gpu_host_us_per_op`, `gpu_optimizer_bytes_per_param` and `gpu_optimizer_host` hold these figures for the
 reference runs under profiles/ (scripts/host_reference.py writes them; tests recompute them).
 """
 
@@ -36,6 +38,19 @@ def host_us_per_op(profile: dict[str, Any]) -> dict[str, float | None]:
         if ops.matmul_ms + ops.other_ms < HOST_BOUND_BUSY * phase:
             out[ph] = phase / ops.calls * 1e3
     return out
+
+
+def optimizer_host(profile: dict[str, Any]) -> tuple[float, float] | None:
+    """(operator calls, host µs per call beside the kernels) of a GPU profile's optimizer phase, or None
+    without a GPU operator trace. DeepSpeed's step waits for its kernels between its host calls (the
+    overflow check and the gradient norm read results back), so its phase is the kernels' time plus the
+    calls' host time, not the longer of the two: (phase - kernels) / calls is the host's share."""
+    m = measured_from_profile(profile)
+    ops = (m.ops or {}).get("optimizer") if m.device_type == "cuda" else None
+    phase = m.phases_ms.get("optimizer", 0.0)
+    if ops is None or not ops.calls or phase <= 0:
+        return None
+    return float(ops.calls), max(phase - ops.matmul_ms - ops.other_ms, 0.0) / ops.calls * 1e3
 
 
 def optimizer_bytes_per_param(profile: dict[str, Any], copy_gbps: float) -> float | None:

@@ -22,7 +22,7 @@ from typing import Any
 from trainprof.hardware import Catalog, CatalogError, Target, find_accelerator, load_catalog
 from trainprof.projection import pipeline
 from trainprof.projection.assumptions import Assumption, assume
-from trainprof.projection.census import census, zero3_settings, zero3_traffic
+from trainprof.projection.census import census, trainable_tensors, zero3_settings, zero3_traffic
 from trainprof.projection.changes import (KINDS, THIS, change_kinds, engine_key, model_shape, offload_of, recipe_kinds,
                                           task_key, unmodelled_changes, zero_stage_of)
 from trainprof.projection.comm import CommTarget, Link
@@ -247,9 +247,30 @@ class Projector:
         ref = by.get(host_key(target.kind, target.zero_stage)) or by.get(reference_engine(target.kind))
         if ref:
             inputs.optimizer_bytes_per_param = (float(ref["value"]), ref["source"])
+        inputs.optimizer_host = self._optimizer_host(t)
         if engine_key(src.recipe) != engine_key(t.recipe):
             notes.append(assume("engine_change_other_machine"))
         return inputs
+
+    def _optimizer_host(self, t: TargetRun) -> tuple[float, float, str] | None:
+        """A DeepSpeed target's optimizer host calls and µs per call on a GPU (catalog gpu_optimizer_host):
+        the source's own calls scaled by trainable tensors where it ran the same host path on a GPU, else the
+        catalog's calls per trainable tensor (a CPU source's count does not carry over)."""
+        target = t.recipe.engine
+        key = host_key(target.kind, target.zero_stage)
+        ref = self.catalog.optimizer_host.get(key) if target.kind == "deepspeed" else None
+        if not ref:
+            return None
+        m, src = self.source.measured, self.source.recipe.engine
+        tensors = trainable_tensors(t.change.comm.census)
+        ops = (m.ops or {}).get("optimizer")
+        if m.device_type == "cuda" and ops is not None and host_key(src.kind, src.zero_stage) == key:
+            calls = ops.calls * tensors / max(trainable_tensors(t.change.comm.source_census), 1)
+            how = f"the source's {ops.calls:,.0f} calls x {tensors} / its trainable tensors"
+        else:
+            calls = float(ref["calls_per_tensor"]["value"]) * tensors
+            how = f"{tensors} trainable tensors x {ref['calls_per_tensor']['source']}"
+        return calls, float(ref["us_per_call"]["value"]), f"{how}; µs per call: {ref['us_per_call']['source']}"
 
     def _gpu_host(self, notes: list[Assumption], engine: str, zero_stage: int) -> dict[str, float] | None:
         """Host µs per operator call on the target: a GPU source's own (where its phase was host-bound,

@@ -69,6 +69,7 @@ class Inputs:
     link: Link | None = None
     memory_gbps: float | None = None  # the source machine's measured memory bandwidth
     optimizer_bytes_per_param: tuple[float, str] | None = None  # a GPU target from a CPU source: its Adam's bytes
+    optimizer_host: tuple[float, float, str] | None = None  # DeepSpeed on a GPU target: (calls, host µs each, source)
 
 
 def predict_phases(m: Measured, change: Change, inputs: Inputs) -> tuple[dict[str, float], list[Assumption]]:
@@ -174,9 +175,13 @@ def _gpu_optimizer(m: Measured, change: Change, inputs: Inputs, dst: Machine) ->
         device = n_t * per_param / (dst.memory_gbps * 1e9) * 1e3
         note = assume("optimizer_gpu_bytes", target=dst.name, target_elements=n_t, bytes_per_param=per_param,
                       source=where, memory_gbps=dst.memory_gbps)
+    if inputs.optimizer_host is not None:  # DeepSpeed's step waits for its kernels between its calls: they add
+        calls, us, where = inputs.optimizer_host
+        return device + calls * us / 1e3, [note, assume("optimizer_host_added", calls=calls, us=us, source=where)]
     host = (inputs.host_us_per_op or {}).get("optimizer")
-    host_ms = ops.calls * host / 1e3 if ops is not None and host else 0.0
-    return max(device, host_ms), [note]
+    if ops is None or not host:
+        return device, [note]
+    return max(device, ops.calls * host / 1e3), [note, assume("optimizer_host_longer", calls=ops.calls, us=host)]
 
 
 def residual_ms(m: Measured, phases: dict[str, float], unattributed: float | None = None) -> float:
