@@ -98,9 +98,12 @@ def optimizer_host_values(profiles_dir: Path = ROOT / "profiles", runs: set[str]
             calls, us = got
             found.setdefault(host_key(engine["kind"], engine.get("zero_stage", 0)), []).append(
                 (name, calls / trainable_tensors(profile), us))
-    return {kind: {"calls_per_tensor": (statistics.median(c for _, c, _ in rows), [f"{d}: {c:.1f}" for d, c, _ in rows]),
-                   "us_per_call": (statistics.mean(u for _, _, u in rows), [f"{d}: {u:.1f}" for d, _, u in rows])}
-            for kind, rows in found.items()}
+    out = {}
+    for kind, rows in found.items():
+        calls = (statistics.median(c for _, c, _ in rows), [f"{d}: {c:.1f}" for d, c, _ in rows])
+        out[kind] = {"calls_per_tensor": calls,
+                     "us_per_call": (statistics.mean(u for _, _, u in rows), [f"{d}: {u:.1f}" for d, _, u in rows])}
+    return out
 
 
 def ops_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | None = None
@@ -118,7 +121,8 @@ def ops_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | None = N
         for phase in ("forward", "backward"):
             if m.ops and phase in m.ops:
                 engine = profile["recipe"]["engine"]
-                found.setdefault(host_key(engine["kind"], engine.get("zero_stage", 0)), {}).setdefault(phase, []).append(
+                key = host_key(engine["kind"], engine.get("zero_stage", 0))
+                found.setdefault(key, {}).setdefault(phase, []).append(
                     (name, m.ops[phase].layer_calls / layers / m.grad_accum))
     return {kind: {ph: (statistics.median(v for _, v in runs), [d for d, _ in runs]) for ph, runs in phases.items()}
             for kind, phases in found.items()}

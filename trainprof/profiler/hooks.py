@@ -286,7 +286,9 @@ class ModuleHooks:
                 live = watch.opens and any(call.module == 0 for call in watch.opens)  # the root's backward (memory meter)
                 node.register_prehook(functools.partial(at_once if live else queue, watch))
         if not self.forward_stack and self.watched:
-            self.watched = {}  # a later call's watch of one of these nodes only closes what they close
+            # a node watched again later gets a second pre-hook; it closes from a later counter value, so
+            # only backwards its first already closes
+            self.watched = {}
 
     def settle(self) -> None:
         """Apply the queued engine calls to the backward stack, in the order the engine made them. The

@@ -67,8 +67,8 @@ TEMPLATES: dict[str, str] = {
                           "state elements per rank and the bandwidth ({memory_gbps:.4g} GB/s)"),
     "optimizer_gpu_bytes": ("optimizer on {target}: {target_elements:,.0f} parameters per rank x {bytes_per_param:.1f} B "
                             "({source}) over {memory_gbps:.4g} GB/s"),
-    "optimizer_host_longer": ("optimizer: the longer of its kernels and the host's {calls:,.0f} calls x {us:.1f} µs (a step "
-                              "that does not wait for its kernels)"),
+    "optimizer_host_longer": ("optimizer: the longer of its kernels and the host's {calls:,.0f} calls x {us:.1f} µs "
+                              "(a step that does not wait for its kernels)"),
     "optimizer_host_added": ("optimizer: DeepSpeed's step waits for its kernels between its host calls, so "
                              "{calls:,.0f} calls x {us:.1f} µs add to the kernels ({source})"),
     # communication

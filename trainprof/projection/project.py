@@ -28,8 +28,9 @@ from trainprof.projection.changes import (KINDS, THIS, change_kinds, engine_key,
 from trainprof.projection.comm import CommTarget, Link
 from trainprof.projection.compute import HOST_BOUND_BUSY, EngineProbe, Parts, StepProbe
 from trainprof.projection.gemm import Work
-from trainprof.projection.machines import (catalog_link, gpu_host, gpu_ops_per_layer, host_key, machine_from_calibration,
-                                           machine_from_target, measured_link, reference_engine)
+from trainprof.projection.machines import (catalog_link, gpu_host, gpu_ops_per_layer, host_key,
+                                           machine_from_calibration, machine_from_target, measured_link,
+                                           reference_engine)
 from trainprof.projection.measured import PHASES
 from trainprof.projection.source import (PROBES_FILE, ProjectionError, Source, ensure_calibration, kept_probe,
                                          load_source, same_machine_as_source)
