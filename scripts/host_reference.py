@@ -37,16 +37,22 @@ def reference_profiles(profiles_dir: Path, runs: set[str] | None) -> list[tuple[
     return found
 
 
+def profile_host_key(profile: dict) -> str:
+    """machines.host_key of the run's engine: the catalog key its figures go under."""
+    from trainprof.projection.machines import host_key
+
+    engine = profile["recipe"]["engine"]
+    return host_key(engine["kind"], engine.get("zero_stage", 0))
+
+
 def reference_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | None = None
                      ) -> dict[str, dict[str, tuple[float, list[str]]]]:
     """host key -> phase -> (mean µs per call, ['<profile dir>: <µs>', ...]) over host-bound phases."""
     from trainprof.projection.hostref import HOST_PHASES, host_us_per_op
-    from trainprof.projection.machines import host_key
 
     found: dict[str, dict[str, list[tuple[str, float]]]] = {}
     for name, profile in reference_profiles(profiles_dir, runs):
-        engine = profile["recipe"]["engine"]
-        kind = host_key(engine["kind"], engine.get("zero_stage", 0))
+        kind = profile_host_key(profile)
         for phase, us in host_us_per_op(profile).items():
             if us is not None and phase in HOST_PHASES:
                 found.setdefault(kind, {}).setdefault(phase, []).append((name, us))
@@ -59,7 +65,6 @@ def optimizer_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | No
     """host key (engine kind, DeepSpeed's ZeRO-0/1/2 apart: their step moves more) -> (mean bytes per
     trainable parameter, ['<profile dir>: <bytes>', ...])."""
     from trainprof.projection.hostref import optimizer_bytes_per_param
-    from trainprof.projection.machines import host_key
 
     found: dict[str, list[tuple[str, float]]] = {}
     for name, profile in reference_profiles(profiles_dir, runs):
@@ -67,18 +72,18 @@ def optimizer_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | No
         value = optimizer_bytes_per_param(profile, json.loads(cal.read_text())["memory"]["gbps"]) \
             if cal.is_file() else None
         if value is not None:
-            engine = profile["recipe"]["engine"]
-            found.setdefault(host_key(engine["kind"], engine.get("zero_stage", 0)), []).append((name, value))
+            found.setdefault(profile_host_key(profile), []).append((name, value))
     return {kind: (statistics.mean(v for _, v in runs), [f"{d}: {v:.1f}" for d, v in runs])
             for kind, runs in found.items()}
 
 
 def trainable_tensors(profile: dict) -> int:
-    """Trainable parameter tensors of the profile's recipe (trainprof.projection.census)."""
+    """Trainable parameter tensors of the profile's recipe."""
     from trainprof.projection.census import census
+    from trainprof.projection.census import trainable_tensors as count
     from trainprof.recipe import recipe_from_dict
 
-    return sum(1 for t in census(recipe_from_dict(profile["recipe"])).tensors if t.trains)
+    return count(census(recipe_from_dict(profile["recipe"])))
 
 
 def optimizer_host_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | None = None
@@ -88,15 +93,13 @@ def optimizer_host_values(profiles_dir: Path = ROOT / "profiles", runs: set[str]
     PyTorch's step is left out: its foreach kernels run asynchronously, so its phase is the longer of the
     two, which gpu_host_us_per_op's optimizer figure and gpu_optimizer_bytes_per_param already price."""
     from trainprof.projection.hostref import optimizer_host
-    from trainprof.projection.machines import host_key
 
     found: dict[str, list[tuple[str, float, float]]] = {}
     for name, profile in reference_profiles(profiles_dir, runs):
-        engine = profile["recipe"]["engine"]
-        got = optimizer_host(profile) if engine["kind"] == "deepspeed" else None
+        got = optimizer_host(profile) if profile["recipe"]["engine"]["kind"] == "deepspeed" else None
         if got is not None:
             calls, us = got
-            found.setdefault(host_key(engine["kind"], engine.get("zero_stage", 0)), []).append(
+            found.setdefault(profile_host_key(profile), []).append(
                 (name, calls / trainable_tensors(profile), us))
     out = {}
     for kind, rows in found.items():
@@ -110,7 +113,6 @@ def ops_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | None = N
                ) -> dict[str, dict[str, tuple[float, list[str]]]]:
     """host key (as reference_values': ZeRO-3's hooks issue more calls) -> phase -> (median operator calls
     per decoder layer and micro batch, the runs) over the GPU pretraining runs with an operator trace."""
-    from trainprof.projection.machines import host_key
     from trainprof.projection.measured import measured_from_profile
     from trainprof.recipe import recipe_from_dict, resolve_shape
 
@@ -120,9 +122,7 @@ def ops_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | None = N
         layers = resolve_shape(recipe_from_dict(profile["recipe"]).model).num_layers
         for phase in ("forward", "backward"):
             if m.ops and phase in m.ops:
-                engine = profile["recipe"]["engine"]
-                key = host_key(engine["kind"], engine.get("zero_stage", 0))
-                found.setdefault(key, {}).setdefault(phase, []).append(
+                found.setdefault(profile_host_key(profile), {}).setdefault(phase, []).append(
                     (name, m.ops[phase].layer_calls / layers / m.grad_accum))
     return {kind: {ph: (statistics.median(v for _, v in runs), [d for d, _ in runs]) for ph, runs in phases.items()}
             for kind, phases in found.items()}

@@ -294,9 +294,9 @@ def test_cpu_to_gpu_cases_recomputed_from_profiles(case):
     A DeepSpeed ZeRO-0/1/2 target takes the ZeRO-2 runs' own host reference (`deepspeed-zero12`, not
     ZeRO-3's, whose module hooks are not in its host path). The host-bound Llama2-7B LoRA rows (ZeRO-2, held
     out of every catalog figure) are one prediction against one recipe measured on two machines 29% apart
-    (248.9 and 320.5 ms): within 15% on their mean and 25% each. The host-bound ZeRO-2 pretraining row
-    misses its optimizer phase (the step's host work there is not per operator call) and is kept, not held;
-    the QLoRA rows say that bitsandbytes' calls are left out and are kept, not held (docs/projection.md)."""
+    (248.9 and 320.5 ms): within 15% on their mean and 25% each. The host-bound ZeRO-2 pretraining row (37%
+    busy) is kept, not held, as the other host-bound rows are; the QLoRA rows say that bitsandbytes' calls
+    are left out and are kept, not held (docs/projection.md)."""
     import gpu_validation
 
     again = gpu_validation.cpu_to_gpu_case(case["source"], case["target"], case["hardware"])

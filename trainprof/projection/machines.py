@@ -140,8 +140,12 @@ def gpu_ops_per_layer(catalog: Catalog, engine: str, zero_stage: int = 3) -> tup
     decompose into more aten ops: 279 against 194 a forward layer for the torch engine). Empty where the
     catalog has no reference for the engine. DeepSpeed's ZeRO-0/1/2 take their own where kept (ZeRO-3's
     parameter hooks issue more: 182 against 142 a forward layer)."""
-    by = catalog.ops_per_layer
-    return _per_phase(by.get(host_key(engine, zero_stage)) or by.get(reference_engine(engine)) or {})
+    return _per_phase(by_host_path(catalog.ops_per_layer, engine, zero_stage) or {})
+
+
+def by_host_path(block: dict[str, Any], engine: str, zero_stage: int) -> Any:
+    """A catalog block's entry for the engine's host path (host_key), else for its reference engine."""
+    return block.get(host_key(engine, zero_stage)) or block.get(reference_engine(engine))
 
 
 def host_key(engine: str, zero_stage: int) -> str:

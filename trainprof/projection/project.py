@@ -28,9 +28,8 @@ from trainprof.projection.changes import (KINDS, THIS, change_kinds, engine_key,
 from trainprof.projection.comm import CommTarget, Link
 from trainprof.projection.compute import HOST_BOUND_BUSY, EngineProbe, Parts, StepProbe
 from trainprof.projection.gemm import Work
-from trainprof.projection.machines import (catalog_link, gpu_host, gpu_ops_per_layer, host_key,
-                                           machine_from_calibration, machine_from_target, measured_link,
-                                           reference_engine)
+from trainprof.projection.machines import (by_host_path, catalog_link, gpu_host, gpu_ops_per_layer, host_key,
+                                           machine_from_calibration, machine_from_target, measured_link)
 from trainprof.projection.measured import PHASES
 from trainprof.projection.source import (PROBES_FILE, ProjectionError, Source, ensure_calibration, kept_probe,
                                          load_source, same_machine_as_source)
@@ -243,9 +242,8 @@ class Projector:
                     notes.append(assume("gpu_ops_finetune", task=t.recipe.task.kind,
                                         quantized=" and bitsandbytes' 4-bit matmuls" if t.recipe.task.kind == "qlora"
                                         else ""))
-        by = self.catalog.optimizer_bytes_per_param  # ZeRO-1/2's step moves more than ZeRO-3's: their own where kept
-        target = t.recipe.engine
-        ref = by.get(host_key(target.kind, target.zero_stage)) or by.get(reference_engine(target.kind))
+        # ZeRO-1/2's step moves more than ZeRO-3's: their own where kept
+        ref = by_host_path(self.catalog.optimizer_bytes_per_param, t.recipe.engine.kind, t.recipe.engine.zero_stage)
         if ref:
             inputs.optimizer_bytes_per_param = (float(ref["value"]), ref["source"])
         inputs.optimizer_host = self._optimizer_host(t)
