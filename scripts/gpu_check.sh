@@ -38,6 +38,8 @@
 #   --program zero2_memory: zero2 then memory, one command (<= 9.5 min; memory steps skipped by the budget
 #     when zero2 ran long)
 #   --program recompute (<= 7 min): 7B QLoRA and ZeRO-3 32 x 1024 recompute again (as <kind>-*-v2), then memory
+#   --program lora_v2 (<= 5.5 min): lora's two runs again (as <kind>-*-v2), for kinds whose lora runs held re-run graphs
+#   --program zero2_lora_v2 (<= 9.5 min): zero2, lora_v2, then memory (one archive per run, one for memory)
 # Each kept run leaves OUTDIR/<kind>-<name>/ as profiles/ keeps it: profile.json (CUDA-event profile,
 # NVML telemetry, GPU busy per phase), summary.md, recipe.yaml, calibration.json and the one traced
 # step's Kineto trace (rank0.*.pt.trace.json.gz; no stacks, no shapes), packed as OUTDIR/<kind>-<name>.tgz
@@ -50,7 +52,7 @@ program=""; dry_run=0; rest=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --program) program=${2:-}; shift
-      case "$program" in core|lora|pair|extra|size|zero2|memory|zero2_memory|recompute) ;; *) echo "--program takes core, lora, pair, extra, size, zero2, memory, zero2_memory or recompute, not '$program'"; exit 2;; esac;;
+      case "$program" in core|lora|lora_v2|zero2_lora_v2|pair|extra|size|zero2|memory|zero2_memory|recompute) ;; *) echo "--program takes core, lora, lora_v2, zero2_lora_v2, pair, extra, size, zero2, memory, zero2_memory or recompute, not '$program'"; exit 2;; esac;;
     --dry-run) dry_run=1;;
     *) rest+=("$1");;
   esac
@@ -233,9 +235,17 @@ program_recompute() {  # issue 24 (d): the recompute runs again since the profil
   run_recipe llama1b_zero3_sdpa-gpubound32-v2 200 recipes/llama1b_zero3_sdpa.yaml $GPU_BOUND train.micro_batch_size=32 model.recompute=true
   KEEP_PACK=0 program_memory
 }
-program_lora() {
-  run_recipe llama7b_lora 120 recipes/llama13b_lora.yaml model.name=llama2-7b train.steps=8
-  run_recipe llama7b_qlora 150 recipes/llama70b_qlora.yaml model.name=llama2-7b train.steps=8
+program_lora() {  # LORA_SUFFIX=-v2: the runs again, kept beside the first ones
+  local v=${LORA_SUFFIX:-}
+  run_recipe llama7b_lora$v 120 recipes/llama13b_lora.yaml model.name=llama2-7b train.steps=8
+  run_recipe llama7b_qlora$v 200 recipes/llama70b_qlora.yaml model.name=llama2-7b train.steps=8
+}
+program_lora_v2() { LORA_SUFFIX=-v2 program_lora; }
+program_zero2_lora_v2() {  # what an H200 still lacks since the hooks fix: the ZeRO-2 pair, LoRA/QLoRA, LoRA's peak
+  program_zero2
+  program_lora_v2
+  program_memory
+  [ "$dry_run" = 1 ] || pack memory
 }
 if [ -n "$program" ]; then
   tests=0  # the program runs its own GPU tests first
