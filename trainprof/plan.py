@@ -480,8 +480,7 @@ def _notes(recipe: Recipe, census: dict[str, Any]) -> list[str]:
         "All figures are analytic estimates, not measurements; run the recipe to measure.",
         "GPU total: the allocated peak (the larger of the forward/backward turn and the optimizer step, summing "
         "the gpu_memory rows live then) + the allocator's block rounding + the CUDA context. Not modelled: NCCL's "
-        "own buffers (multi-GPU), cuBLAS/attention workspaces, fragmentation beyond block rounding, QLoRA's "
-        "per-forward dequantized weights.",
+        "own buffers (multi-GPU), cuBLAS/attention workspaces, fragmentation beyond block rounding.",
         HF_COUNT_NOTE,
         _startup_note(recipe, census["total"]),
     ]

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from trainprof.recipe import Recipe, RecipeError
+from trainprof.recipe import Recipe, RecipeError, resolve_shape
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -219,6 +219,37 @@ def _activation_rows(activations: dict[str, Any], saved: SavedTensors, layers: i
                     "live together (H100, ZeRO-3 32 x 1024: the peak held the loss's 3 fp32 s*b*V tensors and "
                     "no re-run layer, docs/memory.md)")),
     }
+
+
+def _frozen_head_rows(rows: dict[str, MemoryRow], saved: SavedTensors) -> dict[str, MemoryRow]:
+    """LoRA/QLoRA at ZeRO-1/2: the LM head is frozen, so the first gradient (which allocates the reduce
+    bucket) comes in the last decoder layer's backward, after the loss's backward tensors are freed. The
+    loss's tensors and the bucket are never live together; a re-running layer is, with the bucket (H200,
+    Llama2-7B LoRA: the peak held the bucket and 31 layers' activations and no loss tensor; H100, QLoRA:
+    the bucket, a re-run layer and a dequantized weight; docs/memory.md)."""
+    bucket, loss = rows["zero_reduce_bucket"].gpu_bytes, rows["logits_loss"].gpu_bytes
+    rerun = tensor_bytes(saved.layer) if "recompute_layer" in rows else 0
+    out = {"logits_loss": MemoryRow(
+        gpu_bytes=max(0, loss - bucket - rerun), phases=(FWD_BWD,),
+        tensors=rows["logits_loss"].tensors if loss > bucket + rerun else [],
+        source=(f"the loss's tensors ({loss:,} B) beyond the reduce bucket and re-run layer that follow them "
+                f"({bucket + rerun:,} B): with the LM head frozen the first gradient, which allocates the bucket, "
+                "comes after the loss's backward"))}
+    if rerun:
+        out["recompute_layer"] = MemoryRow(
+            gpu_bytes=rerun, phases=(FWD_BWD,), tensors=saved.layer,
+            source=f"the layer re-running in backward ({rerun:,} B saved), live with the reduce bucket")
+    return out
+
+
+def _dequantized_weight(recipe: Recipe) -> MemoryRow:
+    """QLoRA dequantizes each 4-bit base weight to the compute dtype for its GEMM and frees it after: at
+    most the largest linear's copy is live (H100, Llama2-7B QLoRA: an h x I copy at the peak)."""
+    shape = resolve_shape(recipe.model)
+    nbytes = shape.hidden_size * shape.intermediate_size * DTYPE_BYTES[recipe.model.dtype]
+    return MemoryRow(gpu_bytes=nbytes, phases=(FWD_BWD,), source=(
+        f"h x I x {DTYPE_BYTES[recipe.model.dtype]} B: the largest base linear dequantized for its GEMM, freed after "
+        "(bitsandbytes backends/cuda/ops.py _dequant_linear_fallback)"))
 
 
 def _loss_row(activations: dict[str, Any], saved: SavedTensors) -> MemoryRow:
@@ -509,10 +540,14 @@ def gpu_memory(recipe: Recipe, world_size: int, census: dict[str, Any], per_rank
     rows = {**_state_rows(recipe, per_rank, census), **_activation_rows(activations, saved, layers)}
     if recipe.engine.kind == "deepspeed":
         rows |= _deepspeed_rows(recipe, census, world_size)
+        if recipe.task.kind != "pretrain" and recipe.engine.zero_stage in (1, 2):
+            rows |= _frozen_head_rows(rows, saved)
     elif recipe.engine.kind == "fsdp":
         rows |= _fsdp_rows(recipe, census, world_size, per_rank)
     else:
         rows |= _torch_rows(recipe, census, world_size)
+    if recipe.task.kind == "qlora":
+        rows["qlora_dequantized_weight"] = _dequantized_weight(recipe)
     peaks = {phase: _summed(rows, [k for k, r in rows.items() if phase in r.phases],
                             f"sum of the rows live {label}")
              for phase, label in ((FWD_BWD, "at the forward/backward turn"), (OPT_STEP, "in the optimizer step"))}
