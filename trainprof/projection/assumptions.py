@@ -37,7 +37,7 @@ TEMPLATES: dict[str, str] = {
                                     "(probe it on the source machine with --to this)"),
     "device_rerated": ("compute on {target}: each phase's device work re-rated: GEMMs at the target's rate for their shapes "
                        "({matmul_source}), the rest by the memory bandwidth it reaches ({memory_source} x "
-                       "{elementwise}; the source's likewise)"),
+                       "{elementwise}; the source's: {source_elementwise})"),
     "device_analytic": ("compute on {target}: the device work derived from the target's shapes alone (a CPU's "
                         "efficiency says nothing of a GPU's): every GEMM at the target's rate for its shape "
                         "({matmul_source}); the other operators' bytes, as counted on the model's code "

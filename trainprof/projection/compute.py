@@ -48,6 +48,7 @@ class Machine:
     memory_source: str = ""
     host_us_per_op: dict[str, float] | None = None  # a GPU host: per phase, time per operator call
     host_source: str = ""
+    accelerator: str | None = None  # its catalog key where known (a source run's GPU), else its name is one
 
     @property
     def matmul_tflops(self) -> float | None:
@@ -164,7 +165,7 @@ def rerated_phase(m: Measured, ph: str, src: Work, tgt: Work, src_machine: Machi
         other = phase - matmul
     if src_machine.is_gpu == dst_machine.is_gpu:  # like for like: the source's efficiency carries over
         matmul_t = matmul * g_tgt / g_src if g_src > 0 else 0.0
-        traffic = tgt.traffic_bytes() / src.traffic_bytes()
+        traffic = tgt.device_bytes(ph) / src.device_bytes(ph)
         other_t = other * traffic * reached_gbps(src_machine) / reached_gbps(dst_machine)
     else:  # a CPU's efficiency says nothing of a GPU's: the target's work from its shapes and rates alone
         matmul_t = g_tgt
@@ -187,7 +188,8 @@ def reached_gbps(machine: Machine) -> float:
     a CPU's calibrated copy bandwidth as it is."""
     from trainprof.projection.validation import elementwise_share
 
-    return (machine.memory_gbps or 1.0) * (elementwise_share(machine.name)[0] if machine.is_gpu else 1.0)
+    share = elementwise_share(machine.accelerator or machine.name)[0] if machine.is_gpu else 1.0
+    return (machine.memory_gbps or 1.0) * share
 
 
 def task_ops(w: Work) -> float:

@@ -38,6 +38,13 @@ class Gemm:
     n: int
     k: int
     calls: int = 1
+    fused: bool = False  # inside a fused attention kernel: its s x s operand stays on chip
+
+    @property
+    def elements_moved(self) -> int:
+        """Elements the GEMM reads and writes: its three operands, less the s x s one (the largest) when fused."""
+        operands = (self.m * self.k, self.k * self.n, self.m * self.n)
+        return sum(operands) - (max(operands) if self.fused else 0)
 
     @property
     def flops(self) -> float:
@@ -61,11 +68,14 @@ def linear_dims(shape: LlamaShape) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def layer_gemms(shape: LlamaShape, micro_batch: int, seq_len: int, phase: str, *, frozen: bool = False) -> list[Gemm]:
+def layer_gemms(shape: LlamaShape, micro_batch: int, seq_len: int, phase: str, *, frozen: bool = False,
+                fused_attention: bool = False) -> list[Gemm]:
     """One decoder layer's GEMMs in a phase (forward, backward or recompute) for one micro batch.
 
     Args:
         frozen: the layer's linear weights do not train (LoRA's base): no weight-gradient GEMMs.
+        fused_attention: SDPA or FlashAttention: the scores never reach memory, so the attention GEMMs are
+            priced on their q, k, v and output bytes alone (eager attention writes and reads them).
     """
     t = micro_batch * seq_len
     out: list[Gemm] = []
@@ -76,7 +86,7 @@ def layer_gemms(shape: LlamaShape, micro_batch: int, seq_len: int, phase: str, *
     heads = micro_batch * shape.num_heads
     d = shape.head_dim
     per = 1 if phase in ("forward", "recompute") else 2
-    out += [Gemm(seq_len, seq_len, d, heads * per), Gemm(seq_len, d, seq_len, heads * per)]
+    out += [Gemm(seq_len, seq_len, d, heads * per, fused_attention), Gemm(seq_len, d, seq_len, heads * per, fused_attention)]
     return out
 
 
@@ -85,27 +95,6 @@ def rest_gemms(shape: LlamaShape, micro_batch: int, seq_len: int, phase: str, *,
     if phase == "recompute":
         return []
     return _linear(micro_batch * seq_len, shape.hidden_size, shape.vocab_size, phase, not frozen)
-
-
-def layer_traffic_bytes(shape: LlamaShape, micro_batch: int, seq_len: int, dtype: str, attention: str) -> float:
-    """Bytes one decoder layer's non-GEMM work moves per micro batch and pass, to leading order: the
-    elementwise ops read and write activations of width h (norms, residuals, rotary), kv (keys and values)
-    and I (SwiGLU), the weights are read once, and eager attention also writes and reads its s x s scores
-    per head."""
-    b = DTYPE_BYTES.get(dtype, 2)
-    t, h, i, kv = micro_batch * seq_len, shape.hidden_size, shape.intermediate_size, shape.num_kv_heads * shape.head_dim
-    weights = b * (2 * h * h + 2 * h * kv + 3 * h * i)
-    scores = 4 * micro_batch * shape.num_heads * seq_len * seq_len if attention == "eager" else 0.0
-    # about an eighth of the per-token width-h traffic is keys' and values' (ELEMENTWISE_BYTES' kv term)
-    return b * t * (7 * h + kv + 4 * i) + weights + scores
-
-
-def rest_traffic_bytes(shape: LlamaShape, micro_batch: int, seq_len: int, dtype: str) -> float:
-    """Bytes of the non-GEMM work outside the decoder layers per micro batch and pass: the embedding
-    lookup, the final norm, and the loss over the logits (kept in fp32 by the HF loss)."""
-    b = DTYPE_BYTES.get(dtype, 2)
-    t, h, v = micro_batch * seq_len, shape.hidden_size, shape.vocab_size
-    return b * t * 3 * h + (b + 8) * t * v
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,7 +112,7 @@ class GemmRate:
     def tflops(self, g: Gemm) -> float:
         size = (g.m * g.n * g.k) ** (1 / 3)
         rate = self.best_tflops if not self.curve else _interpolate(self.curve, size)
-        intensity = 2.0 * g.m * g.n * g.k / (self.dtype_bytes * (g.m * g.k + g.k * g.n + g.m * g.n))
+        intensity = 2.0 * g.m * g.n * g.k / (self.dtype_bytes * g.elements_moved)
         return min(rate, intensity * self.memory_gbps / 1e3)
 
     def ms(self, gemms: list[Gemm]) -> float:
@@ -188,7 +177,8 @@ class Work:
     def gemms(self, phase: str) -> list[Gemm]:
         """Every GEMM of the model in a phase (recompute: the decoder layers' forward again), LoRA's
         adapters (x A^T then B^T, rank r) included."""
-        layer = layer_gemms(self.shape, self.micro_batch, self.seq_len, phase, frozen=self.frozen)
+        layer = layer_gemms(self.shape, self.micro_batch, self.seq_len, phase, frozen=self.frozen,
+                            fused_attention=self.attention != "eager")
         dims = linear_dims(self.shape)
         tokens = self.micro_batch * self.seq_len
         for name in self.lora_targets:
@@ -199,30 +189,23 @@ class Work:
 
     def device_bytes(self, phase: str) -> float:
         """Bytes the non-GEMM operators of one micro batch move in a phase, as counted on the model's code
-        (ELEMENTWISE_BYTES, REST_BYTES); recompute is the layers' forward again. Eager attention adds its
-        s x s scores, QLoRA its dequantized weights, as in traffic_bytes."""
+        (ELEMENTWISE_BYTES, REST_BYTES; 16-bit activations, twice that in fp32); recompute is the layers'
+        forward again. Eager attention adds its s x s scores written and read; QLoRA reads each 4-bit weight
+        (0.5 B) and writes its dequantized copy for every GEMM."""
         regime = "amp" if self.amp else "bf16"
+        wide = 1.0 if self.amp else DTYPE_BYTES.get(self.dtype, 2) / 2
         step = "forward" if phase == "recompute" else phase
         t, h, i, v = (self.micro_batch * self.seq_len, self.shape.hidden_size, self.shape.intermediate_size,
                       self.shape.vocab_size)
         a, k, c, w = ELEMENTWISE_BYTES[(regime, step)]
         kv = self.shape.num_kv_heads * self.shape.head_dim
         weights = sum(fan_in * fan_out for fan_in, fan_out in linear_dims(self.shape).values())
-        per_layer = t * (a * h + k * kv + c * i) + w * weights
+        per_layer = wide * (t * (a * h + k * kv + c * i) + w * weights)
         if self.attention == "eager":
-            per_layer += 4 * self.micro_batch * self.shape.num_heads * self.seq_len ** 2 * (1 if step == "forward" else 2)
+            per_layer += wide * 4 * self.micro_batch * self.shape.num_heads * self.seq_len ** 2 * (1 if step == "forward" else 2)
         if self.quantized:
             per_layer += weights * (0.5 + DTYPE_BYTES.get(self.dtype, 2))
         if phase == "recompute":
             return self.shape.num_layers * per_layer
         ra, rc, rw = REST_BYTES[(regime, step)]
-        return self.shape.num_layers * per_layer + t * (ra * h + rc * v) + rw * v * h
-
-    def traffic_bytes(self) -> float:
-        """Bytes the model's non-GEMM work moves in one pass; QLoRA also reads each 4-bit weight (0.5 B)
-        and writes its dequantized copy (in the compute dtype) for every GEMM."""
-        per_layer = layer_traffic_bytes(self.shape, self.micro_batch, self.seq_len, self.dtype, self.attention)
-        if self.quantized:
-            per_layer += sum(i * o for i, o in linear_dims(self.shape).values()) * (0.5 + DTYPE_BYTES.get(self.dtype, 2))
-        return self.shape.num_layers * per_layer + rest_traffic_bytes(self.shape, self.micro_batch, self.seq_len,
-                                                                      self.dtype)
+        return self.shape.num_layers * per_layer + wide * (t * (ra * h + rc * v) + rw * v * h)

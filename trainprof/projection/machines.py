@@ -17,9 +17,10 @@ from trainprof.projection.gemm import GemmRate, curve_from_calibration
 GEMM_PHASES = ("forward", "backward", "recompute")
 
 
-def machine_from_calibration(cal: dict[str, Any], label: str) -> Machine:
+def machine_from_calibration(cal: dict[str, Any], label: str, accelerator: str | None = None) -> Machine:
     """The rates a calibration.json measured: per phase, the GEMM curve of that phase's layouts
-    (calibration version 2; version 1 timed one layout) and the copy bandwidth."""
+    (calibration version 2; version 1 timed one layout) and the copy bandwidth. `accelerator`: the
+    catalog key of the GPU it was measured on, whose own elementwise share then applies."""
     mm, bw = cal["matmul"], float(cal["memory"]["gbps"])
     by_phase = mm.get("by_phase_tflops") or {}
     gemm = {ph: GemmRate(best_tflops=float(by_phase.get(ph) or mm["best_tflops"]), memory_gbps=bw,
@@ -29,7 +30,7 @@ def machine_from_calibration(cal: dict[str, Any], label: str) -> Machine:
              f"layouts)" if by_phase else f"best {mm['best_tflops']:.3g} TFLOP/s")
     threads = "" if cal.get("device_type") == "cuda" else f", {cal.get('threads')} threads"
     return Machine(name=label, is_gpu=cal.get("device_type") == "cuda", gemm=gemm, memory_gbps=bw,
-                   matmul_source=f"{label}: measured GEMMs over sizes, {rates}{threads}",
+                   accelerator=accelerator, matmul_source=f"{label}: measured GEMMs over sizes, {rates}{threads}",
                    memory_source=f"{label}: measured copy {bw:.3g} GB/s")
 
 

@@ -221,8 +221,8 @@ class Projector:
             reasons.setdefault("step_ms", "the source run has no calibration.json and was made on another machine; "
                                           "run `trainprof project` once where the run was made, or copy its calibration")
             return inputs
-        inputs.source_machine = machine_from_calibration(cal, "source")
         source_key = find_accelerator(self.catalog, src.profile["env"].get("device", ""))
+        inputs.source_machine = machine_from_calibration(cal, "source", accelerator=source_key)
         inputs.target_machine, more = machine_from_target(
             t.hardware, t.recipe.model.dtype, measured=inputs.source_machine,
             source=self.catalog.resolve(source_key) if source_key else None)

@@ -137,9 +137,16 @@ def _rerated(m: Measured, change: Change, inputs: Inputs, notes: list[Assumption
         recompute_t = mb["forward"] * layers_f / fwd_s
     from trainprof.projection.validation import elementwise_share
 
-    elementwise = elementwise_share(dst_m.name)[1] if dst_m.is_gpu else "1 (a CPU: its calibrated copy bandwidth)"
-    notes.append(assume("device_rerated" if src_m.is_gpu == dst_m.is_gpu else "device_analytic", target=dst_m.name,
-                        matmul_source=dst_m.matmul_source, memory_source=dst_m.memory_source, elementwise=elementwise))
+    def share(machine: Machine) -> str:
+        return elementwise_share(machine.accelerator or machine.name)[1] if machine.is_gpu else \
+            "1 (a CPU: its calibrated copy bandwidth)"
+
+    if src_m.is_gpu == dst_m.is_gpu:
+        notes.append(assume("device_rerated", target=dst_m.name, matmul_source=dst_m.matmul_source,
+                            memory_source=dst_m.memory_source, elementwise=share(dst_m), source_elementwise=share(src_m)))
+    else:
+        notes.append(assume("device_analytic", target=dst_m.name, matmul_source=dst_m.matmul_source,
+                            memory_source=dst_m.memory_source, elementwise=share(dst_m)))
     return mb, recompute_t
 
 
