@@ -201,7 +201,8 @@ CPU_TO_GPU += [("cpu-x86_64-quickstart_cpu", f"{gpu}-llama7b_{task}", hardware)
 # the runs again since the profiler lets go of re-run graphs (-v2; the H200's ZeRO-3 one is its first)
 CPU_TO_GPU += [("cpu-x86_64-quickstart_cpu", f"{gpu}-{run}-v2", hardware)
                for gpu, hardware, runs in (("h100", "h100-sxm", ("llama7b_qlora",)),
-                                           ("h200", "h200", ("llama7b_lora", "llama7b_qlora", "llama1b_zero3_sdpa-gpubound32")))
+                                           ("h200", "h200", ("llama7b_lora", "llama7b_qlora",
+                                                             "llama1b_zero3_sdpa-gpubound32")))
                for run in runs]
 
 
@@ -278,7 +279,8 @@ def same_machine_kinds(same: list[dict]) -> dict[str, dict]:
             for kind in c["change_kinds"]:
                 errors.setdefault(kind, []).append(abs(c["step_error_pct"]))
     return {k: {**step_errors(e), "note": "from runs of one GPU kind (same_machine_cases, size_cases of the same "
-                                          "machine; one session unless the case says otherwise), not from the CPU bench"}
+                                          "machine; one session unless the case says otherwise), not from the CPU "
+                                          "bench"}
             for k, e in errors.items()}
 
 
@@ -348,10 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     for c in cases:
         step = (f"predicted {c['predicted_step_ms']:8.1f}, measured {c['measured_step_ms']:8.1f}: "
                 f"{c['step_error_pct']:+.1f}%" if c["step_error_pct"] is not None else f"step null: {c['step_reason']}")
-        print(f"{c['source']:<52} {c['source_step_ms']:8.1f} -> {step} (source GPU busy {c['source_gpu_busy_frac']:.0%}); "
-              f"memory {c['memory_error_pct']:+.2f}%")
-    print(f"H100 -> H200 step-time MAPE {statistics.fmean(errors):.1f}%, max {max(errors):.1f}% over {len(errors)} pairs"
-          f" ({len(cases) - len(errors)} without a predicted step)")
+        print(f"{c['source']:<52} {c['source_step_ms']:8.1f} -> {step} (source GPU busy "
+              f"{c['source_gpu_busy_frac']:.0%}); memory {c['memory_error_pct']:+.2f}%")
+    print(f"H100 -> H200 step-time MAPE {statistics.fmean(errors):.1f}%, max {max(errors):.1f}% over "
+          f"{len(errors)} pairs ({len(cases) - len(errors)} without a predicted step)")
     elementwise = elementwise_block(elementwise_rows())
     cpu_gpu = [cpu_to_gpu_case(*c) for c in CPU_TO_GPU
                if _kept(c[0]) and _kept(c[1])]
@@ -423,8 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             "replay_cases": replayed,
             "replay_error_pct": ({"mean": round(statistics.fmean(replay_errors), 1),
                                   "max": round(max(replay_errors), 1), "cases": len(replayed)} if replayed else None),
-            "finding": ("GPU-bound sources (busy >= 80%) carry to the other GPU kind within 5.1% (plain PyTorch 16 x 1024 "
-                        "+0.5%, ZeRO-2 -2.5%, ZeRO-3 32 x 1024 recompute -5.1%, three model shapes -1.1..-3.1%) once "
+            "finding": ("GPU-bound sources (busy >= 80%) carry to the other GPU kind within 5.1% (plain PyTorch "
+                        "16 x 1024 +0.5%, ZeRO-2 -2.5%, ZeRO-3 32 x 1024 recompute -5.1%, three model shapes -1.1..-3.1%) once "
                         "the flash kernel's attention is priced without its on-chip scores and each GPU's own "
                         "elementwise share applies; ZeRO-3 16 x 1024 (-15.5%) and the host-bound pairs are off by "
                         "the two machines' hosts (the H200's slower at ZeRO-3, faster at LoRA), which neither model "

@@ -86,7 +86,8 @@ def layer_gemms(shape: LlamaShape, micro_batch: int, seq_len: int, phase: str, *
     heads = micro_batch * shape.num_heads
     d = shape.head_dim
     per = 1 if phase in ("forward", "recompute") else 2
-    out += [Gemm(seq_len, seq_len, d, heads * per, fused_attention), Gemm(seq_len, d, seq_len, heads * per, fused_attention)]
+    out += [Gemm(seq_len, seq_len, d, heads * per, fused_attention),
+            Gemm(seq_len, d, seq_len, heads * per, fused_attention)]
     return out
 
 
@@ -202,7 +203,8 @@ class Work:
         weights = sum(fan_in * fan_out for fan_in, fan_out in linear_dims(self.shape).values())
         per_layer = wide * (t * (a * h + k * kv + c * i) + w * weights)
         if self.attention == "eager":
-            per_layer += wide * 4 * self.micro_batch * self.shape.num_heads * self.seq_len ** 2 * (1 if step == "forward" else 2)
+            scores = self.micro_batch * self.shape.num_heads * self.seq_len ** 2
+            per_layer += wide * 4 * scores * (1 if step == "forward" else 2)
         if self.quantized:
             per_layer += weights * (0.5 + DTYPE_BYTES.get(self.dtype, 2))
         if phase == "recompute":

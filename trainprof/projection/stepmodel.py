@@ -143,7 +143,8 @@ def _rerated(m: Measured, change: Change, inputs: Inputs, notes: list[Assumption
 
     if src_m.is_gpu == dst_m.is_gpu:
         notes.append(assume("device_rerated", target=dst_m.name, matmul_source=dst_m.matmul_source,
-                            memory_source=dst_m.memory_source, elementwise=share(dst_m), source_elementwise=share(src_m)))
+                            memory_source=dst_m.memory_source, elementwise=share(dst_m),
+                            source_elementwise=share(src_m)))
     else:
         notes.append(assume("device_analytic", target=dst_m.name, matmul_source=dst_m.matmul_source,
                             memory_source=dst_m.memory_source, elementwise=share(dst_m)))
