@@ -159,6 +159,30 @@ def test_zero2_keeps_params_whole_and_partitions_grads_and_optimizer() -> None:
     assert states(one, "optimizer")[0] == pytest.approx(16 * states(many, "optimizer")[0], rel=1e-6)
 
 
+def test_a_frozen_head_never_holds_the_loss_and_zero2s_bucket_together() -> None:
+    """LoRA/QLoRA at ZeRO-2: the first gradient (the bucket's allocation) comes after the loss's backward,
+    so the forward/backward peak counts the larger of the two, where pretraining (whose LM head trains)
+    counts both; QLoRA adds the largest base linear dequantized for its GEMM (h x I x 2 B). The H200's
+    Llama2-7B LoRA peak held the bucket and no loss tensor (docs/memory.md)."""
+    def rows(plan: dict[str, Any]) -> dict[str, int]:
+        return {k: r["gpu_bytes"] for k, r in plan["gpu_memory"]["rows"].items()}
+
+    def peak(plan: dict[str, Any]) -> int:
+        return plan["gpu_memory"]["peaks"]["forward_backward"]["gpu_bytes"]
+
+    pretrain, lora = (estimate_plan(make(kind=kind, stage=2), 1) for kind in ("pretrain", "lora"))
+    assert rows(pretrain)["logits_loss"] > 0 and rows(lora)["logits_loss"] == 0
+    assert rows(lora)["zero_reduce_bucket"] > rows(pretrain)["logits_loss"]
+    assert peak(lora) == sum(rows(lora)[k] for k in ("params", "optimizer_states", "activations",
+                                                       "zero_reduce_bucket"))
+    qlora = estimate_plan(make(kind="qlora", stage=2), 1)
+    shape = resolve_shape(make().model)
+    assert rows(qlora)["qlora_dequantized_weight"] == shape.hidden_size * shape.intermediate_size * 2
+    assert "qlora_dequantized_weight" not in rows(lora)
+    # ZeRO-3's bucket is allocated once at start-up: the loss's tensors still add
+    assert rows(estimate_plan(make(kind="lora", stage=3), 1))["logits_loss"] > 0
+
+
 def test_zero1_partitions_only_optimizer_and_zero0_nothing() -> None:
     z0, z1 = estimate_plan(make(stage=0), 8), estimate_plan(make(stage=1), 8)
     total = z0["params"]["total"]["value"]

@@ -193,6 +193,39 @@ def test_gemm_rates_follow_the_curve_and_the_roofline():
     assert rate.tflops(skinny) == pytest.approx(intensity * 3000.0 / 1e3)
 
 
+def test_fused_attention_is_priced_without_its_scores_and_counted_bytes_widen_in_fp32():
+    """A flash/SDPA kernel never writes its s x s scores: its attention GEMMs run at the curve's rate (the
+    trace: cuDNN attention forward 4.5 ms on an H100 and an H200 alike), where eager attention's stay
+    capped by the scores' bytes over the bandwidth. The non-GEMM bytes double in fp32 activations."""
+    from trainprof.projection.gemm import Gemm
+
+    rate = GemmRate(best_tflops=700.0, memory_gbps=3350.0)
+    scores = 2 * 1024 * 1024 * 64 / (2 * (1024 * 64 + 64 * 1024 + 1024 * 1024))  # FLOP per byte, eager
+    assert rate.tflops(Gemm(1024, 1024, 64)) == pytest.approx(scores * 3350.0 / 1e3)  # about 190 TFLOP/s
+    assert rate.tflops(Gemm(1024, 1024, 64, fused=True)) == pytest.approx(700.0)
+    assert rate.tflops(Gemm(1024, 64, 1024, fused=True)) == pytest.approx(700.0)  # P V: P stays on chip too
+    w = Work(shape=SHAPES["llama2-7b"], micro_batch=2, seq_len=1024, attention="sdpa", dtype="bf16")
+    eager = dataclasses.replace(w, attention="eager")
+    attention = [g for g in w.gemms("forward") if SHAPES["llama2-7b"].head_dim in (g.k, g.n)]
+    assert len(attention) == 2 and all(g.fused for g in attention)
+    assert not any(g.fused for g in eager.gemms("forward"))
+    assert dataclasses.replace(w, dtype="fp32").device_bytes("forward") == pytest.approx(2 * w.device_bytes("forward"))
+
+
+def test_a_gpu_source_prices_its_elementwise_work_at_its_own_share():
+    """Like for like on GPUs, the non-GEMM work moves by the two GPUs' reached bandwidths: each its
+    datasheet figure times the share its own runs measured (validation_gpu.json `elementwise`), the
+    source's by its catalog key, not by the all-GPU share its name ('source') would get."""
+    from trainprof.projection.compute import reached_gbps
+    from trainprof.projection.validation import elementwise_share
+
+    h100, h200, pooled = (elementwise_share(k)[0] for k in ("h100-sxm", "h200", "source"))
+    assert h100 != pooled and h200 != pooled
+    source = Machine(name="source", is_gpu=True, gemm={}, memory_gbps=3350.0, accelerator="h100-sxm")
+    assert reached_gbps(source) == pytest.approx(3350.0 * h100)
+    assert reached_gbps(dataclasses.replace(source, accelerator=None)) == pytest.approx(3350.0 * pooled)
+
+
 # ---------------------------------------------------------------------------------------------
 # The change-kind table
 # ---------------------------------------------------------------------------------------------
