@@ -13,8 +13,8 @@ import statistics
 
 import pytest
 
-from helpers.evidence import (PROFILES, PROGRAM, check_overhead_config, check_telemetry, gpu_folders, load,
-                              used_steps)
+from helpers.evidence import (PROFILES, PROGRAM, check_overhead_config, check_telemetry, closure_param, gpu_folders,
+                              load, used_steps)
 from test_plan_gpu_reference import KNOWN_MISSES as KNOWN_PLAN_MISSES
 from trainprof.analysis.gpu_busy import gpu_busy_fields, phase_busy, trace_device_time
 from trainprof.profiler.ops import KERNEL_PREFIX, counted_again
@@ -30,21 +30,7 @@ def test_profiles_hold_the_gpu_runs():
     assert {"h100", "h200"} <= kinds, [f.name for f in GPU]
 
 
-# Strict: a closure within the bound makes the test fail until the entry goes.
-CLOSURE_MISSES = {
-    "h200-llama1b_zero3_sdpa-torch-hostbound-v2": "2.41% of the step unattributed (median of 18 steps, 3.07% at "
-                                                  "most) against 0.93% in the same recipe's H200 run of 2026-11-26, "
-                                                  "whose step was 10% shorter (164.7 ms against 183.6): a slower host "
-                                                  "that session, not traced further",
-}
-
-
-def _closure_param(folder):
-    why = CLOSURE_MISSES.get(folder.name)
-    return pytest.param(folder, id=folder.name, marks=[pytest.mark.xfail(strict=True, reason=why)] if why else [])
-
-
-@pytest.mark.parametrize("folder", [_closure_param(f) for f in GPU])
+@pytest.mark.parametrize("folder", [closure_param(f, f.name) for f in GPU])
 def test_closure_recomputed_from_the_steps(folder):
     doc = load(folder)
     for s in doc["steps"]:

@@ -26,6 +26,22 @@ TELEMETRY_BOUNDS = {
 }
 
 
+# Kept runs whose phases miss the 2% closure bound, with what was measured (tests/test_gpu_evidence.py,
+# tests/test_reference_profiles.py); strict: a closure within the bound fails the tests until the entry goes.
+CLOSURE_MISSES = {
+    "h200-llama1b_zero3_sdpa-torch-hostbound-v2": "2.41% of the step unattributed (median of 18 steps, 3.07% at "
+                                                  "most) against 0.93% in the same recipe's H200 run of 2026-11-26, "
+                                                  "whose step was 10% shorter (164.7 ms against 183.6): a slower host "
+                                                  "that session, not traced further",
+}
+
+
+def closure_param(value: Any, folder: str) -> Any:
+    """`value` as a pytest param named `folder`, a strict xfail where the folder is a known closure miss."""
+    why = CLOSURE_MISSES.get(folder)
+    return pytest.param(value, id=folder, marks=[pytest.mark.xfail(strict=True, reason=why)] if why else [])
+
+
 def gpu_folders() -> list[Path]:
     """profiles/<folder>/ with a CUDA profile (profile.json.gz there), sorted."""
     out = []
