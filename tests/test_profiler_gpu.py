@@ -35,6 +35,8 @@ def test_cuda_event_timer_recovers_module_times():
         Path(os.environ["TRAINPROF_GPU_TEST_OUT"]).write_text(json.dumps(
             {"steps": result["steps"], "modules": rows_for_notes(prof)}, indent=1, default=str))
     assert result["env"]["timer"] == "cuda_event"
+    # the capacity the memory-headroom advice divides by (a run's summary said "n/a" before)
+    assert result["env"]["device_memory_bytes"] == torch.cuda.get_device_properties(0).total_memory
     rows, index = module_rows_per_step(prof)
     check_modules(rows, index, ledger, ["embed", "block", "shared", "ckpt.body", "head"])
     check_closure(result)

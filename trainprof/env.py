@@ -46,7 +46,7 @@ def collect_env(device: torch.device, world_size: int) -> dict[str, Any]:
     """The `env` block of profile.json."""
     import torch
 
-    return {
+    env = {
         "torch": torch.__version__,
         "deepspeed": _version("deepspeed"),
         "transformers": _version("transformers"),
@@ -63,6 +63,9 @@ def collect_env(device: torch.device, world_size: int) -> dict[str, Any]:
         "memory_meter": memory_meter(device),
         "host_allocator": host_allocator(),
     }
+    if device.type == "cuda":  # the capacity the advisor's memory-headroom rule needs
+        env["device_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    return env
 
 
 def memory_meter(device: torch.device) -> str:

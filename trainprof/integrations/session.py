@@ -138,7 +138,7 @@ class ProfileSession:
         import torch
 
         from trainprof.distributed import shared_run_dir
-        from trainprof.env import collect_env, memory_meter
+        from trainprof.env import memory_meter
         from trainprof.io import atomic_write_json
         from trainprof.models import count_params
         from trainprof.report.run_report import write_run_files
@@ -156,10 +156,7 @@ class ProfileSession:
             return None
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.run_dir = shared_run_dir(self.output_dir, self.name)
-        env = collect_env(prof.device, prof.world_size)
-        if prof.device.type == "cuda":  # the capacity the advisor's memory-headroom rule needs
-            env["device_memory_bytes"] = torch.cuda.get_device_properties(prof.device).total_memory
-        profile = prof.result(env=env)
+        profile = prof.result()
         profile.update(partial=False, engine={"kind": self.framework, "config": self.engine_config},
                        params=count_params(self.model))
         from trainprof.integrations.workload import workload
