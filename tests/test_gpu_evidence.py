@@ -13,8 +13,8 @@ import statistics
 
 import pytest
 
-from helpers.evidence import (PROFILES, PROGRAM, check_overhead_config, check_telemetry, closure_param, gpu_folders,
-                              load, used_steps)
+from helpers.evidence import (CLOSURE_MISSES, PROFILES, PROGRAM, check_overhead_config, check_telemetry,
+                              gpu_folders, known_miss, load, used_steps)
 from test_plan_gpu_reference import KNOWN_MISSES as KNOWN_PLAN_MISSES
 from trainprof.analysis.gpu_busy import gpu_busy_fields, phase_busy, trace_device_time
 from trainprof.profiler.ops import KERNEL_PREFIX, counted_again
@@ -30,7 +30,7 @@ def test_profiles_hold_the_gpu_runs():
     assert {"h100", "h200"} <= kinds, [f.name for f in GPU]
 
 
-@pytest.mark.parametrize("folder", [closure_param(f, f.name) for f in GPU])
+@pytest.mark.parametrize("folder", [known_miss(CLOSURE_MISSES, f.name, f) for f in GPU])
 def test_closure_recomputed_from_the_steps(folder):
     doc = load(folder)
     for s in doc["steps"]:
@@ -213,10 +213,9 @@ UNCALIBRATED = {"h100-llama7b_qlora-v2": "no calibration.json: the run's 150 s l
 
 def _kind_pairs() -> list:
     names = {f.name for f in GPU}
-    return [pytest.param(f"h100-{n[5:]}", f"h200-{n[5:]}", id=f"h100-{n[5:]}-h200-{n[5:]}",
-                         marks=[pytest.mark.xfail(strict=True, reason=UNCALIBRATED[f"h100-{n[5:]}"])]
-                         if f"h100-{n[5:]}" in UNCALIBRATED else [])
-            for n in sorted(names) if n.startswith("h100-") and f"h200-{n[5:]}" in names]
+    pairs = [(f"h100-{n[5:]}", f"h200-{n[5:]}") for n in sorted(names)
+             if n.startswith("h100-") and f"h200-{n[5:]}" in names]
+    return [known_miss(UNCALIBRATED, h100, h100, h200, name=f"{h100}-{h200}") for h100, h200 in pairs]
 
 
 @pytest.mark.parametrize("source,target", _kind_pairs())
@@ -376,12 +375,7 @@ REPLAY_MISSES = {
 }
 
 
-def _trace_param(path):
-    why = REPLAY_MISSES.get(path.parent.name)
-    return pytest.param(path, id=path.parent.name, marks=[pytest.mark.xfail(strict=True, reason=why)] if why else [])
-
-
-@pytest.mark.parametrize("path", [_trace_param(p) for p in TRACES])
+@pytest.mark.parametrize("path", [known_miss(REPLAY_MISSES, p.parent.name, p) for p in TRACES])
 def test_a_replayed_trace_rebuilds_its_step_and_says_which_side_bounds_it(path):
     """analysis/replay.py rebuilds each kept traced step from its launches and kernels within 3%, and its
     what-ifs point the way the GPU busy share does. A twice-as-fast host takes at most half the step plus

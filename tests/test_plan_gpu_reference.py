@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.evidence import gpu_folders, load
+from helpers.evidence import gpu_folders, known_miss, load
 from trainprof.plan import estimate_plan
 from trainprof.recipe import load_recipe
 
@@ -40,12 +40,7 @@ KNOWN_MISSES = {
 }
 
 
-def _param(folder: Path):
-    why = KNOWN_MISSES.get(folder.name)
-    return pytest.param(folder, id=folder.name, marks=[pytest.mark.xfail(strict=True, reason=why)] if why else [])
-
-
-@pytest.mark.parametrize("folder", [_param(f) for f in GPU_PROFILES])
+@pytest.mark.parametrize("folder", [known_miss(KNOWN_MISSES, f.name, f) for f in GPU_PROFILES])
 def test_planned_peaks_match_the_measured_allocator_peaks(folder: Path) -> None:
     profile = load(folder)
     # the profiler's GPU meter: torch.cuda.max_memory_allocated, reset at every phase start

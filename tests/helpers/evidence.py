@@ -36,10 +36,11 @@ CLOSURE_MISSES = {
 }
 
 
-def closure_param(value: Any, folder: str) -> Any:
-    """`value` as a pytest param named `folder`, a strict xfail where the folder is a known closure miss."""
-    why = CLOSURE_MISSES.get(folder)
-    return pytest.param(value, id=folder, marks=[pytest.mark.xfail(strict=True, reason=why)] if why else [])
+def known_miss(misses: dict[str, str], key: str, *values: Any, name: str | None = None) -> Any:
+    """`values` as one pytest param (its id `name`, else `key`), a strict xfail whose reason is the measured
+    cause where `misses` lists `key`: a fix then fails the test until its entry goes."""
+    why = misses.get(key)
+    return pytest.param(*values, id=name or key, marks=[pytest.mark.xfail(strict=True, reason=why)] if why else [])
 
 
 def gpu_folders() -> list[Path]:
