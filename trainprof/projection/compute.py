@@ -184,12 +184,19 @@ def rerated_phase(m: Measured, ph: str, src: Work, tgt: Work, src_machine: Machi
 
 def reached_gbps(machine: Machine) -> float:
     """The memory bandwidth a model's non-GEMM operators reach: a GPU's datasheet figure times the share its
-    runs measured (its own where it has one, else the share over the measured GPUs: elementwise_share);
-    a CPU's calibrated copy bandwidth as it is."""
+    runs measured (elementwise); a CPU's calibrated copy bandwidth as it is."""
+    return (machine.memory_gbps or 1.0) * elementwise(machine)[0]
+
+
+def elementwise(machine: Machine) -> tuple[float, str]:
+    """The share of its bandwidth a machine's non-GEMM operators reach, and its source: a GPU's own where its
+    runs measured one (by its catalog key), else the share over the measured GPUs (elementwise_share); 1
+    on a CPU, whose calibrated copy bandwidth is already a measured rate."""
     from trainprof.projection.validation import elementwise_share
 
-    share = elementwise_share(machine.accelerator or machine.name)[0] if machine.is_gpu else 1.0
-    return (machine.memory_gbps or 1.0) * share
+    if not machine.is_gpu:
+        return 1.0, "1 (a CPU: its calibrated copy bandwidth)"
+    return elementwise_share(machine.accelerator or machine.name)
 
 
 def task_ops(w: Work) -> float:

@@ -31,7 +31,7 @@ import dataclasses
 from trainprof.projection.assumptions import Assumption, assume
 from trainprof.projection.comm import CommTarget, Link, exposed_comm
 from trainprof.projection.compute import (ADAM_BYTES_PER_ELEMENT, EngineProbe, Machine, Parts, StepProbe, combine,
-                                          engine_scaled, optimizer_ms, per_micro_batch, probed_compute,
+                                          elementwise, engine_scaled, optimizer_ms, per_micro_batch, probed_compute,
                                           rerated_phase)
 from trainprof.projection.gemm import Work
 from trainprof.projection.measured import PHASES, Measured
@@ -135,19 +135,13 @@ def _rerated(m: Measured, change: Change, inputs: Inputs, notes: list[Assumption
         # the layers' share of the forward, re-rated as the forward was
         fwd_s = m.phases_ms["forward"] / m.grad_accum
         recompute_t = mb["forward"] * layers_f / fwd_s
-    from trainprof.projection.validation import elementwise_share
-
-    def share(machine: Machine) -> str:
-        return elementwise_share(machine.accelerator or machine.name)[1] if machine.is_gpu else \
-            "1 (a CPU: its calibrated copy bandwidth)"
-
     if src_m.is_gpu == dst_m.is_gpu:
         notes.append(assume("device_rerated", target=dst_m.name, matmul_source=dst_m.matmul_source,
-                            memory_source=dst_m.memory_source, elementwise=share(dst_m),
-                            source_elementwise=share(src_m)))
+                            memory_source=dst_m.memory_source, elementwise=elementwise(dst_m)[1],
+                            source_elementwise=elementwise(src_m)[1]))
     else:
         notes.append(assume("device_analytic", target=dst_m.name, matmul_source=dst_m.matmul_source,
-                            memory_source=dst_m.memory_source, elementwise=share(dst_m)))
+                            memory_source=dst_m.memory_source, elementwise=elementwise(dst_m)[1]))
     return mb, recompute_t
 
 
