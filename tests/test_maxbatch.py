@@ -42,7 +42,7 @@ def test_maxbatch_finds_the_largest_micro_batch_under_a_cap(tmp_path):
     doubled = [b for b in sorted(outcome) if b & (b - 1) == 0]
     assert doubled == [2**i for i in range(len(doubled))] and doubled[-1] > best
     # the failing try recorded the memory that broke the cap (the fitting ones' per-phase peaks are not compared
-    # with the cap: the cap reads ru_maxrss, which the step profiler's per-phase reset also resets)
+    # with the cap: the cap reads the process's peak RSS, which the step profiler's per-phase reset also resets)
     assert row["tries"] == len(tries) and row["failure_memory_mib"] > 0.7 * 1024
     assert (out / "maxbatch.png").stat().st_size > 0 and (out / "maxbatch.html").is_file()
 

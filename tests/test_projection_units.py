@@ -798,18 +798,25 @@ def test_a_cpu_prediction_with_larger_logits_says_the_heap_keeps_more_than_the_p
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status")
-def test_a_probe_process_reads_its_own_peak_not_the_one_of_the_process_that_spawned_it():
-    """The engine memory probe's figure: Linux carries ru_maxrss over exec, so a probe spawned by a large
-    process (a pytest worker, a notebook) would report its parent's peak; VmHWM is its own."""
+def test_a_spawned_process_reads_its_own_peak_not_the_one_of_the_process_that_spawned_it():
+    """The engine memory probe's figure, a run's peak and the CPU memory cap: Linux carries ru_maxrss over
+    exec, so a probe or a single-rank run spawned by a large process (a pytest worker, a notebook) would
+    report its parent's peak; VmHWM is its own. Once the process outgrows its parent, both agree."""
     import subprocess
 
-    held = bytearray(400 * 2**20)
+    held = bytearray(1024 * 2**20)
     held[::4096] = b"\x01" * len(held[::4096])  # touched: resident
-    code = ("import resource; from trainprof.env import vm_hwm_bytes; "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, vm_hwm_bytes())")
+    code = ("import resource, torch; from trainprof.env import peak_memory_bytes, vm_hwm_bytes\n"
+            "cpu = torch.device('cpu')\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, vm_hwm_bytes(), peak_memory_bytes(cpu))\n"
+            "grown = bytearray(1536 * 2**20); grown[::4096] = b'\\x01' * len(grown[::4096])\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, peak_memory_bytes(cpu))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
-    maxrss, hwm = map(int, out.stdout.split())
-    assert maxrss >= 400 * 2**20 > 4 * hwm, (maxrss, hwm)
+    first, grown = out.stdout.splitlines()
+    maxrss, hwm, peak = map(int, first.split())
+    assert maxrss >= 1024 * 2**20 > 2 * hwm and peak == hwm, (maxrss, hwm, peak)
+    maxrss, peak = map(int, grown.split())
+    assert peak == maxrss > 1536 * 2**20, (maxrss, peak)
     del held
 
 

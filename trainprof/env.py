@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import logging
+import os
 import platform
+import re
 import resource
 import warnings
 from pathlib import Path
@@ -73,8 +75,8 @@ def memory_meter(device: torch.device) -> str:
     if device.type == "cuda":
         return "cuda_allocator_peak: torch.cuda.max_memory_allocated, reset every step"
     return (
-        "cpu_process_peak_rss: getrusage(RUSAGE_SELF).ru_maxrss of this rank's process, a lifetime "
-        "high-water mark including Python, libraries and the data loader (not reset per step)"
+        "cpu_process_peak_rss: VmHWM (/proc/self/status) of this rank's process, a lifetime high-water mark "
+        "including Python, libraries and the data loader (not reset per step)"
     )
 
 
@@ -84,24 +86,43 @@ def memory_meter(device: torch.device) -> str:
 _folded_peak = 0
 
 
+def _ru_maxrss() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+# Linux reports ru_maxrss as the larger of VmHWM and the peak of the image this process had before exec,
+# which is the whole spawning process's when a big one (a pytest worker, a notebook) forked it. That
+# floor is at most ru_maxrss at this import; above it, ru_maxrss is VmHWM, read in one syscall.
+_SPAWN_FLOOR = _ru_maxrss()
+
+
 def _raw_peak(device: torch.device) -> int:
     import torch
 
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+    peak = _ru_maxrss()
+    if peak > _SPAWN_FLOOR:
+        return peak
+    hwm = vm_hwm_bytes()
+    return peak if hwm is None else hwm
+
+
+_VMHWM = re.compile(rb"VmHWM:\s+(\d+) kB")
+_status: tuple[int, int] | None = None  # (pid, fd): a forked child reopens, its own /proc/self
 
 
 def vm_hwm_bytes() -> int | None:
     """This process's peak resident set (VmHWM in /proc/self/status), None off Linux. Unlike ru_maxrss,
     which Linux carries over exec from the process that spawned this one, it counts this program only."""
+    global _status
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # kB
+        if _status is None or _status[0] != os.getpid():
+            _status = (os.getpid(), os.open("/proc/self/status", os.O_RDONLY))
+        match = _VMHWM.search(os.pread(_status[1], 8192, 0))
     except OSError:
-        pass
-    return None
+        return None
+    return int(match.group(1)) * 1024 if match else None  # kB
 
 
 def reset_peak_memory(device: torch.device) -> None:
