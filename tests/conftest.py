@@ -40,10 +40,12 @@ MEASURED = (QUICKSTART_2RANK, ZERO2_2RANK)
 
 def run_trainprof(tmp_path: Path, nproc: int, *overrides: str, recipe: Path = QUICKSTART,
                   timeout: int = 240) -> tuple[Path, dict]:
-    """Run `torchrun --nproc_per_node N -m trainprof.run RECIPE ...`; return (run dir, profile.json)."""
+    """Run `torchrun --nproc_per_node N -m trainprof.run RECIPE ...` (one rank: `python -m trainprof.run`,
+    as a sweep's cell runs, without torchrun's 2-3 s of start-up); return (run dir, profile.json)."""
+    from trainprof.sweep.launch import launch_command
+
     out = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "trainprof.run", str(recipe), *FAST, *overrides, f"output.dir={out}"]
+    cmd = launch_command(str(recipe), [*FAST, *overrides, f"output.dir={out}"], nproc=nproc)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     assert proc.returncode == 0, f"run failed ({proc.returncode}):\n{proc.stderr[-4000:]}"

@@ -18,6 +18,8 @@ from trainprof.inference.schema import validate_inference
 from trainprof.hardware import memory_bandwidth
 from trainprof.recipe import load_recipe
 
+from helpers.checks import retry_on_noise
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "quickstart_cpu.yaml"
 NEW_TOKENS = 16
@@ -127,17 +129,22 @@ def test_decode_cost_flat_in_prompt_length() -> None:
     moves with a 32x longer prompt, while prefill grows several-fold."""
     recipe = load_recipe(RECIPE, ["model.dtype=fp32", "model.name=llama2-small"])
     model = load_inference_model(recipe, torch.device("cpu"))
-    best: dict[int, tuple[float, float]] = {}
-    for _ in range(2):  # alternate lengths, keep each one's best: other processes share these 2 cores
-        for length in (16, 512):
-            ids = make_prompt(1, length, 8192, 0, torch.device("cpu"))
-            run_request(model, ids, 8)
-            m = serving_metrics([run_request(model, ids, 8) for _ in range(3)])
-            tpot, ttft = m["tpot_ms"]["p50"], m["ttft_ms"]["p50"]
-            old = best.get(length, (float("inf"), float("inf")))
-            best[length] = (min(old[0], tpot), min(old[1], ttft))
-    assert best[512][1] > 4 * best[16][1], best  # the prompt length did matter for prefill
-    assert best[512][0] < 1.35 * best[16][0], best  # decode per token stays flat (measured ~1.0-1.2x)
+
+    def check() -> None:  # a slow spell during one length's requests is retried, a decode that grows is not
+        best: dict[int, tuple[float, float]] = {}
+        for _ in range(2):  # alternate lengths, keep each one's best
+            for length in (16, 512):
+                ids = make_prompt(1, length, 8192, 0, torch.device("cpu"))
+                run_request(model, ids, 8)
+                m = serving_metrics([run_request(model, ids, 8) for _ in range(3)])
+                tpot, ttft = m["tpot_ms"]["p50"], m["ttft_ms"]["p50"]
+                old = best.get(length, (float("inf"), float("inf")))
+                best[length] = (min(old[0], tpot), min(old[1], ttft))
+        assert best[512][1] > 4 * best[16][1], best  # the prompt length did matter for prefill
+        # decode per token stays flat (measured ~1.0-1.2x; 1.37x once in a full suite, 2026-11-27)
+        assert best[512][0] < 1.35 * best[16][0], best
+
+    retry_on_noise(check)
 
 
 def test_memory_bandwidth_catalog() -> None:

@@ -109,15 +109,14 @@ def test_report_html_renders_in_headless_chromium(tmp_path):
     url = html.resolve().as_uri()
     common = [browser, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
     env = {**os.environ, "HOME": str(tmp_path)}
-    dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=120, env=env)
-    assert dom.returncode == 0, dom.stderr[-2000:]
+    shot = tmp_path / "shot.png"
+    # one browser start for both: the DOM as rendered on stdout and a screenshot of the page
+    dom = subprocess.run([*common, "--dump-dom", f"--screenshot={shot}", "--window-size=1200,2400", url],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert dom.returncode == 0 and shot.exists(), dom.stderr[-2000:]
     for table in TABLES:
         assert f'<table id="{table}">' in dom.stdout, table
     assert dom.stdout.count('src="data:image/png;base64,') == len(FIGURES)
-    shot = tmp_path / "shot.png"
-    out = subprocess.run([*common, f"--screenshot={shot}", "--window-size=1200,2400", url], capture_output=True,
-                         text=True, timeout=120, env=env)
-    assert out.returncode == 0 and shot.exists(), out.stderr[-2000:]
     import matplotlib.image
 
     pixels = matplotlib.image.imread(shot)[..., :3]
