@@ -96,16 +96,21 @@ def _ru_maxrss() -> int:
 _SPAWN_FLOOR = _ru_maxrss()
 
 
-def _raw_peak(device: torch.device) -> int:
-    import torch
-
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+def cpu_peak_rss_bytes() -> int:
+    """This process's peak resident set since it started or since /proc/self/clear_refs last reset it."""
     peak = _ru_maxrss()
     if peak > _SPAWN_FLOOR:
         return peak
     hwm = vm_hwm_bytes()
     return peak if hwm is None else hwm
+
+
+def _raw_peak(device: torch.device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return cpu_peak_rss_bytes()
 
 
 _VMHWM = re.compile(rb"VmHWM:\s+(\d+) kB")

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import os
 import re
-import resource
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from trainprof.env import fold_peak_memory
+from trainprof.env import cpu_peak_rss_bytes, fold_peak_memory
 
-_VMHWM = re.compile(rb"VmHWM:\s+(\d+) kB")
 _VMRSS = re.compile(rb"VmRSS:\s+(\d+) kB")
 PHASES = ("forward", "backward", "optimizer")
 
@@ -42,7 +40,6 @@ class PhaseMemory:
         self._depth = {p: 0 for p in PHASES}
         self._status_fd: int | None = None
         self._clear_fd: int | None = None
-        self._peak_from_rusage = False  # VmHWM read as ru_maxrss: one syscall, no text to parse
         if self.cuda:
             self.method = ("cuda_allocator_peak: torch.cuda.max_memory_allocated per phase, reset at phase "
                            "start with torch.cuda.reset_peak_memory_stats")
@@ -56,7 +53,6 @@ class PhaseMemory:
             self._clear_fd = os.open("/proc/self/clear_refs", os.O_WRONLY)
             self.method = ("cpu_process_peak_rss: VmHWM of this rank's process per phase, reset at phase start "
                            "via /proc/self/clear_refs; all process memory, not only tensors")
-            self._peak_from_rusage = self._rusage_follows_reset()
         except OSError:
             self.method = ("cpu_process_rss_sampled: VmRSS of this rank's process read at phase start and end "
                            "(peak reset not permitted); all process memory, not only tensors")
@@ -92,23 +88,14 @@ class PhaseMemory:
             return
         if self.cuda:
             value = int(torch.cuda.max_memory_allocated(self.device))
-        elif self._peak_from_rusage:
-            value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        elif self._clear_fd is not None:
+            value = cpu_peak_rss_bytes()  # VmHWM, read as ru_maxrss where that is the same figure
         else:
-            value = self._read(_VMHWM if self._clear_fd is not None else _VMRSS)
+            value = self._read(_VMRSS)
         self._note(phase, value)
 
     def _note(self, phase: str, value: int) -> None:
         self.peaks[phase] = max(self.peaks.get(phase, 0), value)
-
-    def _rusage_follows_reset(self) -> bool:
-        """Whether ru_maxrss equals VmHWM after a reset here. Linux reports the larger of the process's
-        VmHWM and the peak its pre-exec image had, which can be far higher when a big process forked it;
-        then only /proc/self/status has the phase's peak."""
-        fold_peak_memory(self.device)  # keep the runner's peak across this reset
-        os.write(self._clear_fd, b"5")  # type: ignore[arg-type]
-        hwm = self._read(_VMHWM)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 <= hwm + (1 << 20)
 
     def _read(self, pattern: re.Pattern[bytes]) -> int:
         text = os.pread(self._status_fd, 8192, 0)  # type: ignore[arg-type]
