@@ -880,6 +880,12 @@ def test_deepspeeds_optimizer_on_a_gpu_is_its_kernels_plus_its_host_calls():
     assert notes["optimizer_host_added"]["calls"] == pytest.approx(calls)
     host_ms = calls * host["us_per_call"]["value"] / 1e3
     assert pred["phases_ms"]["optimizer"] == pytest.approx(kernels_ms(notes) + host_ms)
+    assert "world size" not in notes["optimizer_host_added"]["source"]
+    # the catalog's counts are one GPU's: at 8 the row says so (DeepSpeed's calls per rank move with the world)
+    (eight,) = project(source, overrides=[*size, "engine.zero_stage=2"], targets=["h100-sxm"], gpus_per_node=8,
+                       probe=False)["predictions"]
+    added = next(a["values"] for a in eight["assumptions"] if a["kind"] == "optimizer_host_added")
+    assert "counted at 1 rank and used at 8" in added["source"] and "measured on CPU only" in added["source"]
     (torch_pred,) = project(REPO / "profiles" / "cpu-x86_64-quickstart_cpu-torch", overrides=size,
                             targets=["h100-sxm"], gpus_per_node=1, probe=False)["predictions"]
     notes = {a["kind"]: a["values"] for a in torch_pred["assumptions"]}

@@ -265,10 +265,13 @@ class Projector:
         ops = (m.ops or {}).get("optimizer")
         if m.device_type == "cuda" and ops is not None and host_key(src.kind, src.zero_stage) == key:
             calls = ops.calls * tensors / max(trainable_tensors(t.change.comm.source_census), 1)
-            how = f"the source's {ops.calls:,.0f} calls x {tensors} / its trainable tensors"
+            how, counted_at = f"the source's {ops.calls:,.0f} calls x {tensors} / its trainable tensors", m.world_size
         else:
             calls = float(ref["calls_per_tensor"]["value"]) * tensors
-            how = f"{tensors} trainable tensors x {ref['calls_per_tensor']['source']}"
+            how, counted_at = f"{tensors} trainable tensors x {ref['calls_per_tensor']['source']}", 1  # one-GPU runs
+        if t.world != counted_at:
+            how += (f"; counted at {counted_at} rank{'s' * (counted_at > 1)} and used at {t.world}: DeepSpeed's "
+                    "optimizer calls per rank change with the world size (measured on CPU only, docs/projection.md)")
         return calls, float(ref["us_per_call"]["value"]), f"{how}; µs per call: {ref['us_per_call']['source']}"
 
     def _gpu_host(self, notes: list[Assumption], engine: str, zero_stage: int) -> dict[str, float] | None:
