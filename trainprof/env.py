@@ -113,21 +113,27 @@ def _raw_peak(device: torch.device) -> int:
     return cpu_peak_rss_bytes()
 
 
-_VMHWM = re.compile(rb"VmHWM:\s+(\d+) kB")
+VMHWM = re.compile(rb"VmHWM:\s+(\d+) kB")
+VMRSS = re.compile(rb"VmRSS:\s+(\d+) kB")
 _status: tuple[int, int] | None = None  # (pid, fd): a forked child reopens, its own /proc/self
+
+
+def proc_status_bytes(field: re.Pattern[bytes]) -> int | None:
+    """A kB field of /proc/self/status (VMHWM, VMRSS) in bytes, None off Linux: one pread on a kept fd."""
+    global _status
+    try:
+        if _status is None or _status[0] != os.getpid():
+            _status = (os.getpid(), os.open("/proc/self/status", os.O_RDONLY))
+        match = field.search(os.pread(_status[1], 8192, 0))
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
 
 
 def vm_hwm_bytes() -> int | None:
     """This process's peak resident set (VmHWM in /proc/self/status), None off Linux. Unlike ru_maxrss,
     which Linux carries over exec from the process that spawned this one, it counts this program only."""
-    global _status
-    try:
-        if _status is None or _status[0] != os.getpid():
-            _status = (os.getpid(), os.open("/proc/self/status", os.O_RDONLY))
-        match = _VMHWM.search(os.pread(_status[1], 8192, 0))
-    except OSError:
-        return None
-    return int(match.group(1)) * 1024 if match else None  # kB
+    return proc_status_bytes(VMHWM)
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -14,15 +14,13 @@ RSS is sampled at phase boundaries instead, and the method says so.
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from trainprof.env import cpu_peak_rss_bytes, fold_peak_memory
+from trainprof.env import VMRSS, cpu_peak_rss_bytes, fold_peak_memory, proc_status_bytes
 
-_VMRSS = re.compile(rb"VmRSS:\s+(\d+) kB")
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -38,15 +36,14 @@ class PhaseMemory:
         self.cuda = device.type == "cuda"
         self.peaks: dict[str, int] = {}
         self._depth = {p: 0 for p in PHASES}
-        self._status_fd: int | None = None
+        self._status = False  # /proc/self/status readable (env.proc_status_bytes keeps its fd)
         self._clear_fd: int | None = None
         if self.cuda:
             self.method = ("cuda_allocator_peak: torch.cuda.max_memory_allocated per phase, reset at phase "
                            "start with torch.cuda.reset_peak_memory_stats")
             return
-        try:
-            self._status_fd = os.open("/proc/self/status", os.O_RDONLY)
-        except OSError:
+        self._status = proc_status_bytes(VMRSS) is not None
+        if not self._status:
             self.method = "unavailable: /proc/self/status cannot be read on this system"
             return
         try:
@@ -59,7 +56,7 @@ class PhaseMemory:
 
     @property
     def available(self) -> bool:
-        return self.cuda or self._status_fd is not None
+        return self.cuda or self._status
 
     def start_step(self) -> None:
         self.peaks = {}
@@ -78,7 +75,7 @@ class PhaseMemory:
         elif self._clear_fd is not None:
             os.write(self._clear_fd, b"5")
         else:
-            self._note(phase, self._read(_VMRSS))
+            self._note(phase, self._rss())
 
     def end(self, phase: str) -> None:
         if phase not in self._depth or not self.available or self._depth[phase] == 0:
@@ -91,22 +88,20 @@ class PhaseMemory:
         elif self._clear_fd is not None:
             value = cpu_peak_rss_bytes()  # VmHWM, read as ru_maxrss where that is the same figure
         else:
-            value = self._read(_VMRSS)
+            value = self._rss()
         self._note(phase, value)
 
     def _note(self, phase: str, value: int) -> None:
         self.peaks[phase] = max(self.peaks.get(phase, 0), value)
 
-    def _read(self, pattern: re.Pattern[bytes]) -> int:
-        text = os.pread(self._status_fd, 8192, 0)  # type: ignore[arg-type]
-        match = pattern.search(text)
-        return int(match.group(1)) * 1024 if match else 0
+    @staticmethod
+    def _rss() -> int:
+        return proc_status_bytes(VMRSS) or 0
 
     def close(self) -> None:
-        for fd in (self._status_fd, self._clear_fd):
-            if fd is not None:
-                os.close(fd)
-        self._status_fd = self._clear_fd = None
+        if self._clear_fd is not None:
+            os.close(self._clear_fd)
+        self._status, self._clear_fd = False, None
 
 
 def _tensor_bytes(t: Any, seen: set[int]) -> int:
