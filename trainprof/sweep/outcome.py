@@ -37,9 +37,8 @@ def find_run_dir(cell_dir: Path) -> Path | None:
 
 
 def _peak_memory(summary: dict[str, Any], env: dict[str, Any]) -> tuple[int | None, str | None]:
-    """(bytes, method): the run's peak memory. The step profiler's per-phase peaks come first: on CPU
-    it resets the process high-water mark at every phase start, so summary.peak_memory_bytes_max
-    then covers only the time since the last reset."""
+    """(bytes, method): the run's peak memory: the step profiler's per-phase peaks where it ran, else
+    summary.peak_memory_bytes_max (the runner's peak over the run)."""
     per_phase = summary.get("peak_memory_bytes")
     if isinstance(per_phase, dict):
         values = [v for v in per_phase.values() if v is not None]
