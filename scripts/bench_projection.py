@@ -307,7 +307,9 @@ def research(out: Path, steps: int) -> None:
                         ("rtx3090-8x-nvlink", "")):
         p = project(base, overrides=llama, targets=[node])["predictions"][0]
         tps[node] = p["tokens_per_s"]
-        eff = (f"{100 * p['scaling_efficiency']:.1f}%" if p["scaling_efficiency"] is not None else
+        n0 = p.get("scaling_base_gpus") or 1
+        eff = (f"{100 * p['scaling_efficiency']:.1f}%" + (f" (vs {n0} GPUs, the fewest it fits)" if n0 > 1 else "")
+               if p["scaling_efficiency"] is not None else
                f"n/a ({(p.get('reasons') or {}).get('scaling_efficiency', 'no step predicted')})")
         print(f"  {node:<20} predicted {eff}   research: {paper or 'n/a'}")
     print(f"NVLink on the RTX 3090: predicted {100 * (tps['rtx3090-8x-nvlink'] / tps['rtx3090-8x'] - 1):+.1f}% tokens/s; "

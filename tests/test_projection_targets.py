@@ -85,6 +85,12 @@ def test_catalog_targets_costs_fit_and_files(source):
     assert big["fits"] is False and big["memory_per_rank_bytes"] > 24e9 and big["fit_suggestion"]
     # no one-GPU throughput to scale from: null with the reason, never a ratio against what cannot run
     assert big["scaling_efficiency"] is None and "do not fit one GPU of rtx4090" in big["reasons"]["scaling_efficiency"]
+    # on 80 GB cards it needs two: eight scale from two, tput(8) x 2 / (8 x tput(2)), the two predicted apart
+    eight = project(str(run_dir), "model.name=llama2-7b", "data.seq_len=350", "--to", "a800-80g")["predictions"][0]
+    two = project(str(run_dir), "model.name=llama2-7b", "data.seq_len=350", "--to", "a800-80g",
+                  "--gpus-per-node", "2")["predictions"][0]
+    assert (eight["world_size"], two["world_size"], two["fits"], eight["scaling_base_gpus"]) == (8, 2, True, 2)
+    assert eight["scaling_efficiency"] == pytest.approx(eight["tokens_per_s"] * 2 / (8 * two["tokens_per_s"]))
     assert big["change_kinds"] == ["seq_len", "model_size", "world_size", "hardware"]
     assert big["step_ms"] > h100["step_ms"]
     # torch.compile is probed on the source's machine only; FSDP2's collectives are derived per unit

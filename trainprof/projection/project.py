@@ -364,7 +364,7 @@ class Projector:
             "overrides": list(overrides),
             "model": r.model.name,
             "step_ms": step_ms, "phases_ms": phases, "tokens_per_step": tokens_per_step, "tokens_per_s": tps,
-            "mfu": None, "scaling_efficiency": None,
+            "mfu": None, "scaling_efficiency": None, "scaling_base_gpus": None,
             "memory_per_rank_bytes": memory, "fits": fits,
             "time_to_train_s": (tokens / tps) if (tokens and tps) else None,
             "cost_per_million_tokens_usd": None, "cost_to_train_usd": None,
@@ -823,28 +823,39 @@ def project_advice(run_dir: str | Path, *, probe: bool = True, progress: bool = 
 
 def scaling_efficiency(projector: Projector, recipe: Any, predictions: list[dict[str, Any]], gpus_per_node: int,
                        threads: int | None) -> None:
-    """tput(N) / (N * tput(1)) per hardware and model, tput(1) predicted on the same hardware with one GPU.
-    Where the same settings do not fit one GPU, there is no one-GPU throughput to scale from: null, with
-    the reason (a ratio against a configuration that cannot run would read as superlinear scaling)."""
-    single: dict[tuple[str, str], dict[str, Any]] = {}
+    """tput(N) x N0 / (N x tput(N0)) per hardware and settings (as `trainprof scale` computes it), N0 the
+    fewest GPUs of the same kind, one or a power of two below N, that the same settings fit (a model that
+    needs 8 GPUs scales from 8, not from a one-GPU figure for a configuration that cannot run, which would
+    read as superlinear); `scaling_base_gpus` says which. Where they fit no fewer GPUs than N: null, with
+    the reason."""
+    known: dict[tuple[str, str, int], dict[str, Any]] = {}
     for p in predictions:
         machine = p["hardware"] if not p["hardware"].startswith("this") else THIS
+        known[(machine, " ".join(p["overrides"]), p["world_size"])] = p
+
+    def at(machine: str, settings: str, world: int) -> dict[str, Any]:
+        if (machine, settings, world) not in known:
+            known[(machine, settings, world)] = projector.predict(
+                recipe, machine=machine, world=world, gpus_per_node=gpus_per_node,
+                threads=threads if machine == THIS else None)
+        return known[(machine, settings, world)]
+
+    for p in predictions:
         if p["tokens_per_s"] is None:
             continue
-        key = (machine, " ".join(p["overrides"]))
-        if p["world_size"] == 1:
-            single[key] = p
-        if key not in single:
-            single[key] = projector.predict(recipe, machine=machine, world=1, gpus_per_node=gpus_per_node,
-                                            threads=threads if machine == THIS else None)
-        one = single[key]
-        if one["fits"] is False:
+        machine = p["hardware"] if not p["hardware"].startswith("this") else THIS
+        settings, n = " ".join(p["overrides"]), p["world_size"]
+        fewer = [1 << k for k in range(n.bit_length()) if 1 << k < n] or [1]
+        base = next((b for b in fewer if at(machine, settings, b)["fits"] is not False), None)
+        if base is None:
+            one = at(machine, settings, 1)
             gib = (one["memory_per_rank_bytes"] or 0) / 2**30
             p.setdefault("reasons", {})["scaling_efficiency"] = (
-                f"the same settings do not fit one GPU of {machine} (trainprof plan: {gib:.1f} GiB): no one-GPU "
-                "throughput to scale from")
-        elif one["tokens_per_s"]:
-            p["scaling_efficiency"] = p["tokens_per_s"] / (p["world_size"] * one["tokens_per_s"])
+                f"the same settings do not fit one GPU of {machine} (trainprof plan: {gib:.1f} GiB)"
+                + (f" nor {', '.join(map(str, fewer[1:]))}" if n > 2 else "") + ": no throughput on fewer GPUs to scale from")
+        elif at(machine, settings, base)["tokens_per_s"]:
+            p["scaling_efficiency"] = p["tokens_per_s"] * base / (n * at(machine, settings, base)["tokens_per_s"])
+            p["scaling_base_gpus"] = base
 
 
 def order_by_value(predictions: list[dict[str, Any]]) -> None:

@@ -48,7 +48,8 @@ def columns(result: dict[str, Any]) -> list[Column]:
         Column("confidence_text", "confidence", fmt_text),
         Column("tokens_per_s", "tokens/s (all GPUs)", fmt_num(0)),
         Column("mfu", "MFU", fmt_pct),
-        Column("scaling_efficiency", "scaling eff. vs 1 GPU", fmt_pct),
+        Column("scaling_efficiency", "scaling eff.", fmt_pct),
+        Column("scaling_base_gpus", "vs GPUs", fmt_text),
         Column("memory_per_rank_bytes", "memory/GPU GiB", _fmt_bytes),
         Column("fits", "fits", _fmt_bool),
         Column("cost_per_million_tokens_usd", "$ / M tokens", fmt_num(3)),
@@ -83,7 +84,9 @@ def notes(result: dict[str, Any]) -> list[str]:
         "(validation.json, ±%); 'unvalidated' when a kind of change was never checked against real runs (a CPU "
         "run projected to a GPU always is), 'low' when the source GPU was mostly idle (host-bound)",
         "MFU: PaLM model FLOPs (6N + 12LHQT per token, trainprof plan) over the catalog's datasheet dense peak",
-        "scaling eff.: predicted tokens/s at N GPUs over N x the predicted tokens/s on one GPU of the same kind",
+        "scaling eff.: predicted tokens/s at N GPUs over N/N0 x the predicted tokens/s at N0 GPUs of the same kind "
+        "and settings ('vs GPUs'): N0 = 1, or where the settings do not fit one GPU the fewest (a power of two) "
+        "they fit",
         "memory/GPU: trainprof plan's formulas for the target (plus what the source measured beyond them on the "
         "same machine); fits: under the catalog's memory capacity",
         "cost: price x GPUs / tokens/s, only from --price or a price file with source and date (never invented)",
