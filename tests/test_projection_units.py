@@ -891,3 +891,40 @@ def test_deepspeeds_optimizer_on_a_gpu_is_its_kernels_plus_its_host_calls():
     notes = {a["kind"]: a["values"] for a in torch_pred["assumptions"]}
     assert "optimizer_host_added" not in notes and "optimizer" not in cat.host_us_per_op["torch"]
     assert torch_pred["phases_ms"]["optimizer"] == pytest.approx(kernels_ms(notes))
+
+
+# ---------------------------------------------------------------------------------------------
+# The research's tables as text
+# ---------------------------------------------------------------------------------------------
+
+def test_research_tables_give_each_reason_once_as_a_footnote(tmp_path):
+    """A cell that cannot be predicted is `n/a [k]`, its reason written once under the tables (the same
+    number in every table, terminal and files alike); Table IV keeps the micro batch it found."""
+    from trainprof.projection.report import render_tables, write_tables_doc
+    from trainprof.projection.tables import MAX_MICRO_BATCH
+
+    offload = "engine.offload on a GPU moves the optimizer step to the host CPU"
+    cell = {"tokens_per_s": 4287.0, "memory_gib": 103.6, "fits": False, "confidence": "unvalidated", "reason": None}
+    refused = {"tokens_per_s": None, "memory_gib": 18.0, "fits": True, "confidence": None, "reason": offload}
+    result = {
+        "targets": ["a800-80g", "rtx4090"], "world_size": {"a800-80g": 8, "rtx4090": 8},
+        "defaults": ["data.seq_len=350"], "source": {"run_dir": "runs/x"},
+        "table_iii": [{"model": "llama2-7b", "method": "naive DP", "a800-80g": cell, "rtx4090": cell},
+                      {"model": "llama2-7b", "method": "ZeRO-3 + offload", "a800-80g": refused, "rtx4090": refused}],
+        "table_iv": [{"model": "llama2-7b", "method": "ZeRO-3 + offload",
+                      "a800-80g": {**refused, "micro_batch": 16, "capped": False},
+                      "rtx4090": {"micro_batch": None, "tokens_per_s": None, "reason": "micro batch 1 does not fit"}},
+                     {"model": "llama2-7b", "method": "ZeRO-3 + recompute",
+                      "a800-80g": {"micro_batch": MAX_MICRO_BATCH, "tokens_per_s": 33264.0, "capped": True},
+                      "rtx4090": {"micro_batch": 16, "tokens_per_s": 17540.0, "capped": False}}],
+        "table_ix": [],
+    }
+    text = render_tables(result)
+    assert "4,287, 103.6 GiB, does not fit" in text
+    assert text.count(offload) == 1 and f"[1] {offload}" in text and "[2] micro batch 1 does not fit" in text
+    assert "mb 16, tokens/s n/a [1]" in text and "n/a [2]" in text
+    assert f"mb {MAX_MICRO_BATCH} (the search cap): 33,264" in text and "mb 16: 17,540" in text
+    write_tables_doc(result, tmp_path, command="trainprof project runs/x --table zhang2023")
+    md = (tmp_path / "tables.md").read_text()
+    assert md.count(offload) == 1 and "| n/a [1] | n/a [1] |" in md and "mb 16, tokens/s n/a [1]" in md
+    assert "confidence of the cells: 'unvalidated'" in md  # each kind once, quoted; none for n/a cells

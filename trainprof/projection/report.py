@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from trainprof.io import atomic_write_json
 from trainprof.report.projections import PROJECTION_FILE, PROJECTIONS_DIR
@@ -252,11 +252,15 @@ def render_best(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _table_cell(cell: dict[str, Any]) -> str:
-    if cell.get("micro_batch") is not None:
-        return f"mb {cell['micro_batch']}: {cell['tokens_per_s']:,.0f}" if cell.get("tokens_per_s") else f"mb {cell['micro_batch']}"
+def _table_cell(cell: dict[str, Any], footnote: Callable[[str], str]) -> str:
+    """A research-table cell; a figure that cannot be predicted is n/a with a footnote mark (its reason,
+    often a sentence, is written once under the tables)."""
+    mb = f"mb {cell.get('micro_batch')}{' (the search cap)' if cell.get('capped') else ''}"
     if cell.get("tokens_per_s") is None:
-        return f"n/a ({cell.get('reason') or 'no prediction'})"
+        why = footnote(cell.get("reason") or "no prediction")
+        return f"{mb}, tokens/s n/a {why}" if cell.get("micro_batch") is not None else f"n/a {why}"
+    if cell.get("micro_batch") is not None:
+        return f"{mb}: {cell['tokens_per_s']:,.0f}"
     mem = f", {cell['memory_gib']:.1f} GiB" if cell.get("memory_gib") else ""
     fit = "" if cell.get("fits") is not False else ", does not fit"
     return f"{cell['tokens_per_s']:,.0f}{mem}{fit}"
@@ -267,32 +271,47 @@ TABLE_TITLES = {"table_iii": "Table III: pretraining, tokens/s (all GPUs) and me
                 "table_ix": "Table IX: LoRA and QLoRA finetuning, tokens/s and memory per GPU"}
 
 
-def _research_rows(result: dict[str, Any], key: str) -> tuple[list[Column], list[dict[str, Any]]]:
+class _Footnotes:
+    """Numbers each distinct reason once, in the order the cells first give it."""
+
+    def __init__(self) -> None:
+        self.reasons: dict[str, int] = {}
+
+    def __call__(self, reason: str) -> str:
+        return f"[{self.reasons.setdefault(reason, len(self.reasons) + 1)}]"
+
+    def lines(self) -> list[str]:
+        return [f"[{n}] {reason}" for reason, n in self.reasons.items()]
+
+
+def _research_rows(result: dict[str, Any], key: str, footnote: _Footnotes) -> tuple[list[Column], list[dict[str, Any]]]:
     targets = result["targets"]
     cols = [Column("model", "model", fmt_text), Column("method", "method", fmt_text)] + \
         [Column(t, f"{t} x {result['world_size'][t]}", fmt_text) for t in targets]
-    rows = [{"model": r["model"], "method": r["method"], **{t: _table_cell(r[t]) for t in targets}}
+    rows = [{"model": r["model"], "method": r["method"], **{t: _table_cell(r[t], footnote) for t in targets}}
             for r in result[key]]
     return cols, rows
 
 
-def _research_notes(result: dict[str, Any]) -> list[str]:
-    confidences = sorted({(r[t].get("confidence") or "n/a") for k in TABLE_TITLES for r in result[k]
-                          for t in result["targets"]})
+def _research_notes(result: dict[str, Any], footnote: _Footnotes) -> list[str]:
+    confidences = sorted({r[t]["confidence"] for k in TABLE_TITLES for r in result[k] for t in result["targets"]
+                          if r[t].get("confidence")})
     return [f"predicted from one run ({result['source']['run_dir']}) by trainprof's step model at "
             f"{' '.join(result['defaults'])}; the research measured these on real 8-GPU platforms "
             "(Zhang et al., arXiv 2311.03687): these cells are predictions, not its figures",
-            "confidence of the cells: " + "; ".join(confidences),
-            "n/a cells say why (a recipe rule refusing the combination, or a change the step model does not re-derive, "
-            "e.g. 4-bit Adam states)"]
+            "confidence of the cells: " + ", ".join(f"'{c}'" for c in confidences),
+            "n/a [k]: why the figure is not predicted (a recipe rule refusing the combination, or a change the "
+            "step model does not re-derive, e.g. 4-bit Adam states):", *footnote.lines()]
 
 
 def write_tables_doc(result: dict[str, Any], out_dir: Path, *, command: str) -> list[Path]:
-    notes_ = _research_notes(result)
+    footnote = _Footnotes()
+    tables = {key: _research_rows(result, key, footnote) for key in TABLE_TITLES}
+    notes_ = _research_notes(result, footnote)
     paths: list[Path] = []
     md = ["# Zhang et al. (arXiv 2311.03687) tables, predicted", "", f"Command: `{command}`", ""]
     for key, title in TABLE_TITLES.items():
-        cols, rows = _research_rows(result, key)
+        cols, rows = tables[key]
         paths += write_tables(out_dir / key, rows, cols, title=title, notes=notes_)
         md += [f"## {title}", "", "| " + " | ".join(c.header for c in cols) + " |", "|" + "---|" * len(cols)]
         md += ["| " + " | ".join(str(r[c.key]).replace("|", "/") for c in cols) + " |" for r in rows] + [""]
@@ -300,7 +319,7 @@ def write_tables_doc(result: dict[str, Any], out_dir: Path, *, command: str) -> 
     from trainprof.io import atomic_write_text
 
     atomic_write_text(out_dir / "tables.md", "\n".join(md) + "\n")
-    cols, rows = _research_rows(result, "table_iii")
+    cols, rows = tables["table_iii"]
     doc = _document(result, title="Zhang et al. Table III, predicted (Tables IV and IX in tables.md)", command=command,
                     header=[c.header for c in cols], cells=[[r[c.key] for c in cols] for r in rows], notes_=notes_)
     atomic_write_json(out_dir / PROJECTION_FILE, doc)
@@ -308,10 +327,10 @@ def write_tables_doc(result: dict[str, Any], out_dir: Path, *, command: str) -> 
 
 
 def render_tables(result: dict[str, Any]) -> str:
-    out = []
+    footnote, out = _Footnotes(), []
     for key, title in TABLE_TITLES.items():
-        cols, rows = _research_rows(result, key)
+        cols, rows = _research_rows(result, key, footnote)
         table = [[c.header for c in cols]] + [[str(r[c.key]) for c in cols] for r in rows]
         widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
         out += ["", title] + ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
-    return "\n".join(out + [""] + _research_notes(result))
+    return "\n".join(out + [""] + _research_notes(result, footnote))

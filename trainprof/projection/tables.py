@@ -98,8 +98,10 @@ def _largest(predict: Predict, overrides: list[str], target: str, capacity_gb: f
         if pred is None or pred["memory_per_rank_bytes"] is None or pred["memory_per_rank_bytes"] > HEADROOM * capacity_gb * 1e9:
             break
         best = {"micro_batch": mb, "tokens_per_s": pred["tokens_per_s"], "confidence": pred.get("confidence_text"),
-                "memory_gib": pred["memory_per_rank_bytes"] / 2**30, "reason": None}
+                "memory_gib": pred["memory_per_rank_bytes"] / 2**30,
+                "reason": (pred.get("reasons") or {}).get("step_ms") if pred["tokens_per_s"] is None else None}
         mb *= 2
+    best["capped"] = best["micro_batch"] == MAX_MICRO_BATCH  # fits the search's largest: the true largest may be more
     return best
 
 
