@@ -162,12 +162,20 @@ def _advice(args: argparse.Namespace) -> int:
     atomic_write_json(out_dir / "advice.json", {"advice": rows})
     paths = [out_dir / "advice.json"]
     _refresh_report(args, paths)
+    _print(args, {"advice": rows}, "\n".join(advice_lines(rows)) or "nothing triggered: no advice to project", paths)
+    return 0
+
+
+def advice_lines(rows: list[dict]) -> list[str]:
+    """What `--advice` prints: per advice its change and predicted gain, with the gain's expected error."""
     lines = []
     for r in rows:
-        gain = f"{100 * r['predicted_gain']:+.1f}% tokens/s" if r["predicted_gain"] is not None else r.get("reason")
+        err = r.get("expected_error_pct")
+        gain = (f"{100 * r['predicted_gain']:+.1f}% tokens/s "
+                + (f"(expected step error ±{err:.0f}%)" if err is not None else "(error not validated)")
+                if r["predicted_gain"] is not None else r.get("reason"))
         lines.append(f"{r['rule']:<22} {' '.join(r['overrides']) or '-':<50} {gain}")
-    _print(args, {"advice": rows}, "\n".join(lines) or "nothing triggered: no advice to project", paths)
-    return 0
+    return lines
 
 
 def _hardware(args: argparse.Namespace) -> int:
