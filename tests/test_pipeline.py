@@ -243,3 +243,31 @@ def test_ranks_must_equal_stages_one_line_exit_2():
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("trainprof:")]
     assert len(lines) == 1 and "engine.pipeline_stages" in lines[0] and "--nproc_per_node 2" in lines[0]
+
+
+def test_a_stage_runs_on_transformers_current_api_without_deprecation_warnings(recwarn):
+    """A stage's forward on both stages of the tiny model matches the unsplit model's logits, and calls
+    transformers by the names it takes now (`past_key_values` warned, and goes in transformers 5.40)."""
+    import logging
+
+    import torch
+
+    from trainprof.engines.stages import LlamaStage
+    from trainprof.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(load_recipe(QUICK, ["data.seq_len=16"])).eval()
+    first, last = (LlamaStage(model, s, 2) for s in (0, 1))
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    logged = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        with torch.no_grad():
+            split, whole = last(first(ids)), model(ids).logits
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert torch.allclose(split, whole, atol=1e-5)
+    said = [str(w.message) for w in recwarn] + [r.getMessage() for r in logged]
+    assert not [m for m in said if "deprecated" in m], said

@@ -12,6 +12,8 @@ keyed by their global index).
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -69,8 +71,9 @@ class LlamaStageBody(nn.Module):
 
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        no_cache = {_cache_keyword(create_causal_mask): None}
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  past_key_values=None, position_ids=position_ids)
+                                  position_ids=position_ids, **no_cache)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
         for layer in self.layers.values():
             hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings,
@@ -111,3 +114,10 @@ class LlamaStage(nn.Module):
         with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None):
             hidden = self.model(x)
             return self.lm_head(hidden) if self.lm_head is not None else hidden
+
+
+@functools.cache
+def _cache_keyword(fn) -> str:
+    """The name `fn` takes the KV cache by: transformers 5 renamed `past_key_values` to `cache` (the old
+    name warns, and goes in 5.40)."""
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"

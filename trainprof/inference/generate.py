@@ -122,7 +122,13 @@ def run_request(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int
                            f"expected {new_tokens}")
     return RequestTiming(batch_size=int(input_ids.shape[0]), prompt_len=int(input_ids.shape[1]),
                          token_ms=[(s - start) * 1e-6 for s in clock.stamps], end_ms=(end - start) * 1e-6,
-                         cache_bytes=static_cache_bytes(out.past_key_values))
+                         cache_bytes=static_cache_bytes(_cache(out)))
+
+
+def _cache(out: Any) -> Any:
+    """generate()'s KV cache: `cache` since transformers 5 (`past_key_values` warns there), else the old name."""
+    cache = getattr(out, "cache", None)
+    return out.past_key_values if cache is None else cache
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
