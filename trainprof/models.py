@@ -6,7 +6,7 @@ Shapes live in trainprof.shapes (the name -> shape map) and are resolved by trai
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainprof.recipe import resolve_shape  # noqa: F401  (re-exported: shapes are resolved by the recipe)
 from trainprof.shapes import SHAPES, LlamaShape  # noqa: F401  (re-exported)
@@ -48,6 +48,14 @@ def llama_config(recipe: Recipe):
 
 def _attn_impl(attention: str) -> str:
     return {"eager": "eager", "sdpa": "sdpa", "flash2": "flash_attention_2"}[attention]
+
+
+def recomputes(model: Any) -> bool:
+    """Whether HF gradient checkpointing is on for `model`: `is_activation_checkpointing` since
+    transformers 5 (where the old `is_gradient_checkpointing` warns as deprecated), else the old name."""
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"
+    return bool(getattr(model, flag, False))
 
 
 def build_model(recipe: Recipe, *, device: str | torch.device = "cpu", meta: bool = False) -> torch.nn.Module:

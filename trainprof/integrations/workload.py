@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainprof.models import recomputes
+
 ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash2"}
 DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 
@@ -58,7 +60,7 @@ def _model_block(llama: Any, model: Any) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size, "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
         "dtype": DTYPES.get(str(compute), "bf16"),
         "attention": ATTENTION.get(getattr(cfg, "_attn_implementation", "sdpa") or "sdpa", "sdpa"),
-        "recompute": bool(getattr(llama, "is_gradient_checkpointing", False)),
+        "recompute": recomputes(llama),
     }
 
 

@@ -51,7 +51,7 @@ from typing import Any, Callable
 import torch
 
 from trainprof.analysis.records import ModuleInfo
-from trainprof.models import logical_numel
+from trainprof.models import logical_numel, recomputes
 from trainprof.profiler.compiled import ORIG_MOD, CompiledModules, profiled_name
 from trainprof.profiler.log import B_CLOSE, B_OPEN, F_CLOSE, F_OPEN, R_CLOSE, R_OPEN, StepLog
 
@@ -220,10 +220,7 @@ class ModuleHooks:
         if recompute_sentinels is None:  # DDP does not forward attributes: ask the module it wraps
             inner = getattr(model, "module", model)
             inner = getattr(inner, ORIG_MOD, inner)  # a torch.compile wrapper: ask the compiled module
-            # transformers >= 5.x: is_activation_checkpointing (is_gradient_checkpointing warns as deprecated)
-            flag = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") \
-                else "is_gradient_checkpointing"
-            recompute_sentinels = bool(getattr(inner, flag, False))
+            recompute_sentinels = recomputes(inner)
         if recompute_sentinels:
             index_of = {info.name: info.index for info in self.modules}
             for name, mod in model.named_modules():
