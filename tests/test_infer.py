@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import logging
 from pathlib import Path
 
 import jsonschema
@@ -19,7 +18,7 @@ from trainprof.inference.schema import validate_inference
 from trainprof.hardware import memory_bandwidth
 from trainprof.recipe import load_recipe
 
-from helpers.checks import retry_on_noise
+from helpers.checks import logged_by, retry_on_noise
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "quickstart_cpu.yaml"
@@ -33,14 +32,10 @@ def run(tmp_path_factory) -> tuple[Path, dict]:
     """One tiny inference profile shared by the tests below (a few seconds on one core)."""
     out = tmp_path_factory.mktemp("infer")
     recipe = load_recipe(RECIPE, ["model.dtype=fp32", f"output.dir={out}"])
-    handler = logging.Handler()
-    handler.emit = lambda record: TRANSFORMERS_SAID.append(record.getMessage())
-    logging.getLogger("transformers").addHandler(handler)
-    try:
+    with logged_by("transformers") as said:
         run_dir = infer(recipe, InferSettings(batch_sizes=[1, 4, 16], prompt_len=32, new_tokens=NEW_TOKENS,
                                               requests=3, warmup=1), progress=False)
-    finally:
-        logging.getLogger("transformers").removeHandler(handler)
+    TRANSFORMERS_SAID.extend(said)
     return run_dir, json.loads((run_dir / "inference.json").read_text())
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_trainprof
-from helpers.checks import check_closure
+from helpers.checks import check_closure, logged_by
 from trainprof.profiler.schema import validate_profile
 from trainprof.recipe import RecipeError, check_world_size, load_recipe
 
@@ -248,8 +248,6 @@ def test_ranks_must_equal_stages_one_line_exit_2():
 def test_a_stage_runs_on_transformers_current_api_without_deprecation_warnings(recwarn):
     """A stage's forward on both stages of the tiny model matches the unsplit model's logits, and calls
     transformers by the names it takes now (`past_key_values` warned, and goes in transformers 5.40)."""
-    import logging
-
     import torch
 
     from trainprof.engines.stages import LlamaStage
@@ -259,15 +257,8 @@ def test_a_stage_runs_on_transformers_current_api_without_deprecation_warnings(r
     model = build_model(load_recipe(QUICK, ["data.seq_len=16"])).eval()
     first, last = (LlamaStage(model, s, 2) for s in (0, 1))
     ids = torch.randint(0, model.config.vocab_size, (2, 16))
-    logged = []
-    handler = logging.Handler()
-    handler.emit = logged.append
-    logging.getLogger("transformers").addHandler(handler)
-    try:
-        with torch.no_grad():
-            split, whole = last(first(ids)), model(ids).logits
-    finally:
-        logging.getLogger("transformers").removeHandler(handler)
+    with logged_by("transformers") as logged, torch.no_grad():
+        split, whole = last(first(ids)), model(ids).logits
     assert torch.allclose(split, whole, atol=1e-5)
-    said = [str(w.message) for w in recwarn] + [r.getMessage() for r in logged]
+    said = [str(w.message) for w in recwarn] + logged
     assert not [m for m in said if "deprecated" in m], said

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import statistics
+from collections.abc import Iterator
 from typing import Any, Callable
 
 from helpers.synthetic import truth_ms
@@ -69,3 +72,16 @@ def retry_on_noise(check: Callable[[], None], attempts: int = 3) -> None:
             misses.append(f"attempt {attempt + 1}: {str(miss).splitlines()[0] if str(miss) else 'failed'}")
             if attempt == attempts - 1:
                 raise AssertionError("\n".join(misses)) from miss
+
+
+@contextlib.contextmanager
+def logged_by(logger: str) -> Iterator[list[str]]:
+    """The messages `logger` (and its children) logs inside the block, whatever the handlers' levels."""
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger(logger).addHandler(handler)
+    try:
+        yield said
+    finally:
+        logging.getLogger(logger).removeHandler(handler)
