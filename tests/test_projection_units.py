@@ -928,3 +928,19 @@ def test_research_tables_give_each_reason_once_as_a_footnote(tmp_path):
     md = (tmp_path / "tables.md").read_text()
     assert md.count(offload) == 1 and "| n/a [1] | n/a [1] |" in md and "mb 16, tokens/s n/a [1]" in md
     assert "confidence of the cells: 'unvalidated'" in md  # each kind once, quoted; none for n/a cells
+
+
+def test_a_cpu_targets_rows_count_ranks_not_gpus():
+    """The table's world-size columns say what they count: a CPU source projected on its own machine has
+    ranks, a catalog target GPUs, a table of both says both."""
+    from trainprof.projection.report import columns
+
+    def headers(*hardware: str, timer: str = "host") -> list[str]:
+        preds = [{"hardware": h, "ordered_by": "tokens_per_s"} for h in hardware]
+        return [c.header for c in columns({"predictions": preds, "source": {"timer": timer}})]
+
+    cpu = set(headers("this (x86_64)"))
+    assert {"ranks (nodes x per node)", "tokens/s (all ranks)", "vs ranks", "memory/rank GiB"} <= cpu
+    assert {"GPUs (nodes x per node)", "memory/GPU GiB"} <= set(headers("h100-sxm"))
+    assert "GPUs (nodes x per node)" in headers("this (NVIDIA H100 80GB HBM3)", timer="cuda_event")
+    assert "GPUs / ranks (nodes x per node)" in headers("this (x86_64)", "h100-sxm")

@@ -33,24 +33,31 @@ def _fmt_usd(x: Any) -> str:
     return "n/a" if x is None else f"${x:,.0f}"
 
 
+def _devices(result: dict[str, Any]) -> str:
+    """What a row's world size counts: GPUs, or ranks where the target is the CPU source's own machine."""
+    cpu = [p["hardware"].startswith("this") and result["source"]["timer"] == "host" for p in result["predictions"]]
+    return "ranks" if cpu and all(cpu) else "GPUs / ranks" if any(cpu) else "GPUs"
+
+
 def columns(result: dict[str, Any]) -> list[Column]:
     """The table's columns; time to train and total cost only when tokens (and prices) were given."""
-    preds = result["predictions"]
+    preds, unit = result["predictions"], _devices(result)
+    one = {"GPUs": "GPU", "ranks": "rank"}.get(unit, "GPU or rank")
     ordered_by = next((p.get("ordered_by") for p in preds if p.get("ordered_by")), "tokens_per_s")
     order = "order (1 = lowest $/M tokens)" if ordered_by == "cost_per_million_tokens_usd" else "order (1 = most tokens/s)"
     cols = [
         Column("order", order, fmt_text),
         Column("hardware", "hardware", fmt_text),
-        Column("gpus_text", "GPUs (nodes x per node)", fmt_text),
+        Column("gpus_text", f"{unit} (nodes x per node)", fmt_text),
         Column("model", "model", fmt_text),
         Column("overrides_text", "changes", fmt_text),
         Column("step_ms", "step ms", fmt_num(1)),
         Column("confidence_text", "confidence", fmt_text),
-        Column("tokens_per_s", "tokens/s (all GPUs)", fmt_num(0)),
+        Column("tokens_per_s", f"tokens/s (all {unit})", fmt_num(0)),
         Column("mfu", "MFU", fmt_pct),
         Column("scaling_efficiency", "scaling eff.", fmt_pct),
-        Column("scaling_base_gpus", "vs GPUs", fmt_text),
-        Column("memory_per_rank_bytes", "memory/GPU GiB", _fmt_bytes),
+        Column("scaling_base_gpus", f"vs {unit}", fmt_text),
+        Column("memory_per_rank_bytes", f"memory/{one} GiB", _fmt_bytes),
         Column("fits", "fits", _fmt_bool),
         Column("cost_per_million_tokens_usd", "$ / M tokens", fmt_num(3)),
     ]
@@ -85,7 +92,7 @@ def notes(result: dict[str, Any]) -> list[str]:
         "run projected to a GPU always is), 'low' when the source GPU was mostly idle (host-bound)",
         "MFU: PaLM model FLOPs (6N + 12LHQT per token, trainprof plan) over the catalog's datasheet dense peak",
         "scaling eff.: predicted tokens/s at N GPUs over N/N0 x the predicted tokens/s at N0 GPUs of the same kind "
-        "and settings ('vs GPUs'): N0 = 1, or where the settings do not fit one GPU the fewest (a power of two) "
+        "and settings (the 'vs' column): N0 = 1, or where the settings do not fit one GPU the fewest (a power of two) "
         "they fit",
         "memory/GPU: trainprof plan's formulas for the target (plus what the source measured beyond them on the "
         "same machine); fits: under the catalog's memory capacity",
