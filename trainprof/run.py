@@ -173,6 +173,7 @@ def run_steps(recipe: Recipe, ctx, engine, loader, prof, steps: list[dict[str, A
     t = recipe.train
     bar = tqdm(total=t.warmup_steps + t.steps, desc=f"{recipe.output.name}", unit="step",
                disable=ctx.rank != 0, file=sys.stderr)
+    no_loss = "on the last stage" if recipe.engine.pipeline_stages > 1 else "n/a"  # rank 0 runs the first one
     with prof:
         batches = prof.wrap_loader(loader)
         for step in range(t.warmup_steps + t.steps):
@@ -181,7 +182,7 @@ def run_steps(recipe: Recipe, ctx, engine, loader, prof, steps: list[dict[str, A
             record.update(step=step - t.warmup_steps, warmup=step < t.warmup_steps)
             steps.append(record)
             check_memory_cap(ctx.device, t.memory_cap_gb)
-            bar.set_postfix(loss=f"{record['loss']:.3f}" if record["loss"] is not None else "n/a",
+            bar.set_postfix(loss=f"{record['loss']:.3f}" if record["loss"] is not None else no_loss,
                             ms=f"{record['wall_ms']:.0f}")
             bar.update()
         bar.close()
