@@ -840,6 +840,9 @@ def scaling_efficiency(projector: Projector, recipe: Any, predictions: list[dict
                 threads=threads if machine == THIS else None)
         return known[(machine, settings, world)]
 
+    def unit(machine: str) -> str:
+        return "rank" if machine == THIS and projector.source.measured.device_type == "cpu" else "GPU"
+
     for p in predictions:
         if p["tokens_per_s"] is None:
             continue
@@ -850,9 +853,10 @@ def scaling_efficiency(projector: Projector, recipe: Any, predictions: list[dict
         if base is None:
             one = at(machine, settings, 1)
             gib = (one["memory_per_rank_bytes"] or 0) / 2**30
+            nor = f" nor {', '.join(map(str, fewer[1:]))}" if n > 2 else ""
             p.setdefault("reasons", {})["scaling_efficiency"] = (
-                f"the same settings do not fit one GPU of {machine} (trainprof plan: {gib:.1f} GiB)"
-                + (f" nor {', '.join(map(str, fewer[1:]))}" if n > 2 else "") + ": no throughput on fewer GPUs to scale from")
+                f"the same settings do not fit one {unit(machine)} of {machine} (trainprof plan: {gib:.1f} GiB){nor}: "
+                f"no throughput on fewer {unit(machine)}s to scale from")
         elif at(machine, settings, base)["tokens_per_s"]:
             p["scaling_efficiency"] = p["tokens_per_s"] * base / (n * at(machine, settings, base)["tokens_per_s"])
             p["scaling_base_gpus"] = base
