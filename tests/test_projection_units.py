@@ -944,3 +944,24 @@ def test_a_cpu_targets_rows_count_ranks_not_gpus():
     assert {"GPUs (nodes x per node)", "memory/GPU GiB"} <= set(headers("h100-sxm"))
     assert "GPUs (nodes x per node)" in headers("this (NVIDIA H100 80GB HBM3)", timer="cuda_event")
     assert "GPUs / ranks (nodes x per node)" in headers("this (x86_64)", "h100-sxm")
+
+
+def test_best_prints_each_runner_up_on_its_own_line_as_overrides():
+    """`--best` in the terminal: the winner, then one runner-up a line, each a setting that pastes as
+    recipe overrides, with its tokens/s; no price, no cheapest setting (never invented)."""
+    from trainprof.projection.report import render_best
+
+    def setting(zero: int, mb: int, tps: float) -> dict:
+        return {"setting": f"engine.kind=deepspeed engine.zero_stage={zero}", "micro_batch": mb, "tokens_per_s": tps,
+                "memory_per_rank_bytes": 2**30, "confidence_text": "unvalidated: CPU run -> GPU"}
+
+    result = {"source": {"run_dir": "runs/x"}, "best": [{
+        "hardware": "a800-80g", "world_size": 8, "best_throughput": setting(3, 32, 41125.0), "best_cost": None,
+        "runners_up_throughput": [setting(3, 16, 39590.0), setting(2, 8, 30000.0)], "tried": 11}]}
+    lines = render_best(result).splitlines()
+    assert "engine.zero_stage=3 train.micro_batch_size=32  (41,125 tokens/s, unvalidated" in lines[2]
+    assert "no price" in lines[3]
+    assert lines[4].split() == ["runners-up", "engine.kind=deepspeed", "engine.zero_stage=3",
+                                "train.micro_batch_size=16", "(39,590", "tokens/s)"]
+    assert lines[5].split() == ["engine.kind=deepspeed", "engine.zero_stage=2", "train.micro_batch_size=8",
+                                "(30,000", "tokens/s)"]

@@ -93,7 +93,7 @@ def notes(result: dict[str, Any]) -> list[str]:
         "MFU: PaLM model FLOPs (6N + 12LHQT per token, trainprof plan) over the catalog's datasheet dense peak",
         "scaling eff.: predicted tokens/s at N GPUs over N/N0 x the predicted tokens/s at N0 GPUs of the same kind "
         "and settings (the 'vs' column): N0 = 1, or where the settings do not fit one GPU the fewest (a power of two) "
-        "they fit",
+        "they fit; with ZeRO each of the N0 does a larger share of the optimizer step, so it can pass 100%",
         "memory/GPU: trainprof plan's formulas for the target (plus what the source measured beyond them on the "
         "same machine); fits: under the catalog's memory capacity",
         "cost: price x GPUs / tokens/s, only from --price or a price file with source and date (never invented)",
@@ -248,14 +248,15 @@ def write_best(result: dict[str, Any], out_dir: Path, *, command: str) -> list[P
 
 def render_best(result: dict[str, Any]) -> str:
     lines = [f"trainprof project --best: from {result['source']['run_dir']}"]
-    for r in best_rows(result):
+    for b, r in zip(result["best"], best_rows(result)):
         lines.append(f"{r['hardware']} x {r['world_size']}:")
         tps = f"{r['tokens_per_s']:,.0f} tokens/s" if r["tokens_per_s"] else "nothing fits"
         lines.append(f"  most tokens/s   {r['throughput_setting']}  ({tps}, {r['confidence_text']})")
         cost = f"${r['cost_per_million_tokens_usd']:.3f} / M tokens" if r["cost_per_million_tokens_usd"] else ""
         lines.append(f"  lowest $/M      {r['cost_setting']}  {cost}".rstrip())
-        if r["runners_up"]:
-            lines.append(f"  runners-up      {r['runners_up']}")
+        for i, runner in enumerate(b["runners_up_throughput"]):  # one a line: each setting pastes as overrides
+            label = "runners-up" if i == 0 else ""
+            lines.append(f"  {label:<15} {_setting(runner)}  ({runner['tokens_per_s']:,.0f} tokens/s)")
     return "\n".join(lines)
 
 
