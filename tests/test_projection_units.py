@@ -935,14 +935,14 @@ def test_a_cpu_targets_rows_count_ranks_not_gpus():
     ranks, a catalog target GPUs, a table of both says both."""
     from trainprof.projection.report import columns
 
-    def headers(*hardware: str, timer: str = "host") -> list[str]:
+    def headers(*hardware: str, device_type: str = "cpu") -> list[str]:
         preds = [{"hardware": h, "ordered_by": "tokens_per_s"} for h in hardware]
-        return [c.header for c in columns({"predictions": preds, "source": {"timer": timer}})]
+        return [c.header for c in columns({"predictions": preds, "source": {"device_type": device_type}})]
 
     cpu = set(headers("this (x86_64)"))
     assert {"ranks (nodes x per node)", "tokens/s (all ranks)", "vs ranks", "memory/rank GiB"} <= cpu
     assert {"GPUs (nodes x per node)", "memory/GPU GiB"} <= set(headers("h100-sxm"))
-    assert "GPUs (nodes x per node)" in headers("this (NVIDIA H100 80GB HBM3)", timer="cuda_event")
+    assert "GPUs (nodes x per node)" in headers("this (NVIDIA H100 80GB HBM3)", device_type="cuda")
     assert "GPUs / ranks (nodes x per node)" in headers("this (x86_64)", "h100-sxm")
 
 

@@ -14,6 +14,12 @@ from trainprof.shapes import DIM_KEYS
 THIS = "this"  # `--to this`: the machine the source run was measured on
 
 
+def counts_ranks(hardware: str, source_device_type: str) -> bool:
+    """Whether a row's world size counts ranks rather than GPUs: the target is a CPU source's own machine
+    (`hardware`: THIS, or a prediction's "this (...)" label)."""
+    return hardware.startswith(THIS) and source_device_type == "cpu"
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ChangeKind:
     name: str

@@ -23,7 +23,7 @@ from trainprof.hardware import Catalog, CatalogError, Target, find_accelerator, 
 from trainprof.projection import pipeline
 from trainprof.projection.assumptions import Assumption, assume
 from trainprof.projection.census import census, trainable_tensors, zero3_settings, zero3_traffic
-from trainprof.projection.changes import (KINDS, THIS, change_kinds, engine_key, model_shape, offload_of, recipe_kinds,
+from trainprof.projection.changes import (KINDS, THIS, change_kinds, counts_ranks, engine_key, model_shape, offload_of, recipe_kinds,
                                           task_key, unmodelled_changes, zero_stage_of)
 from trainprof.projection.comm import CommTarget, Link
 from trainprof.projection.compute import HOST_BOUND_BUSY, EngineProbe, Parts, StepProbe
@@ -768,7 +768,7 @@ def _jobs(catalog: Catalog, source: Source, targets: list[str], nodes: list[int]
 def source_block(source: Source) -> dict[str, Any]:
     m = source.measured
     return {"run_dir": str(source.run_dir), "device": source.profile["env"]["device"], "world_size": m.world_size,
-            "timer": source.profile["env"]["timer"], "step_ms": m.step_ms, "phases_ms": m.phases_ms,
+            "device_type": m.device_type, "timer": source.profile["env"]["timer"], "step_ms": m.step_ms, "phases_ms": m.phases_ms,
             "unattributed_ms": m.unattributed_ms, "tokens_per_s": source.profile["summary"].get("tokens_per_s"),
             "peak_memory_bytes": m.peak_memory_bytes, "calibration": source.calibration is not None,
             "busy_frac": m.busy_frac(), "recipe": source.recipe.to_dict(), "recipe_origin": source.recipe_origin,
@@ -828,10 +828,11 @@ def scaling_efficiency(projector: Projector, recipe: Any, predictions: list[dict
     needs 8 GPUs scales from 8, not from a one-GPU figure for a configuration that cannot run, which would
     read as superlinear); `scaling_base_gpus` says which. Where they fit no fewer GPUs than N: null, with
     the reason."""
-    known: dict[tuple[str, str, int], dict[str, Any]] = {}
-    for p in predictions:
-        machine = p["hardware"] if not p["hardware"].startswith("this") else THIS
-        known[(machine, " ".join(p["overrides"]), p["world_size"])] = p
+
+    def where(p: dict[str, Any]) -> tuple[str, str]:
+        return (THIS if p["hardware"].startswith(THIS) else p["hardware"]), " ".join(p["overrides"])
+
+    known = {(*where(p), p["world_size"]): p for p in predictions}
 
     def at(machine: str, settings: str, world: int) -> dict[str, Any]:
         if (machine, settings, world) not in known:
@@ -841,13 +842,12 @@ def scaling_efficiency(projector: Projector, recipe: Any, predictions: list[dict
         return known[(machine, settings, world)]
 
     def unit(machine: str) -> str:
-        return "rank" if machine == THIS and projector.source.measured.device_type == "cpu" else "GPU"
+        return "rank" if counts_ranks(machine, projector.source.measured.device_type) else "GPU"
 
     for p in predictions:
         if p["tokens_per_s"] is None:
             continue
-        machine = p["hardware"] if not p["hardware"].startswith("this") else THIS
-        settings, n = " ".join(p["overrides"]), p["world_size"]
+        (machine, settings), n = where(p), p["world_size"]
         fewer = [1 << k for k in range(n.bit_length()) if 1 << k < n] or [1]
         base = next((b for b in fewer if at(machine, settings, b)["fits"] is not False), None)
         if base is None:

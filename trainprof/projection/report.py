@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainprof.io import atomic_write_json
+from trainprof.projection.changes import counts_ranks
 from trainprof.report.projections import PROJECTION_FILE, PROJECTIONS_DIR
 from trainprof.phases import PHASES
 from trainprof.report.plots import figure, pyplot, save_figure
@@ -35,7 +36,7 @@ def _fmt_usd(x: Any) -> str:
 
 def _devices(result: dict[str, Any]) -> str:
     """What a row's world size counts: GPUs, or ranks where the target is the CPU source's own machine."""
-    cpu = [p["hardware"].startswith("this") and result["source"]["timer"] == "host" for p in result["predictions"]]
+    cpu = [counts_ranks(p["hardware"], result["source"]["device_type"]) for p in result["predictions"]]
     return "ranks" if cpu and all(cpu) else "GPUs / ranks" if any(cpu) else "GPUs"
 
 
