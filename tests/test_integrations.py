@@ -68,6 +68,7 @@ def test_wrap_hf_trainer(tmp_path):
     proc, out = wrap(tmp_path, "hf_trainer.py", str(tmp_path / "hf"), "--steps", str(STEPS))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"hf_trainer done: {STEPS} optimizer steps" in proc.stdout
+    assert "[transformers]" not in proc.stderr, proc.stderr[-3000:]  # trainprof reads no deprecated name
     run_dir, profile = the_run(out, "hf_trainer")
     assert_profiled(run_dir, profile, tokens_per_step=2 * 2 * 32, kind="hf")
     assert profile["engine"]["config"]["gradient_accumulation_steps"] == 2

@@ -49,10 +49,15 @@ class BatchShape:
         self._handle.remove()
 
 
+def _config_dtype(cfg: Any) -> Any:
+    """The config's `dtype` (transformers >= 4.56, where reading `torch_dtype` logs a deprecation), else `torch_dtype`."""
+    return getattr(cfg, "dtype" if "dtype" in vars(cfg) else "torch_dtype", None)
+
+
 def _model_block(llama: Any, model: Any) -> dict[str, Any]:
     cfg = llama.config
     param = next(llama.parameters(), None)
-    compute = getattr(cfg, "torch_dtype", None) or getattr(cfg, "dtype", None) or (param.dtype if param is not None else None)
+    compute = _config_dtype(cfg) or (param.dtype if param is not None else None)
     return {
         "name": "custom", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_layers": cfg.num_hidden_layers, "num_heads": cfg.num_attention_heads,
