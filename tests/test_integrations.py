@@ -93,6 +93,9 @@ def assert_projectable(run_dir: Path, profile: dict, *, model: dict, train: dict
     (pred,) = result["predictions"]
     assert result["source"]["recipe_origin"] == "workload" and pred["step_ms"] > 0, pred.get("reasons")
     assert pred["tokens_per_step"] == train["micro_batch_size"] * train["grad_accum"] * seq_len
+    # the recorded model is `custom`: naming a size predicts that size, not the recorded dims under its name
+    (seven,) = project(run_dir, overrides=["model.name=llama2-7b"], targets=["h100-sxm"], gpus_per_node=1)["predictions"]
+    assert seven["memory_per_rank_bytes"] > 6.7e9 * 2 and seven["step_ms"] > 10 * pred["step_ms"], seven
 
 
 @pytest.mark.timed  # the step closes within 2% (unattributed time)

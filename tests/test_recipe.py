@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,9 @@ from trainprof.recipe import (
     check_environment,
     load_recipe,
     recipe_from_dict,
+    resolve_shape,
 )
+from trainprof.shapes import SHAPES
 
 from conftest import QUICKSTART, REPO
 
@@ -175,6 +178,24 @@ def test_cli_bad_recipe_exit_2_one_line_no_traceback(entry):
 
 def test_apply_overrides_creates_sections():
     assert apply_overrides({}, ["train.steps=3"]) == {"train": {"steps": 3}}
+
+
+def test_naming_a_shape_drops_a_custom_models_dims_but_not_a_named_ones():
+    """A `custom` model's dims are its shape (a wrapped run records one): naming a shape replaces them,
+    except dims the same overrides set. A named shape's explicit dims adjust it, and stay."""
+    dims = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 4,
+            "vocab_size": 256, "max_position_embeddings": 256}
+    custom = {"model": {"name": "custom", "dtype": "bf16", **dims}}
+    assert apply_overrides(copy.deepcopy(custom), ["model.name=llama2-70b"]) == {
+        "model": {"name": "llama2-70b", "dtype": "bf16"}}
+    assert apply_overrides(copy.deepcopy(custom), ["model.name=llama2-7b", "model.num_layers=4"])["model"] == {
+        "name": "llama2-7b", "dtype": "bf16", "num_layers": 4}
+    assert resolve_shape(recipe_from_dict(apply_overrides(copy.deepcopy(custom), ["model.name=llama2-70b"])).model) \
+        == SHAPES["llama2-70b"]
+    assert apply_overrides(copy.deepcopy(custom), ["model.num_layers=3"])["model"] == {
+        "name": "custom", "dtype": "bf16", **dims, "num_layers": 3}
+    named = {"model": {"name": "llama2-7b", "num_layers": 2}}
+    assert apply_overrides(named, ["model.name=llama2-13b"])["model"] == {"name": "llama2-13b", "num_layers": 2}
 
 
 def test_cli_takes_overrides_after_options(cli):

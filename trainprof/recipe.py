@@ -32,7 +32,7 @@ class RecipeError(ValueError):
 @dataclass(kw_only=True)
 class ModelConfig:
     name: str = "llama2-tiny"  # a shape from trainprof.shapes.SHAPES, or "custom" with every dim below
-    hidden_size: int | None = None  # explicit dims override the named shape
+    hidden_size: int | None = None  # explicit dims override the named shape (naming a shape drops custom's)
     intermediate_size: int | None = None  # MLP width
     num_layers: int | None = None  # decoder layers
     num_heads: int | None = None  # attention (query) heads
@@ -309,7 +309,12 @@ def override_key(item: str) -> str:
 
 
 def apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str]) -> dict[str, Any]:
-    """Apply `dotted.key=value` strings to a raw recipe dict; values are parsed as YAML scalars."""
+    """Apply `dotted.key=value` strings to a raw recipe dict; values are parsed as YAML scalars.
+
+    A `custom` model's dims define its shape rather than adjust a named one, so an override that names a
+    shape instead (model.name=llama2-70b) drops them, except the dims the overrides set themselves: a
+    wrapped run's recorded model is `custom`, and a buyer asks it for a named size."""
+    was_custom = (data.get("model") or {}).get("name") == "custom"
     for item in overrides:
         key, raw_value = override_key(item), item.split("=", 1)[1]
         try:
@@ -324,6 +329,12 @@ def apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str]) -> di
                 child = node[part] = {}
             node = child
         node[parts[-1]] = value
+    model = data.get("model") or {}
+    if was_custom and model.get("name") != "custom":
+        named = {override_key(item) for item in overrides}
+        for key in DIM_KEYS:
+            if f"model.{key}" not in named:
+                model.pop(key, None)
     return data
 
 
