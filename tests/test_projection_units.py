@@ -965,3 +965,42 @@ def test_best_prints_each_runner_up_on_its_own_line_as_overrides():
                                 "train.micro_batch_size=16", "(39,590", "tokens/s)"]
     assert lines[5].split() == ["engine.kind=deepspeed", "engine.zero_stage=2", "train.micro_batch_size=8",
                                 "(30,000", "tokens/s)"]
+
+
+def test_best_searches_deepspeed_from_any_engine_and_says_why_nothing_ranks():
+    """From a DDP or FSDP source the search tries DeepSpeed's ZeRO stages (and the source's own engine),
+    each with the engine kind that makes it a valid recipe; a target where only unpredictable settings
+    fit, or nothing fits, says which and by how much instead of an empty row."""
+    from trainprof.projection import best
+    from trainprof.projection.report import best_rows, render_best
+
+    torch_recipe = load_recipe(QUICKSTART, ["engine.kind=torch", "engine.zero_stage=0"])
+    found = [c.overrides for c in best.settings(torch_recipe, same_machine=False)]
+    assert ("model.recompute=false",) in found and len(found) == 2 * 7
+    assert all("engine.kind=deepspeed" in o for o in found if any(k.startswith("engine.zero_stage") for k in o))
+    ds = [c.overrides for c in best.settings(load_recipe(QUICKSTART), same_machine=False)]
+    assert len(ds) == 2 * 6 and all(o[0] == "engine.kind=deepspeed" for o in ds)
+
+    offload_only = "engine.offload on a GPU ..."
+
+    def predict(overrides: list[str]) -> dict:
+        mb = int(overrides[-1].split("=")[1])
+        offload = "engine.offload=optimizer" in overrides
+        return {"memory_per_rank_bytes": (10e9 if offload else 90e9) * mb, "tokens_per_s": None if offload else 1.0,
+                "step_ms": None, "reasons": {"step_ms": offload_only} if offload else {}}
+
+    cands = [best.Setting(overrides=("engine.zero_stage=3", "engine.offload=none")),
+             best.Setting(overrides=("engine.zero_stage=3", "engine.offload=optimizer"))]
+    out = best.search(predict, 80e9, [], cands)
+    assert out["best_throughput"] is None and out["tried"] == 0 and out["least_memory_bytes"] == 10e9
+    assert out["not_predicted"] == [{"setting": "engine.zero_stage=3 engine.offload=optimizer", "micro_batch": 1,
+                                     "memory_per_rank_bytes": 10e9, "reason": offload_only}]
+    result = {"source": {"run_dir": "runs/x"}, "best": [{"hardware": "h100-sxm", "world_size": 8,
+                                                          "capacity_bytes": 80e9, **out}]}
+    line = render_best(result).splitlines()[2]
+    assert "only settings whose step is not predicted fit, e.g. engine.zero_stage=3 engine.offload=optimizer " \
+           "train.micro_batch_size=1 (9.31 GiB" in line, line
+    nothing = best.search(predict, 80e9, [], cands[:1])
+    (row,) = best_rows({"best": [{"hardware": "h100-sxm", "world_size": 8, "capacity_bytes": 80e9, **nothing}]})
+    assert row["throughput_setting"] == "n/a: nothing fits: the smallest setting plans 83.82 GiB a GPU, over 90% " \
+                                        "of 74.51 GiB" and row["cost_setting"] == "n/a"

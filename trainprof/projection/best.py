@@ -28,18 +28,21 @@ class Setting:
 
 
 def settings(recipe: Any, *, same_machine: bool) -> list[Setting]:
-    """The combinations searched for a recipe: DeepSpeed ZeRO stage 1-3, recomputation on/off, offload
-    none / optimizer / optimizer+params (stage 3 only), and for LoRA/QLoRA the two tasks; on the source's
-    machine only recomputation (each engine change is an engine probe there, seconds each)."""
+    """The combinations searched for a recipe: DeepSpeed ZeRO stage 1-3 (and the source's own engine when
+    it is not DeepSpeed: DDP or FSDP), recomputation on/off, offload none / optimizer / optimizer+params
+    (stage 3 only), and for LoRA/QLoRA the two tasks; on the source's machine only recomputation (each
+    engine change is an engine probe there, seconds each)."""
     recompute = ("model.recompute=false", "model.recompute=true")
     if same_machine:
         return [Setting(overrides=(r,)) for r in recompute]
-    engines = [(f"engine.zero_stage={z}", "engine.offload=none") for z in (1, 2, 3)]
-    engines += [("engine.zero_stage=2", "engine.offload=optimizer"), ("engine.zero_stage=3", "engine.offload=optimizer"),
-                ("engine.zero_stage=3", "engine.offload=optimizer+params")]
+    engines = [("engine.kind=deepspeed", f"engine.zero_stage={z}", "engine.offload=none") for z in (1, 2, 3)]
+    engines += [("engine.kind=deepspeed", "engine.zero_stage=2", "engine.offload=optimizer"),
+                ("engine.kind=deepspeed", "engine.zero_stage=3", "engine.offload=optimizer"),
+                ("engine.kind=deepspeed", "engine.zero_stage=3", "engine.offload=optimizer+params")]
+    if recipe.engine.kind != "deepspeed":
+        engines.insert(0, ())
     tasks = [("task.kind=lora",), ("task.kind=qlora",)] if recipe.task.kind in ("lora", "qlora") else [()]
-    engine_kind = ("engine.kind=deepspeed",) if recipe.engine.kind == "deepspeed" else ()
-    return [Setting(overrides=(*engine_kind, *e, r, *t)) for e, r, t in itertools.product(engines, recompute, tasks)]
+    return [Setting(overrides=(*e, r, *t)) for e, r, t in itertools.product(engines, recompute, tasks)]
 
 
 def search(predict: Callable[[list[str]], dict[str, Any] | None], capacity_bytes: float | None, base: list[str],
@@ -51,11 +54,14 @@ def search(predict: Callable[[list[str]], dict[str, Any] | None], capacity_bytes
         capacity_bytes: the target's memory per GPU (None: only the starting micro batch is tried).
         base: the user's overrides, applied first.
     Returns:
-        {best_throughput, best_cost, runners_up_throughput, runners_up_cost, tried, refused}: rows of
-        {setting, micro_batch, step_ms, tokens_per_s, memory_per_rank_bytes, cost_per_million_tokens_usd,
-        confidence_text}.
+        {best_throughput, best_cost, runners_up_throughput, runners_up_cost, tried, refused, not_predicted,
+        least_memory_bytes}: rows of {setting, micro_batch, step_ms, tokens_per_s, memory_per_rank_bytes,
+        cost_per_million_tokens_usd, confidence_text}; `not_predicted` the settings that fit but whose step
+        the step model cannot predict ({setting, micro_batch, memory_per_rank_bytes, reason}, at their
+        smallest micro batch), `least_memory_bytes` the smallest planned memory of any setting (what
+        "nothing fits" missed by).
     """
-    rows, refused = [], []
+    rows, refused, not_predicted, least = [], [], [], None
     for cand in candidates:
         mb = start_micro_batch
         while mb <= MAX_MICRO_BATCH:
@@ -65,13 +71,19 @@ def search(predict: Callable[[list[str]], dict[str, Any] | None], capacity_bytes
                 refused.append(cand.text)
                 break
             memory = pred.get("memory_per_rank_bytes")
+            if memory is not None:
+                least = memory if least is None else min(least, memory)
             if capacity_bytes is not None and memory is not None and memory > HEADROOM * capacity_bytes:
                 break
-            if pred.get("tokens_per_s"):
-                rows.append({"setting": cand.text, "micro_batch": mb, "step_ms": pred["step_ms"],
-                             "tokens_per_s": pred["tokens_per_s"], "memory_per_rank_bytes": memory,
-                             "cost_per_million_tokens_usd": pred.get("cost_per_million_tokens_usd"),
-                             "confidence_text": pred.get("confidence_text")})
+            if not pred.get("tokens_per_s"):  # its reason does not change with the micro batch
+                reasons = pred.get("reasons") or {}
+                not_predicted.append({"setting": cand.text, "micro_batch": mb, "memory_per_rank_bytes": memory,
+                                      "reason": reasons.get("step_ms") or reasons.get("tokens_per_s")})
+                break
+            rows.append({"setting": cand.text, "micro_batch": mb, "step_ms": pred["step_ms"],
+                         "tokens_per_s": pred["tokens_per_s"], "memory_per_rank_bytes": memory,
+                         "cost_per_million_tokens_usd": pred.get("cost_per_million_tokens_usd"),
+                         "confidence_text": pred.get("confidence_text")})
             if capacity_bytes is None:
                 break
             mb *= 2
@@ -80,4 +92,5 @@ def search(predict: Callable[[list[str]], dict[str, Any] | None], capacity_bytes
     by_cost = sorted(priced, key=lambda r: r["cost_per_million_tokens_usd"])
     return {"best_throughput": by_tps[0] if by_tps else None, "runners_up_throughput": by_tps[1:1 + RUNNERS_UP],
             "best_cost": by_cost[0] if by_cost else None, "runners_up_cost": by_cost[1:1 + RUNNERS_UP],
-            "tried": len(rows), "refused": sorted(set(refused)), "headroom": HEADROOM}
+            "tried": len(rows), "refused": sorted(set(refused)), "not_predicted": not_predicted,
+            "least_memory_bytes": least, "headroom": HEADROOM}

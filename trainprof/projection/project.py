@@ -911,9 +911,10 @@ def best(run_dir: str | Path, *, targets: list[str] | None = None, nodes: list[i
             return projector.predict(recipe, machine=machine, world=world, gpus_per_node=gpus_per_node,
                                      overrides=[*(overrides or []), *extra])
 
-        found = search.search(predict, capacity * (2**30 if same else 1e9) if capacity else None, [],
-                              search.settings(target_recipe, same_machine=same))
-        results.append({"hardware": machine, "world_size": world, "capacity_gb": capacity, **found})
+        capacity_bytes = capacity * (2**30 if same else 1e9) if capacity else None
+        found = search.search(predict, capacity_bytes, [], search.settings(target_recipe, same_machine=same))
+        results.append({"hardware": machine, "world_size": world, "capacity_gb": capacity,
+                        "capacity_bytes": capacity_bytes, **found})
     return {"projection_version": PROJECTION_VERSION, "source": source_block(source), "best": results,
             "searched": "micro batch x recomputation" + ("" if targets == [THIS] else
                                                           " x ZeRO stage x offload (x LoRA/QLoRA for finetuning)")}

@@ -199,16 +199,35 @@ def _setting(row: dict[str, Any] | None) -> str:
     return "n/a" if row is None else f"{row['setting']} train.micro_batch_size={row['micro_batch']}"
 
 
+def _none_found(b: dict[str, Any]) -> str:
+    """Why a target's search found no setting to rank: what fits is not predicted, nothing fits (by how
+    much), or the recipe rules refused every setting."""
+    unpredicted = b.get("not_predicted") or []
+    if unpredicted:
+        first = unpredicted[0]
+        return (f"n/a: only settings whose step is not predicted fit, e.g. {_setting(first)} "
+                f"({_fmt_bytes(first['memory_per_rank_bytes'])} GiB; reasons in the notes)")
+    least, capacity = b.get("least_memory_bytes"), b.get("capacity_bytes")
+    if least is not None and capacity:
+        return (f"n/a: nothing fits: the smallest setting plans {_fmt_bytes(least)} GiB a GPU, over "
+                f"{int(100 * b['headroom'])}% of {_fmt_bytes(capacity)} GiB")
+    if b.get("refused") and not b["tried"]:
+        return "n/a: the recipe rules refuse every setting (notes)"
+    return "n/a"
+
+
 def best_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for b in result["best"]:
         top, cheap = b["best_throughput"], b["best_cost"]
+        none_found = _none_found(b)
         out.append({
             "hardware": b["hardware"], "world_size": b["world_size"],
-            "throughput_setting": _setting(top), "tokens_per_s": top and top["tokens_per_s"],
+            "throughput_setting": _setting(top) if top else none_found, "tokens_per_s": top and top["tokens_per_s"],
             "memory_per_rank_bytes": top and top["memory_per_rank_bytes"],
             "confidence_text": top and top["confidence_text"],
-            "cost_setting": _setting(cheap) if cheap else "n/a (no price: --price NAME=USD_PER_GPU_HOUR)",
+            "cost_setting": (_setting(cheap) if cheap else "n/a" if not top  # the reason is the throughput cell's
+                             else "n/a (no price: --price NAME=USD_PER_GPU_HOUR)"),
             "cost_per_million_tokens_usd": cheap and cheap["cost_per_million_tokens_usd"],
             "runners_up": "; ".join(f"{_setting(r)}: {r['tokens_per_s']:,.0f} tokens/s" for r in b["runners_up_throughput"]),
             "tried": b["tried"]})
@@ -233,6 +252,11 @@ def _best_notes(result: dict[str, Any]) -> list[str]:
     for b in result["best"]:
         if b["refused"]:
             out.append(f"{b['hardware']} x {b['world_size']}: refused by the recipe rules: {', '.join(b['refused'])}")
+        by_reason: dict[str, list[str]] = {}
+        for row in b.get("not_predicted") or []:
+            by_reason.setdefault(row["reason"] or "no reason given", []).append(_setting(row))
+        for reason, fitting in by_reason.items():
+            out.append(f"{b['hardware']} x {b['world_size']}: fits but not predicted: {', '.join(fitting)}: {reason}")
     return out
 
 
@@ -251,8 +275,8 @@ def render_best(result: dict[str, Any]) -> str:
     lines = [f"trainprof project --best: from {result['source']['run_dir']}"]
     for b, r in zip(result["best"], best_rows(result)):
         lines.append(f"{r['hardware']} x {r['world_size']}:")
-        tps = f"{r['tokens_per_s']:,.0f} tokens/s" if r["tokens_per_s"] else "nothing fits"
-        lines.append(f"  most tokens/s   {r['throughput_setting']}  ({tps}, {r['confidence_text']})")
+        tps = f"  ({r['tokens_per_s']:,.0f} tokens/s, {r['confidence_text']})" if r["tokens_per_s"] else ""
+        lines.append(f"  most tokens/s   {r['throughput_setting']}{tps}")
         cost = f"${r['cost_per_million_tokens_usd']:.3f} / M tokens" if r["cost_per_million_tokens_usd"] else ""
         lines.append(f"  lowest $/M      {r['cost_setting']}  {cost}".rstrip())
         for i, runner in enumerate(b["runners_up_throughput"]):  # one a line: each setting pastes as overrides
