@@ -212,3 +212,29 @@ def test_hf_callback_in_a_script(tmp_path):
     measured = [s for s in profile["steps"] if not s.get("warmup")]
     assert len(measured) == 5 - 2 and all(s["tokens"] == 3 * 2 * 16 for s in measured)
     assert profile["summary"]["unattributed_frac"] <= 0.02
+
+
+def test_a_forward_under_autocast_is_recorded_as_the_torch_engines_16_bit_recipe():
+    """fp32 weights under torch.autocast (the HF Trainer's bf16=True, Lightning's bf16-mixed) train as
+    trainprof's torch engine does at model.dtype bf16, so that is what a projection rebuilds; without
+    autocast the weights' dtype is the recipe's. Inside DeepSpeed no recipe says it: fp32, and why."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainprof.integrations.workload import BatchShape, workload
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2, 8))
+    recorded = {}
+    for amp in (False, True):
+        shape = BatchShape(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp), torch.no_grad():
+            model(input_ids=ids)
+        shape.remove()
+        for framework in ("hf", "deepspeed"):
+            recorded[amp, framework] = workload(model, framework=framework, engine_config={}, shape=shape)
+    assert recorded[False, "hf"]["model"]["dtype"] == "fp32" and recorded[True, "hf"]["model"]["dtype"] == "bf16"
+    assert recorded[True, "hf"]["train"] == {"micro_batch_size": 2, "grad_accum": 1}
+    assert recorded[True, "deepspeed"]["model"]["dtype"] == "fp32"
+    assert "autocast to bf16" in recorded[True, "deepspeed"]["unknown"]["model.dtype"]

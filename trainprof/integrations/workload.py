@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from trainprof.models import recomputes
 
 ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash2"}
@@ -26,13 +28,18 @@ def find_llama(model: Any) -> Any | None:
 
 class BatchShape:
     """A forward pre-hook on the HF model: the first call's (micro batch, sequence length) and the calls
-    of the first step that counts (its micro batches: the gradient accumulation)."""
+    of the first step that counts (its micro batches: the gradient accumulation); and one on its input
+    embedding: whether the first forward ran under autocast. That one is inside the forward, where
+    Accelerate (and so the HF Trainer) enters autocast: it wraps the model's `forward` method."""
 
     def __init__(self, model: Any) -> None:
         self.shape: tuple[int, int] | None = None
+        self.autocast: str | None = None  # the 16-bit dtype the first forward ran under autocast (AMP), if any
         self.calls_in_step = 0
         self.grad_accum: int | None = None
         self._handle = model.register_forward_pre_hook(self._pre, with_kwargs=True)
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        self._embedding_handle = embedding.register_forward_pre_hook(self._embedding_pre) if embedding else None
 
     def _pre(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -40,13 +47,22 @@ class BatchShape:
             self.shape = (int(ids.shape[0]), int(ids.shape[1]))
         self.calls_in_step += 1
 
+    def _embedding_pre(self, module: Any, args: tuple) -> None:
+        device = module.weight.device.type
+        if torch.is_autocast_enabled(device):
+            self.autocast = DTYPES.get(str(torch.get_autocast_dtype(device)))
+        self._embedding_handle.remove()  # the first forward tells
+        self._embedding_handle = None
+
     def step_ended(self) -> None:
         if self.grad_accum is None and self.calls_in_step:
             self.grad_accum = self.calls_in_step
         self.calls_in_step = 0
 
     def remove(self) -> None:
-        self._handle.remove()
+        for handle in (self._handle, self._embedding_handle):
+            if handle is not None:
+                handle.remove()
 
 
 def _config_dtype(cfg: Any) -> Any:
@@ -101,6 +117,13 @@ def workload(model: Any, *, framework: str, engine_config: dict[str, Any] | None
         unknown["model"] = f"no module of {type(model).__name__} has a decoder config (hidden_size, layers, heads)"
     else:
         out["model"] = _model_block(llama, model)
+        amp = shape.autocast if shape is not None else None
+        if amp and out["model"]["dtype"] == "fp32":  # fp32 weights, 16-bit compute
+            if out["engine"]["kind"] == "torch":  # a torch-engine recipe in a 16-bit dtype is exactly that (AMP)
+                out["model"]["dtype"] = amp
+            else:
+                unknown["model.dtype"] = (f"fp32 weights under autocast to {amp} inside DeepSpeed, which recipes "
+                                          "do not express; fp32 kept")
     if shape is not None and shape.shape is not None:
         out["train"] = {"micro_batch_size": shape.shape[0], "grad_accum": shape.grad_accum or 1}
         out["data"] = {"seq_len": shape.shape[1]}
