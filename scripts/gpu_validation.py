@@ -325,7 +325,14 @@ def hardware_kinds(cases: list[dict], size: list[dict]) -> dict[str, dict]:
     notes = {"hardware_gpu": f"sources whose GPU was busy >= {HOST_BOUND_BUSY:.0%} of the step: cases and "
                              f"size_cases ({', '.join(GPU_TO_GPU_SIZE)})",
              "hardware_gpu_host_bound": f"sources whose GPU was busy < {HOST_BOUND_BUSY:.0%}: cases"}
-    return {k: {**step_errors(e), "note": notes[k]} for k, e in bound.items() if e}
+    between = sorted({_accelerator(name) for c in [*cases, *size] for name in (c["source"], c["target"])} - {None})
+    return {k: {**step_errors(e), "note": notes[k], "between": between} for k, e in bound.items() if e}
+
+
+def _accelerator(name: str) -> str | None:
+    from trainprof.hardware import find_accelerator, load_catalog
+
+    return find_accelerator(load_catalog(), _profile(name)["env"]["device"])
 
 
 GPU_TO_GPU_SIZE = ("H200 to H100", "H100 to H200")

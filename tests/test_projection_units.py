@@ -632,6 +632,15 @@ def test_confidence_labels_what_was_never_validated():
     assert confidence(["model_size"], table, host_bound=False,
                       source_device="cuda").text == "unvalidated: model_size from a GPU run"
     assert confidence(["hardware_gpu"], table, host_bound=False).label == "unvalidated"
+    # another GPU's error vouches only for the GPUs its pairs ran on
+    table["by_kind_gpu"]["hardware_gpu"]["between"] = ["h100-sxm", "h200"]
+    assert confidence(["hardware_gpu"], table, host_bound=False, source_device="cuda",
+                      gpus=("h200", "h100-sxm")).text == "±61.5%"
+    a800 = confidence(["hardware_gpu"], table, host_bound=False, source_device="cuda", gpus=("h100-sxm", "a800-80g"))
+    assert a800.text == "unvalidated: h100-sxm -> a800-80g never validated"
+    assert "between h100-sxm and h200 only" in a800.reason
+    assert confidence(["hardware_gpu"], table, host_bound=True, source_device="cuda",
+                      gpus=(None, "h200")).text == "low: a GPU not in the catalog -> h200 never validated"
 
 
 def test_assumptions_are_records_whose_text_renders_from_their_values():
@@ -1004,3 +1013,19 @@ def test_best_searches_deepspeed_from_any_engine_and_says_why_nothing_ranks():
     (row,) = best_rows({"best": [{"hardware": "h100-sxm", "world_size": 8, "capacity_bytes": 80e9, **nothing}]})
     assert row["throughput_setting"] == "n/a: nothing fits: the smallest setting plans 83.82 GiB a GPU, over 90% " \
                                         "of 74.51 GiB" and row["cost_setting"] == "n/a"
+
+
+def test_a_target_nothing_fits_says_so_in_the_notes():
+    """A row that does not fit either names the changes that would make it fit (plan) or, where not even
+    ZeRO-3 with recomputation and full offload at micro batch 1 does, says that."""
+    from trainprof.projection.report import notes
+
+    src = {"run_dir": "runs/x", "device": "x86_64", "world_size": 2, "timer": "host", "step_ms": 60.0}
+    preds = [{"hardware": "rtx4090", "world_size": 1, "fits": False, "memory_per_rank_bytes": 30 * 2**30,
+              "fit_suggestion": ["engine.zero_stage=3", "model.recompute=true"]},
+             {"hardware": "rtx3090", "world_size": 1, "fits": False, "memory_per_rank_bytes": 300 * 2**30},
+             {"hardware": "h100-sxm", "world_size": 8, "fits": True, "memory_per_rank_bytes": 30 * 2**30}]
+    lines = [n for n in notes({"source": src, "predictions": preds}) if "does not fit" in n]
+    assert lines == ["rtx4090 x 1: does not fit; would fit with engine.zero_stage=3 model.recompute=true (plan)",
+                     "rtx3090 x 1: does not fit (300.00 GiB a GPU, plan), nor with ZeRO-3, recomputation and offload of "
+                     "the optimizer and parameters at micro batch 1: more GPUs or a smaller model"]

@@ -80,6 +80,11 @@ class Catalog:
     def names(self) -> list[str]:
         return sorted(self.accelerators) + sorted(self.nodes)
 
+    def accelerator_key(self, target: Target) -> str | None:
+        """The catalog key of a target's accelerator (a node template's GPU: hgx-h100 -> h100-sxm)."""
+        return next((k for k, v in self.accelerators.items() if v is target.accelerator or v == target.accelerator),
+                    None)
+
     def resolve(self, name: str) -> Target:
         """An accelerator key or a node template key -> Target.
 

@@ -38,9 +38,16 @@ from trainprof.projection.validation import confidence, load_validation
 
 PROJECTION_VERSION = 2  # 2: assumptions as records, confidence, model-size changes, NCCL latency
 DATA_WAIT_DOMINATES = 0.2  # flag data wait above this share of the predicted step
-# recipe changes tried, in order, when a prediction does not fit the target's memory
+# recipe changes tried, in order, when a prediction does not fit the target's memory: each alone, then
+# together, the last the least memory a recipe can ask for (DeepSpeed's keys: engine.kind=deepspeed is
+# added for a source on another engine)
 FIT_SUGGESTIONS = (["engine.zero_stage=3"], ["model.recompute=true"], ["engine.offload=optimizer"],
-                   ["engine.offload=optimizer+params", "engine.zero_stage=3"])
+                   ["engine.zero_stage=3", "engine.offload=optimizer+params"],
+                   ["engine.zero_stage=3", "model.recompute=true"],
+                   ["engine.zero_stage=3", "model.recompute=true", "engine.offload=optimizer"],
+                   ["engine.zero_stage=3", "model.recompute=true", "engine.offload=optimizer+params"],
+                   ["engine.zero_stage=3", "model.recompute=true", "engine.offload=optimizer+params",
+                    "train.micro_batch_size=1"])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -351,7 +358,10 @@ class Projector:
         if t.hardware is None and memory is not None:
             notes += self._memory_notes(r)
         host_bound = (src.measured.busy_frac() or 1.0) < HOST_BOUND_BUSY
-        conf = confidence(t.kinds, self.validation, host_bound=host_bound, source_device=src.measured.device_type)
+        gpus = ((find_accelerator(self.catalog, src.profile["env"].get("device", "")),
+                 self.catalog.accelerator_key(t.hardware)) if t.hardware is not None else None)
+        conf = confidence(t.kinds, self.validation, host_bound=host_bound, source_device=src.measured.device_type,
+                          gpus=gpus)
         if any(a.kind == "gpu_ops_finetune" for a in notes):  # in the table cell, not only among the assumptions
             conf = dataclasses.replace(conf, why=f"{conf.why}; {src.recipe.task.kind} -> {r.task.kind}: host "
                                                  "likely low")
@@ -432,7 +442,9 @@ class Projector:
             return planned, None, None
         if planned <= capacity * 1e9:
             return planned, True, None
-        for extra in FIT_SUGGESTIONS:  # the target recipe (the run's, with the user's overrides) plus one change
+        deepspeed = [] if recipe.engine.kind == "deepspeed" else ["engine.kind=deepspeed"]
+        for extra in FIT_SUGGESTIONS:  # the target recipe (the run's, with the user's overrides) plus these
+            extra = [*deepspeed, *extra] if any(e.startswith("engine.") for e in extra) else extra
             try:
                 candidate = _with_overrides(src, [*overrides, *extra])
             except Exception:  # noqa: BLE001  a suggestion the recipe rules refuse is skipped

@@ -110,6 +110,10 @@ def notes(result: dict[str, Any]) -> list[str]:
         if p.get("fit_suggestion"):
             out.append(f"{p['hardware']} x {p['world_size']}: does not fit; would fit with "
                        f"{' '.join(p['fit_suggestion'])} (plan)")
+        elif p.get("fits") is False:
+            out.append(f"{p['hardware']} x {p['world_size']}: does not fit ({_fmt_bytes(p['memory_per_rank_bytes'])} "
+                       "GiB a GPU, plan), nor with ZeRO-3, recomputation and offload of the optimizer and parameters "
+                       "at micro batch 1: more GPUs or a smaller model")
         why = (p.get("reasons") or {}).get("step_ms")
         if why:
             out.append(f"{p['hardware']} x {p['world_size']}: step not predicted: {why}")

@@ -76,11 +76,13 @@ def expected_error(kinds: list[str], validation: dict[str, Any] | None,
 
 
 def confidence(kinds: list[str], validation: dict[str, Any] | None, *, host_bound: bool,
-               source_device: str = "cpu") -> Confidence:
+               source_device: str = "cpu", gpus: tuple[str | None, str | None] | None = None) -> Confidence:
     """The label a buyer reads in the table: 'low' when the source GPU was host-bound (its step measures
     the host, not the GPU), 'unvalidated' when a kind of change was never checked against real runs from
     a source of that device type (a CPU run projected to a GPU always is; the CPU grid's errors do not
-    vouch for a GPU source), else 'validated' with the expected error."""
+    vouch for a GPU source) or, for another GPU, between those two GPUs (`gpus`: the source's and the
+    target's catalog keys; `hardware_gpu.between` lists the GPUs its pairs ran on), else 'validated'
+    with the expected error."""
     if kinds == ["none"]:
         return Confidence(label="measured", expected_error_pct=0.0, why="", reason="no change: the measured step")
     validation = _for_source(validation, source_device)
@@ -88,6 +90,13 @@ def confidence(kinds: list[str], validation: dict[str, Any] | None, *, host_boun
     if "hardware" in kinds:
         return Confidence(label="unvalidated", expected_error_pct=None, why="CPU run -> GPU",
                           reason="a CPU run projected to a GPU was never checked against a GPU run")
+    between = (((validation or {}).get("by_kind") or {}).get("hardware_gpu") or {}).get("between")
+    if "hardware_gpu" in kinds and gpus and between and not set(gpus) <= set(between):
+        pair = " -> ".join(g or "a GPU not in the catalog" for g in gpus)
+        return Confidence(label="low" if host_bound else "unvalidated", expected_error_pct=None,
+                          why=f"{pair} never validated",
+                          reason=f"GPU -> GPU predictions were checked between {' and '.join(between)} only "
+                                 f"({GPU_VALIDATION_FILE.name}); {pair} was not")
     if host_bound:
         return Confidence(label="low", expected_error_pct=err, why="host-bound source",
                           reason="the source GPU was mostly idle (host-bound): its step measures the host; " + why)
