@@ -16,7 +16,7 @@ from trainprof.hardware import CatalogError, find_accelerator, load_catalog
 from trainprof.projection.calibrate import bus_factor, collective_ms, fit_alpha_beta
 from trainprof.projection.census import census, zero3_settings, zero3_traffic
 from trainprof.projection.comm import CommTarget, Link, NcclLatency
-from trainprof.projection.compute import EngineProbe, Machine, Parts, StepProbe
+from trainprof.projection.compute import EngineProbe, Machine, Parts, StepProbe, task_ops
 from trainprof.projection.gemm import GemmRate, Work
 from trainprof.projection.measured import Measured, PhaseOps, measured_from_profile
 from trainprof.projection.prices import load_prices
@@ -566,6 +566,16 @@ def test_another_machine_rerates_like_with_like_and_a_gpu_waits_for_its_host():
                                                                                          "backward": 1e-6},
                                                                          link=_link()))
     assert phases["forward"] == pytest.approx(analytic) and "device_analytic" in [a.kind for a in notes]
+    # a CPU run without an operator trace (a wrapped script's): its layers' calls as GPU runs of the engine
+    # issue them (plus the target task's), at a GPU host's time per call, still bound the phase; the rest of
+    # the model's calls are not known and not counted
+    slow_host = Inputs(source_machine=cpu, target_machine=dst, host_us_per_op={"forward": 1000.0, "backward": 1000.0},
+                       ops_per_layer={"forward": 100.0, "backward": 200.0}, link=_link())
+    phases, _ = predict_phases(_measured(ops=None), _change(), slow_host)
+    assert phases["forward"] == pytest.approx(100 * TINY.num_layers) and phases["forward"] > analytic  # 1 ms a call
+    lora = _work(frozen=True, lora_targets=("q_proj", "v_proj"), lora_r=8)
+    phases, _ = predict_phases(_measured(ops=None), _change(work=lora), slow_host)
+    assert phases["backward"] == pytest.approx((200 + task_ops(lora)) * TINY.num_layers) and task_ops(lora) > 0
     # CPU -> CPU (another thread count): device and host add up on one thread of control
     cpu2 = _machine("cpu2", gpu=False, tflops=0.2, gbps=10.0)
     phases, _ = predict_phases(_measured(ops=ops), _change(), Inputs(source_machine=cpu, target_machine=cpu2,

@@ -44,12 +44,17 @@ TEMPLATES: dict[str, str] = {
                         "(scripts/count_traffic.py), at the bandwidth ({memory_source}) x {elementwise}"),
     "host_time": ("host: {ops_per_step:,.0f} operator calls a step at {us_per_op:.1f} us each ({us_source}); a phase takes "
                   "the longer of its host and device time (the GPU runs asynchronously)"),
+    "host_time_per_call": ("host: each operator call at {us_per_op:.1f} us ({us_source}); a phase takes the longer "
+                           "of its host and device time (the GPU runs asynchronously)"),
     "gpu_ops_per_layer": ("host: a decoder layer issues {forward:.0f} operator calls a forward and {backward:.0f} a "
                           "backward, as GPU runs of the engine issue them ({source}), not as this CPU run did"),
     "host_stand_in": "host: {why}",
     "gpu_ops_finetune": ("host: those counts are pretraining runs'; a {task} layer's adapters{quantized} issue calls "
                          "they leave out, at a host cost per call no reference run measured: the host time is likely "
                          "low"),
+    "host_layers_only": ("host: the decoder layers' operator calls only (the run kept no operator trace, so the "
+                         "embedding's, the head's and the loss's calls are not counted): the host time is a lower "
+                         "bound (profile.ops=true records them)"),
     "host_unknown": ("host: not modelled ({why}); the prediction is the device time alone and may be optimistic"),
     # optimizer
     "optimizer_probed_step": ("optimizer: the target engine's step() probed in a group of one ({step_ms:.2f} ms over "

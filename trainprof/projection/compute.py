@@ -170,15 +170,20 @@ def rerated_phase(m: Measured, ph: str, src: Work, tgt: Work, src_machine: Machi
     else:  # a CPU's efficiency says nothing of a GPU's: the target's work from its shapes and rates alone
         matmul_t = g_tgt
         other_t = tgt.device_bytes(ph) / (reached_gbps(dst_machine) * 1e9) * 1e3
+    traced = ops is not None and ops.calls
+    if ops_per_layer is not None:  # counted on pretraining runs: the target task's calls are added to them
+        per_layer = (ops_per_layer + task_ops(tgt)) * ga
+    elif traced:
+        per_layer = ops.layer_calls / max(src.shape.num_layers, 1) + (task_ops(tgt) - task_ops(src)) * ga
+    else:
+        return Rerated(device_ms=matmul_t + other_t, host_ms=None)
+    # without a trace (a CPU source's wrapped run) the layers' calls only: the rest of the model's are not known
+    calls_t = (max(per_layer, 0.0) * tgt.shape.num_layers + (ops.rest_calls if traced else 0.0)) / ga
     host_t = None
-    if ops is not None and ops.calls:
-        per_layer = (ops_per_layer * ga if ops_per_layer is not None else ops.layer_calls / max(src.shape.num_layers, 1)) \
-            + (task_ops(tgt) - task_ops(src)) * ga
-        calls_t = (max(per_layer, 0.0) * tgt.shape.num_layers + ops.rest_calls) / ga
-        if host_us_per_op is not None:
-            host_t = calls_t * host_us_per_op / 1e3
-        elif host is not None:
-            host_t = host * calls_t / (ops.calls / ga)
+    if host_us_per_op is not None:
+        host_t = calls_t * host_us_per_op / 1e3
+    elif host is not None:
+        host_t = host * calls_t / (ops.calls / ga)
     return Rerated(device_ms=matmul_t + other_t, host_ms=host_t)
 
 

@@ -286,10 +286,12 @@ class Projector:
         else the catalog's reference for `engine`), a CPU source's from the catalog's GPU references for
         `engine` (the target's)."""
         m = self.source.measured
-        if not m.ops:
+        if not m.ops and m.device_type == "cuda":  # its own host time per call is what a GPU source's needs
             notes.append(assume("host_unknown", why="the source profile has no operator trace (profile.ops=true "
                                                     "records the operator calls the host issues)"))
             return None
+        if not m.ops:
+            notes.append(assume("host_layers_only"))
         ref, ref_source, stand_in = gpu_host(self.catalog, engine, zero_stage)
         if stand_in is not None:
             notes.append(assume("host_stand_in", why=stand_in))
@@ -305,9 +307,11 @@ class Projector:
             if busy is not None and busy < HOST_BOUND_BUSY:
                 notes.append(assume("host_bound_source", busy_frac=busy))
             ref_source = "the source's own host where a phase was host-bound; else " + ref_source
-        calls = sum(o.calls for o in m.ops.values())
-        notes.append(assume("host_time", ops_per_step=calls, us_per_op=values.get("forward") or 0.0,
-                            us_source=ref_source))
+        if m.ops:
+            notes.append(assume("host_time", ops_per_step=sum(o.calls for o in m.ops.values()),
+                                us_per_op=values.get("forward") or 0.0, us_source=ref_source))
+        else:
+            notes.append(assume("host_time_per_call", us_per_op=values.get("forward") or 0.0, us_source=ref_source))
         return values
 
     # -- the step and the figures -------------------------------------------------------------------
@@ -932,7 +936,9 @@ def best(run_dir: str | Path, *, targets: list[str] | None = None, nodes: list[i
                                                           " x ZeRO stage x offload (x LoRA/QLoRA for finetuning)")}
 
 
-TABLE_DEFAULTS = ["data.seq_len=350", "train.micro_batch_size=1"]  # the research's sequence length; batch 1
+# the research's engine (its methods are DeepSpeed's ZeRO stages, whatever the source ran) and sequence
+# length; micro batch 1
+TABLE_DEFAULTS = ["engine.kind=deepspeed", "data.seq_len=350", "train.micro_batch_size=1"]
 
 
 def research_tables(run_dir: str | Path, *, targets: list[str], nodes: int = 1, gpus_per_node: int = 8,
