@@ -78,6 +78,12 @@ def test_wrap_hf_trainer(tmp_path):
     assert_projectable(run_dir, profile, model={"hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
                                                 "num_heads": 4, "vocab_size": 256},
                        train={"micro_batch_size": 2, "grad_accum": 2}, seq_len=32, engine="torch")
+    # the research's tables are DeepSpeed's methods, whatever engine the script ran
+    from trainprof.projection.project import research_tables
+
+    table = research_tables(run_dir, targets=["a800-80g"])["table_iii"]
+    zero3 = next(r for r in table if r["model"] == "llama2-7b" and r["method"] == "ZeRO-3")["a800-80g"]
+    assert zero3["tokens_per_s"] > 0 and zero3["fits"], zero3
 
 
 def assert_projectable(run_dir: Path, profile: dict, *, model: dict, train: dict, seq_len: int, engine: str) -> None:
