@@ -78,8 +78,13 @@ def test_wrap_hf_trainer(tmp_path):
     assert_projectable(run_dir, profile, model={"hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
                                                 "num_heads": 4, "vocab_size": 256},
                        train={"micro_batch_size": 2, "grad_accum": 2}, seq_len=32, engine="torch")
+    # on its own machine the memory moves from the run's highest phase peak (the script's loop has no runner)
+    from trainprof.projection.project import project, research_tables
+
+    (deeper,) = project(run_dir, overrides=["model.num_layers=4"])["predictions"]
+    peak = max(v for v in profile["summary"]["peak_memory_bytes"].values() if v)
+    assert deeper["memory_per_rank_bytes"] > peak and deeper["step_ms"] > profile["summary"]["step_ms"]["median"]
     # the research's tables are DeepSpeed's methods, whatever engine the script ran
-    from trainprof.projection.project import research_tables
 
     table = research_tables(run_dir, targets=["a800-80g"])["table_iii"]
     zero3 = next(r for r in table if r["model"] == "llama2-7b" and r["method"] == "ZeRO-3")["a800-80g"]

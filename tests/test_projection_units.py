@@ -334,6 +334,17 @@ def test_the_busiest_rank_splits_the_slowest_step_by_means_that_add_up():
     assert old.unattributed_ms == pytest.approx(100.5 - 90.0)
 
 
+def test_a_wrapped_runs_peak_memory_is_its_highest_phase_peak():
+    """The runner writes its step peak (peak_memory_bytes_max); a wrapped script's loop has no runner, so
+    the source's memory is the highest of the profiler's per-phase peaks, and a projection has memory."""
+    profile = _two_rank_profile()
+    assert measured_from_profile(profile).peak_memory_bytes is None
+    profile["summary"]["peak_memory_bytes"] = {"forward": 5 * 2**20, "backward": 7 * 2**20, "optimizer": None}
+    assert measured_from_profile(profile).peak_memory_bytes == 7 * 2**20
+    profile["summary"]["peak_memory_bytes_max"] = 8 * 2**20  # the runner's, where there is one
+    assert measured_from_profile(profile).peak_memory_bytes == 8 * 2**20
+
+
 def test_same_configuration_reproduces_the_measured_phases():
     m = _measured()
     phases, _ = predict_phases(m, _change(), Inputs())

@@ -359,6 +359,8 @@ class Projector:
                            * (1 if pipeline.is_pipeline(src.profile) else t.world))
         tps = tokens_per_step / (step_ms / 1e3) if step_ms else None
         memory, fits, fit_note = self._memory(r, t.world, t.hardware, overrides)
+        if memory is None:  # a catalog target's is always planned
+            reasons["memory_per_rank_bytes"] = "the source profile records no peak memory to move with the plan"
         if t.hardware is None and memory is not None:
             notes += self._memory_notes(r)
         host_bound = (src.measured.busy_frac() or 1.0) < HOST_BOUND_BUSY
