@@ -1030,6 +1030,14 @@ def test_best_searches_deepspeed_from_any_engine_and_says_why_nothing_ranks():
     line = render_best(result).splitlines()[2]
     assert "only settings whose step is not predicted fit, e.g. engine.zero_stage=3 engine.offload=optimizer " \
            "train.micro_batch_size=1 (9.31 GiB" in line, line
+    # runners-up are other settings at their best micro batch, not the winner again at a smaller one
+    fast = {"engine.zero_stage=2": 3.0, "engine.zero_stage=3": 2.0, "engine.zero_stage=1": 1.0}
+    ranked = best.search(lambda o: {"memory_per_rank_bytes": 1e9 * int(o[-1].split("=")[1]), "step_ms": 1.0,
+                                    "tokens_per_s": fast[o[0]] * int(o[-1].split("=")[1])},
+                         8e9, [], [best.Setting(overrides=(k,)) for k in fast])
+    assert (ranked["best_throughput"]["setting"], ranked["best_throughput"]["micro_batch"]) == ("engine.zero_stage=2", 4)
+    assert [(r["setting"], r["micro_batch"]) for r in ranked["runners_up_throughput"]] == [
+        ("engine.zero_stage=3", 4), ("engine.zero_stage=1", 4)]
     nothing = best.search(predict, 80e9, [], cands[:1])
     (row,) = best_rows({"best": [{"hardware": "h100-sxm", "world_size": 8, "capacity_bytes": 80e9, **nothing}]})
     assert row["throughput_setting"] == "n/a: nothing fits: the smallest setting plans 83.82 GiB a GPU, over 90% " \

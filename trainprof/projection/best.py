@@ -87,10 +87,19 @@ def search(predict: Callable[[list[str]], dict[str, Any] | None], capacity_bytes
             if capacity_bytes is None:
                 break
             mb *= 2
-    by_tps = sorted(rows, key=lambda r: -r["tokens_per_s"])
+    by_tps = _each_setting_once(sorted(rows, key=lambda r: -r["tokens_per_s"]))
     priced = [r for r in rows if r["cost_per_million_tokens_usd"] is not None]
-    by_cost = sorted(priced, key=lambda r: r["cost_per_million_tokens_usd"])
+    by_cost = _each_setting_once(sorted(priced, key=lambda r: r["cost_per_million_tokens_usd"]))
     return {"best_throughput": by_tps[0] if by_tps else None, "runners_up_throughput": by_tps[1:1 + RUNNERS_UP],
             "best_cost": by_cost[0] if by_cost else None, "runners_up_cost": by_cost[1:1 + RUNNERS_UP],
             "tried": len(rows), "refused": sorted(set(refused)), "not_predicted": not_predicted,
             "least_memory_bytes": least, "headroom": HEADROOM}
+
+
+def _each_setting_once(ranked: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each setting at its best micro batch, in rank order: the runners-up are other settings, not the
+    winner again at smaller micro batches."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in ranked:
+        out.setdefault(row["setting"], row)
+    return list(out.values())
