@@ -95,6 +95,7 @@ class Projector:
         env = source.profile["env"]
         self.source_threads = int(env.get("cpu_threads") or 1)
         self.source_census = census(source.recipe)
+        self.source_gpu = find_accelerator(catalog, env.get("device", ""))  # None: a CPU, or a GPU not catalogued
 
     # -- one prediction ----------------------------------------------------------------------------
 
@@ -228,11 +229,10 @@ class Projector:
             reasons.setdefault("step_ms", "the source run has no calibration.json and was made on another machine; "
                                           "run `trainprof project` once where the run was made, or copy its calibration")
             return inputs
-        source_key = find_accelerator(self.catalog, src.profile["env"].get("device", ""))
-        inputs.source_machine = machine_from_calibration(cal, "source", accelerator=source_key)
+        inputs.source_machine = machine_from_calibration(cal, "source", accelerator=self.source_gpu)
         inputs.target_machine, more = machine_from_target(
             t.hardware, t.recipe.model.dtype, measured=inputs.source_machine,
-            source=self.catalog.resolve(source_key) if source_key else None)
+            source=self.catalog.resolve(self.source_gpu) if self.source_gpu else None)
         notes += more
         if not inputs.target_machine.gemm:
             reasons.setdefault("step_ms", f"{t.machine} lacks a matmul rate or memory bandwidth in the catalog")
@@ -364,8 +364,7 @@ class Projector:
         if t.hardware is None and memory is not None:
             notes += self._memory_notes(r)
         host_bound = (src.measured.busy_frac() or 1.0) < HOST_BOUND_BUSY
-        gpus = ((find_accelerator(self.catalog, src.profile["env"].get("device", "")),
-                 self.catalog.accelerator_key(t.hardware)) if t.hardware is not None else None)
+        gpus = (self.source_gpu, self.catalog.accelerator_key(t.hardware)) if t.hardware is not None else None
         conf = confidence(t.kinds, self.validation, host_bound=host_bound, source_device=src.measured.device_type,
                           gpus=gpus)
         if any(a.kind == "gpu_ops_finetune" for a in notes):  # in the table cell, not only among the assumptions
