@@ -51,7 +51,7 @@ def columns(result: dict[str, Any]) -> list[Column]:
         Column("hardware", "hardware", fmt_text),
         Column("gpus_text", f"{unit} (nodes x per node)", fmt_text),
         Column("model", "model", fmt_text),
-        Column("overrides_text", "changes", fmt_text),
+        Column("overrides_text", "recipe changes", fmt_text),
         Column("step_ms", "step ms", fmt_num(1)),
         Column("confidence_text", "confidence", fmt_text),
         Column("tokens_per_s", f"tokens/s (all {unit})", fmt_num(0)),
