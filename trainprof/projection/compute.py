@@ -29,11 +29,11 @@ from trainprof.projection.measured import COMPUTE_PHASES, Measured
 
 ADAM_BYTES_PER_ELEMENT = 28  # fp32 Adam: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
 HOST_BOUND_BUSY = 0.8  # a GPU source phase whose kernels ran less than this share of it waited for its host
-ZERO3_COPIES_PER_BYTE = 2.0
+ZERO3_COPIES_PER_BYTE = 2.0  # a ZeRO-3 fetch writes the gathered parameter and reads it back into the module
 # operator calls a task adds per adapted linear and pass, for the host's time: peft's LoraLayer.forward runs
 # dropout, lora_A, lora_B, the scaling and the add; bitsandbytes' Linear4bit dequantizes before its matmul
 LORA_OPS_PER_TARGET = 5
-DEQUANT_OPS_PER_LINEAR = 2  # a ZeRO-3 fetch writes the gathered parameter and reads it back into the module
+DEQUANT_OPS_PER_LINEAR = 2
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
