@@ -85,7 +85,6 @@ def test_wrap_hf_trainer(tmp_path):
     peak = max(v for v in profile["summary"]["peak_memory_bytes"].values() if v)
     assert deeper["memory_per_rank_bytes"] > peak and deeper["step_ms"] > profile["summary"]["step_ms"]["median"]
     # the research's tables are DeepSpeed's methods, whatever engine the script ran
-
     table = research_tables(run_dir, targets=["a800-80g"])["table_iii"]
     zero3 = next(r for r in table if r["model"] == "llama2-7b" and r["method"] == "ZeRO-3")["a800-80g"]
     assert zero3["tokens_per_s"] > 0 and zero3["fits"], zero3
@@ -228,7 +227,11 @@ def test_hf_callback_in_a_script(tmp_path):
 def test_a_forward_under_autocast_is_recorded_as_the_torch_engines_16_bit_recipe():
     """fp32 weights under torch.autocast (the HF Trainer's bf16=True, Lightning's bf16-mixed) train as
     trainprof's torch engine does at model.dtype bf16, so that is what a projection rebuilds; without
-    autocast the weights' dtype is the recipe's. Inside DeepSpeed no recipe says it: fp32, and why."""
+    autocast the weights' dtype is the recipe's. Inside DeepSpeed no recipe says it: fp32, and why.
+    Autocast is entered as Accelerate (and so the HF Trainer) enters it: around the model's `forward`
+    method, inside the call, after the model's own forward pre-hooks have run."""
+    import types
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -239,8 +242,10 @@ def test_a_forward_under_autocast_is_recorded_as_the_torch_engines_16_bit_recipe
     ids = torch.randint(0, 64, (2, 8))
     recorded = {}
     for amp in (False, True):
+        if amp:  # accelerate.Accelerator.prepare_model with mixed_precision="bf16" does this
+            model.forward = types.MethodType(torch.autocast("cpu", dtype=torch.bfloat16)(type(model).forward), model)
         shape = BatchShape(model)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp), torch.no_grad():
+        with torch.no_grad():
             model(input_ids=ids)
         shape.remove()
         for framework in ("hf", "deepspeed"):
