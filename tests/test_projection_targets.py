@@ -83,6 +83,13 @@ def test_catalog_targets_costs_fit_and_files(source):
     big = project(str(run_dir), "model.name=llama2-7b", "data.seq_len=350", "--to", "rtx4090",
                   "--gpus-per-node", "1")["predictions"][0]
     assert big["fits"] is False and big["memory_per_rank_bytes"] > 24e9 and big["fit_suggestion"]
+    # where no one change fits, the changes that fit together: 70B at 8 x 4096 tokens on one 24 GB card needs
+    # full offload, recomputation and micro batch 1
+    huge = project(str(run_dir), "model.name=llama2-70b", "data.seq_len=4096", "train.micro_batch_size=8", "--to",
+                   "rtx4090", "--gpus-per-node", "1")["predictions"][0]
+    assert huge["fits"] is False and huge.get("fit_suggestion") == [
+        "engine.zero_stage=3", "model.recompute=true", "engine.offload=optimizer+params", "train.micro_batch_size=1"
+    ], huge.get("fit_suggestion")
     # no one-GPU throughput to scale from: null with the reason, never a ratio against what cannot run
     assert big["scaling_efficiency"] is None and "do not fit one GPU of rtx4090" in big["reasons"]["scaling_efficiency"]
     # on 80 GB cards it needs two: eight scale from two, tput(8) x 2 / (8 x tput(2)), the two predicted apart
