@@ -15,6 +15,7 @@ from typing import Any
 
 from trainprof.phases import MODULE_PHASES as COMPUTE_PHASES
 from trainprof.phases import PHASES
+from trainprof.report.rundir import run_peak_memory
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # operators whose time is GEMM or attention work (scaled by the matmul rate); the rest is memory-bound
 MATMUL_OPS = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm|matmul|linear|_scaled_mm)$|attention|flash|gemm",
@@ -78,15 +79,6 @@ class Measured:
         return min(sum(mm + rest for mm, rest in kernels.values()) / self.step_ms, 1.0)
 
 
-def _peak_memory(summary: dict[str, Any]) -> int | None:
-    """The run's peak memory per rank: the runner's step peak, else (a wrapped run: the loop is the
-    script's) the highest of the profiler's per-phase peaks, the same meter reset at each phase's start."""
-    if summary.get("peak_memory_bytes_max") is not None:
-        return int(summary["peak_memory_bytes_max"])
-    phases = [v for v in (summary.get("peak_memory_bytes") or {}).values() if v]
-    return int(max(phases)) if phases else None
-
-
 def measured_from_profile(profile: dict[str, Any]) -> Measured:
     """The figures the step model needs, from a merged profile.json dict: the slowest rank's median
     step (what tokens/s divides by), split as the critical rank's phases (`critical_rank`, `_split`) and
@@ -119,7 +111,7 @@ def measured_from_profile(profile: dict[str, Any]) -> Measured:
         comm=list(profile.get("comm") or []), world_size=int(profile["env"]["world_size"]),
         grad_accum=int(((recipe.get("train") or {}).get("grad_accum")) or 1),
         optimizer_state_elements=states.get("optimizer_state_elements"),
-        peak_memory_bytes=_peak_memory(s),
+        peak_memory_bytes=run_peak_memory(s),
         forward_layers_ms=sum(m["forward_ms"] for m in layers) if layers else None,
         step_std_ms=_step_std(profile),
         leaf_ms=_leaf_ms(modules),

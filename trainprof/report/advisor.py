@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from trainprof.io import dig
+from trainprof.report.rundir import run_peak_memory
 
 # Thresholds, as fractions of the median step unless named otherwise. Each is where the upper bound
 # of the gain is worth a change of settings, not a property of any hardware.
@@ -86,11 +87,7 @@ class RunFigures:
         return None, "capacity unknown (no GPU memory recorded and no train.memory_cap_gb)"
 
     def peak_memory(self) -> int | None:
-        s = self.profile.get("summary") or {}
-        if s.get("peak_memory_bytes_max"):
-            return int(s["peak_memory_bytes_max"])
-        peaks = [v for v in (s.get("peak_memory_bytes") or {}).values() if v]
-        return int(max(peaks)) if peaks else None
+        return run_peak_memory(self.profile.get("summary") or {})
 
 
 def _advice(rule: str, title: str, figure: str, value: float, threshold: str, trigger_text: str, action: str,

@@ -184,6 +184,16 @@ def step_peak_memory(step: dict[str, Any]) -> dict[str, int | None]:
     return {"step": peaks} if peaks is not None else {}
 
 
+def run_peak_memory(summary: dict[str, Any]) -> int | None:
+    """A run's peak memory per rank from its profile summary: the runner's step peak over the run, else (a
+    wrapped script's run: the loop is the script's, there is no runner) the highest of the profiler's
+    per-phase peaks, the same meter reset at each phase's start."""
+    if summary.get("peak_memory_bytes_max"):
+        return int(summary["peak_memory_bytes_max"])
+    peaks = [v for v in (summary.get("peak_memory_bytes") or {}).values() if v]
+    return int(max(peaks)) if peaks else None
+
+
 def module_time(m: dict[str, Any], self_time: bool = False) -> float:
     """forward + backward + recompute ms of a module row (its self part with self_time)."""
     p = "self_" if self_time else ""
