@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from conftest import QUICKSTART, REPO
+from helpers.checks import retry_on_noise
 from trainprof.projection.source import ran_allocator
 from trainprof.recipe import load_recipe
 
@@ -51,21 +52,27 @@ def steps_under(mode: str) -> dict:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_cache_stops_the_steps_page_faulting_their_tensors_in_again():
-    system, cache = steps_under("system"), steps_under("cache")
-    assert system["allocator"]["mode"] == "system" and cache["allocator"]["mode"] == "cache", (system, cache)
-    assert "M_TRIM_THRESHOLD" in cache["allocator"]["detail"]
-    # The system allocator returns a step's large tensors and faults them in again (thousands of 4 KiB
-    # pages a call) until glibc's dynamic mmap threshold has risen past them, after a few calls or many
-    # (seen: 9868, 4353, 5280, 5216, 2720, then 0): the calls after the first, together, fault them in.
-    # The cache keeps them from the first call on (the median call after 2 warm-up calls: a busy
-    # machine's other processes can make it fault now and then).
-    assert sum(system["faults"][1:]) > 1000, system["faults"]
-    assert statistics.median(cache["faults"][2:]) < 100, cache["faults"]
-    assert sum(cache["faults"][2:]) < sum(system["faults"][2:]) / 4, (cache["faults"], system["faults"])
-    # a 48 MiB tensor: mapped fresh and faulted in at every call by the system's allocator (12,288 pages
-    # of 4 KiB, fewer where the kernel backs it with huge pages), kept in the heap by the cache
-    assert statistics.median(system["large"][1:]) > 1000, system["large"]
-    assert statistics.median(cache["large"][1:]) < 100, cache["large"]
+    """Fault counts are measured: memory pressure from the suite's other processes can fault a kept page in
+    again, so a miss measures both allocators again."""
+
+    def check() -> None:
+        system, cache = steps_under("system"), steps_under("cache")
+        assert system["allocator"]["mode"] == "system" and cache["allocator"]["mode"] == "cache", (system, cache)
+        assert "M_TRIM_THRESHOLD" in cache["allocator"]["detail"]
+        # The system allocator returns a step's large tensors and faults them in again (thousands of 4 KiB
+        # pages a call) until glibc's dynamic mmap threshold has risen past them, after a few calls or many
+        # (seen: 9868, 4353, 5280, 5216, 2720, then 0): the calls after the first, together, fault them in.
+        # The cache keeps them from the first call on (the median call after 2 warm-up calls: a busy
+        # machine's other processes can make it fault now and then).
+        assert sum(system["faults"][1:]) > 1000, system["faults"]
+        assert statistics.median(cache["faults"][2:]) < 100, cache["faults"]
+        assert sum(cache["faults"][2:]) < sum(system["faults"][2:]) / 4, (cache["faults"], system["faults"])
+        # a 48 MiB tensor: mapped fresh and faulted in at every call by the system's allocator (12,288 pages
+        # of 4 KiB, fewer where the kernel backs it with huge pages), kept in the heap by the cache
+        assert statistics.median(system["large"][1:]) > 1000, system["large"]
+        assert statistics.median(cache["large"][1:]) < 100, cache["large"]
+
+    retry_on_noise(check)
 
 
 def test_a_projection_probes_with_the_allocator_its_source_ran_with():
