@@ -6,6 +6,7 @@ shared by the tests that read them (the first compile takes ~30 s on 2 cores).""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from conftest import machine_lock, run_trainprof
-from helpers.checks import check_closure
+from helpers.checks import check_closure, retry_on_noise
 from trainprof.recipe import Recipe, RecipeError, recipe_from_dict
 
 # fp32: compiled and eager losses agree to rounding; warm-up 1 makes the first (compiling) step the
@@ -170,17 +171,23 @@ def test_compile_is_a_recipe_key():
                          ids=["deepspeed-zero2", "fsdp"])
 def test_compiled_layers_under_sharding_engines(tmp_path, engine):
     """model.compile under DeepSpeed ZeRO-2 and FSDP2 on 2 ranks: compiled while profiled, the step closes,
-    and (FSDP2) each layer's all-gathers and reduce-scatter still belong to it."""
-    _, profile = run_trainprof(tmp_path, 2, *engine, "model.compile=true", "profile.calibrate=false",
-                               "profile.ops=false", timeout=600)
-    c = profile["compile"]
-    assert c["compiled"] and c["regions"] == LAYERS
-    assert c["dynamo"]["while_profiled"]["graphs_captured"] > 0 and c["dynamo"]["total"]["graph_breaks"] == 0
-    assert c["dynamo"]["during_measured_steps"]["frames_converted"] == 0
-    assert profile["summary"]["unattributed_frac"] <= 0.02
-    steps = [s for s in profile["steps"] if not s.get("warmup")]
-    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5, [s["loss"] for s in steps]
-    if engine[0] == "engine.kind=fsdp":
-        mods = {m["name"]: m for m in profile["modules"]}
-        for layer in LAYERS:
-            assert mods[layer]["self_comm_ops"] == {"all_gather_single": 2.0, "reduce_scatter_single": 1.0}
+    and (FSDP2) each layer's all-gathers and reduce-scatter still belong to it. Closure is timing: a run
+    that the suite's other processes preempt between labels (2.9% once, 0.6% alone) is made once more."""
+    attempt = itertools.count()
+
+    def check() -> None:
+        _, profile = run_trainprof(tmp_path / f"attempt{next(attempt)}", 2, *engine, "model.compile=true",
+                                   "profile.calibrate=false", "profile.ops=false", timeout=600)
+        c = profile["compile"]
+        assert c["compiled"] and c["regions"] == LAYERS
+        assert c["dynamo"]["while_profiled"]["graphs_captured"] > 0 and c["dynamo"]["total"]["graph_breaks"] == 0
+        assert c["dynamo"]["during_measured_steps"]["frames_converted"] == 0
+        assert profile["summary"]["unattributed_frac"] <= 0.02, profile["summary"]["unattributed_frac"]
+        steps = [s for s in profile["steps"] if not s.get("warmup")]
+        assert steps[-1]["loss"] < steps[0]["loss"] - 0.5, [s["loss"] for s in steps]
+        if engine[0] == "engine.kind=fsdp":
+            mods = {m["name"]: m for m in profile["modules"]}
+            for layer in LAYERS:
+                assert mods[layer]["self_comm_ops"] == {"all_gather_single": 2.0, "reduce_scatter_single": 1.0}
+
+    retry_on_noise(check, attempts=2)
