@@ -66,6 +66,7 @@ SETTINGS = Group("settings", [], 2, 1, [
     Case("grad_accum 1->2", ["grad_accum"], ["train.grad_accum=2"], tuned=True),
     Case("recompute on", ["recompute"], ["model.recompute=true"]),
     Case("attention sdpa->eager", ["attention"], ["model.attention=eager"]),
+    Case("dtype bf16->fp32", ["dtype"], ["model.dtype=fp32"]),
     Case("ZeRO-3 -> ZeRO-2", ["zero_stage"], ["engine.zero_stage=2"], tuned=True),
     Case("2 ranks -> 1", ["world_size"], [], nproc=1, tuned=True),
     # a task change probes both engines with their models (LoRA's frozen base, QLoRA's 4-bit one)

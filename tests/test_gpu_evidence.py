@@ -218,6 +218,18 @@ def _kind_pairs() -> list:
     return [known_miss(UNCALIBRATED, h100, h100, h200, name=f"{h100}-{h200}") for h100, h200 in pairs]
 
 
+def test_a_gpu_sources_dtype_change_is_refused_with_the_reason():
+    """A GPU run's kernels and operator calls were recorded at its dtype: a change of model.dtype from it is
+    null with the reason (a CPU source re-derives it: test_projection), and the plan still gives the memory."""
+    from trainprof.projection.project import project
+
+    source = next(f for f in GPU if (f / "calibration.json").is_file())
+    out = project(source, targets=["h200"], gpus_per_node=1, probe=False, overrides=["model.dtype=fp32"])
+    (pred,) = out["predictions"]
+    assert "dtype" in pred["change_kinds"] and pred["step_ms"] is None
+    assert "recorded at its model.dtype" in pred["reasons"]["step_ms"] and pred["memory_per_rank_bytes"] > 0
+
+
 @pytest.mark.parametrize("source,target", _kind_pairs())
 def test_h100_to_h200_projection_error_of_every_pair_is_the_table_s(source, target):
     """Each recipe measured on both kinds: the H100 folder projected to the H200 reproduces the error that

@@ -97,6 +97,11 @@ def test_catalog_targets_costs_fit_and_files(source):
     two = project(str(run_dir), "model.name=llama2-7b", "data.seq_len=350", "--to", "a800-80g",
                   "--gpus-per-node", "2")["predictions"][0]
     assert (eight["world_size"], two["world_size"], two["fits"], eight["scaling_base_gpus"]) == (8, 2, True, 2)
+    # the same in fp32: the GEMMs at the A800's fp32 rate, the collectives and the plan at 4 bytes an element
+    fp32 = project(str(run_dir), "model.name=llama2-7b", "data.seq_len=350", "model.dtype=fp32", "--to",
+                   "a800-80g")["predictions"][0]
+    assert "dtype" in fp32["change_kinds"] and fp32["step_ms"] > 2 * eight["step_ms"], fp32.get("reasons")
+    assert fp32["memory_per_rank_bytes"] > eight["memory_per_rank_bytes"]
     assert eight["scaling_efficiency"] == pytest.approx(eight["tokens_per_s"] * 2 / (8 * two["tokens_per_s"]))
     assert big["change_kinds"] == ["seq_len", "model_size", "world_size", "hardware"]
     assert big["step_ms"] > h100["step_ms"]

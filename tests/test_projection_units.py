@@ -240,7 +240,8 @@ def test_keys_the_step_model_does_not_rederive_are_named_and_step_neutral_ones_p
                                                        "model.num_kv_heads=2"])) == []
     assert unmodelled_changes(src, load_recipe(QUICK, ["model.dtype=fp32", "optimizer.state_bits=8",
                                                        "data.num_workers=2"])) == [
-        "data.num_workers", "model.dtype", "optimizer.state_bits"]
+        "data.num_workers", "optimizer.state_bits"]
+    assert change_kinds(src, load_recipe(QUICK, ["model.dtype=fp32"]), 2, 2, "this") == ["dtype"]
     assert change_kinds(src, load_recipe(QUICK, ["task.kind=qlora", "engine.zero_stage=2"]), 2, 2, "this") == [
         "zero_stage", "task"]
     assert change_kinds(src, load_recipe(QUICK, ["task.lora.r=16"]), 2, 2, "this") == ["none"]  # still pretrain
@@ -254,7 +255,7 @@ def test_keys_the_step_model_does_not_rederive_are_named_and_step_neutral_ones_p
                         "this") == ["none"]
     assert reshapes(src, load_recipe(QUICK, ["model.num_heads=8"])) and not reshapes(
         src, load_recipe(QUICK, ["engine.zero_stage=2"]))
-    assert modelled_key("model.hidden_size") and not modelled_key("model.dtype") and modelled_key("output.dir")
+    assert modelled_key("model.hidden_size") and not modelled_key("optimizer.state_bits") and modelled_key("output.dir")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -497,6 +498,35 @@ def test_zero3_collectives_follow_the_census_on_a_model_or_task_change():
              / (19 * _link().ms("all_gather_into_tensor", 4000.0, 2)))
     assert phases["comm_exposed"] == pytest.approx(9.5 * price) and price > 1.3  # 27 calls for 19
     assert _values(notes, "comm_zero3_derived")["persistent"] == 27
+
+
+def test_a_dtype_change_moves_the_collectives_bytes_but_not_ddps_fp32_gradients():
+    """bf16 -> fp32: ZeRO's collectives carry the parameters in the model's dtype (twice the bytes, the
+    same elements and buckets); a ZeRO-3 source's rows are re-derived (not re-timed as they were) with each
+    large row's bytes doubled and the small ones (norms, flags) kept; DDP's gradients were fp32 already."""
+    m = _measured(trainable_param_bytes=4e6, dtype_bytes=2)  # 2e6 parameters
+    for stage in (2, 0):
+        _, bf16 = predict_phases(m, _change(zero_stage=stage, trainable_param_bytes=4e6), Inputs(link=_link()))
+        _, fp32 = predict_phases(m, _change(zero_stage=stage, trainable_param_bytes=8e6, dtype_bytes=4),
+                                 Inputs(link=_link()))
+        assert _values(fp32, "comm_zero_derived")["mbytes"] == 2 * _values(bf16, "comm_zero_derived")["mbytes"] == 8.0
+    _, bf16 = predict_phases(m, _change(engine="torch", zero_stage=0, trainable_param_bytes=4e6), Inputs(link=_link()))
+    _, fp32 = predict_phases(m, _change(engine="torch", zero_stage=0, trainable_param_bytes=8e6, dtype_bytes=4),
+                             Inputs(link=_link()))
+    assert _values(fp32, "comm_ddp_derived") == _values(bf16, "comm_ddp_derived")
+    src = load_recipe(QUICK)
+    small = {"op": "all_reduce", "phase": "optimizer", "calls": 2, "bytes": 16.0, "total_ms": 0.8, "exposed_ms": 0.8}
+    z3 = _measured(comm=[*_measured().comm, small], dtype_bytes=2)
+    same = dict(census=census(src), source_census=census(src), zero3=zero3_settings(src),
+                source_zero3=zero3_settings(src))
+    kept, notes = predict_phases(z3, _change(**same), Inputs(link=_link()))
+    assert "comm_retimed" in [a.kind for a in notes]
+    wider, notes = predict_phases(z3, _change(**same, dtype_bytes=4), Inputs(link=_link()))
+    assert "comm_rows_repriced" in [a.kind for a in notes]
+    link = _link()
+    doubled = sum(c["exposed_ms"] * link.ms(c["op"], 2 * c["bytes"] / c["calls"], 2)
+                  / link.ms(c["op"], c["bytes"] / c["calls"], 2) for c in _measured().comm)
+    assert wider["comm_exposed"] == pytest.approx(doubled + 0.8) and wider["comm_exposed"] > kept["comm_exposed"]
 
 
 def test_retimed_collectives_keep_their_measured_exposure_and_scale_with_the_ranks():

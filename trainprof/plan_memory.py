@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainprof.recipe import Recipe, RecipeError, resolve_shape
-
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+from trainprof.shapes import DTYPE_BYTES
 
 
 @dataclass(slots=True, kw_only=True)

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# bytes per element of each model dtype
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
 
 @dataclass(frozen=True, kw_only=True)
 class LlamaShape:

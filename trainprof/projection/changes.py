@@ -45,6 +45,9 @@ CHANGE_KINDS: tuple[ChangeKind, ...] = (
     ChangeKind(name="engine", keys=("engine.kind", "engine.reshard_after_forward"), engine=True),
     ChangeKind(name="compile", keys=("model.compile",), engine=True),
     ChangeKind(name="task", keys=("task.",), engine=True),
+    # probed as an engine change: the engine's 16-bit machinery (DeepSpeed's bf16 optimizer, autocast) changes
+    # with it, and both engines timed at the source's shape carry the compute's rate at each dtype too
+    ChangeKind(name="dtype", keys=("model.dtype",), engine=True),
 )
 KINDS = {k.name: k for k in CHANGE_KINDS}
 
@@ -105,7 +108,7 @@ def reshapes(source_recipe: Any, target_recipe: Any) -> bool:
 
 def unmodelled_changes(source_recipe: Any, target_recipe: Any) -> list[str]:
     """Recipe keys whose value differs, that change the work of a step, and that the step model does not
-    re-derive (model dtype, optimizer kind, pipeline layout, DeepSpeed's own settings, data loading): a
+    re-derive (optimizer kind or state bits, pipeline layout, DeepSpeed's own settings, data loading): a
     prediction across them is null."""
     return [k for k in changed_keys(source_recipe, target_recipe) if not modelled_key(k)]
 

@@ -88,7 +88,8 @@ class CommTarget:
     grad_accum: int
     source_engine: str
     source_zero_stage: int
-    trainable_param_bytes: float | None  # the target's, when its trainable parameters differ; None: the source's
+    trainable_param_bytes: float | None  # the target's where its parameters or dtype differ; None: the source's
+    dtype_bytes: int | None = None  # bytes per element of the target's model dtype where it differs; None: the source's
     reduce_bucket_elements: float = 5e8
     allgather_bucket_elements: float = 5e8
     overlap_comm: bool = False
@@ -127,7 +128,14 @@ def exposed_comm(m: Measured, t: CommTarget, link: Link | None) -> tuple[float, 
 
 
 def _model_changed(t: CommTarget) -> bool:
-    return t.census is not None and t.source_census is not None and t.census != t.source_census
+    """Another model or dtype: the collectives' calls or bytes follow from the target's census."""
+    other_model = t.census is not None and t.source_census is not None and t.census != t.source_census
+    return t.dtype_bytes is not None or other_model
+
+
+def _element_bytes(m: Measured, t: CommTarget) -> int:
+    """Bytes per element of the target's parameters in its collectives (its model dtype)."""
+    return t.dtype_bytes or m.dtype_bytes
 
 
 def _derives(m: Measured, t: CommTarget) -> bool:
@@ -204,7 +212,7 @@ def _bucketed_zero(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[
     if grads <= 0:
         return NAN, [assume("comm_no_wait", why="the profile records no trainable parameters to derive ZeRO's "
                                                 "collectives from")]
-    elements = grads / m.dtype_bytes
+    elements = grads / _element_bytes(m, t)
     reduce_calls = max(1, math.ceil(elements / t.reduce_bucket_elements))
     reductions = t.grad_accum if stage == 2 else 1
     reduce_ms = reductions * reduce_calls * link.ms("all_reduce", grads / reduce_calls, n)
@@ -252,7 +260,7 @@ def _ddp(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumption
     skips the sync on micro batches before the boundary (DDP.no_sync).
     Gradients are fp32: the torch engine keeps trainable parameters in fp32 under autocast."""
     n = t.world_size
-    grads = _trainable_bytes(m, t) / m.dtype_bytes * 4
+    grads = _trainable_bytes(m, t) / _element_bytes(m, t) * 4
     if grads <= 0:
         return NAN, [assume("comm_no_wait", why="the profile records no trainable parameters to derive DDP's "
                                                 "all_reduce from")]
@@ -287,7 +295,7 @@ def _zero3(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumpti
     re-derived (calls and bytes in the census's proportion) and its measured exposed time scaled by the
     link's price of the target's calls over that of the source's: an asynchronous gather's recorded span
     includes waiting for its handle, so the measured exposure, not a fraction of the span, carries over."""
-    n, b = t.world_size, m.dtype_bytes
+    n, b = t.world_size, _element_bytes(m, t)
     if t.census is None or t.zero3 is None:
         return NAN, [assume("comm_no_wait", why="no parameter census for ZeRO-3's collectives")]
     tr = zero3_traffic(t.census, t.zero3)
@@ -310,11 +318,13 @@ def _zero3(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumpti
     src = zero3_traffic(t.source_census, t.source_zero3)
     total = 0.0
     for c in (c for c in m.comm if c["calls"]):
-        calls, elements = _zero3_row_share(c, src, tr, b)
+        calls, elements = _zero3_row_share(c, src, tr, m.dtype_bytes)
         if calls <= 0:
             continue
         repeat = ga / m.grad_accum if c["phase"] in ("forward", "backward") else 1.0
-        total += _repriced(c, calls * link.ms(c["op"], b * elements / calls, n), m, link) * repeat
+        small = (c.get("bytes") or 0) / c["calls"] < SMALL_COLLECTIVE_BYTES  # norms and flags keep their bytes
+        total += _repriced(c, calls * link.ms(c["op"], (m.dtype_bytes if small else b) * elements / calls, n),
+                           m, link) * repeat
     return total, [note, assume("comm_rows_repriced", link=link.source)]
 
 
@@ -336,7 +346,7 @@ def _fsdp(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumptio
     collectives are synchronous, exposed whole, each with the wait a blocking call of the source had."""
     if t.census is None:
         return NAN, [assume("comm_no_wait", why="no parameter census for FSDP2's collectives")]
-    n, b, ga = t.world_size, m.dtype_bytes, t.grad_accum
+    n, b, ga = t.world_size, _element_bytes(m, t), t.grad_accum
     in_layers = sum(x.numel for x in t.census.tensors if x.in_layer)
     units = [in_layers / max(t.census.layers, 1)] * t.census.layers + [t.census.total - in_layers]
     gather = sum(link.ms("all_gather_into_tensor", b * u, n) for u in units)

@@ -13,9 +13,8 @@ import bisect
 import dataclasses
 import math
 
-from trainprof.shapes import LlamaShape
+from trainprof.shapes import DTYPE_BYTES, LlamaShape
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Bytes HF Llama's non-GEMM operators read and write per micro batch, counted op by op on the model's own
 # code (scripts/count_traffic.py: every aten op but GEMMs, attention and views, under a TorchDispatchMode,
 # sdpa attention; fits within 2.1%). Per decoder layer: [per token x h, per token x kv, per token x I, per

@@ -16,7 +16,7 @@ from typing import Any
 from trainprof.phases import MODULE_PHASES as COMPUTE_PHASES
 from trainprof.phases import PHASES
 from trainprof.report.rundir import run_peak_memory
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+from trainprof.shapes import DTYPE_BYTES
 # operators whose time is GEMM or attention work (scaled by the matmul rate); the rest is memory-bound
 MATMUL_OPS = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm|matmul|linear|_scaled_mm)$|attention|flash|gemm",
                         re.IGNORECASE)

@@ -34,6 +34,7 @@ from trainprof.projection.measured import PHASES
 from trainprof.projection.source import (PROBES_FILE, ProjectionError, Source, ensure_calibration, kept_probe,
                                          load_source, same_machine_as_source)
 from trainprof.projection.stepmodel import Change, Inputs, predict_phases, residual_ms
+from trainprof.shapes import DTYPE_BYTES
 from trainprof.projection.validation import confidence, load_validation
 
 PROJECTION_VERSION = 2  # 2: assumptions as records, confidence, model-size changes, NCCL latency
@@ -126,11 +127,13 @@ class Projector:
         tgt_census = census(recipe)
         other_params = "task" in kinds or "model_size" in kinds
         trainable_t = tgt_census.trainable if other_params else float(src.profile["params"]["trainable"])
+        dtype_bytes = DTYPE_BYTES.get(recipe.model.dtype, 2) if "dtype" in kinds else None
         comm = CommTarget(
             engine=recipe.engine.kind, zero_stage=zero_stage_of(recipe), world_size=world,
             grad_accum=recipe.train.grad_accum,
             source_engine=src.recipe.engine.kind, source_zero_stage=zero_stage_of(src.recipe),
-            trainable_param_bytes=trainable_t * m.dtype_bytes if other_params else None,
+            trainable_param_bytes=trainable_t * (dtype_bytes or m.dtype_bytes) if other_params or dtype_bytes else None,
+            dtype_bytes=dtype_bytes,
             census=tgt_census, source_census=self.source_census,
             zero3=zero3_settings(recipe), source_zero3=zero3_settings(src.recipe),
             reshard_after_forward=getattr(recipe.engine, "reshard_after_forward", True),
@@ -159,6 +162,10 @@ class Projector:
                                   "Adam; torch's Adam for FSDP) and the gradients and parameters over PCIe, and the "
                                   "catalog describes no GPU machine's host: measure the offload on the source's "
                                   "machine (--to this) or on a GPU machine with the host you will use")
+        elif "dtype" in t.kinds and self.source.measured.device_type == "cuda":
+            reasons["step_ms"] = ("a GPU source's kernels and operator calls were recorded at its model.dtype "
+                                  "(autocast's casts, the 16-bit optimizer's copies): measure a run at the target "
+                                  "dtype and project from that run")
         elif "compile" in t.kinds and not t.same_machine:
             reasons["step_ms"] = ("torch.compile's effect is probed on the source's machine only (what inductor "
                                   "fuses on the target's GPU cannot be derived): project the compile change there, "
@@ -171,7 +178,7 @@ class Projector:
         src, m = self.source, self.source.measured
         inputs = Inputs(memory_gbps=self._memory_gbps())
         if t.world > 1 and (t.world != m.world_size or set(t.kinds) & {"zero_stage", "engine", "task", "model_size",
-                                                                         "offload"}):
+                                                                         "offload", "dtype"}):
             inputs.link = self.gloo_link(t.world)
         if "step_ms" in reasons:
             return inputs  # nothing to probe for a step that will not be predicted
@@ -187,7 +194,8 @@ class Projector:
                 inputs.zero3_bytes = self._zero3_gathered_bytes(t)
             elif reshaped:
                 self._rerate_here(t, inputs, reasons)
-            if engine_key(src.recipe) != engine_key(t.recipe) or task_key(src.recipe) != task_key(t.recipe):
+            if engine_key(src.recipe) != engine_key(t.recipe) or task_key(src.recipe) != task_key(t.recipe) \
+                    or "dtype" in t.kinds:
                 if not (self.probe and same_machine_as_source(src)):
                     reasons["step_ms"] = ("an engine or task change is probed where the run was made (what the "
                                           "engine adds around the model is timed there): run `trainprof project` "
@@ -507,8 +515,10 @@ class Projector:
         from trainprof.projection.probes import probe_engines
 
         src = self.source.recipe
-        target_engine = dataclasses.replace(src, engine=target_recipe.engine, task=target_recipe.task)
-        key = ("engine", engine_key(src), engine_key(target_recipe), task_key(target_recipe))
+        target_engine = dataclasses.replace(src, engine=target_recipe.engine, task=target_recipe.task,
+                                            model=dataclasses.replace(src.model, dtype=target_recipe.model.dtype))
+        key = ("engine", engine_key(src), engine_key(target_recipe), task_key(target_recipe),
+               *((target_recipe.model.dtype,) if target_recipe.model.dtype != src.model.dtype else ()))
         if key not in self._cache:
             s, t = self._kept(key, "engine", lambda: probe_engines(
                 [src, target_engine], threads=self.source_threads,
@@ -615,7 +625,7 @@ class Projector:
         b = self.source.measured.dtype_bytes
         s = zero3_traffic(self.source_census, zero3_settings(self.source.recipe))
         g = zero3_traffic(census(t.recipe), zero3_settings(t.recipe))
-        return b * s.gather_elements, b * g.gather_elements
+        return b * s.gather_elements, (t.change.comm.dtype_bytes or b) * g.gather_elements
 
     def calibration_at(self, threads: int) -> dict[str, Any]:
         from trainprof.projection.calibrate import calibrate
