@@ -138,7 +138,9 @@ class Projector:
             zero3=zero3_settings(recipe), source_zero3=zero3_settings(src.recipe),
             reshard_after_forward=getattr(recipe.engine, "reshard_after_forward", True),
             cross_machine=hardware is not None, **_zero_buckets(recipe))
-        change = Change(work=Work.of(recipe), source_work=Work.of(src.recipe), grad_accum=recipe.train.grad_accum,
+        # on the source's machine a dtype change is the engine probe's, so the reshaped work stays in the source's
+        change = Change(work=Work.of(recipe if hardware is not None else in_dtype(recipe, src.recipe.model.dtype)),
+                        source_work=Work.of(src.recipe), grad_accum=recipe.train.grad_accum,
                         recompute=recipe.model.recompute,
                         state_elements_per_rank=_state_elements_per_rank(recipe, trainable_t, world),
                         source_state_elements_per_rank=_state_elements_per_rank(
@@ -481,6 +483,7 @@ class Projector:
         from trainprof.projection.probes import PartProbe, ProbeShape, probe_parts
 
         src, src_world = self.source.recipe, self.source.measured.world_size
+        target_recipe = in_dtype(target_recipe, src.model.dtype)  # a dtype change is the engine probe's
         nb_s, nb_t = self.neighbours(src_world), self.neighbours(world)
         th_s, th_t = self.source_threads, threads or self.source_threads
         # a changed model also has its optimizer step's pass timed, where the state is fp32 AdamW's
@@ -515,8 +518,8 @@ class Projector:
         from trainprof.projection.probes import probe_engines
 
         src = self.source.recipe
-        target_engine = dataclasses.replace(src, engine=target_recipe.engine, task=target_recipe.task,
-                                            model=dataclasses.replace(src.model, dtype=target_recipe.model.dtype))
+        target_engine = dataclasses.replace(in_dtype(src, target_recipe.model.dtype), engine=target_recipe.engine,
+                                            task=target_recipe.task)
         key = ("engine", engine_key(src), engine_key(target_recipe), task_key(target_recipe),
                *((target_recipe.model.dtype,) if target_recipe.model.dtype != src.model.dtype else ()))
         if key not in self._cache:
@@ -625,7 +628,7 @@ class Projector:
         b = self.source.measured.dtype_bytes
         s = zero3_traffic(self.source_census, zero3_settings(self.source.recipe))
         g = zero3_traffic(census(t.recipe), zero3_settings(t.recipe))
-        return b * s.gather_elements, (t.change.comm.dtype_bytes or b) * g.gather_elements
+        return b * s.gather_elements, b * g.gather_elements
 
     def calibration_at(self, threads: int) -> dict[str, Any]:
         from trainprof.projection.calibrate import calibrate
@@ -682,6 +685,11 @@ def _plan_cached(recipe_json: str, world: int) -> dict[str, Any]:
     from trainprof.recipe import recipe_from_dict
 
     return estimate_plan(recipe_from_dict(json.loads(recipe_json)), world)
+
+
+def in_dtype(recipe: Any, dtype: str) -> Any:
+    """The recipe with its model in `dtype`."""
+    return dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, dtype=dtype))
 
 
 def _plan_bytes(recipe: Any, world: int, key: str = "gpu_total_per_rank") -> int:
