@@ -503,17 +503,31 @@ def test_zero3_collectives_follow_the_census_on_a_model_or_task_change():
 def test_a_dtype_change_moves_the_collectives_bytes_but_not_ddps_fp32_gradients():
     """bf16 -> fp32: ZeRO's collectives carry the parameters in the model's dtype (twice the bytes, the
     same elements and buckets); a ZeRO-3 source's rows are re-derived (not re-timed as they were) with each
-    large row's bytes doubled and the small ones (norms, flags) kept; DDP's gradients were fp32 already."""
+    large row's bytes doubled and the small ones (norms, flags) kept; DDP's gradients were fp32 already,
+    so a DDP source's rows are re-timed as measured; an FSDP2 source's gathers double, its fp32
+    reduce-scatters do not."""
     m = _measured(trainable_param_bytes=4e6, dtype_bytes=2)  # 2e6 parameters
-    for stage in (2, 0):
-        _, bf16 = predict_phases(m, _change(zero_stage=stage, trainable_param_bytes=4e6), Inputs(link=_link()))
-        _, fp32 = predict_phases(m, _change(zero_stage=stage, trainable_param_bytes=8e6, dtype_bytes=4),
-                                 Inputs(link=_link()))
+    for stage in (2, 0):  # from ZeRO-3: derived either way
+        _, bf16 = predict_phases(m, _change(zero_stage=stage), Inputs(link=_link()))
+        _, fp32 = predict_phases(m, _change(zero_stage=stage, dtype_bytes=4), Inputs(link=_link()))
         assert _values(fp32, "comm_zero_derived")["mbytes"] == 2 * _values(bf16, "comm_zero_derived")["mbytes"] == 8.0
-    _, bf16 = predict_phases(m, _change(engine="torch", zero_stage=0, trainable_param_bytes=4e6), Inputs(link=_link()))
-    _, fp32 = predict_phases(m, _change(engine="torch", zero_stage=0, trainable_param_bytes=8e6, dtype_bytes=4),
-                             Inputs(link=_link()))
+    zero2 = dict(zero_stage=2, source_zero_stage=2)  # a ZeRO-2 source: re-timed in bf16, derived in fp32
+    _, bf16 = predict_phases(m, _change(**zero2), Inputs(link=_link()))
+    _, fp32 = predict_phases(m, _change(**zero2, dtype_bytes=4), Inputs(link=_link()))
+    assert "comm_retimed" in [a.kind for a in bf16] and _values(fp32, "comm_zero_derived")["mbytes"] == 8.0
+    _, bf16 = predict_phases(m, _change(engine="torch", zero_stage=0), Inputs(link=_link()))
+    _, fp32 = predict_phases(m, _change(engine="torch", zero_stage=0, dtype_bytes=4), Inputs(link=_link()))
     assert _values(fp32, "comm_ddp_derived") == _values(bf16, "comm_ddp_derived")
+    ddp = dict(engine="torch", zero_stage=0, source_engine="torch", source_zero_stage=0)  # a DDP source: as measured
+    for dtype_bytes in (None, 4):
+        _, notes = predict_phases(m, _change(**ddp, dtype_bytes=dtype_bytes), Inputs(link=_link()))
+        assert "comm_retimed" in [a.kind for a in notes], dtype_bytes
+    # an FSDP2 source re-times its rows: the gathers at twice the bytes, the fp32 reduce-scatter as it was
+    fsdp = dict(engine="fsdp", zero_stage=0, source_engine="fsdp", source_zero_stage=0)
+    phases, notes = predict_phases(m, _change(**fsdp, dtype_bytes=4), Inputs(link=_link()))
+    gather = _measured().comm[0]
+    wider = _link().ms(gather["op"], 2 * gather["bytes"] / 2, 2) / _link().ms(gather["op"], gather["bytes"] / 2, 2)
+    assert "comm_retimed" in [a.kind for a in notes] and phases["comm_exposed"] == pytest.approx(5.0 * wider + 20.0)
     src = load_recipe(QUICK)
     small = {"op": "all_reduce", "phase": "optimizer", "calls": 2, "bytes": 16.0, "total_ms": 0.8, "exposed_ms": 0.8}
     z3 = _measured(comm=[*_measured().comm, small], dtype_bytes=2)

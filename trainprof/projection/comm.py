@@ -88,7 +88,7 @@ class CommTarget:
     grad_accum: int
     source_engine: str
     source_zero_stage: int
-    trainable_param_bytes: float | None  # the target's where its parameters or dtype differ; None: the source's
+    trainable_param_bytes: float | None  # the target's (in its dtype) where it trains other parameters; None: the source's
     dtype_bytes: int | None = None  # bytes per element of the target's model dtype where it differs; None: the source's
     reduce_bucket_elements: float = 5e8
     allgather_bucket_elements: float = 5e8
@@ -120,7 +120,7 @@ def exposed_comm(m: Measured, t: CommTarget, link: Link | None) -> tuple[float, 
         ms, more = _ddp(m, t, link)
     elif t.engine == "deepspeed" and t.zero_stage == 3 and (t.cross_machine or _model_changed(t)):
         ms, more = _zero3(m, t, link)
-    elif t.engine == "fsdp" and (t.cross_machine or _model_changed(t) or t.source_engine != "fsdp"):
+    elif t.engine == "fsdp" and (t.cross_machine or _census_changed(t) or t.source_engine != "fsdp"):
         ms, more = _fsdp(m, t, link)
     else:
         ms, more = _retimed(m, t, link)
@@ -129,8 +129,11 @@ def exposed_comm(m: Measured, t: CommTarget, link: Link | None) -> tuple[float, 
 
 def _model_changed(t: CommTarget) -> bool:
     """Another model or dtype: the collectives' calls or bytes follow from the target's census."""
-    other_model = t.census is not None and t.source_census is not None and t.census != t.source_census
-    return t.dtype_bytes is not None or other_model
+    return t.dtype_bytes is not None or _census_changed(t)
+
+
+def _census_changed(t: CommTarget) -> bool:
+    return t.census is not None and t.source_census is not None and t.census != t.source_census
 
 
 def _element_bytes(m: Measured, t: CommTarget) -> int:
@@ -140,18 +143,23 @@ def _element_bytes(m: Measured, t: CommTarget) -> int:
 
 def _derives(m: Measured, t: CommTarget) -> bool:
     """Whether the target's collectives are derived from the model rather than re-timed from the source's:
-    a DeepSpeed target at ZeRO stage 0-2 at another stage or training other parameters; a DDP target whose
-    source ran no DDP (another engine, one rank) or trained other parameters; a model-size change."""
-    other_params = t.trainable_param_bytes is not None or _model_changed(t)
+    a DeepSpeed target at ZeRO stage 0-2 at another stage, training other parameters or in another dtype;
+    a DDP target whose source ran no DDP (another engine, one rank) or trained other parameters (its
+    gradients are fp32 in any model dtype); a model-size or dtype change."""
+    other_params = t.trainable_param_bytes is not None or _census_changed(t)
     if t.engine == "deepspeed" and t.zero_stage <= 2:
-        return t.zero_stage != t.source_zero_stage or t.source_engine != "deepspeed" or other_params
+        return t.zero_stage != t.source_zero_stage or t.source_engine != "deepspeed" or other_params \
+            or t.dtype_bytes is not None
     if t.engine == "torch":
         return t.source_engine != "torch" or m.world_size == 1 or other_params
     return _model_changed(t)
 
 
 def _trainable_bytes(m: Measured, t: CommTarget) -> float:
-    return m.trainable_param_bytes if t.trainable_param_bytes is None else t.trainable_param_bytes
+    """The target's trainable parameters' bytes in its dtype."""
+    if t.trainable_param_bytes is not None:
+        return t.trainable_param_bytes
+    return m.trainable_param_bytes / m.dtype_bytes * _element_bytes(m, t)
 
 
 def _as_measured(m: Measured, t: CommTarget) -> tuple[float, list[Assumption]]:
@@ -401,10 +409,13 @@ def _retimed(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assump
     if not rows:
         return NAN, [assume("comm_no_wait", why="the source recorded no collectives to re-time")]
     total = 0.0
+    widen = _element_bytes(m, t) / m.dtype_bytes
     for c in rows:
         repeat = t.grad_accum / m.grad_accum if c["phase"] in ("forward", "backward") else 1.0
         measured = m.world_size > 1 and c.get("total_ms")  # a one-rank source's added gathers are priced whole
-        total += (_repriced(c, recorded_ms(c, n, link), m, link) if measured else recorded_ms(c, n, link)) * repeat
+        # gathers carry the parameters in the model dtype; DDP's and FSDP2's reductions stay fp32 in any
+        at = {**c, "bytes": (c.get("bytes") or 0) * widen} if widen != 1 and c["op"].startswith("all_gather") else c
+        total += (_repriced(c, recorded_ms(at, n, link), m, link) if measured else recorded_ms(at, n, link)) * repeat
     if m.world_size == 1 and m.step_std_ms:
         factor = expected_max_normal(n)
         total += m.step_std_ms * factor

@@ -132,7 +132,7 @@ class Projector:
             engine=recipe.engine.kind, zero_stage=zero_stage_of(recipe), world_size=world,
             grad_accum=recipe.train.grad_accum,
             source_engine=src.recipe.engine.kind, source_zero_stage=zero_stage_of(src.recipe),
-            trainable_param_bytes=trainable_t * (dtype_bytes or m.dtype_bytes) if other_params or dtype_bytes else None,
+            trainable_param_bytes=trainable_t * (dtype_bytes or m.dtype_bytes) if other_params else None,
             dtype_bytes=dtype_bytes,
             census=tgt_census, source_census=self.source_census,
             zero3=zero3_settings(recipe), source_zero3=zero3_settings(src.recipe),
