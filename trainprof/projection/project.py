@@ -34,8 +34,8 @@ from trainprof.projection.measured import PHASES
 from trainprof.projection.source import (PROBES_FILE, ProjectionError, Source, ensure_calibration, kept_probe,
                                          load_source, same_machine_as_source)
 from trainprof.projection.stepmodel import Change, Inputs, predict_phases, residual_ms
-from trainprof.shapes import DTYPE_BYTES
 from trainprof.projection.validation import confidence, load_validation
+from trainprof.shapes import DTYPE_BYTES
 
 PROJECTION_VERSION = 2  # 2: assumptions as records, confidence, model-size changes, NCCL latency
 DATA_WAIT_DOMINATES = 0.2  # flag data wait above this share of the predicted step
