@@ -1054,6 +1054,12 @@ def test_best_searches_deepspeed_from_any_engine_and_says_why_nothing_ranks():
     assert all("engine.kind=deepspeed" in o for o in found if any(k.startswith("engine.zero_stage") for k in o))
     ds = [c.overrides for c in best.settings(load_recipe(QUICKSTART), same_machine=False)]
     assert len(ds) == 2 * 6 and all(o[0] == "engine.kind=deepspeed" for o in ds)
+    # an fp32 run is also searched in bf16, unless the user chose its dtype
+    fp32 = load_recipe(QUICKSTART, ["model.dtype=fp32"])
+    both = [c.overrides for c in best.settings(fp32, same_machine=False)]
+    assert len(both) == 2 * len(ds) and sum("model.dtype=bf16" in o for o in both) == len(ds)
+    assert len(best.settings(fp32, same_machine=False, dtype_given=True)) == len(ds)
+    assert len(best.settings(fp32, same_machine=True)) == 2
 
     offload_only = "engine.offload on a GPU ..."
 

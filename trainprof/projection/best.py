@@ -1,5 +1,6 @@
 """The best settings per target (`trainprof project RUN --best`): for each target and world size, every
-combination of ZeRO stage, recomputation and offload (and LoRA vs QLoRA for a finetuning task) at every
+combination of ZeRO stage, recomputation and offload (and LoRA vs QLoRA for a finetuning task, bf16 for
+an fp32 run) at every
 micro batch that fits the target's memory with headroom, each predicted by the step model; the setting
 with the highest tokens/s and the one with the lowest $/M tokens, with their runners-up. This is the
 research's max-batch table (Zhang et al., arXiv 2311.03687, Table IV) for hardware one does not have.
@@ -27,11 +28,12 @@ class Setting:
         return " ".join(self.overrides)
 
 
-def settings(recipe: Any, *, same_machine: bool) -> list[Setting]:
+def settings(recipe: Any, *, same_machine: bool, dtype_given: bool = False) -> list[Setting]:
     """The combinations searched for a recipe: DeepSpeed ZeRO stage 1-3 (and the source's own engine when
     it is not DeepSpeed: DDP or FSDP), recomputation on/off, offload none / optimizer / optimizer+params
-    (stage 3 only), and for LoRA/QLoRA the two tasks; on the source's machine only recomputation (each
-    engine change is an engine probe there, seconds each)."""
+    (stage 3 only), for LoRA/QLoRA the two tasks, and for an fp32 recipe bf16 too unless the user gave the
+    dtype (`dtype_given`); on the source's machine only recomputation (each engine change is an engine
+    probe there, seconds each)."""
     recompute = ("model.recompute=false", "model.recompute=true")
     if same_machine:
         return [Setting(overrides=(r,)) for r in recompute]
@@ -42,7 +44,8 @@ def settings(recipe: Any, *, same_machine: bool) -> list[Setting]:
     if recipe.engine.kind != "deepspeed":
         engines.insert(0, ())
     tasks = [("task.kind=lora",), ("task.kind=qlora",)] if recipe.task.kind in ("lora", "qlora") else [()]
-    return [Setting(overrides=(*e, r, *t)) for e, r, t in itertools.product(engines, recompute, tasks)]
+    dtypes = [(), ("model.dtype=bf16",)] if recipe.model.dtype == "fp32" and not dtype_given else [()]
+    return [Setting(overrides=(*e, r, *t, *d)) for e, r, t, d in itertools.product(engines, recompute, tasks, dtypes)]
 
 
 def search(predict: Callable[[list[str]], dict[str, Any] | None], capacity_bytes: float | None, base: list[str],

@@ -926,6 +926,7 @@ def best(run_dir: str | Path, *, targets: list[str] | None = None, nodes: list[i
     from tqdm import tqdm
 
     from trainprof.projection import best as search
+    from trainprof.recipe import override_key
 
     source, target_recipe = load_source(run_dir, overrides)
     catalog = load_catalog(catalog_file)
@@ -947,12 +948,15 @@ def best(run_dir: str | Path, *, targets: list[str] | None = None, nodes: list[i
                                      overrides=[*(overrides or []), *extra])
 
         capacity_bytes = capacity * (2**30 if same else 1e9) if capacity else None
-        found = search.search(predict, capacity_bytes, [], search.settings(target_recipe, same_machine=same))
+        dtype_given = any(override_key(o) == "model.dtype" for o in overrides or [])
+        found = search.search(predict, capacity_bytes, [], search.settings(target_recipe, same_machine=same,
+                                                                            dtype_given=dtype_given))
         results.append({"hardware": machine, "world_size": world, "capacity_gb": capacity,
                         "capacity_bytes": capacity_bytes, **found})
     return {"projection_version": PROJECTION_VERSION, "source": source_block(source), "best": results,
             "searched": "micro batch x recomputation" + ("" if targets == [THIS] else
-                                                          " x ZeRO stage x offload (x LoRA/QLoRA for finetuning)")}
+                                                          " x ZeRO stage x offload (x LoRA/QLoRA for finetuning, "
+                                                          "x bf16 for an fp32 run)")}
 
 
 # the research's engine (its methods are DeepSpeed's ZeRO stages, whatever the source ran) and sequence
