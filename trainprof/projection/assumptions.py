@@ -31,9 +31,9 @@ TEMPLATES: dict[str, str] = {
                        "their GEMM time at each shape ({rates}) and their memory traffic"),
     "recompute_on": ("recompute: one more forward of every decoder layer inside backward ({layers_forward_ms:.2f} ms per "
                      "micro batch, engine hooks included)"),
-    "engine_change": ("engine, task or dtype change: forward x{forward:.2f}, backward x{backward:.2f} (both engines, each "
-                      "with its task and dtype, probed at the source's shape in one process, a group of one, called "
-                      "alternately)"),
+    "engine_change": ("engine, task or dtype change: forward x{forward:.2f}, backward x{backward:.2f} (both "
+                      "engines, each with its task and dtype, probed at the source's shape in one process, a group "
+                      "of one, called alternately)"),
     "engine_change_other_machine": ("engine change on another machine not modelled: compute as under the source's engine "
                                     "(probe it on the source machine with --to this)"),
     "device_rerated": ("compute on {target}: each phase's device work re-rated: GEMMs at the target's rate for their shapes "

@@ -88,7 +88,8 @@ class CommTarget:
     grad_accum: int
     source_engine: str
     source_zero_stage: int
-    trainable_param_bytes: float | None  # the target's (in its dtype) where it trains other parameters; None: the source's
+    # the target's trainable bytes (in its dtype) where it trains other parameters; None: the source's
+    trainable_param_bytes: float | None
     dtype_bytes: int | None = None  # bytes per element of the target's model dtype where it differs; None: the source's
     reduce_bucket_elements: float = 5e8
     allgather_bucket_elements: float = 5e8
