@@ -200,9 +200,14 @@ def in_training_wait(m: Measured, n: int, link: Link) -> tuple[float, Assumption
     return wait, assume("comm_wait", wait_ms=wait, calls=calls, measured_ms=measured, priced_ms=priced)
 
 
+def _small(c: dict[str, Any]) -> bool:
+    """A collective row whose calls are latency-bound scalars (a gradient norm, an overflow flag)."""
+    return (c.get("bytes") or 0) / c["calls"] < SMALL_COLLECTIVE_BYTES
+
+
 def _small_optimizer_ms(m: Measured) -> float:
     return sum(c["exposed_ms"] for c in m.comm if c["phase"] == "optimizer" and c["calls"]
-               and (c.get("bytes") or 0) / c["calls"] < SMALL_COLLECTIVE_BYTES)
+               and _small(c))
 
 
 def _bucketed_zero(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumption]]:
@@ -331,8 +336,8 @@ def _zero3(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumpti
         if calls <= 0:
             continue
         repeat = ga / m.grad_accum if c["phase"] in ("forward", "backward") else 1.0
-        small = (c.get("bytes") or 0) / c["calls"] < SMALL_COLLECTIVE_BYTES  # norms and flags keep their bytes
-        total += _repriced(c, calls * link.ms(c["op"], (m.dtype_bytes if small else b) * elements / calls, n),
+        width = m.dtype_bytes if _small(c) else b  # norms and flags keep their bytes
+        total += _repriced(c, calls * link.ms(c["op"], width * elements / calls, n),
                            m, link) * repeat
     return total, [note, assume("comm_rows_repriced", link=link.source)]
 
@@ -379,7 +384,7 @@ def _zero3_row_share(c: dict[str, Any], src: Any, tgt: Any, b: int) -> tuple[flo
     """A source ZeRO-3 collective row's calls and elements at the target: gathers in forward and backward
     follow the partitioned parameters, the optimizer phase's gathers the persistent ones, reduce-scatters the
     trainable ones; small collectives (norms, flags) stay."""
-    if (c.get("bytes") or 0) / c["calls"] < SMALL_COLLECTIVE_BYTES:
+    if _small(c):
         return c["calls"], (c.get("bytes") or 0) / b
     if c["op"].startswith("reduce_scatter"):
         return _scaled(c, b, src.scatter_calls, tgt.scatter_calls, src.scatter_elements, tgt.scatter_elements)
