@@ -76,7 +76,8 @@ def memory_meter(device: torch.device) -> str:
         return "cuda_allocator_peak: torch.cuda.max_memory_allocated, reset every step"
     return (
         "cpu_process_peak_rss: VmHWM (/proc/self/status) of this rank's process, a lifetime high-water mark "
-        "including Python, libraries and the data loader (not reset per step)"
+        "including Python, libraries and the data loader (not reset per step; started again once an operator "
+        "trace's processing, the profiler's own memory, is done)"
     )
 
 
@@ -240,6 +241,29 @@ def apply_host_allocator(device: torch.device, mode: str) -> dict[str, Any]:
             f"glibc mallopt: M_MMAP_MAX 0, M_TRIM_THRESHOLD {_TRIM_THRESHOLD_MAX} B: freed memory is kept "
             "for the next step; peak RSS includes the freed blocks the heap keeps")}
     return _host_allocator
+
+
+def forget_profiler_memory() -> None:
+    """On a CPU run, after work that is the profiler's and not the step's (an operator trace turned into
+    its file and rows, then freed): hand the freed blocks back to the system (glibc's malloc_trim; under
+    `cache` they would stay resident and count in every later step's peak RSS), and start the peak
+    window again from what is resident now, so that the processing's own high-water mark is not read as
+    a step's."""
+    import ctypes
+    import gc
+
+    global _folded_peak
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        _folded_peak = 0
+    except OSError:  # not Linux, or not writable: the window keeps the processing's peak
+        pass
 
 
 def host_allocator() -> dict[str, Any]:

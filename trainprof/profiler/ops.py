@@ -32,7 +32,7 @@ import torch
 
 from trainprof.analysis.records import RANGE_PREFIX, ROOT_LABEL, ModuleInfo, module_label
 from trainprof.analysis.trace import op_name
-from trainprof.env import native_chatter_to
+from trainprof.env import native_chatter_to, forget_profiler_memory
 
 KINETO_LOG = "kineto.log"  # Kineto's USDT lines, kept off the terminal (env.native_chatter_to)
 
@@ -190,6 +190,9 @@ class OpTracer:
                 prof.__exit__(None, None, None)
         self.done = True
         rows, self._rows = self._rows, None
+        if prof is not None and not self.cuda:  # a GPU run's meter is the device's, which the trace leaves
+            del prof
+            forget_profiler_memory()
         return rows
 
     def _trace_ready(self, prof: torch.profiler.profile) -> None:
