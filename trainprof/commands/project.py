@@ -226,8 +226,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*",
                    help="recipe changes as dotted key=value, e.g. model.name=llama2-70b train.micro_batch_size=8; "
                         "re-derived: micro batch, seq_len, grad_accum, recompute, attention, model size "
-                        "(model.name and its dims), engine (ZeRO stage, offload, kind) and task (pretrain/LoRA/QLoRA); "
-                        "the step is null, with the reason, for other keys that change a step (dtype, optimizer kind, ...)")
+                        "(model.name and its dims), engine (ZeRO stage, offload, kind), task (pretrain/LoRA/QLoRA) "
+                        "and, from a CPU run, model.dtype; the step is null, with the reason, for other keys that "
+                        "change a step (optimizer kind, ...)")
     p.add_argument("--to", default="this", help="comma-separated catalog keys (see `trainprof hardware`) or 'this' "
                    "(the machine the run was measured on; default)")
     p.add_argument("--nodes", type=_int_list, default=[1], help="node counts for catalog targets, e.g. 1,2,4 (default 1)")
