@@ -17,6 +17,7 @@ from trainprof.recipe import (
     load_recipe,
     recipe_from_dict,
     resolve_shape,
+    shape_label,
 )
 from trainprof.shapes import SHAPES
 
@@ -196,6 +197,12 @@ def test_naming_a_shape_drops_a_custom_models_dims_but_not_a_named_ones():
         "name": "custom", "dtype": "bf16", **dims, "num_layers": 3}
     named = {"model": {"name": "llama2-7b", "num_layers": 2}}
     assert apply_overrides(named, ["model.name=llama2-13b"])["model"] == {"name": "llama2-13b", "num_layers": 2}
+    # which a projection's tables say: the kept dim beside the name, a dim equal to the named shape's left out
+    adjusted = recipe_from_dict(apply_overrides(named, ["model.num_heads=40"])).model
+    assert shape_label(adjusted) == "llama2-13b (num_layers 2)"
+    assert shape_label(recipe_from_dict(apply_overrides(copy.deepcopy(custom), ["model.name=llama2-70b"])).model) \
+        == "llama2-70b"
+    assert shape_label(recipe_from_dict({**custom, "data": {"seq_len": 128}}).model) == "custom"
 
 
 def test_cli_takes_overrides_after_options(cli):

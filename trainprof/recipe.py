@@ -380,6 +380,17 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def shape_label(cfg: ModelConfig) -> str:
+    """The model's name with the dims its recipe sets away from the named shape, e.g. "llama2-7b
+    (num_layers 2)": a run made with explicit dims keeps them when another shape is named."""
+    if cfg.checkpoint is not None or cfg.name not in SHAPES:
+        return cfg.name
+    named = SHAPES[cfg.name]
+    moved = [f"{k} {getattr(cfg, k)}" for k in DIM_KEYS
+             if getattr(cfg, k) is not None and getattr(cfg, k) != getattr(named, k)]
+    return f"{cfg.name} ({', '.join(moved)})" if moved else cfg.name
+
+
 def resolve_shape(cfg: ModelConfig) -> LlamaShape:
     """The shape a model config asks for: a checkpoint's config.json, else a named shape with explicit
     dims laid over it. Raises RecipeError for missing or inconsistent dims."""

@@ -35,6 +35,7 @@ from trainprof.projection.source import (PROBES_FILE, ProjectionError, Source, e
                                          load_source, same_machine_as_source)
 from trainprof.projection.stepmodel import Change, Inputs, predict_phases, residual_ms
 from trainprof.projection.validation import confidence, load_validation
+from trainprof.recipe import shape_label
 from trainprof.shapes import DTYPE_BYTES
 
 PROJECTION_VERSION = 2  # 2: assumptions as records, confidence, model-size changes, NCCL latency
@@ -387,7 +388,7 @@ class Projector:
             "gpus_per_node": t.gpus_per_node if t.hardware is not None else t.world,
             "world_size": t.world,
             "overrides": list(overrides),
-            "model": r.model.name,
+            "model": shape_label(r.model),
             "step_ms": step_ms, "phases_ms": phases, "tokens_per_step": tokens_per_step, "tokens_per_s": tps,
             "mfu": None, "scaling_efficiency": None, "scaling_base_gpus": None,
             "memory_per_rank_bytes": memory, "fits": fits,
