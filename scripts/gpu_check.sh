@@ -40,6 +40,8 @@
 #   --program recompute (<= 7 min): 7B QLoRA and ZeRO-3 32 x 1024 recompute again (as <kind>-*-v2), then memory
 #   --program lora_v2 (<= 5.5 min): lora's two runs again (as <kind>-*-v2), for kinds whose lora runs held re-run graphs
 #   --program zero2_lora_v2 (<= 9.5 min): zero2, lora_v2, then memory (one archive per run, one for memory)
+#   --program offload (<= 8 min): llama1b DeepSpeed ZeRO-3 and ZeRO-2 with engine.offload=optimizer (CPU Adam
+#     JIT-built on the first): the host's optimizer step and the PCIe copies an offload target needs
 # Each kept run leaves OUTDIR/<kind>-<name>/ as profiles/ keeps it: profile.json (CUDA-event profile,
 # NVML telemetry, GPU busy per phase), summary.md, recipe.yaml, calibration.json and the one traced
 # step's Kineto trace (rank0.*.pt.trace.json.gz; no stacks, no shapes), packed as OUTDIR/<kind>-<name>.tgz
@@ -52,7 +54,7 @@ program=""; dry_run=0; rest=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --program) program=${2:-}; shift
-      case "$program" in core|lora|lora_v2|zero2_lora_v2|pair|extra|size|zero2|memory|zero2_memory|recompute) ;; *) echo "--program takes core, lora, lora_v2, zero2_lora_v2, pair, extra, size, zero2, memory, zero2_memory or recompute, not '$program'"; exit 2;; esac;;
+      case "$program" in core|lora|lora_v2|zero2_lora_v2|pair|extra|size|zero2|memory|zero2_memory|recompute|offload) ;; *) echo "--program takes core, lora, lora_v2, zero2_lora_v2, pair, extra, size, zero2, memory, zero2_memory, recompute or offload, not '$program'"; exit 2;; esac;;
     --dry-run) dry_run=1;;
     *) rest+=("$1");;
   esac
@@ -241,6 +243,12 @@ program_lora() {  # LORA_SUFFIX=-v2: the runs again, kept beside the first ones
   run_recipe llama7b_qlora$v 200 recipes/llama70b_qlora.yaml model.name=llama2-7b train.steps=8
 }
 program_lora_v2() { LORA_SUFFIX=-v2 program_lora; }
+program_offload() {  # issue 24: engine.offload on a GPU runs DeepSpeed's CPU Adam on the host and copies the
+  # gradients and parameters over PCIe; no catalog row describes a host, so the projection waits for these
+  run_recipe llama1b_zero3_sdpa-offload-hostbound 270 recipes/llama1b_zero3_sdpa.yaml engine.offload=optimizer train.steps=10
+  run_recipe llama1b_zero3_sdpa-zero2-offload-hostbound 180 recipes/llama1b_zero3_sdpa.yaml engine.zero_stage=2 \
+    engine.offload=optimizer train.steps=10
+}
 program_zero2_lora_v2() {  # what an H200 still lacks since the hooks fix: the ZeRO-2 pair, LoRA/QLoRA, LoRA's peak
   program_zero2
   program_lora_v2

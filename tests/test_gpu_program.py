@@ -33,6 +33,7 @@ def dry_run(tmp_path, part: str) -> tuple[subprocess.CompletedProcess, list[tupl
     ("lora", ["llama7b_lora", "llama7b_qlora"]),
     ("pair", ["llama1b_zero3_sdpa-torch-gpubound", "llama1b_zero3_sdpa-gpubound"]),
     ("zero2", ["llama1b_zero3_sdpa-zero2-hostbound", "llama1b_zero3_sdpa-zero2-gpubound"]),
+    ("offload", ["llama1b_zero3_sdpa-offload-hostbound", "llama1b_zero3_sdpa-zero2-offload-hostbound"]),
 ])
 def test_dry_run_lists_every_command_and_loads_every_recipe(tmp_path, part, names):
     proc, rows = dry_run(tmp_path, part)
