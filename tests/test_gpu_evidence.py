@@ -331,6 +331,12 @@ def test_cpu_to_gpu_cases_recomputed_from_profiles(case):
         assert abs(case["step_error_pct"]) <= 15
     assert again["host_assumptions"] == case["host_assumptions"]
     assert "host_stand_in" not in case["host_assumptions"], case["host_assumptions"]  # every engine has its own
+    # the table's "host-bound" (the predicted host time above the device's) against the GPU's measured busy
+    # share: every target under 60% busy is marked, none at 90% or more (between, the kept rows go both ways)
+    marked = "host-bound" in case["confidence"]
+    assert marked == ("host_bound_target" in case["host_assumptions"]), case
+    if case["target_gpu_busy_frac"] < 0.6 or case["target_gpu_busy_frac"] >= 0.9:
+        assert marked == (case["target_gpu_busy_frac"] < 0.6), (case["target"], case["target_gpu_busy_frac"])
     finetune = next((o.split("=")[1] for o in case["overrides"] if o.startswith("task.kind=")), None)
     assert ("gpu_ops_finetune" in case["host_assumptions"]) == (finetune is not None), case["host_assumptions"]
     assert ("host likely low" in case["confidence"]) == (finetune is not None), case["confidence"]  # in the table

@@ -65,6 +65,9 @@ def test_catalog_targets_costs_fit_and_files(source):
     # the sub-millisecond device time, and two nodes cost more than one (the network's latency and bandwidth)
     h100, h100x2 = preds[0], preds[1]
     assert h100["step_ms"] > 10 and h100x2["phases_ms"]["comm_exposed"] > h100["phases_ms"]["comm_exposed"]
+    # which the table says beside the row: a faster GPU would not shorten the step
+    bound = kinds(h100)["host_bound_target"]
+    assert "host-bound" in h100["confidence_text"] and bound["host_ms"] > 10 * bound["device_ms"], bound
     assert h100x2["scaling_efficiency"] < 1.0
     assert h100["cost_per_million_tokens_usd"] == pytest.approx(2.0 * 8 / 3600 / h100["tokens_per_s"] * 1e6)
     assert h100["cost_to_train_usd"] == pytest.approx(2.0 * 8 / 3600 * h100["time_to_train_s"])
@@ -101,6 +104,7 @@ def test_catalog_targets_costs_fit_and_files(source):
     fp32 = project(str(run_dir), "model.name=llama2-7b", "data.seq_len=350", "model.dtype=fp32", "--to",
                    "a800-80g")["predictions"][0]
     assert "dtype" in fp32["change_kinds"] and fp32["step_ms"] > 2 * eight["step_ms"], fp32.get("reasons")
+    assert "host-bound" not in fp32["confidence_text"] and "host_bound_target" not in kinds(fp32)  # fp32 GEMMs
     assert fp32["memory_per_rank_bytes"] > eight["memory_per_rank_bytes"]
     assert eight["scaling_efficiency"] == pytest.approx(eight["tokens_per_s"] * 2 / (8 * two["tokens_per_s"]))
     assert big["change_kinds"] == ["seq_len", "model_size", "world_size", "hardware"]

@@ -692,6 +692,8 @@ def test_confidence_labels_what_was_never_validated():
     assert confidence(["hardware_gpu"], table, host_bound=True, source_device="cuda").expected_error_pct == 36.6
     assert confidence(["hardware_gpu"], table, host_bound=False, source_device="cuda").text == "±61.5%"
     assert confidence(["model_size"], table, host_bound=False).text == "unvalidated: model_size"
+    marked = dataclasses.replace(confidence(["micro_batch"], table, host_bound=False), marks=("host-bound",))
+    assert marked.text == "±2.5%; host-bound"  # a mark shows beside any label
     # each table vouches for sources of its own device type only
     assert confidence(["micro_batch"], table, host_bound=False, source_device="cuda").text == "±6.8%"
     assert confidence(["model_size"], table, host_bound=False,

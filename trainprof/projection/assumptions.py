@@ -43,6 +43,9 @@ TEMPLATES: dict[str, str] = {
                         "efficiency says nothing of a GPU's): every GEMM at the target's rate for its shape "
                         "({matmul_source}); the other operators' bytes, as counted on the model's code "
                         "(scripts/count_traffic.py), at the bandwidth ({memory_source}) x {elementwise}"),
+    "host_bound_target": ("predicted host-bound on {target}: the host's operator calls take {host_ms:.1f} ms a step "
+                          "against the device's {device_ms:.1f} ms (forward, backward, recompute), so the GPU waits "
+                          "for the host there and a faster GPU does not shorten them"),
     "host_time": ("host: {ops_per_step:,.0f} operator calls a step at {us_per_op:.1f} us each ({us_source}); a phase takes "
                   "the longer of its host and device time (the GPU runs asynchronously)"),
     "host_time_per_call": ("host: each operator call at {us_per_op:.1f} us ({us_source}); a phase takes the longer "

@@ -381,6 +381,8 @@ class Projector:
         if any(a.kind == "gpu_ops_finetune" for a in notes):  # in the table cell, not only among the assumptions
             conf = dataclasses.replace(conf, why=f"{conf.why}; {src.recipe.task.kind} -> {r.task.kind}: host "
                                                  "likely low")
+        if any(a.kind == "host_bound_target" for a in notes):
+            conf = dataclasses.replace(conf, marks=(*conf.marks, "host-bound"))
         pred: dict[str, Any] = {
             "hardware": t.machine if t.hardware is not None else
             f"this ({src.profile['env']['device']}" + (f", {t.threads} threads" if t.threads else "") + ")",

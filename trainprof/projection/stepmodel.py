@@ -126,10 +126,16 @@ def _rerated(m: Measured, change: Change, inputs: Inputs, notes: list[Assumption
     src_m, dst_m = inputs.source_machine, inputs.target_machine
     assert src_m is not None and dst_m is not None
     host, calls = inputs.host_us_per_op or {}, inputs.ops_per_layer or {}
+    host_ms = device_ms = 0.0  # of the phases whose host work is modelled on a GPU target
     for ph in ("forward", "backward", "recompute"):
         if mb[ph] > 0:
-            mb[ph] = combine(rerated_phase(m, ph, change.source_work, change.work, src_m, dst_m, host.get(ph),
-                                           calls.get(ph)), dst_m.is_gpu)
+            r = rerated_phase(m, ph, change.source_work, change.work, src_m, dst_m, host.get(ph), calls.get(ph))
+            mb[ph] = combine(r, dst_m.is_gpu)
+            if dst_m.is_gpu and r.host_ms is not None:
+                host_ms, device_ms = host_ms + r.host_ms, device_ms + r.device_ms
+    if host_ms > device_ms:
+        notes.append(assume("host_bound_target", target=dst_m.name, host_ms=host_ms * m.grad_accum,
+                            device_ms=device_ms * m.grad_accum))
     recompute_t = None
     if layers_f and m.phases_ms["forward"] > 0:
         # the layers' share of the forward, re-rated as the forward was

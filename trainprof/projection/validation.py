@@ -24,9 +24,13 @@ class Confidence:
     expected_error_pct: float | None
     why: str
     reason: str
+    marks: tuple[str, ...] = ()  # what the cell says of the prediction whatever its label, e.g. "host-bound"
 
     @property
     def text(self) -> str:
+        return "; ".join((self._label_text(), *self.marks))
+
+    def _label_text(self) -> str:
         if self.label == "validated":
             return f"±{self.expected_error_pct:.1f}%"
         if self.label == "measured":
