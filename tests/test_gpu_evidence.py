@@ -333,7 +333,7 @@ def test_cpu_to_gpu_cases_recomputed_from_profiles(case):
     assert "host_stand_in" not in case["host_assumptions"], case["host_assumptions"]  # every engine has its own
     # the table's "host-bound" (the predicted host time above the device's) against the GPU's measured busy
     # share: every target under 60% busy is marked, none at 90% or more (between, the kept rows go both ways)
-    marked = "host-bound" in case["confidence"]
+    marked = "predicted host-bound" in case["confidence"]
     assert marked == ("host_bound_target" in case["host_assumptions"]), case
     if case["target_gpu_busy_frac"] < 0.6 or case["target_gpu_busy_frac"] >= 0.9:
         assert marked == (case["target_gpu_busy_frac"] < 0.6), (case["target"], case["target_gpu_busy_frac"])

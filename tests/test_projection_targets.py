@@ -67,7 +67,7 @@ def test_catalog_targets_costs_fit_and_files(source):
     assert h100["step_ms"] > 10 and h100x2["phases_ms"]["comm_exposed"] > h100["phases_ms"]["comm_exposed"]
     # which the table says beside the row: a faster GPU would not shorten the step
     bound = kinds(h100)["host_bound_target"]
-    assert "host-bound" in h100["confidence_text"] and bound["host_ms"] > 10 * bound["device_ms"], bound
+    assert "predicted host-bound" in h100["confidence_text"] and bound["host_ms"] > 10 * bound["device_ms"], bound
     assert h100x2["scaling_efficiency"] < 1.0
     assert h100["cost_per_million_tokens_usd"] == pytest.approx(2.0 * 8 / 3600 / h100["tokens_per_s"] * 1e6)
     assert h100["cost_to_train_usd"] == pytest.approx(2.0 * 8 / 3600 * h100["time_to_train_s"])

@@ -382,7 +382,7 @@ class Projector:
             conf = dataclasses.replace(conf, why=f"{conf.why}; {src.recipe.task.kind} -> {r.task.kind}: host "
                                                  "likely low")
         if any(a.kind == "host_bound_target" for a in notes):
-            conf = dataclasses.replace(conf, marks=(*conf.marks, "host-bound"))
+            conf = dataclasses.replace(conf, marks=(*conf.marks, "predicted host-bound"))
         pred: dict[str, Any] = {
             "hardware": t.machine if t.hardware is not None else
             f"this ({src.profile['env']['device']}" + (f", {t.threads} threads" if t.threads else "") + ")",
