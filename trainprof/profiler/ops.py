@@ -32,7 +32,7 @@ import torch
 
 from trainprof.analysis.records import RANGE_PREFIX, ROOT_LABEL, ModuleInfo, module_label
 from trainprof.analysis.trace import op_name
-from trainprof.env import native_chatter_to, forget_profiler_memory
+from trainprof.env import forget_profiler_memory, native_chatter_to
 
 KINETO_LOG = "kineto.log"  # Kineto's USDT lines, kept off the terminal (env.native_chatter_to)
 

@@ -24,7 +24,7 @@ class Confidence:
     expected_error_pct: float | None
     why: str
     reason: str
-    marks: tuple[str, ...] = ()  # what the cell says of the prediction whatever its label, e.g. "host-bound"
+    marks: tuple[str, ...] = ()  # what the cell says whatever the label, e.g. "predicted host-bound"
 
     @property
     def text(self) -> str:
