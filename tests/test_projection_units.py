@@ -992,14 +992,16 @@ def test_research_tables_give_each_reason_once_as_a_footnote(tmp_path):
                       "rtx4090": {"micro_batch": None, "tokens_per_s": None, "reason": "micro batch 1 does not fit"}},
                      {"model": "llama2-7b", "method": "ZeRO-3 + recompute",
                       "a800-80g": {"micro_batch": MAX_MICRO_BATCH, "tokens_per_s": 33264.0, "capped": True},
-                      "rtx4090": {"micro_batch": 16, "tokens_per_s": 17540.0, "capped": False}}],
+                      "rtx4090": {"micro_batch": 16, "tokens_per_s": 17540.0, "capped": False,
+                                  "confidence": "unvalidated: CPU run -> GPU; predicted host-bound"}}],
         "table_ix": [],
     }
     text = render_tables(result)
     assert "4,287, 103.6 GiB, does not fit" in text
     assert text.count(offload) == 1 and f"[1] {offload}" in text and "[2] micro batch 1 does not fit" in text
     assert "mb 16, tokens/s n/a [1]" in text and "n/a [2]" in text
-    assert f"mb {MAX_MICRO_BATCH} (the search cap): 33,264" in text and "mb 16: 17,540" in text
+    assert f"mb {MAX_MICRO_BATCH} (the search cap): 33,264" in text and "mb 16: 17,540, host-bound" in text
+    assert text.count(", host-bound") == 1  # the cell whose prediction is, and no other
     write_tables_doc(result, tmp_path, command="trainprof project runs/x --table zhang2023")
     md = (tmp_path / "tables.md").read_text()
     assert md.count(offload) == 1 and "| n/a [1] | n/a [1] |" in md and "mb 16, tokens/s n/a [1]" in md

@@ -34,7 +34,7 @@ from trainprof.projection.measured import PHASES
 from trainprof.projection.source import (PROBES_FILE, ProjectionError, Source, ensure_calibration, kept_probe,
                                          load_source, same_machine_as_source)
 from trainprof.projection.stepmodel import Change, Inputs, predict_phases, residual_ms
-from trainprof.projection.validation import confidence, load_validation
+from trainprof.projection.validation import HOST_BOUND_MARK, confidence, load_validation
 from trainprof.recipe import shape_label
 from trainprof.shapes import DTYPE_BYTES
 
@@ -382,7 +382,7 @@ class Projector:
             conf = dataclasses.replace(conf, why=f"{conf.why}; {src.recipe.task.kind} -> {r.task.kind}: host "
                                                  "likely low")
         if any(a.kind == "host_bound_target" for a in notes):
-            conf = dataclasses.replace(conf, marks=(*conf.marks, "predicted host-bound"))
+            conf = dataclasses.replace(conf, marks=(*conf.marks, HOST_BOUND_MARK))
         pred: dict[str, Any] = {
             "hardware": t.machine if t.hardware is not None else
             f"this ({src.profile['env']['device']}" + (f", {t.threads} threads" if t.threads else "") + ")",

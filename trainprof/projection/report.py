@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from trainprof.io import atomic_write_json
 from trainprof.projection.changes import counts_ranks
+from trainprof.projection.validation import HOST_BOUND_MARK
 from trainprof.report.projections import PROJECTION_FILE, PROJECTIONS_DIR
 from trainprof.phases import PHASES
 from trainprof.report.plots import figure, pyplot, save_figure
@@ -296,11 +297,12 @@ def _table_cell(cell: dict[str, Any], footnote: Callable[[str], str]) -> str:
     if cell.get("tokens_per_s") is None:
         why = footnote(cell.get("reason") or "no prediction")
         return f"{mb}, tokens/s n/a {why}" if cell.get("micro_batch") is not None else f"n/a {why}"
+    host = ", host-bound" if HOST_BOUND_MARK in (cell.get("confidence") or "") else ""
     if cell.get("micro_batch") is not None:
-        return f"{mb}: {cell['tokens_per_s']:,.0f}"
+        return f"{mb}: {cell['tokens_per_s']:,.0f}{host}"
     mem = f", {cell['memory_gib']:.1f} GiB" if cell.get("memory_gib") else ""
     fit = "" if cell.get("fits") is not False else ", does not fit"
-    return f"{cell['tokens_per_s']:,.0f}{mem}{fit}"
+    return f"{cell['tokens_per_s']:,.0f}{mem}{fit}{host}"
 
 
 TABLE_TITLES = {"table_iii": "Table III: pretraining, tokens/s (all GPUs) and memory per GPU, per method",
@@ -337,6 +339,8 @@ def _research_notes(result: dict[str, Any], footnote: _Footnotes) -> list[str]:
             f"{' '.join(result['defaults'])}; the research measured these on real 8-GPU platforms "
             "(Zhang et al., arXiv 2311.03687): these cells are predictions, not its figures",
             "confidence of the cells: " + ", ".join(f"'{c}'" for c in confidences),
+            "host-bound: the predicted step waits for the host's operator calls (more than the GPU's work), "
+            "so a faster GPU does not shorten it",
             "n/a [k]: why the figure is not predicted (a recipe rule refusing the combination, or a change the "
             "step model does not re-derive, e.g. 4-bit Adam states):", *footnote.lines()]
 

@@ -15,6 +15,9 @@ VALIDATION_FILE = Path(__file__).with_name("validation.json")
 GPU_VALIDATION_FILE = Path(__file__).with_name("validation_gpu.json")
 
 
+HOST_BOUND_MARK = "predicted host-bound"  # a GPU target's host calls outlast its device work (stepmodel)
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Confidence:
     """What the table shows beside a prediction: `label` (measured | validated | unvalidated | low), a short `why`
