@@ -722,7 +722,7 @@ def test_assumptions_are_records_whose_text_renders_from_their_values():
         assume("no_such_kind")
 
 
-def test_hardware_command_and_one_line_errors(capsys):
+def test_hardware_command_and_one_line_errors(capsys, tmp_path):
     from trainprof.cli import main
 
     assert main(["hardware", "--sources"]) == 0
@@ -731,6 +731,10 @@ def test_hardware_command_and_one_line_errors(capsys):
     assert main(["project", str(REPO / "nope")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "profile.json" in err
+    (tmp_path / "inference.json").write_text("{}")  # a `trainprof infer` run dir: told what it is
+    assert main(["project", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is an inference run" in err
 
 
 @pytest.mark.timed

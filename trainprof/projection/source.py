@@ -45,6 +45,10 @@ def load_source(run_dir: str | Path, overrides: list[str] | None = None) -> tupl
 
     run_dir = Path(run_dir)
     path = profile_file(run_dir)
+    if path is None and (run_dir / "inference.json").is_file():
+        raise ProjectionError(f"'{run_dir}' is an inference run (`trainprof infer`); `trainprof project` predicts "
+                              "training steps: pass a run dir written by `trainprof run`, `trainprof wrap` or a "
+                              "trainprof callback")
     if path is None:
         raise ProjectionError(f"'{run_dir}' has no profile.json; pass a run dir written by `trainprof run`, "
                               "`trainprof wrap` or a trainprof callback")
