@@ -128,7 +128,7 @@ class Projector:
         tgt_census = census(recipe)
         other_params = "task" in kinds or "model_size" in kinds
         trainable_t = tgt_census.trainable if other_params else float(src.profile["params"]["trainable"])
-        dtype_bytes = DTYPE_BYTES.get(recipe.model.dtype, 2) if "dtype" in kinds else None
+        dtype_bytes = DTYPE_BYTES[recipe.model.dtype] if "dtype" in kinds else None
         comm = CommTarget(
             engine=recipe.engine.kind, zero_stage=zero_stage_of(recipe), world_size=world,
             grad_accum=recipe.train.grad_accum,
@@ -378,11 +378,12 @@ class Projector:
         gpus = (self.source_gpu, self.catalog.accelerator_key(t.hardware)) if t.hardware is not None else None
         conf = confidence(t.kinds, self.validation, host_bound=host_bound, source_device=src.measured.device_type,
                           gpus=gpus)
-        if any(a.kind == "gpu_ops_finetune" for a in notes):  # in the table cell, not only among the assumptions
-            conf = dataclasses.replace(conf, why=f"{conf.why}; {src.recipe.task.kind} -> {r.task.kind}: host "
-                                                 "likely low")
-        if any(a.kind == "host_bound_target" for a in notes):
-            conf = dataclasses.replace(conf, marks=(*conf.marks, HOST_BOUND_MARK))
+        noted, marks = {a.kind for a in notes}, []  # in the table cell, not only among the assumptions
+        if "gpu_ops_finetune" in noted:
+            marks.append(f"{src.recipe.task.kind} -> {r.task.kind}: host likely low")
+        if "host_bound_target" in noted:
+            marks.append(HOST_BOUND_MARK)
+        conf = dataclasses.replace(conf, marks=tuple(marks))
         pred: dict[str, Any] = {
             "hardware": t.machine if t.hardware is not None else
             f"this ({src.profile['env']['device']}" + (f", {t.threads} threads" if t.threads else "") + ")",
