@@ -10,12 +10,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from helpers.machine import MachineLock, file_lock
+from helpers.warm import WarmPool
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "quickstart_cpu.yaml"
@@ -38,17 +40,38 @@ ZERO2_2RANK = (2, "train.steps=16", "engine.zero_stage=2", "profile.ops=true", N
 MEASURED = (QUICKSTART_2RANK, ZERO2_2RANK)
 
 
+# TRAINPROF_TEST_COLD=1: run_trainprof launches `torchrun`/`python -m trainprof.run` processes, as a user
+# does, instead of forking the ranks from a warm server (helpers/warm.py)
+COLD = os.environ.get("TRAINPROF_TEST_COLD") == "1"
+WARM = WarmPool(Path(tempfile.gettempdir()) / f"trainprof-warm-{os.getpid()}.log")
+# `trainprof` for a command that runs cells (sweep, scale): its cells' ranks forked from warm servers too
+TRAINPROF_CELLS = [sys.executable, "-m", "trainprof"] if COLD else [sys.executable, str(REPO / "tests" / "helpers" / "warm_cli.py")]
+
+
 def run_trainprof(tmp_path: Path, nproc: int, *overrides: str, recipe: Path = QUICKSTART,
                   timeout: int = 240) -> tuple[Path, dict]:
     """Run `torchrun --nproc_per_node N -m trainprof.run RECIPE ...` (one rank: `python -m trainprof.run`,
-    as a sweep's cell runs, without torchrun's 2-3 s of start-up); return (run dir, profile.json)."""
+    as a sweep's cell runs, without torchrun's 2-3 s of start-up); return (run dir, profile.json). The ranks
+    are forked from a warm server that has done their imports (helpers/warm.py), unless COLD."""
     from trainprof.sweep.launch import launch_command
 
     out = tmp_path / "runs"
-    cmd = launch_command(str(recipe), [*FAST, *overrides, f"output.dir={out}"], nproc=nproc)
+    args = [str(recipe), *FAST, *overrides, f"output.dir={out}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    assert proc.returncode == 0, f"run failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    if COLD:
+        cmd = launch_command(args[0], args[1:], nproc=nproc)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+        code, stderr = proc.returncode, proc.stderr
+    else:
+        logs = tmp_path / "warm-logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        reply = WARM.run(args, nproc=nproc, env=env, cwd=REPO, logs=logs / "run", timeout=timeout)
+        if reply["timed_out"]:
+            raise subprocess.TimeoutExpired(["trainprof.run", *args], timeout)
+        code = next((c for c in reply["codes"] if c), 0)
+        stderr = "".join(f"[rank {r}] " + (logs / f"run.rank{r}.err").read_text()[-4000 // nproc:]
+                         for r in range(nproc))
+    assert code == 0, f"run failed ({code}):\n{stderr[-4000:]}"
     (run_dir,) = list(out.iterdir())
     return run_dir, json.loads((run_dir / "profile.json").read_text())
 

@@ -9,14 +9,13 @@ import copy
 import csv
 import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import QUIET
+from conftest import QUIET, run_trainprof
 from tests.helpers.checks import retry_on_noise
 from trainprof.analysis.diff import MIN_BAND, NOISE_SAFETY, diff_profiles
 from trainprof.report.diff_report import run_diff, write_diff
@@ -119,12 +118,7 @@ REAL = ["engine.kind=torch", "engine.zero_stage=0", "data.seq_len=2048", "model.
 
 def _run(out: Path, attention: str) -> Path:
     """One real single-process run of the CPU quickstart recipe (`python -m trainprof.run`)."""
-    cmd = [sys.executable, "-m", "trainprof.run", str(REPO / "recipes" / "quickstart_cpu.yaml"), *REAL,
-           f"model.attention={attention}", f"output.dir={out}", f"output.name={attention}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = [p for p in out.iterdir() if p.name.startswith(attention)]
+    run_dir, _ = run_trainprof(out, 1, *REAL, f"model.attention={attention}", f"output.name={attention}", timeout=300)
     return run_dir
 
 
