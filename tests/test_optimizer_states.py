@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pandas as pd
 import pytest
 import torch
 
-from conftest import QUIET, REPO, run_trainprof
+from conftest import QUIET, REPO, TRAINPROF_CELLS, run_trainprof
 from trainprof.engines.optim import param_groups
 from trainprof.models import build_model
 from trainprof.plan import estimate_plan
@@ -81,7 +80,7 @@ cells:
   - {{name: ZeRO-3 + 4-bit, overrides: [optimizer.state_bits=4]}}
 """)
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "trainprof", "sweep", str(sweep), "--out", str(out)],
+    proc = subprocess.run([*TRAINPROF_CELLS, "sweep", str(sweep), "--out", str(out)],
                           capture_output=True, text=True, timeout=880, cwd=REPO,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

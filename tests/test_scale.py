@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -14,12 +13,12 @@ import pytest
 
 from trainprof.sweep.scaling import PARTS
 
-from conftest import FAST, QUICKSTART, QUIET, REPO
+from conftest import FAST, QUICKSTART, QUIET, REPO, TRAINPROF_CELLS
 
 
 def scale(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "trainprof", "scale", *args], capture_output=True, text=True,
+    return subprocess.run([*TRAINPROF_CELLS, "scale", *args], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=timeout)
 
 

@@ -7,28 +7,27 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pandas as pd
 import pytest
 import yaml
 
-from conftest import QUIET, REPO
+from conftest import QUIET, REPO, TRAINPROF_CELLS
 
 SWEEP = REPO / "recipes" / "sweeps" / "zero_recompute_attention_cpu.yaml"
 
 
 def run_sweep(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "trainprof", "sweep", *args], capture_output=True, text=True,
+    return subprocess.run([*TRAINPROF_CELLS, "sweep", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_zero_recompute_attention_sweep(tmp_path):
-    # the shipped file's 12 cells, validated; the cells run are its ZeRO-0 and ZeRO-3 ones (each cell is a
-    # process of 7-9 s, most of it imports; ZeRO-2 runs in test_engines)
+    # the shipped file's 12 cells, validated; the cells run are its ZeRO-0 and ZeRO-3 ones (forked warm:
+    # helpers/warm_cli.py; ZeRO-2 runs in test_engines)
     listed = run_sweep(str(SWEEP), "--dry-run", timeout=120)
     assert listed.returncode == 0 and listed.stdout.count("engine.zero_stage=") == 12, listed.stdout[-2000:]
     spec = yaml.safe_load(SWEEP.read_text())
