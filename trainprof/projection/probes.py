@@ -33,6 +33,7 @@ PROBE_ROUNDS = 12  # timed calls per model in a probe (their median counts), aft
 # worth; such shapes are re-derived from their GEMMs instead (projection/gemm.py)
 PROBE_MAX_LAYER_PARAMS = 60_000_000
 PROBE_MAX_PARAMS = 200_000_000  # k, the layers of the larger probe model, stays under this
+GO_TIMEOUT_S = 300.0  # how long an engine probe waits for its busy neighbours (they get 120 s to start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,14 +164,17 @@ def _group_env(rank: int, world: int, threads: int, port: int) -> dict[str, str]
 
 
 @contextlib.contextmanager
-def busy_neighbours(recipe: Any, count: int, threads: int):
+def busy_neighbours(recipe: Any, count: int, threads: int, go: Path | None = None):
     """`count` other processes running the recipe's model at its shape while a probe times it: the
-    ranks of a CPU run share the machine's memory bandwidth and caches, and a probe alone would not."""
+    ranks of a CPU run share the machine's memory bandwidth and caches, and a probe alone would not.
+    `go`: a file written once they run, for a probe process started before them to begin timing."""
     import subprocess
     import sys
     import tempfile
 
     if count <= 0:
+        if go is not None:
+            go.write_text("1")
         yield
         return
     with tempfile.TemporaryDirectory(prefix="trainprof-probe-") as tmp:
@@ -185,6 +189,8 @@ def busy_neighbours(recipe: Any, count: int, threads: int):
                 if any(p.poll() is not None for p in procs):
                     break
                 time.sleep(0.1)
+            if go is not None:
+                go.write_text("1")
             yield
         finally:
             for p in procs:
@@ -233,14 +239,21 @@ def probe_engines(recipes: list[Any], *, threads: int, rounds: int = 8, neighbou
 
     with tempfile.TemporaryDirectory(prefix="trainprof-engine-probe-") as tmp:
         paths = [_recipe_file(recipe, Path(tmp) / f"recipe{i}.yaml") for i, recipe in enumerate(recipes)]
-        out = Path(tmp) / "probe.json"
+        out, go = Path(tmp) / "probe.json", Path(tmp) / "go"
         env = _group_env(0, 1, threads, free_port())
-        with busy_neighbours(recipes[0], neighbours, threads):
-            proc = subprocess.run([sys.executable, "-m", "trainprof.projection.probes", "--probe-engines",
-                                   str(rounds), str(int(bare)), str(out), *map(str, paths)], env=env,
-                                  capture_output=True, text=True, timeout=600)
+        # the probe imports and builds its engines while the neighbours start; it times once they run
+        proc = subprocess.Popen([sys.executable, "-m", "trainprof.projection.probes", "--probe-engines",
+                                 str(rounds), str(int(bare)), str(out), str(go), *map(str, paths)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            with busy_neighbours(recipes[0], neighbours, threads, go=go):
+                _, stderr = proc.communicate(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         if proc.returncode != 0 or not out.is_file():
-            raise ValueError(f"the engine probe failed ({_error_line(proc.stderr)[:200]})")
+            raise ValueError(f"the engine probe failed ({_error_line(stderr)[:200]})")
         return json.loads(out.read_text())
 
 
@@ -261,7 +274,7 @@ def _probe_engines_main(argv: list[str]) -> int:
     from trainprof.models import resolve_shape
     from trainprof.recipe import load_recipe
 
-    rounds, bare, out, *paths = argv
+    rounds, bare, out, go, *paths = argv
     recipes = [load_recipe(p, ["train.grad_accum=1"]) for p in paths]  # every micro batch a boundary
     ctx = DistContext.from_env()
     apply_host_allocator(ctx.device, recipes[0].train.cpu_allocator)
@@ -278,6 +291,11 @@ def _probe_engines_main(argv: list[str]) -> int:
         batches.append({"input_ids": ids, "labels": ids})
     timed: list[dict[str, list[float]]] = [{"engine_forward_ms": [], "engine_backward_ms": [], "engine_step_ms": [],
                                             "model_forward_ms": [], "model_backward_ms": []} for _ in recipes]
+    deadline = time.monotonic() + GO_TIMEOUT_S
+    while not Path(go).exists():  # until the busy neighbours run
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no go from the probe's parent after {GO_TIMEOUT_S:.0f} s")
+        time.sleep(0.01)
     for i in range(int(rounds) + 2):
         for k, engine in enumerate(engines):
             t0 = time.perf_counter()
