@@ -45,7 +45,8 @@ MEASURED = (QUICKSTART_2RANK, ZERO2_2RANK)
 COLD = os.environ.get("TRAINPROF_TEST_COLD") == "1"
 WARM = WarmPool(Path(tempfile.gettempdir()) / f"trainprof-warm-{os.getpid()}.log")
 # `trainprof` for a command that runs cells (sweep, scale): its cells' ranks forked from warm servers too
-TRAINPROF_CELLS = [sys.executable, "-m", "trainprof"] if COLD else [sys.executable, str(REPO / "tests" / "helpers" / "warm_cli.py")]
+TRAINPROF_CELLS = [sys.executable, "-m", "trainprof"] if COLD else \
+    [sys.executable, str(REPO / "tests" / "helpers" / "warm_cli.py")]
 
 
 def run_trainprof(tmp_path: Path, nproc: int, *overrides: str, recipe: Path = QUICKSTART,

@@ -19,7 +19,6 @@ import json
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -107,12 +106,6 @@ class WarmServer:
             self.proc.kill()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_env(rank: int, nproc: int, port: int, error_file: str) -> dict[str, str]:
     """What torchrun's agent sets for a rank on one node (torch.distributed.elastic)."""
     if nproc == 1:  # `python -m trainprof.run`: no launcher at all
@@ -162,7 +155,9 @@ def _stop(pids: list[int], sig: int) -> None:
 
 
 def serve_one(request: dict) -> dict:
-    port = _free_port()
+    from trainprof.distributed import free_port
+
+    port = free_port()
     rank_of = {}
     for rank in range(request["nproc"]):
         pid = os.fork()
