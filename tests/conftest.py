@@ -69,7 +69,7 @@ def run_trainprof(tmp_path: Path, nproc: int, *overrides: str, recipe: Path = QU
         reply = WARM.run(args, nproc=nproc, env=env, cwd=REPO, logs=logs / "run", timeout=timeout)
         if reply["timed_out"]:
             raise subprocess.TimeoutExpired(["trainprof.run", *args], timeout)
-        code = next((c for c in reply["codes"] if c), 0)
+        code = reply["code"]
         stderr = "".join(f"[rank {r}] " + (logs / f"run.rank{r}.err").read_text()[-4000 // nproc:]
                          for r in range(nproc))
     assert code == 0, f"run failed ({code}):\n{stderr[-4000:]}"

@@ -52,7 +52,8 @@ class WarmPool:
     def run(self, args: list[str], *, nproc: int, env: dict[str, str], cwd: Path, logs: Path,
             timeout: float) -> dict:
         """`python -m trainprof.run ARGS` (ARGS: the recipe, then its overrides) on `nproc` ranks; the
-        reply's `codes` are the ranks' exit codes, `timed_out` whether they were stopped at `timeout`.
+        reply's `code` is the first failing rank's exit code (0: none failed), `codes` the ranks' own, and
+        `timed_out` whether they were stopped at `timeout`.
         Rank r's output is in LOGS.rank{r}.out and .err."""
         from trainprof.recipe import RecipeError, load_recipe
 
@@ -165,12 +166,14 @@ def serve_one(request: dict) -> dict:
             _rank(request, rank, port)
         rank_of[pid] = rank
     codes: dict[int, int] = {}
+    first_failure: int | None = None  # the run's exit code, as torchrun reports the first failure
     deadline, stop_at, timed_out = time.monotonic() + request["timeout"], None, False
     while len(codes) < len(rank_of):
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid:
             codes[rank_of[pid]] = os.waitstatus_to_exitcode(status)
-            if codes[rank_of[pid]] != 0 and stop_at is None:  # torchrun stops the rest of the group
+            if codes[rank_of[pid]] != 0 and first_failure is None:  # torchrun stops the rest of the group
+                first_failure = codes[rank_of[pid]]
                 _stop([p for p, r in rank_of.items() if r not in codes], signal.SIGTERM)
                 stop_at = time.monotonic() + GRACE_S
             continue
@@ -184,7 +187,8 @@ def serve_one(request: dict) -> dict:
         time.sleep(POLL_S)
     for pid in rank_of:  # what a rank left behind (its own child processes) goes with it
         _stop([pid], signal.SIGKILL)
-    return {"id": request["id"], "codes": [codes[r] for r in range(len(rank_of))], "timed_out": timed_out}
+    return {"id": request["id"], "code": first_failure or 0, "codes": [codes[r] for r in range(len(rank_of))],
+            "timed_out": timed_out}
 
 
 def main(preload: list[str]) -> None:

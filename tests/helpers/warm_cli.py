@@ -34,7 +34,7 @@ def launch(cmd: list[str], *, log_path: Path, timeout_s: float, env: dict[str, s
                      timeout=timeout_s)
     outputs = [Path(f"{logs}.rank{r}.{kind}").read_text() for r in range(nproc) for kind in ("out", "err")]
     log_path.write_text("+ " + " ".join(cmd) + "\n" + "".join(outputs))
-    code = next((c for c in reply["codes"] if c), 0)
+    code = reply["code"]
     return Launch(returncode=code, elapsed_s=time.monotonic() - start, timed_out=reply["timed_out"],
                   log=str(log_path))
 
