@@ -3,15 +3,13 @@ a user launches with torchrun, less the imports; a failing or overdue run ends a
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import time
 
 import psutil
 import pytest
 
-from conftest import COLD, FAST, QUICKSTART, QUIET, REPO, run_trainprof
+from conftest import COLD, QUIET, run_trainprof
 
 pytestmark = pytest.mark.skipif(COLD, reason="TRAINPROF_TEST_COLD=1: no warm starts to check")
 
@@ -20,16 +18,8 @@ CONFIG = ("engine.zero_stage=3", *QUIET)
 
 @pytest.mark.slow
 def test_a_warm_run_is_the_torchrun_run_less_its_imports(tmp_path):
-    from trainprof.sweep.launch import launch_command
-
     _, warm = run_trainprof(tmp_path / "warm", 2, *CONFIG)
-    out = tmp_path / "cold"
-    cmd = launch_command(str(QUICKSTART), [*FAST, *CONFIG, f"output.dir={out}"], nproc=2)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (cold_dir,) = list(out.iterdir())
-    cold = json.loads((cold_dir / "profile.json").read_text())
+    _, cold = run_trainprof(tmp_path / "cold", 2, *CONFIG, cold=True)  # through torchrun
     # the same training, bit for bit (seeded, on the same engine and ranks)
     assert [s["loss"] for s in warm["steps"]] == [s["loss"] for s in cold["steps"]]
     assert warm["env"]["world_size"] == cold["env"]["world_size"] == 2
