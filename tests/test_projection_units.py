@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import time
 
 import pytest
 import torch
@@ -793,6 +794,77 @@ def test_probe_engines_times_the_bare_model_beside_each_engine():
     assert 0.6 < plain["engine_forward_ms"] / plain["model_forward_ms"] < 1.6
     assert set(probe_engines(recipes[1:], threads=1, rounds=1)[0]) == {"engine_forward_ms", "engine_backward_ms",
                                                                        "engine_step_ms"}
+
+
+def busy_children() -> list:
+    """This process's busy-neighbour processes (`python -m trainprof.projection.probes --busy ...`)."""
+    import psutil
+
+    return [c for c in psutil.Process().children() if "--busy" in c.cmdline()]
+
+
+def alive(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_for_status(proc, status: str, timeout: float = 5.0) -> str:
+    deadline = time.monotonic() + timeout
+    while proc.status() != status and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return proc.status()
+
+
+def test_busy_neighbours_are_kept_across_probes_stopped_between_them_and_die_with_the_projection():
+    """A Projector's neighbours start with its first probe, are stopped (SIGSTOP) between probes, so that
+    nothing else a projection times shares the machine with them, run again at once for the next probe,
+    and are killed at close(), or by the kernel when the process that started them exits without it."""
+    import subprocess
+
+    import psutil
+
+    from trainprof.projection.probes import Neighbours
+
+    recipe = load_recipe(QUICK, ["train.micro_batch_size=1", "data.seq_len=32"])
+    pool = Neighbours()
+    try:
+        with pool.busy(recipe, 1, threads=1):
+            (proc,) = busy_children()
+            assert wait_for_status(proc, psutil.STATUS_RUNNING) == psutil.STATUS_RUNNING
+        assert wait_for_status(proc, psutil.STATUS_STOPPED) == psutil.STATUS_STOPPED
+        t0 = time.monotonic()
+        with pool.busy(recipe, 1, threads=1):
+            assert time.monotonic() - t0 < 1.0  # no second start
+            assert busy_children() == [proc]
+            assert wait_for_status(proc, psutil.STATUS_RUNNING) == psutil.STATUS_RUNNING
+    finally:
+        pool.close()
+    assert not proc.is_running() and busy_children() == []
+
+    # a projection killed before its close(): its stopped neighbour does not outlive it
+    code = ("import os, sys; from trainprof.recipe import load_recipe; "
+            "from trainprof.projection.probes import Neighbours; "
+            f"busy = Neighbours().busy(load_recipe({str(QUICK)!r}, ['data.seq_len=32']), 1, threads=1); "
+            "busy.__enter__(); busy.__exit__(None, None, None); sys.stdin.readline(); os._exit(0)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (orphan := [c for c in psutil.Process(parent.pid).children() if "--busy" in c.cmdline()]):
+            assert time.monotonic() < deadline and parent.poll() is None
+            time.sleep(0.1)
+        (neighbour,) = orphan
+        assert wait_for_status(neighbour, psutil.STATUS_STOPPED, timeout=120) == psutil.STATUS_STOPPED
+        parent.communicate("exit\n", timeout=60)
+        deadline = time.monotonic() + 10
+        while alive(neighbour):  # killed by the kernel, not left stopped for good
+            assert time.monotonic() < deadline, neighbour.status()
+            time.sleep(0.05)
+    finally:
+        parent.kill()
 
 
 def test_the_research_tables_rows_are_the_sweep_files_cells():

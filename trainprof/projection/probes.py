@@ -106,7 +106,7 @@ def bare_model(recipe: Any, shape: ProbeShape, layers: int) -> tuple[torch.nn.Mo
 
 
 def probe_parts(probes: list[Any], *, threads: int | list[int] | None = None, rounds: int = PROBE_ROUNDS,
-                neighbours: int = 0, steps: bool = False) -> list[PartProbe]:
+                neighbours: int = 0, steps: bool = False, pool: Neighbours | None = None) -> list[PartProbe]:
     """One decoder layer's and the rest of the model's forward and backward ms for each recipe at its
     shape (see the module docstring), all models called in turn within each round, with `neighbours`
     busy processes running the first recipe's model meanwhile.
@@ -117,6 +117,7 @@ def probe_parts(probes: list[Any], *, threads: int | list[int] | None = None, ro
             probed as a change of shape is); None: as set now.
         steps: also time a mixed-precision AdamW step after each backward (`MixedPrecisionStep`), for its
             cost per parameter element at each shape.
+        pool: keeps the neighbours for later probes (busy_neighbours).
     """
     from trainprof.env import apply_host_allocator
 
@@ -134,7 +135,7 @@ def probe_parts(probes: list[Any], *, threads: int | list[int] | None = None, ro
         keys = list(models)
         timed: dict[Any, dict[str, list[float]]] = {key: {"forward": [], "backward": [], "step": []} for key in keys}
         stepper = {key: MixedPrecisionStep(models[key]) for key in keys} if steps else {}
-        with busy_neighbours(probes[0], neighbours, per_probe[0]):
+        with busy_neighbours(probes[0], neighbours, per_probe[0], pool=pool):
             _probe_rounds(models, batches, keys, rounds, timed, threads_of, stepper)
         out = []
         for j, k in enumerate(ks):
@@ -163,39 +164,102 @@ def _group_env(rank: int, world: int, threads: int, port: int) -> dict[str, str]
             "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
-@contextlib.contextmanager
-def busy_neighbours(recipe: Any, count: int, threads: int, go: Path | None = None):
-    """`count` other processes running the recipe's model at its shape while a probe times it: the
-    ranks of a CPU run share the machine's memory bandwidth and caches, and a probe alone would not.
-    `go`: a file written once they run, for a probe process started before them to begin timing."""
-    import subprocess
-    import sys
-    import tempfile
+class Neighbours:
+    """The busy neighbours of one projection's probes (see busy_neighbours), kept from the first probe that
+    needs them to `close()`: stopped (SIGSTOP) between probes, so that nothing else the projection times
+    shares the machine with them, and resumed (SIGCONT) for each, so that only the first probe waits the
+    4-5 s of their start."""
 
-    if count <= 0:
-        if go is not None:
-            go.write_text("1")
-        yield
-        return
-    with tempfile.TemporaryDirectory(prefix="trainprof-probe-") as tmp:
-        path = _recipe_file(recipe, Path(tmp) / "recipe.yaml")
-        ready = [Path(tmp) / f"ready{i}" for i in range(count)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        procs = [subprocess.Popen([sys.executable, "-m", "trainprof.projection.probes", "--busy", str(path), str(r)],
-                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in ready]
+    def __init__(self) -> None:
+        self._tmp: Any = None
+        # (recipe as YAML, threads) -> [(process, the file it writes once its model runs)]
+        self._procs: dict[tuple[str, int], list[tuple[Any, Path]]] = {}
+
+    @contextlib.contextmanager
+    def busy(self, recipe: Any, count: int, threads: int, go: Path | None = None):
+        """`count` neighbours running `recipe`'s model on `threads` for the block; `go` as busy_neighbours'."""
+        import signal
+
+        procs = self._started(recipe, count, threads) if count > 0 else []
         try:
+            for p, _ in procs:
+                p.send_signal(signal.SIGCONT)
             deadline = time.monotonic() + 120
-            while not all(r.exists() for r in ready) and time.monotonic() < deadline:
-                if any(p.poll() is not None for p in procs):
+            while not all(ready.exists() for _, ready in procs) and time.monotonic() < deadline:
+                if any(p.poll() is not None for p, _ in procs):
                     break
                 time.sleep(0.1)
             if go is not None:
                 go.write_text("1")
             yield
         finally:
-            for p in procs:
-                p.kill()
-                p.wait()
+            for p, _ in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGSTOP)
+
+    def _started(self, recipe: Any, count: int, threads: int) -> list[tuple[Any, Path]]:
+        import subprocess
+        import sys
+        import tempfile
+
+        import yaml
+
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="trainprof-probe-")
+        tmp = Path(self._tmp.name)
+        key = (yaml.safe_dump(recipe.to_dict(), sort_keys=False), threads)
+        procs = self._procs.setdefault(key, [])
+        path = tmp / f"recipe{list(self._procs).index(key)}.yaml"
+        if not path.exists():
+            path.write_text(key[0])
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        while len(procs) < count:
+            ready = tmp / f"ready{sum(map(len, self._procs.values()))}"
+            procs.append((subprocess.Popen([sys.executable, "-m", "trainprof.projection.probes", "--busy", str(path),
+                                            str(ready), str(os.getpid())],
+                                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), ready))
+        return procs[:count]
+
+    def close(self) -> None:
+        for p, _ in (proc for procs in self._procs.values() for proc in procs):
+            p.kill()
+            p.wait()
+        self._procs.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+@contextlib.contextmanager
+def busy_neighbours(recipe: Any, count: int, threads: int, go: Path | None = None, pool: Neighbours | None = None):
+    """`count` other processes running the recipe's model at its shape while a probe times it: the
+    ranks of a CPU run share the machine's memory bandwidth and caches, and a probe alone would not.
+    `go`: a file written once they run, for a probe process started before them to begin timing.
+    `pool`: where they are kept for later probes (else they are killed after the block)."""
+    if pool is not None:
+        with pool.busy(recipe, count, threads, go):
+            yield
+        return
+    pool = Neighbours()
+    try:
+        with pool.busy(recipe, count, threads, go):
+            yield
+    finally:
+        pool.close()
+
+
+def _die_with_parent(parent: int) -> None:
+    """A neighbour loops until it is killed, stopped or not: on Linux, the kernel kills it when the process
+    that started it exits, however that exits."""
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it exited before prctl
+            os._exit(1)
 
 
 def _busy_main(argv: list[str]) -> int:
@@ -203,7 +267,8 @@ def _busy_main(argv: list[str]) -> int:
     from trainprof.models import resolve_shape
     from trainprof.recipe import load_recipe
 
-    path, ready = argv
+    path, ready, parent = argv
+    _die_with_parent(int(parent))
     recipe = load_recipe(path, [])
     apply_host_allocator(torch.device("cpu"), recipe.train.cpu_allocator)
     model, batch = bare_model(recipe, ProbeShape.of(recipe), resolve_shape(recipe.model).num_layers)
@@ -214,7 +279,7 @@ def _busy_main(argv: list[str]) -> int:
 
 
 def probe_engines(recipes: list[Any], *, threads: int, rounds: int = 8, neighbours: int = 0,
-                  bare: bool = False) -> list[dict[str, float]]:
+                  bare: bool = False, pool: Neighbours | None = None) -> list[dict[str, float]]:
     """Forward and backward ms of one micro batch through each recipe's own engine (DeepSpeed at its
     ZeRO stage and offload, or plain torch), all built in one fresh process in a group of one and
     called alternately (drift hits all of them), the median of `rounds` after 2 warm-up rounds, with
@@ -222,7 +287,7 @@ def probe_engines(recipes: list[Any], *, threads: int, rounds: int = 8, neighbou
     parameter fetch and release at every module, gradient bucketing, the optimizer wrapper) is in
     these times, and the optimizer step (`engine.step()`) is timed apart; communication at world size 1 is
     not. With `bare`, each recipe's bare model is called in the same rounds too, so engine minus bare
-    keeps little of the drift.
+    keeps little of the drift. `pool` keeps the neighbours for later probes (busy_neighbours).
 
     Returns:
         per recipe: {engine_forward_ms, engine_backward_ms, engine_step_ms}, and with `bare` also {model_forward_ms,
@@ -246,7 +311,7 @@ def probe_engines(recipes: list[Any], *, threads: int, rounds: int = 8, neighbou
                                  str(rounds), str(int(bare)), str(out), str(go), *map(str, paths)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
-            with busy_neighbours(recipes[0], neighbours, threads, go=go):
+            with busy_neighbours(recipes[0], neighbours, threads, go=go, pool=pool):
                 _, stderr = proc.communicate(timeout=600)
         finally:
             if proc.poll() is None:
@@ -448,5 +513,5 @@ if __name__ == "__main__":
         sys.exit(_probe_engines_main(sys.argv[2:]))
     if sys.argv[1:2] == ["--engine-resident"]:
         sys.exit(_engine_resident_main(sys.argv[2:]))
-    sys.exit("usage: python -m trainprof.projection.probes --busy RECIPE READY | --probe-engines ... | "
+    sys.exit("usage: python -m trainprof.projection.probes --busy RECIPE READY PARENT_PID | --probe-engines ... | "
              "--engine-resident STEPS RECIPE")

@@ -98,6 +98,19 @@ class Projector:
         self.source_threads = int(env.get("cpu_threads") or 1)
         self.source_census = census(source.recipe)
         self.source_gpu = find_accelerator(catalog, env.get("device", ""))  # None: a CPU, or a GPU not catalogued
+        from trainprof.projection.probes import Neighbours
+
+        self.neighbours = Neighbours()  # the probes' busy neighbours, kept across them until close()
+
+    def __enter__(self) -> "Projector":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stops the probes' busy neighbours."""
+        self.neighbours.close()
 
     # -- one prediction ----------------------------------------------------------------------------
 
@@ -186,7 +199,7 @@ class Projector:
         if "step_ms" in reasons:
             return inputs  # nothing to probe for a step that will not be predicted
         reshaped = any(KINDS[k].reshapes for k in t.kinds if k in KINDS)
-        neighbours_differ = self.neighbours(m.world_size) != self.neighbours(t.world)
+        neighbours_differ = self.neighbour_count(m.world_size) != self.neighbour_count(t.world)
         threads = t.threads if t.threads and t.threads != self.source_threads else None
         from trainprof.projection.probes import probeable
 
@@ -474,7 +487,7 @@ class Projector:
 
     # -- probes and measurements, cached -------------------------------------------------------------
 
-    def neighbours(self, world: int) -> int:
+    def neighbour_count(self, world: int) -> int:
         """Other ranks that share this machine with each rank of a `world`-rank run: on a CPU all of them
         (their compute contends for the same cores, caches and memory bandwidth), on a GPU none."""
         return world - 1 if self.source.profile["env"].get("device_type") == "cpu" else 0
@@ -488,7 +501,7 @@ class Projector:
 
         src, src_world = self.source.recipe, self.source.measured.world_size
         target_recipe = in_dtype(target_recipe, src.model.dtype)  # a dtype change is the engine probe's
-        nb_s, nb_t = self.neighbours(src_world), self.neighbours(world)
+        nb_s, nb_t = self.neighbour_count(src_world), self.neighbour_count(world)
         th_s, th_t = self.source_threads, threads or self.source_threads
         # a changed model also has its optimizer step's pass timed, where the state is fp32 AdamW's
         steps = model_shape(src) != model_shape(target_recipe) and target_recipe.optimizer.state_bits == 32
@@ -497,10 +510,12 @@ class Projector:
         if key not in self._cache:
             def make() -> list[dict[str, Any]]:
                 if nb_s == nb_t:
-                    probes = probe_parts([src, target_recipe], threads=[th_s, th_t], neighbours=nb_s, steps=steps)
+                    probes = probe_parts([src, target_recipe], threads=[th_s, th_t], neighbours=nb_s, steps=steps,
+                                         pool=self.neighbours)
                 else:
-                    probes = [*probe_parts([src], threads=th_s, neighbours=nb_s, steps=steps),
-                              *probe_parts([target_recipe], threads=th_t, neighbours=nb_t, steps=steps)]
+                    probes = [*probe_parts([src], threads=th_s, neighbours=nb_s, steps=steps, pool=self.neighbours),
+                              *probe_parts([target_recipe], threads=th_t, neighbours=nb_t, steps=steps,
+                                           pool=self.neighbours)]
                 return [dataclasses.asdict(p) for p in probes]
 
             s, t = (PartProbe(**d) for d in self._kept(key, "parts", make))
@@ -529,7 +544,7 @@ class Projector:
         if key not in self._cache:
             s, t = self._kept(key, "engine", lambda: probe_engines(
                 [src, target_engine], threads=self.source_threads,
-                neighbours=self.neighbours(self.source.measured.world_size)))
+                neighbours=self.neighbour_count(self.source.measured.world_size), pool=self.neighbours))
             self._cache[key] = EngineProbe(
                 forward=t["engine_forward_ms"] / s["engine_forward_ms"],
                 backward=t["engine_backward_ms"] / s["engine_backward_ms"],
@@ -614,7 +629,7 @@ class Projector:
         if key not in self._cache:
             (self._cache[key],) = self._kept(key, "source engine", lambda: probe_engines(
                 [self.source.recipe], threads=self.source_threads,
-                neighbours=self.neighbours(self.source.measured.world_size)))
+                neighbours=self.neighbour_count(self.source.measured.world_size), pool=self.neighbours))
         self._used.append(key)
         return self._cache[key]
 
@@ -779,12 +794,13 @@ def project(run_dir: str | Path, *, targets: list[str] | None = None, nodes: lis
 
     source, target_recipe = load_source(run_dir, overrides)
     catalog = load_catalog(catalog_file)
-    projector = Projector(source, catalog, prices=prices, validation=load_validation(), probe=probe)
     jobs = _jobs(catalog, source, targets or [THIS], nodes, gpus_per_node, nproc)
-    predictions = [projector.predict(target_recipe, machine=machine, world=world, gpus_per_node=gpus_per_node,
-                                     threads=threads if machine == THIS else None, tokens=tokens, overrides=overrides)
-                   for machine, world in tqdm(jobs, desc="project", unit="prediction", disable=not progress)]
-    scaling_efficiency(projector, target_recipe, predictions, gpus_per_node, threads)
+    with Projector(source, catalog, prices=prices, validation=load_validation(), probe=probe) as projector:
+        predictions = [projector.predict(target_recipe, machine=machine, world=world, gpus_per_node=gpus_per_node,
+                                         threads=threads if machine == THIS else None, tokens=tokens,
+                                         overrides=overrides)
+                       for machine, world in tqdm(jobs, desc="project", unit="prediction", disable=not progress)]
+        scaling_efficiency(projector, target_recipe, predictions, gpus_per_node, threads)
     order_by_value(predictions)
     return {"projection_version": PROJECTION_VERSION, "source": source_block(source), "tokens": tokens,
             "catalog": catalog.files, "validation": _validation_block(projector.validation),
@@ -828,36 +844,37 @@ def project_advice(run_dir: str | Path, *, probe: bool = True, progress: bool = 
     from trainprof.report.advisor import advise, override_args
 
     source, recipe = load_source(run_dir)
-    projector = Projector(source, load_catalog(), validation=load_validation(), probe=probe)
-    base = projector.predict(recipe)
-    out = []
-    for a in tqdm(advise(source.profile)["advice"], desc="advice", unit="advice", disable=not progress):
-        overrides = override_args(a["overrides"])
-        row: dict[str, Any] = {"rule": a["rule"], "overrides": overrides, "predicted_step_ms": None,
-                               "predicted_tokens_per_s": None, "predicted_gain": None, "expected_error_pct": None}
-        unmodelled = [k for k in a["overrides"] if not modelled_key(k)]
-        if not overrides:
-            row["reason"] = "the advice changes no recipe key"
-        elif unmodelled:
-            row["reason"] = f"the step model does not model {', '.join(unmodelled)}"
-        else:
-            try:
-                target = _with_overrides(source, overrides)
-            except Exception as err:  # noqa: BLE001  a recipe rule refusing the combination is the answer
-                row["reason"] = f"the recipe refuses {' '.join(overrides)}: {str(err).splitlines()[0]}"
+    with Projector(source, load_catalog(), validation=load_validation(), probe=probe) as projector:
+        base = projector.predict(recipe)
+        out = []
+        for a in tqdm(advise(source.profile)["advice"], desc="advice", unit="advice", disable=not progress):
+            overrides = override_args(a["overrides"])
+            row: dict[str, Any] = {"rule": a["rule"], "overrides": overrides, "predicted_step_ms": None,
+                                   "predicted_tokens_per_s": None, "predicted_gain": None, "expected_error_pct": None}
+            unmodelled = [k for k in a["overrides"] if not modelled_key(k)]
+            if not overrides:
+                row["reason"] = "the advice changes no recipe key"
+            elif unmodelled:
+                row["reason"] = f"the step model does not model {', '.join(unmodelled)}"
             else:
-                pred = projector.predict(target, overrides=overrides)
-                row.update(predicted_step_ms=pred["step_ms"], predicted_tokens_per_s=pred["tokens_per_s"],
-                           expected_error_pct=pred["expected_error_pct"],
-                           expected_error_source=pred["expected_error_source"], phases_ms=pred["phases_ms"],
-                           assumptions=pred["assumptions"])
-                if pred["tokens_per_s"] and base["tokens_per_s"]:
-                    row["predicted_gain"] = pred["tokens_per_s"] / base["tokens_per_s"] - 1
-                    row["predicted_gain_convention"] = "predicted tokens/s over the same-settings prediction, minus 1"
+                try:
+                    target = _with_overrides(source, overrides)
+                except Exception as err:  # noqa: BLE001  a recipe rule refusing the combination is the answer
+                    row["reason"] = f"the recipe refuses {' '.join(overrides)}: {str(err).splitlines()[0]}"
                 else:
-                    row["reason"] = (pred.get("reasons") or {}).get("step_ms", "no step time predicted")
-        out.append(row)
-    return out
+                    pred = projector.predict(target, overrides=overrides)
+                    row.update(predicted_step_ms=pred["step_ms"], predicted_tokens_per_s=pred["tokens_per_s"],
+                               expected_error_pct=pred["expected_error_pct"],
+                               expected_error_source=pred["expected_error_source"], phases_ms=pred["phases_ms"],
+                               assumptions=pred["assumptions"])
+                    if pred["tokens_per_s"] and base["tokens_per_s"]:
+                        row["predicted_gain"] = pred["tokens_per_s"] / base["tokens_per_s"] - 1
+                        row["predicted_gain_convention"] = ("predicted tokens/s over the same-settings prediction, "
+                                                            "minus 1")
+                    else:
+                        row["reason"] = (pred.get("reasons") or {}).get("step_ms", "no step time predicted")
+            out.append(row)
+        return out
 
 
 def scaling_efficiency(projector: Projector, recipe: Any, predictions: list[dict[str, Any]], gpus_per_node: int,
@@ -934,33 +951,33 @@ def best(run_dir: str | Path, *, targets: list[str] | None = None, nodes: list[i
 
     source, target_recipe = load_source(run_dir, overrides)
     catalog = load_catalog(catalog_file)
-    projector = Projector(source, catalog, prices=prices, validation=load_validation(), probe=probe)
-    results = []
-    for machine, world in tqdm(_jobs(catalog, source, targets or [THIS], nodes, gpus_per_node, nproc),
-                               desc="best", unit="target", disable=not progress):
-        same = machine == THIS
-        if same and target_recipe.train.memory_cap_gb is None:
-            raise ProjectionError("--best on this machine needs a memory capacity: set train.memory_cap_gb=GB")
-        capacity = (target_recipe.train.memory_cap_gb if same else catalog.resolve(machine).figure("memory_gb"))
+    with Projector(source, catalog, prices=prices, validation=load_validation(), probe=probe) as projector:
+        results = []
+        for machine, world in tqdm(_jobs(catalog, source, targets or [THIS], nodes, gpus_per_node, nproc),
+                                   desc="best", unit="target", disable=not progress):
+            same = machine == THIS
+            if same and target_recipe.train.memory_cap_gb is None:
+                raise ProjectionError("--best on this machine needs a memory capacity: set train.memory_cap_gb=GB")
+            capacity = (target_recipe.train.memory_cap_gb if same else catalog.resolve(machine).figure("memory_gb"))
 
-        def predict(extra: list[str], machine: str = machine, world: int = world) -> dict[str, Any] | None:
-            try:
-                recipe = _with_overrides(source, [*(overrides or []), *extra])
-            except Exception:  # noqa: BLE001  a combination the recipe rules refuse is skipped, and listed
-                return None
-            return projector.predict(recipe, machine=machine, world=world, gpus_per_node=gpus_per_node,
-                                     overrides=[*(overrides or []), *extra])
+            def predict(extra: list[str], machine: str = machine, world: int = world) -> dict[str, Any] | None:
+                try:
+                    recipe = _with_overrides(source, [*(overrides or []), *extra])
+                except Exception:  # noqa: BLE001  a combination the recipe rules refuse is skipped, and listed
+                    return None
+                return projector.predict(recipe, machine=machine, world=world, gpus_per_node=gpus_per_node,
+                                         overrides=[*(overrides or []), *extra])
 
-        capacity_bytes = capacity * (2**30 if same else 1e9) if capacity else None
-        dtype_given = any(override_key(o) == "model.dtype" for o in overrides or [])
-        found = search.search(predict, capacity_bytes, [], search.settings(target_recipe, same_machine=same,
-                                                                            dtype_given=dtype_given))
-        results.append({"hardware": machine, "world_size": world, "capacity_gb": capacity,
-                        "capacity_bytes": capacity_bytes, **found})
-    return {"projection_version": PROJECTION_VERSION, "source": source_block(source), "best": results,
-            "searched": "micro batch x recomputation" + ("" if targets == [THIS] else
-                                                          " x ZeRO stage x offload (x LoRA/QLoRA for finetuning, "
-                                                          "x bf16 for an fp32 run)")}
+            capacity_bytes = capacity * (2**30 if same else 1e9) if capacity else None
+            dtype_given = any(override_key(o) == "model.dtype" for o in overrides or [])
+            found = search.search(predict, capacity_bytes, [], search.settings(target_recipe, same_machine=same,
+                                                                                dtype_given=dtype_given))
+            results.append({"hardware": machine, "world_size": world, "capacity_gb": capacity,
+                            "capacity_bytes": capacity_bytes, **found})
+        return {"projection_version": PROJECTION_VERSION, "source": source_block(source), "best": results,
+                "searched": "micro batch x recomputation" + ("" if targets == [THIS] else
+                                                              " x ZeRO stage x offload (x LoRA/QLoRA for finetuning, "
+                                                              "x bf16 for an fp32 run)")}
 
 
 # the research's engine (its methods are DeepSpeed's ZeRO stages, whatever the source ran) and sequence
@@ -979,26 +996,26 @@ def research_tables(run_dir: str | Path, *, targets: list[str], nodes: int = 1, 
 
     source, _ = load_source(run_dir)
     catalog = load_catalog(catalog_file)
-    projector = Projector(source, catalog, prices=prices, validation=load_validation(), probe=False)
-    worlds = {t: nodes * (catalog.resolve(t).gpus_per_node or gpus_per_node) for t in targets}
-    bar = tqdm(desc="tables", unit="prediction", disable=not progress)
+    with Projector(source, catalog, prices=prices, validation=load_validation(), probe=False) as projector:
+        worlds = {t: nodes * (catalog.resolve(t).gpus_per_node or gpus_per_node) for t in targets}
+        bar = tqdm(desc="tables", unit="prediction", disable=not progress)
 
-    def predict(extra: list[str], target: str) -> dict[str, Any] | None:
-        bar.update()
-        try:
-            recipe = _with_overrides(source, [*TABLE_DEFAULTS, *(overrides or []), *extra])
-        except Exception:  # noqa: BLE001  a combination the recipe rules refuse is a cell saying so
-            return None
-        return projector.predict(recipe, machine=target, world=worlds[target], gpus_per_node=gpus_per_node,
-                                 overrides=extra)
+        def predict(extra: list[str], target: str) -> dict[str, Any] | None:
+            bar.update()
+            try:
+                recipe = _with_overrides(source, [*TABLE_DEFAULTS, *(overrides or []), *extra])
+            except Exception:  # noqa: BLE001  a combination the recipe rules refuse is a cell saying so
+                return None
+            return projector.predict(recipe, machine=target, world=worlds[target], gpus_per_node=gpus_per_node,
+                                     overrides=extra)
 
-    methods = [(name, [*tables.METHODS_BASE, *o]) for name, o in tables.METHODS]
-    maxbatch = [(name, [*tables.METHODS_BASE, *o]) for name, o in tables.MAXBATCH_METHODS]
-    out = {"projection_version": PROJECTION_VERSION, "source": source_block(source), "targets": targets,
-           "world_size": worlds, "defaults": [*TABLE_DEFAULTS, *(overrides or [])],
-           "table_iii": tables.methods_table(predict, methods, targets),
-           "table_iv": tables.maxbatch_table(predict, maxbatch, targets,
-                                             {t: catalog.resolve(t).figure("memory_gb") for t in targets}),
-           "table_ix": tables.finetune_table(predict, targets, extra=tables.FINETUNE_BASE)}
-    bar.close()
-    return out
+        methods = [(name, [*tables.METHODS_BASE, *o]) for name, o in tables.METHODS]
+        maxbatch = [(name, [*tables.METHODS_BASE, *o]) for name, o in tables.MAXBATCH_METHODS]
+        out = {"projection_version": PROJECTION_VERSION, "source": source_block(source), "targets": targets,
+               "world_size": worlds, "defaults": [*TABLE_DEFAULTS, *(overrides or [])],
+               "table_iii": tables.methods_table(predict, methods, targets),
+               "table_iv": tables.maxbatch_table(predict, maxbatch, targets,
+                                                 {t: catalog.resolve(t).figure("memory_gb") for t in targets}),
+               "table_ix": tables.finetune_table(predict, targets, extra=tables.FINETUNE_BASE)}
+        bar.close()
+        return out

@@ -36,29 +36,29 @@ def project_scaling(points: list[dict[str, Any]], extra_sizes: list[int] | None 
     pts = sorted(points, key=lambda p: p["world_size"])
     ref = pts[0]
     source, recipe = load_source(ref["run_dir"])
-    projector = Projector(source, load_catalog(), validation=load_validation())
     sizes = sorted({p["world_size"] for p in pts} | set(extra_sizes or []))
     measured = {p["world_size"]: p for p in pts}
     rows: list[dict[str, Any]] = []
     one = None
-    for n in sizes:
-        pred = projector.predict(recipe, world=n)
-        if n == 1 or one is None and n == sizes[0]:
-            one = (n, pred["tokens_per_s"])
-        row: dict[str, Any] = {"world_size": n, "predicted_step_ms": pred["step_ms"],
-                               "predicted_tokens_per_s": pred["tokens_per_s"],
-                               "expected_error_pct": pred["expected_error_pct"],
-                               "reason": (pred.get("reasons") or {}).get("step_ms")}
-        if one and one[1] and pred["tokens_per_s"]:
-            row["predicted_efficiency"] = pred["tokens_per_s"] * one[0] / (n * one[1])
-        if n in measured:
-            prof = measured[n]["profile"]
-            m = measured_from_profile(prof)
-            row["measured_step_ms"] = m.step_ms
-            row["measured_tokens_per_s"] = (prof.get("summary") or {}).get("tokens_per_s")
-            if pred["step_ms"]:
-                row["step_error_pct"] = 100 * (pred["step_ms"] - m.step_ms) / m.step_ms
-        rows.append(row)
+    with Projector(source, load_catalog(), validation=load_validation()) as projector:
+        for n in sizes:
+            pred = projector.predict(recipe, world=n)
+            if n == 1 or one is None and n == sizes[0]:
+                one = (n, pred["tokens_per_s"])
+            row: dict[str, Any] = {"world_size": n, "predicted_step_ms": pred["step_ms"],
+                                   "predicted_tokens_per_s": pred["tokens_per_s"],
+                                   "expected_error_pct": pred["expected_error_pct"],
+                                   "reason": (pred.get("reasons") or {}).get("step_ms")}
+            if one and one[1] and pred["tokens_per_s"]:
+                row["predicted_efficiency"] = pred["tokens_per_s"] * one[0] / (n * one[1])
+            if n in measured:
+                prof = measured[n]["profile"]
+                m = measured_from_profile(prof)
+                row["measured_step_ms"] = m.step_ms
+                row["measured_tokens_per_s"] = (prof.get("summary") or {}).get("tokens_per_s")
+                if pred["step_ms"]:
+                    row["step_error_pct"] = 100 * (pred["step_ms"] - m.step_ms) / m.step_ms
+            rows.append(row)
     notes = [f"projected from {ref['run_dir']} (N={ref['world_size']}) by trainprof's step model; collectives "
              "re-timed with the α-β fit measured on this machine; error % = (projected - measured) / measured"]
     notes += [f"N={r['world_size']}: not projected: {r['reason']}" for r in rows if r.get("reason")]
