@@ -249,8 +249,8 @@ def busy_neighbours(recipe: Any, count: int, threads: int, go: Path | None = Non
 
 
 def _die_with_parent(parent: int) -> None:
-    """A neighbour loops until it is killed, stopped or not: on Linux, the kernel kills it when the process
-    that started it exits, however that exits."""
+    """A neighbour loops until it is killed, stopped or not: on Linux, the kernel kills it when the thread
+    that started it ends (projections probe from the main thread: when that process exits, however it exits)."""
     import signal
     import sys
 
