@@ -37,8 +37,8 @@ QUICK = REPO / "recipes" / "quickstart_cpu.yaml"
 SEQ = 256
 # fp32: the split and the unsplit model then agree to ~1e-5 (bf16 autocast rounds differently enough
 # that they drift apart by ~1e-3 within a few steps at this learning rate; docs/pipeline.md)
-# 9 measured steps (conftest.FAST has 5): a stage's busy time is a median over them, and a slow spell of
-# the machine over 3 of 5 steps of one stage once made the lighter stage look the slower one
+# 9 measured steps (conftest.FAST has 5): a stage's busy time is a median over them, which a slow spell of
+# the machine over a few steps of one stage must not move enough to make the lighter stage the slower one
 MODEL = ["model.num_layers=3", "model.dtype=fp32", f"data.seq_len={SEQ}", "engine.kind=torch", "engine.zero_stage=0",
          "train.steps=10", "profile.ops=false", "profile.calibrate=false"]
 PIPE = [*MODEL, "engine.pipeline_stages=2", "engine.pipeline_layers=[2,1]"]

@@ -796,27 +796,12 @@ def test_probe_engines_times_the_bare_model_beside_each_engine():
                                                                        "engine_step_ms"}
 
 
-def busy_children() -> list:
-    """This process's busy-neighbour processes (`python -m trainprof.projection.probes --busy ...`)."""
+def busy_children(pid: int | None = None) -> list:
+    """The busy-neighbour processes (`python -m trainprof.projection.probes --busy ...`) that process `pid`
+    (None: this one) started."""
     import psutil
 
-    return [c for c in psutil.Process().children() if "--busy" in c.cmdline()]
-
-
-def alive(proc) -> bool:
-    import psutil
-
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def wait_for_status(proc, status: str, timeout: float = 5.0) -> str:
-    deadline = time.monotonic() + timeout
-    while proc.status() != status and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return proc.status()
+    return [c for c in psutil.Process(pid).children() if "--busy" in c.cmdline()]
 
 
 def test_busy_neighbours_are_kept_across_probes_stopped_between_them_and_die_with_the_projection():
@@ -827,6 +812,7 @@ def test_busy_neighbours_are_kept_across_probes_stopped_between_them_and_die_wit
 
     import psutil
 
+    from helpers.processes import descendants_alive, wait_for_status
     from trainprof.projection.probes import Neighbours
 
     recipe = load_recipe(QUICK, ["train.micro_batch_size=1", "data.seq_len=32"])
@@ -853,14 +839,14 @@ def test_busy_neighbours_are_kept_across_probes_stopped_between_them_and_die_wit
     parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not (orphan := [c for c in psutil.Process(parent.pid).children() if "--busy" in c.cmdline()]):
+        while not (orphan := busy_children(parent.pid)):
             assert time.monotonic() < deadline and parent.poll() is None
             time.sleep(0.1)
         (neighbour,) = orphan
         assert wait_for_status(neighbour, psutil.STATUS_STOPPED, timeout=120) == psutil.STATUS_STOPPED
         parent.communicate("exit\n", timeout=60)
         deadline = time.monotonic() + 10
-        while alive(neighbour):  # killed by the kernel, not left stopped for good
+        while descendants_alive([neighbour.pid]):  # killed by the kernel, not left stopped for good
             assert time.monotonic() < deadline, neighbour.status()
             time.sleep(0.05)
     finally:

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from conftest import QUICKSTART, QUIET, REPO
+from helpers.processes import descendants_alive
 
 COMMON = f"[data.seq_len=32, train.micro_batch_size=1, engine.zero_stage=0, train.warmup_steps=0, {', '.join(QUIET)}]"
 
@@ -49,17 +50,6 @@ def rank_process(sweep_pid: int, rank: int) -> psutil.Process:
         except psutil.Error:
             continue
     raise AssertionError(f"no rank {rank} process under the sweep")
-
-
-def descendants_alive(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 @pytest.mark.slow

@@ -236,16 +236,14 @@ def busy_neighbours(recipe: Any, count: int, threads: int, go: Path | None = Non
     ranks of a CPU run share the machine's memory bandwidth and caches, and a probe alone would not.
     `go`: a file written once they run, for a probe process started before them to begin timing.
     `pool`: where they are kept for later probes (else they are killed after the block)."""
-    if pool is not None:
-        with pool.busy(recipe, count, threads, go):
-            yield
-        return
-    pool = Neighbours()
+    own = pool is None
+    pool = pool or Neighbours()
     try:
         with pool.busy(recipe, count, threads, go):
             yield
     finally:
-        pool.close()
+        if own:
+            pool.close()
 
 
 def _die_with_parent(parent: int) -> None:
