@@ -32,14 +32,15 @@ def load_prices(file: str | Path | None = None, cli: list[str] | None = None) ->
                                    "taken without them)")
             prices[key] = {"usd_per_gpu_hour": float(entry["usd_per_gpu_hour"]), "source": str(entry["source"]),
                            "date": str(entry["date"])}
-    for item in cli or []:
-        name, sep, value = item.partition("=")
+    # `--price a=1,b=2` as well as repeated `--price`: --to takes a comma list too
+    for item in (part for arg in cli or [] for part in arg.split(",") if part.strip()):
+        name, sep, value = item.strip().partition("=")
         try:
             usd = float(value)
         except ValueError:
             usd = -1.0
         if not sep or not name or usd <= 0:
-            raise CatalogError(f"--price '{item}': write NAME=USD_PER_GPU_HOUR, e.g. --price h100-sxm=2.99")
+            raise CatalogError(f"--price '{item}': write NAME=USD_PER_GPU_HOUR, e.g. --price h100-sxm=2.99,rtx4090=0.69")
         prices[name] = {"usd_per_gpu_hour": usd, "source": "--price on the command line",
                         "date": dt.date.today().isoformat()}
     return prices
