@@ -79,7 +79,7 @@ def test_catalog_targets_costs_fit_and_files(source):
     df = pd.read_csv(out / "projection.csv")
     assert len(df) == 4 and df["tokens_per_s"].notna().all() and "confidence_text" in df
     doc = json.loads((out / "projection.json").read_text())
-    assert doc["table"]["columns"][-2:] == ["days to train 1e+09 tokens", "total cost"]
+    assert doc["table"]["columns"][-2:] == ["time to train 1e+09 tokens", "total cost"]
     assert doc["command"].startswith(f"trainprof project {run_dir} --to h100-sxm,rtx4090")
 
     # Llama2-7B pretraining on one 24 GB card does not fit; a second call keeps the first call's folder
@@ -124,10 +124,14 @@ def test_catalog_targets_costs_fit_and_files(source):
 def test_best_settings_and_the_research_tables(source):
     run_dir, _ = source
     best = project(str(run_dir), "model.name=llama2-7b", "data.seq_len=350", "--best", "--to", "a800-80g",
-                   "--price", "a800-80g=1.5")["best"]
+                   "--price", "a800-80g=1.5", "--tokens", "2e12")["best"]
     (a800,) = best
     top, cheap = a800["best_throughput"], a800["best_cost"]
     assert top and cheap and a800["tried"] > 4
+    # with --tokens: the fastest setting's time to train them and the cheapest's cost, in the kept table
+    (table,) = [pd.read_csv(f) for f in (run_dir / "projections").glob("*best*/best.csv")]
+    assert table["time_to_train_s"][0] == pytest.approx(2e12 / top["tokens_per_s"])
+    assert table["cost_to_train_usd"][0] == pytest.approx(cheap["cost_per_million_tokens_usd"] * 2e6)
     assert all(r["tokens_per_s"] <= top["tokens_per_s"] for r in a800["runners_up_throughput"])
     assert all(r["cost_per_million_tokens_usd"] >= cheap["cost_per_million_tokens_usd"] for r in a800["runners_up_cost"])
     assert top["memory_per_rank_bytes"] <= 0.9 * 80e9

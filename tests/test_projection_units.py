@@ -97,6 +97,11 @@ def test_prices_need_source_and_date(tmp_path):
         load_prices(f)
     with pytest.raises(CatalogError, match="NAME=USD_PER_GPU_HOUR"):
         load_prices(None, ["h100-sxm"])
+    # a comma list, as --to takes one; a later entry wins
+    listed = load_prices(None, ["h100-sxm=2.5, rtx4090=0.4", "rtx4090=0.5"])
+    assert {k: v["usd_per_gpu_hour"] for k, v in listed.items()} == {"h100-sxm": 2.5, "rtx4090": 0.5}
+    with pytest.raises(CatalogError, match="'rtx4090'"):
+        load_prices(None, ["h100-sxm=2.5,rtx4090"])
 
 
 def test_alpha_beta_fit_recovers_a_known_line_and_bus_factors():
@@ -1174,3 +1179,10 @@ def test_a_target_nothing_fits_says_so_in_the_notes():
     assert lines == ["rtx4090 x 1: does not fit; would fit with engine.zero_stage=3 model.recompute=true (plan)",
                      "rtx3090 x 1: does not fit (300.00 GiB a GPU, plan), nor with ZeRO-3, recomputation and offload of "
                      "the optimizer and parameters at micro batch 1: more GPUs or a smaller model"]
+
+
+def test_time_to_train_reads_in_the_unit_of_its_size():
+    from trainprof.projection.report import fmt_duration
+
+    assert [fmt_duration(s) for s in (None, 42, 3188, 9.4 * 3600, 12.3 * 86400)] == \
+        ["n/a", "42 s", "53 min", "9.4 h", "12.3 days"]

@@ -111,7 +111,7 @@ def _best(args: argparse.Namespace, targets: list[str], prices: dict[str, Any]) 
 
     result = best(args.run_dir, targets=targets, nodes=args.nodes, gpus_per_node=args.gpus_per_node, nproc=args.nproc,
                   overrides=args.overrides, catalog_file=args.catalog, prices=prices, probe=not args.no_probe,
-                  progress=not args.json)
+                  tokens=args.tokens, progress=not args.json)
     paths = write_best(result, _out_dir(args, targets), command=_command_line(args))
     _refresh_report(args, paths)
     _print(args, result, render_best(result), paths)
@@ -237,9 +237,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive_int, default=None,
                    help="for --to this: intra-op threads of the target, a different CPU calibrated here")
     p.add_argument("--tokens", type=_tokens, default=None,
-                   help="tokens to train, e.g. 2e12: adds days to train and (with prices) total cost to the table")
+                   help="tokens to train, e.g. 2e12: adds the time to train and (with prices) total cost to the table")
     p.add_argument("--price", action="append", default=[], metavar="NAME=USD_PER_GPU_HOUR",
-                   help="price of a catalog entry per GPU-hour (repeatable)")
+                   help="price of a catalog entry per GPU-hour (repeatable, or a comma list: h100-sxm=2.99,rtx4090=0.69)")
     p.add_argument("--prices", default=None, help="price file: prices: {NAME: {usd_per_gpu_hour, source, date}}")
     p.add_argument("--catalog", default=None, help="your own catalog YAML, merged over the shipped one")
     p.add_argument("--out", default=None, help="output dir (default: a new RUN_DIR/projections/<UTC time>-<label>/)")

@@ -938,8 +938,9 @@ __all__ = ["project", "Projector", "load_source", "ProjectionError", "CatalogErr
 def best(run_dir: str | Path, *, targets: list[str] | None = None, nodes: list[int] | None = None,
          gpus_per_node: int = 8, nproc: list[int] | None = None, overrides: list[str] | None = None,
          catalog_file: str | None = None, prices: dict[str, Any] | None = None, probe: bool = True,
-         progress: bool = False) -> dict[str, Any]:
-    """The best settings per target and world size (projection/best.py), from one measured run.
+         tokens: float | None = None, progress: bool = False) -> dict[str, Any]:
+    """The best settings per target and world size (projection/best.py), from one measured run; with
+    `tokens`, the time (fastest setting) and cost (cheapest) to train that many.
 
     Raises:
         ProjectionError: `--to this` without train.memory_cap_gb (the search needs a capacity).
@@ -975,7 +976,7 @@ def best(run_dir: str | Path, *, targets: list[str] | None = None, nodes: list[i
             results.append({"hardware": machine, "world_size": world, "capacity_gb": capacity,
                             "capacity_bytes": capacity_bytes, **found})
         return {"projection_version": PROJECTION_VERSION, "source": source_block(source), "best": results,
-                "searched": "micro batch x recomputation" + ("" if targets == [THIS] else
+                "tokens": tokens, "searched": "micro batch x recomputation" + ("" if targets == [THIS] else
                                                               " x ZeRO stage x offload (x LoRA/QLoRA for finetuning, "
                                                               "x bf16 for an fp32 run)")}
 

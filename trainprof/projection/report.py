@@ -27,8 +27,17 @@ def _fmt_bool(x: Any) -> str:
     return "n/a" if x is None else ("yes" if x else "no")
 
 
-def _fmt_days(x: Any) -> str:
-    return "n/a" if x is None else f"{x / 86400:,.1f}"
+def fmt_duration(seconds: Any) -> str:
+    """A time to train at the unit that keeps two significant figures readable: 53 min, 9.4 h, 12.3 days."""
+    if seconds is None:
+        return "n/a"
+    if seconds < 60:
+        return f"{seconds:.2g} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.2g} min" if seconds < 600 else f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:,.1f} days"
 
 
 def _fmt_usd(x: Any) -> str:
@@ -64,7 +73,7 @@ def columns(result: dict[str, Any]) -> list[Column]:
         Column("cost_per_million_tokens_usd", "$ / M tokens", fmt_num(3)),
     ]
     if result.get("tokens"):
-        cols.append(Column("time_to_train_s", f"days to train {result['tokens']:.3g} tokens", _fmt_days))
+        cols.append(Column("time_to_train_s", f"time to train {result['tokens']:.3g} tokens", fmt_duration))
         if any(p.get("cost_to_train_usd") is not None for p in preds):
             cols.append(Column("cost_to_train_usd", "total cost", _fmt_usd))
     return cols
@@ -222,11 +231,13 @@ def _none_found(b: dict[str, Any]) -> str:
 
 
 def best_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
+    out, tokens = [], result.get("tokens")
     for b in result["best"]:
         top, cheap = b["best_throughput"], b["best_cost"]
         none_found = _none_found(b)
         out.append({
+            "time_to_train_s": tokens / top["tokens_per_s"] if tokens and top else None,
+            "cost_to_train_usd": cheap["cost_per_million_tokens_usd"] * tokens / 1e6 if tokens and cheap else None,
             "hardware": b["hardware"], "world_size": b["world_size"],
             "throughput_setting": _setting(top) if top else none_found, "tokens_per_s": top and top["tokens_per_s"],
             "memory_per_rank_bytes": top and top["memory_per_rank_bytes"],
@@ -250,6 +261,17 @@ BEST_COLUMNS = [
 ]
 
 
+def best_columns(result: dict[str, Any]) -> list[Column]:
+    """BEST_COLUMNS, with the time to train (fastest setting) and its cost (cheapest) when tokens were given."""
+    tokens = result.get("tokens")
+    if not tokens:
+        return BEST_COLUMNS
+    extra = [Column("time_to_train_s", f"most tokens/s: time to train {tokens:.3g} tokens", fmt_duration)]
+    if any(b["best_cost"] for b in result["best"]):
+        extra.append(Column("cost_to_train_usd", f"lowest $/M tokens: cost of {tokens:.3g} tokens", _fmt_usd))
+    return [*BEST_COLUMNS[:-2], *extra, *BEST_COLUMNS[-2:]]
+
+
 def _best_notes(result: dict[str, Any]) -> list[str]:
     out = [f"searched {result['searched']}; a setting fits when trainprof plan's memory per GPU is at most "
            f"{int(100 * result['best'][0]['headroom']) if result['best'] else 90}% of the target's capacity",
@@ -266,23 +288,26 @@ def _best_notes(result: dict[str, Any]) -> list[str]:
 
 
 def write_best(result: dict[str, Any], out_dir: Path, *, command: str) -> list[Path]:
-    rows = best_rows(result)
+    rows, cols = best_rows(result), best_columns(result)
     title = "Best settings per target"
-    doc = _document(result, title=title, command=command, header=[c.header for c in BEST_COLUMNS],
-                    cells=[[c.fmt(r.get(c.key)) for c in BEST_COLUMNS] for r in rows], notes_=_best_notes(result))
+    doc = _document(result, title=title, command=command, header=[c.header for c in cols],
+                    cells=[[c.fmt(r.get(c.key)) for c in cols] for r in rows], notes_=_best_notes(result))
     atomic_write_json(out_dir / PROJECTION_FILE, doc)
     return [out_dir / "projection.json",
-            *write_tables(out_dir / "best", rows, BEST_COLUMNS, title=title, intro=[f"Command: `{command}`"],
+            *write_tables(out_dir / "best", rows, cols, title=title, intro=[f"Command: `{command}`"],
                           notes=doc["notes"])]
 
 
 def render_best(result: dict[str, Any]) -> str:
-    lines = [f"trainprof project --best: from {result['source']['run_dir']}"]
+    lines, tokens = [f"trainprof project --best: from {result['source']['run_dir']}"], result.get("tokens")
     for b, r in zip(result["best"], best_rows(result)):
         lines.append(f"{r['hardware']} x {r['world_size']}:")
-        tps = f"  ({r['tokens_per_s']:,.0f} tokens/s, {r['confidence_text']})" if r["tokens_per_s"] else ""
+        train = f", {fmt_duration(r['time_to_train_s'])} for {tokens:.3g} tokens" if r["time_to_train_s"] else ""
+        tps = f"  ({r['tokens_per_s']:,.0f} tokens/s{train}, {r['confidence_text']})" if r["tokens_per_s"] else ""
         lines.append(f"  most tokens/s   {r['throughput_setting']}{tps}")
         cost = f"${r['cost_per_million_tokens_usd']:.3f} / M tokens" if r["cost_per_million_tokens_usd"] else ""
+        if r["cost_to_train_usd"]:
+            cost += f", {_fmt_usd(r['cost_to_train_usd'])} for {tokens:.3g} tokens"
         lines.append(f"  lowest $/M      {r['cost_setting']}  {cost}".rstrip())
         for i, runner in enumerate(b["runners_up_throughput"]):  # one a line: each setting pastes as overrides
             label = "runners-up" if i == 0 else ""
