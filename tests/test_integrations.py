@@ -57,10 +57,12 @@ def test_wrap_passes_output_and_exit_code(tmp_path):
     proc, out = wrap(tmp_path, "exit3.py", "a", "--b")
     assert proc.returncode == 3
     assert "exit3 says hello ['a', '--b']" in proc.stdout
-    assert not out.exists()  # nothing was trained, so no run dir
+    assert not out.exists()  # nothing was trained, so no run dir, and the user is told what wrap profiles
+    assert "nothing profiled" in proc.stderr and "trainprof.Profiler" in proc.stderr
     proc, _ = wrap(tmp_path, "raises.py")
     assert proc.returncode == 1
     assert "raises is about to fail" in proc.stdout and "RuntimeError: boom from the wrapped script" in proc.stderr
+    assert "nothing profiled" not in proc.stderr  # the traceback is the news
 
 
 @pytest.mark.timed  # the step closes within 2% (unattributed time)
