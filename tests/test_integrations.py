@@ -57,12 +57,15 @@ def test_wrap_passes_output_and_exit_code(tmp_path):
     proc, out = wrap(tmp_path, "exit3.py", "a", "--b")
     assert proc.returncode == 3
     assert "exit3 says hello ['a', '--b']" in proc.stdout
-    assert not out.exists()  # nothing was trained, so no run dir, and the user is told what wrap profiles
-    assert "nothing profiled" in proc.stderr and "trainprof.Profiler" in proc.stderr
+    assert not out.exists()  # nothing was trained, so no run dir
     proc, _ = wrap(tmp_path, "raises.py")
     assert proc.returncode == 1
     assert "raises is about to fail" in proc.stdout and "RuntimeError: boom from the wrapped script" in proc.stderr
     assert "nothing profiled" not in proc.stderr  # the traceback is the news
+    # a loop of its own that succeeds: nothing wrap patches ran, and the user is told where to look
+    proc, out = wrap(tmp_path, "plain_loop.py")
+    assert proc.returncode == 0 and "plain loop done" in proc.stdout and not out.exists()
+    assert "nothing profiled" in proc.stderr and "trainprof.Profiler" in proc.stderr
 
 
 @pytest.mark.timed  # the step closes within 2% (unattributed time)

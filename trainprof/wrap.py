@@ -221,7 +221,7 @@ def run_script(script: str, args: list[str], wrapper: Wrapper) -> int:
     if not failed or not dist:  # after an exception another rank may never join the collective
         wrapper.finish()
         quiet_rank = dist and torch.distributed.get_rank() != 0
-        if not failed and not quiet_rank and not any(s.prof is not None for s in wrapper.sessions):
+        if code == 0 and not quiet_rank and not any(s.prof is not None for s in wrapper.sessions):
             print(f"trainprof wrap: nothing profiled: {script} trained through none of deepspeed.initialize, "
                   "the HF Trainer, a Lightning Trainer or an Accelerator; in your own loop, use trainprof.Profiler "
                   "(README: 'In your own training loop')", file=sys.stderr)
