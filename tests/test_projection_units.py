@@ -1181,8 +1181,9 @@ def test_a_target_nothing_fits_says_so_in_the_notes():
                      "the optimizer and parameters at micro batch 1: more GPUs or a smaller model"]
 
 
-def test_time_to_train_reads_in_the_unit_of_its_size():
-    from trainprof.projection.report import fmt_duration
+def test_time_and_cost_to_train_read_at_their_size():
+    from trainprof.projection.report import _fmt_usd, fmt_duration
 
     assert [fmt_duration(s) for s in (None, 42, 3188, 9.4 * 3600, 12.3 * 86400)] == \
         ["n/a", "42 s", "53 min", "9.4 h", "12.3 days"]
+    assert [_fmt_usd(x) for x in (None, 0.034, 35.2, 3_536_000)] == ["n/a", "$0.03", "$35.20", "$3,536,000"]

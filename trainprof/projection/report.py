@@ -41,7 +41,7 @@ def fmt_duration(seconds: Any) -> str:
 
 
 def _fmt_usd(x: Any) -> str:
-    return "n/a" if x is None else f"${x:,.0f}"
+    return "n/a" if x is None else f"${x:,.0f}" if x >= 100 else f"${x:.2f}"  # a small job's cost is not $0
 
 
 def _devices(result: dict[str, Any]) -> str:
