@@ -6,11 +6,13 @@ and the combinations trainprof refuses."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 
 from conftest import run_trainprof
+from helpers.checks import retry_on_noise
 from trainprof.recipe import RecipeError, recipe_from_dict
 
 # vocab 1023: the embedding and LM head rows do not split in 2, so FSDP2 pads them (dim 0 to 1024)
@@ -120,13 +122,20 @@ def test_fsdp_plan_matches_the_measured_shards(zero3_like):
 @pytest.mark.slow
 def test_fsdp_zero2_like_with_cpu_offload_and_lora(tmp_path):
     """reshard_after_forward false gathers once per step (nothing in backward); CPUOffloadPolicy; LoRA:
-    only the adapters' gradients are reduce-scattered."""
+    only the adapters' gradients are reduce-scattered. Closure is timing: a run the suite's other processes
+    preempted between labels (2.4% once in a slow hour, 1.0-1.3% alone) is made once more."""
     overrides = [*FSDP, "engine.reshard_after_forward=false", "engine.offload=optimizer+params", "task.kind=lora"]
-    _, profile = run_trainprof(tmp_path, 2, *overrides)
+    attempt, made = itertools.count(), {}
+
+    def closed_run() -> None:
+        _, made["profile"] = run_trainprof(tmp_path / f"attempt{next(attempt)}", 2, *overrides)
+        assert made["profile"]["summary"]["unattributed_frac"] <= 0.02, made["profile"]["summary"]["unattributed_frac"]
+
+    retry_on_noise(closed_run, attempts=2)
+    profile = made["profile"]
     steps = [s for s in profile["steps"] if not s.get("warmup")]
     assert all(math.isfinite(s["loss"]) for s in steps)
     assert steps[-1]["loss"] < steps[0]["loss"], [s["loss"] for s in steps]
-    assert profile["summary"]["unattributed_frac"] <= 0.02
     cfg = profile["engine"]["config"]
     assert cfg["reshard_after_forward"] is False and cfg["cpu_offload"] is True
     numels = fsdp_group_numels(overrides, 2)
