@@ -116,6 +116,9 @@ REAL = ["engine.kind=torch", "engine.zero_stage=0", "data.seq_len=2048", "model.
         *QUIET]
 
 
+UNRESOLVED_BAND = 0.5
+
+
 def _run(out: Path, attention: str) -> Path:
     """One real single-process run of the CPU quickstart recipe (`python -m trainprof.run`)."""
     run_dir, _ = run_trainprof(out, 1, *REAL, f"model.attention={attention}", f"output.name={attention}", timeout=300)
@@ -131,7 +134,7 @@ def _contains_attention(name: str) -> bool:
 @pytest.mark.timed
 @pytest.mark.timeout(900)  # up to 3 attempts of 3 runs (about 40 s in all on a quiet machine; a loaded CI took > 300 s)
 def test_sdpa_against_eager_speeds_up_attention_and_nothing_else(tmp_path):
-    attempt = iter(range(3))
+    attempt, unresolved = iter(range(3)), []
 
     def check() -> None:
         base = tmp_path / f"attempt{next(attempt)}"
@@ -140,6 +143,11 @@ def test_sdpa_against_eager_speeds_up_attention_and_nothing_else(tmp_path):
         repeat = _run(base / "a2", "eager")
         d, doc = run_diff(eager, sdpa, stat="min", repeat=repeat)
         write_diff(d, doc, base / "diff")
+        # a band of 50% or more cannot tell a 2x speed-up from noise: such an attempt judges nothing (slow
+        # hours of this machine measured bands of 0.56-1.21, with attention 1.2-1.7x faster; docs/suite.md)
+        if d.band >= UNRESOLVED_BAND:
+            unresolved.append(round(d.band, 2))
+            raise AssertionError(f"noise band {d.band:.2f} between the two eager runs: nothing can be judged")
         # attention rows: faster beyond the noise band measured between the two eager runs
         for layer in (0, 1):
             for phase in ("forward", "backward"):
@@ -161,4 +169,9 @@ def test_sdpa_against_eager_speeds_up_attention_and_nothing_else(tmp_path):
         assert rest and all(judged_alike(r) for r in rest), \
             ([(r.name, r.phase, r.change) for r in rest if not judged_alike(r)], d.band, attention)
 
-    retry_on_noise(check)
+    try:
+        retry_on_noise(check)
+    except AssertionError:
+        if len(unresolved) == 3:  # every attempt too noisy to judge; any judged attempt that failed fails the test
+            pytest.skip(f"the machine was too noisy to judge attention's speed-up: noise bands {unresolved}")
+        raise
