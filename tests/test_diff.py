@@ -156,13 +156,15 @@ def test_sdpa_against_eager_speeds_up_attention_and_nothing_else(tmp_path):
         assert all(r.verdict == "faster" for r in d.parts if r.name == "attention")
         # everything that does not contain attention: within that band (or too small to judge); but the MLP's
         # forward, which runs right after attention, ran 6-16% faster under SDPA in three trios, beyond the band
-        # in some (docs/reports.md): it may be faster, by far less than attention, never slower
+        # in some (docs/reports.md), and the norm between them 26% once (a fresh-clone run, 2026-11-29): they
+        # may be faster, by far less than attention, never slower
         attention = min(r.change for r in d.parts if r.name == "attention" and r.phase == "forward")
         rest = [r for r in d.modules if not _contains_attention(r.name)]
         rest += [r for r in d.parts if r.name in ("MLP", "norms", "head", "embedding")]
 
         def judged_alike(r) -> bool:
-            after_attention = r.phase == "forward" and (r.name == "MLP" or ".mlp" in r.name)
+            after_attention = r.phase == "forward" and (r.name == "MLP" or ".mlp" in r.name
+                                                        or r.name.endswith("post_attention_layernorm"))
             return r.verdict in ("within noise", "too small") or \
                 after_attention and r.verdict == "faster" and r.change > attention / 3
 
