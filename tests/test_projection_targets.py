@@ -128,7 +128,9 @@ def test_best_settings_and_the_research_tables(source):
     (a800,) = best
     top, cheap = a800["best_throughput"], a800["best_cost"]
     assert top and cheap and a800["tried"] > 4
-    # with --tokens: the fastest setting's time to train them and the cheapest's cost, in the kept table
+    # with --tokens: the fastest setting's time to train them and the cheapest's cost, in the JSON and the kept table
+    assert top["time_to_train_s"] == pytest.approx(2e12 / top["tokens_per_s"])
+    assert cheap["cost_to_train_usd"] == pytest.approx(cheap["cost_per_million_tokens_usd"] * 2e6)
     (table,) = [pd.read_csv(f) for f in (run_dir / "projections").glob("*best*/best.csv")]
     assert table["time_to_train_s"][0] == pytest.approx(2e12 / top["tokens_per_s"])
     assert table["cost_to_train_usd"][0] == pytest.approx(cheap["cost_per_million_tokens_usd"] * 2e6)

@@ -1098,7 +1098,8 @@ def test_best_prints_each_runner_up_on_its_own_line_as_overrides():
 
     def setting(zero: int, mb: int, tps: float) -> dict:
         return {"setting": f"engine.kind=deepspeed engine.zero_stage={zero}", "micro_batch": mb, "tokens_per_s": tps,
-                "memory_per_rank_bytes": 2**30, "confidence_text": "unvalidated: CPU run -> GPU"}
+                "memory_per_rank_bytes": 2**30, "time_to_train_s": None, "cost_to_train_usd": None,
+                "confidence_text": "unvalidated: CPU run -> GPU"}
 
     result = {"source": {"run_dir": "runs/x"}, "best": [{
         "hardware": "a800-80g", "world_size": 8, "best_throughput": setting(3, 32, 41125.0), "best_cost": None,

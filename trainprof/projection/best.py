@@ -59,7 +59,8 @@ def search(predict: Callable[[list[str]], dict[str, Any] | None], capacity_bytes
     Returns:
         {best_throughput, best_cost, runners_up_throughput, runners_up_cost, tried, refused, not_predicted,
         least_memory_bytes}: rows of {setting, micro_batch, step_ms, tokens_per_s, memory_per_rank_bytes,
-        cost_per_million_tokens_usd, confidence_text}; `not_predicted` the settings that fit but whose step
+        cost_per_million_tokens_usd, time_to_train_s, cost_to_train_usd (null without the tokens to train),
+        confidence_text}; `not_predicted` the settings that fit but whose step
         the step model cannot predict ({setting, micro_batch, memory_per_rank_bytes, reason}, at their
         smallest micro batch), `least_memory_bytes` the smallest planned memory of any setting (what
         "nothing fits" missed by).
@@ -86,6 +87,8 @@ def search(predict: Callable[[list[str]], dict[str, Any] | None], capacity_bytes
             rows.append({"setting": cand.text, "micro_batch": mb, "step_ms": pred["step_ms"],
                          "tokens_per_s": pred["tokens_per_s"], "memory_per_rank_bytes": memory,
                          "cost_per_million_tokens_usd": pred.get("cost_per_million_tokens_usd"),
+                         "time_to_train_s": pred.get("time_to_train_s"),
+                         "cost_to_train_usd": pred.get("cost_to_train_usd"),
                          "confidence_text": pred.get("confidence_text")})
             if capacity_bytes is None:
                 break

@@ -967,7 +967,7 @@ def best(run_dir: str | Path, *, targets: list[str] | None = None, nodes: list[i
                 except Exception:  # noqa: BLE001  a combination the recipe rules refuse is skipped, and listed
                     return None
                 return projector.predict(recipe, machine=machine, world=world, gpus_per_node=gpus_per_node,
-                                         overrides=[*(overrides or []), *extra])
+                                         tokens=tokens, overrides=[*(overrides or []), *extra])
 
             capacity_bytes = capacity * (2**30 if same else 1e9) if capacity else None
             dtype_given = any(override_key(o) == "model.dtype" for o in overrides or [])

@@ -231,13 +231,13 @@ def _none_found(b: dict[str, Any]) -> str:
 
 
 def best_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    out, tokens = [], result.get("tokens")
+    out = []
     for b in result["best"]:
         top, cheap = b["best_throughput"], b["best_cost"]
         none_found = _none_found(b)
         out.append({
-            "time_to_train_s": tokens / top["tokens_per_s"] if tokens and top else None,
-            "cost_to_train_usd": cheap["cost_per_million_tokens_usd"] * tokens / 1e6 if tokens and cheap else None,
+            "time_to_train_s": top and top["time_to_train_s"],
+            "cost_to_train_usd": cheap and cheap["cost_to_train_usd"],
             "hardware": b["hardware"], "world_size": b["world_size"],
             "throughput_setting": _setting(top) if top else none_found, "tokens_per_s": top and top["tokens_per_s"],
             "memory_per_rank_bytes": top and top["memory_per_rank_bytes"],
