@@ -4,9 +4,11 @@ task) land near real runs of the change. The rest of the command: test_projectio
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from conftest import NO_CALIBRATION, QUICKSTART_2RANK, ZERO2_2RANK, run_trainprof
+from conftest import NO_CALIBRATION, QUICKSTART_2RANK, QUIET, ZERO2_2RANK, run_trainprof
 from helpers.checks import retry_on_noise
 from helpers.projection import MEMORY_TOLERANCE, STEPS, kinds, project
 
@@ -84,7 +86,12 @@ def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_
         _, real2 = shared_runs.copy(tmp_path / "zero2-0", *ZERO2_2RANK) if i == 0 else \
             run_trainprof(tmp_path / f"zero2-{i}", *ZERO2_2RANK)
         m2 = measured_from_profile(real2)
-        assert abs(zero2_ms - m2.step_ms) / m2.step_ms < STEP_TOLERANCE, (zero2_ms, m2.step_ms)
+        # this machine has spells of 1.5-2x for minutes, and the source was measured earlier: the source's
+        # settings measured again beside the ZeRO-2 run rescale the prediction to the machine of that moment
+        # (what is checked is ZeRO-2 against ZeRO-3 on one machine, not the machine's drift)
+        drift = measured_from_profile(run_trainprof(tmp_path / f"beside{i}", 2, "train.steps=16", *QUIET)[1]).step_ms \
+            / measured_from_profile(json.loads((src_dir / "profile.json").read_text())).step_ms
+        assert abs(zero2_ms * drift - m2.step_ms) / m2.step_ms < STEP_TOLERANCE, (zero2_ms, drift, m2.step_ms)
 
     retry_on_noise(check)
 
