@@ -23,18 +23,36 @@ SPIN_TAIL_MS = 1.0
 
 
 class Ledger:
-    """Actual wait durations per (name, phase), one dict per step."""
+    """Actual wait durations per (name, phase), one dict per step; and each Busy module's backward window
+    (name, "backward_window"): from the backward reaching its output to the backward leaving through its
+    input, less any recomputation of it inside, which holds the un-ledgered work its backward also does
+    (its Linear's matmuls, a LoRA adapter's, gradient accumulation, the engine's nodes)."""
 
     def __init__(self) -> None:
         self.current: dict[tuple[str, str], float] = defaultdict(float)
         self.steps: list[dict[tuple[str, str], float]] = []
+        self.opened: dict[str, tuple[float, float]] = {}  # name -> (start, its recompute_wall ms by then)
 
     def add(self, name: str, phase: str, ms: float) -> None:
         self.current[(name, phase)] += ms
 
+    def open(self, name: str, t: float) -> None:
+        self.opened[name] = (t, self.current[(name, "recompute_wall")])
+
+    def close(self, name: str, t: float) -> None:
+        start, recomputed_before = self.opened.pop(name)
+        inside = self.current[(name, "recompute_wall")] - recomputed_before  # non-reentrant checkpointing
+        self.add(name, "backward_window", (t - start) * 1e3 - inside)
+
+    def close_all(self, t: float) -> None:
+        """The windows of modules whose input needs no grad end with the backward call."""
+        for name in list(self.opened):
+            self.close(name, t)
+
     def end_step(self) -> None:
         self.steps.append(dict(self.current))
         self.current = defaultdict(float)
+        self.opened.clear()
 
 
 LEDGER = Ledger()
@@ -73,6 +91,21 @@ class BusyFn(torch.autograd.Function):
         return grad, grad.sum().reshape(1), None, None, None
 
 
+class BackwardEdge(torch.autograd.Function):
+    """Identity whose backward stamps the ledger: at a module's output, its backward window opens; at its
+    input (where the input needs grad), it closes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, name: str, edge: str) -> torch.Tensor:
+        ctx.name, ctx.edge = name, edge
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (LEDGER.open if ctx.edge == "output" else LEDGER.close)(ctx.name, time.perf_counter())
+        return grad, None, None
+
+
 class Busy(torch.nn.Module):
     """A leaf with known forward / backward cost; `proj` is a tiny Linear for LoRA to wrap."""
 
@@ -86,7 +119,9 @@ class Busy(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with Timed(self.ledger_name):
-            return BusyFn.apply(self.proj(x), self.w, self.fwd_ms, self.bwd_ms, self.ledger_name)
+            x = BackwardEdge.apply(x, self.ledger_name, "input")
+            y = BusyFn.apply(self.proj(x), self.w, self.fwd_ms, self.bwd_ms, self.ledger_name)
+            return BackwardEdge.apply(y, self.ledger_name, "output")
 
 
 def name_busy_modules(model: torch.nn.Module, prefix: str = "") -> None:
@@ -172,11 +207,9 @@ class Synthetic(torch.nn.Module):
     def __init__(self, *, reentrant: bool = False, with_comm: bool = False, slow_rank_extra_ms: float = 0.0,
                  scale: float = 1.0) -> None:
         super().__init__()
-        # Every wait is >= 10 ms: a module's backward also runs un-ledgered work (its proj Linear's two
-        # small matmuls, gradient accumulation, the hook nodes), 0.1-0.4 ms on a loaded 2-core machine,
-        # which made 6-8 ms waits brush the 5% bound (CI failed on head backward at 5.9% with 6 ms).
-        # On CUDA that work is about 0.75 ms a backward call (an H200, 2026-11-26): `scale` stretches
-        # every wait so it stays a small part of each.
+        # Every wait is >= 10 ms, so that the profiler's own cost at a module's boundaries (tens of us) is a
+        # small part of each; `scale` stretches every wait (the CUDA test's backward calls carry about
+        # 0.75 ms of work besides the waits, on an H200).
         def busy(fwd: float, bwd: float) -> Busy:
             return Busy(fwd * scale, bwd * scale)
 
@@ -220,9 +253,6 @@ def busy_loader(n: int, batch: int = 2, width: int = 8, wait_ms: float = 8.0):
         yield torch.randn(batch, width)
 
 
-NOT_MODULES = {"data", "optimizer"}  # ledger keys that are not module names
-
-
 def _under(name: str, module: str) -> bool:
     return module == "" or name == module or name.startswith(module + ".")
 
@@ -240,7 +270,7 @@ def truth_ms(ledger_steps: list[dict[tuple[str, str], float]], module: str, phas
 
     forward / recompute: the module's own timed body (or its outermost timed descendants), minus the
     collectives timed inside it. backward: the timed loss.backward() for the model itself, minus the
-    recomputation inside it; otherwise the sum of the backward waits under the module.
+    recomputation inside it; otherwise the backward windows of the Busy modules under it (Ledger).
     """
     per_step = []
     for step in ledger_steps:
@@ -251,7 +281,7 @@ def truth_ms(ledger_steps: list[dict[tuple[str, str], float]], module: str, phas
         elif (module, "backward_wall") in step:
             value = step[(module, "backward_wall")] - (_outermost_walls(step, module, "recompute_wall") or 0.0)
         else:
-            value = sum(v for (n, ph), v in step.items() if ph == phase and n not in NOT_MODULES and _under(n, module))
+            value = _outermost_walls(step, module, "backward_window") or 0.0
         per_step.append(value)
     return statistics.median(per_step)
 
@@ -290,6 +320,7 @@ def train(model: torch.nn.Module, profiler_kwargs: dict, *, steps: int = 3, warm
                         loss = model(x)
                         with Timed("", "backward_wall"):
                             loss.backward()
+                            LEDGER.close_all(time.perf_counter())
                         prof.record(loss=loss, tokens=x.shape[0])
                     with Timed("optimizer", "optimizer"):  # the truth: the whole step() and zero_grad() calls
                         opt.step()
