@@ -37,11 +37,11 @@ class Ledger:
         self.current[(name, phase)] += ms
 
     def open(self, name: str, t: float) -> None:
-        self.opened[name] = (t, self.current[(name, "recompute_wall")])
+        self.opened[name] = (t, self.current.get((name, "recompute_wall"), 0.0))
 
     def close(self, name: str, t: float) -> None:
         start, recomputed_before = self.opened.pop(name)
-        inside = self.current[(name, "recompute_wall")] - recomputed_before  # non-reentrant checkpointing
+        inside = self.current.get((name, "recompute_wall"), 0.0) - recomputed_before  # non-reentrant checkpointing
         self.add(name, "backward_window", (t - start) * 1e3 - inside)
 
     def close_all(self, t: float) -> None:
