@@ -32,11 +32,12 @@ QUIET = [NO_CALIBRATION, NO_OPS]
 # Two configurations several files assert on, each one run for the session (see shared_run): the
 # quickstart on 2 ranks with 16 measured steps (medians of 12 for `trainprof project`), traced and
 # calibrated as the quickstart is: test_projection's source, test_report's traced run and test_engines'
-# ZeRO-3 run; and the same at ZeRO-2 without calibration: test_projection's real run of its ZeRO-2
-# what-if and test_engines' ZeRO-2 run.
+# ZeRO-3 run; and the same at ZeRO-2 without calibration: test_engines' ZeRO-2 run, and the settings of
+# test_projection's real runs of its ZeRO-2 what-if (made beside runs of the source's settings).
 QUICKSTART_2RANK = (2, "train.steps=16", "profile.ops=true", "profile.ops_steps=2", "profile.calibrate=true")
 ZERO2_2RANK = (2, "train.steps=16", "engine.zero_stage=2", "profile.ops=true", NO_CALIBRATION)
-# whose step times a timed test compares (test_projection): under pytest-xdist made with the machine to itself
+# made with the machine to itself under pytest-xdist: test_projection compares the source's step times, and
+# the two are the machine's speed lines in the summary
 MEASURED = (QUICKSTART_2RANK, ZERO2_2RANK)
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from conftest import QUICKSTART_2RANK, QUIET, ZERO2_2RANK
 
-# 2 ranks at ZeRO-3 and ZeRO-2 without offload: the runs test_projection and test_report share (16 steps);
-# test_projection measures their steps, so they are timed (made with the machine to itself under pytest-xdist)
+# 2 ranks at ZeRO-3 and ZeRO-2 without offload: the shared runs of conftest.MEASURED (16 steps), made with the
+# machine to itself under pytest-xdist (the ZeRO-3 one is test_projection's and test_report's source)
 SHARED = {(2, 3, "none"): QUICKSTART_2RANK, (2, 2, "none"): ZERO2_2RANK}
 ZERO = [pytest.param(nproc, stage, offload, id=f"{name}-{nproc}",
                      marks=[pytest.mark.timed] if (nproc, stage, offload) in SHARED else [])

@@ -208,8 +208,7 @@ class Synthetic(torch.nn.Module):
                  scale: float = 1.0) -> None:
         super().__init__()
         # Every wait is >= 10 ms, so that the profiler's own cost at a module's boundaries (tens of us) is a
-        # small part of each; `scale` stretches every wait (the CUDA test's backward calls carry about
-        # 0.75 ms of work besides the waits, on an H200).
+        # small part of each; `scale` stretches every wait.
         def busy(fwd: float, bwd: float) -> Busy:
             return Busy(fwd * scale, bwd * scale)
 
