@@ -70,9 +70,11 @@ def test_metrics_are_consistent(run) -> None:
     for r in doc["results"]:
         n = r["output_tokens"]
         assert n == NEW_TOKENS
-        ttft, tpot, e2el = r["ttft_ms"]["p50"], r["tpot_ms"]["p50"], r["e2el_ms"]["p50"]
-        assert ttft + (n - 1) * tpot == pytest.approx(e2el, rel=0.1)
-        assert 0 < ttft < e2el
+        # per request by TPOT's definition, so over the means too (medians of 3 calls need not add up: a slow
+        # spell of the machine during one call once put them 25% apart)
+        ttft, tpot, e2el = (r[f"{k}_ms"]["mean"] for k in ("ttft", "tpot", "e2el"))
+        assert ttft + (n - 1) * tpot == pytest.approx(e2el, rel=1e-9)
+        assert 0 < r["ttft_ms"]["p50"] < r["e2el_ms"]["p50"]
         assert r["itl_ms"]["p50"] <= r["itl_ms"]["p90"] <= r["itl_ms"]["p99"]
         # ITL comes from the per-token stamps alone, TPOT from generate's return and the first stamp: their
         # means agree when the stamps mark the tokens (generate does little after the last one)
