@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers.machine import MachineLock, file_lock
-from helpers.warm import WarmPool
+from helpers.warm import PIN_CPU, WarmPool
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "quickstart_cpu.yaml"
@@ -51,17 +51,21 @@ TRAINPROF_CELLS = [sys.executable, "-m", "trainprof"] if COLD else \
 
 
 def run_trainprof(tmp_path: Path, nproc: int, *overrides: str, recipe: Path = QUICKSTART,
-                  timeout: int = 240, cold: bool = COLD) -> tuple[Path, dict]:
+                  timeout: int = 240, cold: bool = COLD, cpu: int | None = None) -> tuple[Path, dict]:
     """Run `torchrun --nproc_per_node N -m trainprof.run RECIPE ...` (one rank: `python -m trainprof.run`,
     as a sweep's cell runs, without torchrun's 2-3 s of start-up); return (run dir, profile.json). The ranks
-    are forked from a warm server that has done their imports (helpers/warm.py), unless `cold`."""
+    are forked from a warm server that has done their imports (helpers/warm.py), unless `cold`; `cpu` pins
+    them to that core."""
     from trainprof.sweep.launch import launch_command
 
     out = tmp_path / "runs"
     args = [str(recipe), *FAST, *overrides, f"output.dir={out}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if cpu is not None:
+        env[PIN_CPU] = str(cpu)
     if cold:
         cmd = launch_command(args[0], args[1:], nproc=nproc)
+        cmd = cmd if cpu is None else ["taskset", "-c", str(cpu), *cmd]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
         code, stderr = proc.returncode, proc.stderr
     else:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 GRACE_S = 10.0  # after one rank failed or time ran out, how long the others get after SIGTERM
 POLL_S = 0.02
+PIN_CPU = "TRAINPROF_TEST_CPU"  # in a request's env: the CPU its ranks run on (a test's run pinned to one core)
 
 
 def preload_for(engine_kind: str, zero_stage: int) -> tuple[str, ...]:
@@ -131,6 +132,8 @@ def _rank(request: dict, rank: int, port: int) -> None:
         os.dup2(out, 1)
         os.dup2(err, 2)
         os.chdir(request["cwd"])
+        if cpu := request["env"].get(PIN_CPU):
+            os.sched_setaffinity(0, {int(cpu)})
         os.environ.clear()
         os.environ.update(request["env"], **_rank_env(rank, request["nproc"], port, f"{logs}.rank{rank}.error.json"))
         sys.argv = ["trainprof.run", *request["args"]]
