@@ -14,6 +14,9 @@ from typing import Any
 
 from trainprof.recipe import Recipe, RecipeError, check_environment, check_world_size, load_recipe
 
+# how long a rank other than 0 that met a recipe mistake waits for rank 0 to print it (user_error)
+RANK0_WAIT_S = 60.0
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -291,17 +294,22 @@ def user_error(err: Exception) -> int:
     """A recipe mistake: one line on rank 0's stderr, exit code 2. Under torchrun each rank also writes
     it to its TORCHELASTIC_ERROR_FILE (the format torch.distributed.elastic's @record writes), so
     torchrun's failure report names this line as the root cause instead of a link to its docs; torchrun
-    itself still prints that report and exits 1 (README, "Use")."""
+    itself still prints that report and exits 1 (README, "Use"). Every rank reads the same recipe, so rank 0
+    meets the same mistake: the other ranks wait for it (up to RANK0_WAIT_S), as torchrun stops the others when
+    the first rank exits, and a rank 0 still importing when a faster rank exited never printed its line."""
     import json
 
     line = f"trainprof: {err}"
-    if int(os.environ.get("RANK", 0)) == 0:
+    rank = int(os.environ.get("RANK", 0))
+    if rank == 0:
         print(line, file=sys.stderr)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         with open(error_file, "w") as f:
             json.dump({"message": {"message": f"{type(err).__name__}: {err}",
                                    "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+    if rank != 0:
+        time.sleep(RANK0_WAIT_S)
     return 2
 
 
