@@ -44,6 +44,14 @@ def host_cpu() -> str:
     return platform.processor() or platform.machine()
 
 
+def last_level_cache_bytes(default: int = 256 << 20) -> int:
+    """The size of cpu0's largest cache as Linux lists it (sysfs), else `default`."""
+    units = {"": 0, "K": 10, "M": 20, "G": 30}
+    sizes = [int(m[1]) << units[m[2]] for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size")
+             if (m := re.fullmatch(r"(\d+)([KMG]?)", f.read_text().strip()))]
+    return max(sizes, default=default)
+
+
 def collect_env(device: torch.device, world_size: int) -> dict[str, Any]:
     """The `env` block of profile.json."""
     import torch
