@@ -26,6 +26,7 @@ from trainprof.recipe import load_recipe
 from trainprof.shapes import SHAPES
 
 QUICK = REPO / "recipes" / "quickstart_cpu.yaml"
+DATA = REPO / "tests" / "data"
 
 
 def _values(notes, kind):
@@ -339,6 +340,23 @@ def test_the_busiest_rank_splits_the_slowest_step_by_means_that_add_up():
     old = measured_from_profile(_two_rank_profile(with_means=False))
     assert old.phases_ms["forward"] == 12.0 and old.phases_ms["comm_exposed"] == 50.0
     assert old.unattributed_ms == pytest.approx(100.5 - 90.0)
+    assert m.ranks_busy_ms == {0: 49.0, 1: 43.5}  # each rank's step less its collectives and data wait
+
+
+def test_fewer_ranks_than_an_uneven_source_are_told_the_slowest_ranks_pace_is_kept(tmp_path):
+    """A source whose ranks computed unevenly (the test data's 2 ranks: 39.2 and 27.2 ms busy a step) is
+    predicted at its slowest rank's pace; a prediction for fewer ranks says so, one for as many does not."""
+    import shutil
+
+    from trainprof.projection.project import project
+
+    run = tmp_path / "zero3_2rank"
+    shutil.copytree(DATA / "zero3_2rank", run)
+    one, two = project(run, nproc=[1, 2], probe=False)["predictions"]
+    (note,) = [a["values"] for a in one["assumptions"] if a["kind"] == "ranks_uneven"]
+    assert note["slowest_rank"] == 0 and note["world"] == 1
+    assert note["spread"] == pytest.approx(39.204385 / 27.24824 - 1)
+    assert "ranks_uneven" not in {a["kind"] for a in two["assumptions"]}
 
 
 def test_a_wrapped_runs_peak_memory_is_its_highest_phase_peak():

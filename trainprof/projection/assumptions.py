@@ -18,6 +18,9 @@ TEMPLATES: dict[str, str] = {
     "host_bound_source": ("the source's GPU ran kernels {busy_frac:.0%} of the step (operator trace): host-bound; the "
                           "host's part is predicted as host time (the target's host CPU assumed as fast as the source's)"),
     # compute
+    "ranks_uneven": ("compute: the source's ranks were busy {fastest_ms:.1f}-{slowest_ms:.1f} ms a step (rank "
+                     "{slowest_rank} the slowest, +{spread:.0%}) and the prediction keeps the slowest one's pace, "
+                     "which a run on {world} rank(s) need not have (the cores, or the GPUs, ran unevenly)"),
     "parts_probed": ("compute: each decoder layer's measured time plus the change of one bare layer's work "
                      "({layer_source_ms:.2f} -> {layer_target_ms:.2f} ms forward per micro batch), x {target_layers} "
                      "layers for {source_layers}; the rest of the model's measured time plus the change of its bare "

@@ -63,6 +63,7 @@ class Measured:
     device_type: str = "cpu"
     # per phase, the operators of the traced steps (None: the profile has no operator trace)
     ops: dict[str, PhaseOps] | None = None
+    ranks_busy_ms: dict[int, float] | None = None  # per rank: busy_ms (None: the profile has no per-rank rows)
 
     @property
     def kernel_ms(self) -> dict[str, tuple[float, float]] | None:
@@ -122,6 +123,7 @@ def measured_from_profile(profile: dict[str, Any]) -> Measured:
         dtype_bytes=dtype_bytes,
         device_type=profile["env"].get("device_type", "cpu"),
         ops=_phase_ops(profile),
+        ranks_busy_ms={int(r["rank"]): busy_ms(r) for r in ranks} if ranks and all("rank" in r for r in ranks) else None,
     )
 
 
@@ -143,12 +145,14 @@ def critical_rank(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     collectives end their steps together, so a rank that computed faster spends the difference waiting
     inside a collective: its exposed communication holds the busiest rank's extra compute, which a change
     of shape or engine scales as compute, not as communication."""
-    def busy(r: dict[str, Any]) -> float:
-        if r.get("busy_ms_median") is not None:
-            return float(r["busy_ms_median"])
-        return float(r["step_ms_median"]) - float(r["phases_ms"].get("comm_exposed") or 0.0)
+    return max(ranks, key=busy_ms)
 
-    return max(ranks, key=busy)
+
+def busy_ms(rank: dict[str, Any]) -> float:
+    """A rank's median step less its time blocked in collectives (and data waits, where the profile has it)."""
+    if rank.get("busy_ms_median") is not None:
+        return float(rank["busy_ms_median"])
+    return float(rank["step_ms_median"]) - float(rank["phases_ms"].get("comm_exposed") or 0.0)
 
 
 def _rank_figures(module: dict[str, Any], rank_index: int | None, scale: dict[str, float]) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from trainprof.shapes import DTYPE_BYTES
 
 PROJECTION_VERSION = 2  # 2: assumptions as records, confidence, model-size changes, NCCL latency
 DATA_WAIT_DOMINATES = 0.2  # flag data wait above this share of the predicted step
+UNEVEN_RANKS = 0.05  # ranks busier than the least busy by more than this: a smaller world is told its pace is kept
 # recipe changes tried, in order, when a prediction does not fit the target's memory: each alone, then
 # together, the last the least memory a recipe can ask for (DeepSpeed's keys: engine.kind=deepspeed is
 # added for a source on another engine)
@@ -189,7 +190,7 @@ class Projector:
 
     # -- inputs on the source's machine -------------------------------------------------------------
 
-    def _inputs_here(self, t: TargetRun, reasons: dict[str, str], notes: list[Assumption]) -> Inputs:  # noqa: ARG002
+    def _inputs_here(self, t: TargetRun, reasons: dict[str, str], notes: list[Assumption]) -> Inputs:
         """Probes, calibrations and the gloo link for a prediction on the source's machine."""
         src, m = self.source, self.source.measured
         inputs = Inputs(memory_gbps=self._memory_gbps())
@@ -198,6 +199,11 @@ class Projector:
             inputs.link = self.gloo_link(t.world)
         if "step_ms" in reasons:
             return inputs  # nothing to probe for a step that will not be predicted
+        busy = m.ranks_busy_ms or {}
+        if t.world < len(busy) and max(busy.values()) > (1 + UNEVEN_RANKS) * min(busy.values()):
+            slowest = max(busy, key=busy.__getitem__)
+            notes.append(assume("ranks_uneven", fastest_ms=min(busy.values()), slowest_ms=busy[slowest],
+                                slowest_rank=slowest, spread=busy[slowest] / min(busy.values()) - 1, world=t.world))
         reshaped = any(KINDS[k].reshapes for k in t.kinds if k in KINDS)
         neighbours_differ = self.neighbour_count(m.world_size) != self.neighbour_count(t.world)
         threads = t.threads if t.threads and t.threads != self.source_threads else None
@@ -218,7 +224,8 @@ class Projector:
                                           "on that machine" + ("" if self.probe else ", without --no-probe"))
                     return inputs
                 inputs.engine = self.engine_probe(t.recipe)
-            if inputs.engine is None and t.world == 1 < m.world_size and zero_stage_of(src.recipe) == 3:
+            one_rank_zero3 = t.world == 1 < m.world_size and zero_stage_of(src.recipe) == 3
+            if self.probe and inputs.engine is None and one_rank_zero3:
                 inputs.step_probe = self.source_step()  # one rank: no gathers after the step
         except ValueError as err:
             reasons["step_ms"] = f"the engine could not be probed: {err}"
