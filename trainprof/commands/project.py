@@ -244,7 +244,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--catalog", default=None, help="your own catalog YAML, merged over the shipped one")
     p.add_argument("--out", default=None, help="output dir (default: a new RUN_DIR/projections/<UTC time>-<label>/)")
     p.add_argument("--no-probe", action="store_true",
-                   help="do not time the model's parts on this machine (changed shapes are re-derived from their GEMMs)")
+                   help="do not time the model's parts or engines on this machine (changed shapes are re-derived from "
+                        "their GEMMs; engine and task changes are not predicted)")
     p.add_argument("--best", action="store_true",
                    help="per target and size, search micro batch (up to what fits with 10%% headroom), ZeRO stage, "
                         "recompute and offload (LoRA vs QLoRA for finetuning): the highest tokens/s and the lowest "
