@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="store the table as trainprof/projection/validation.json")
     parser.add_argument("--groups", default="settings,size,threads", help="comma-separated groups: settings, size, threads")
     parser.add_argument("--only-tuned", action="store_true", help="run only the cases the model was tuned on")
-    parser.add_argument("--cases", default=None, help="run only the cases whose name contains this text")
+    parser.add_argument("--cases", default=None,
+                        help="run only the cases whose name contains one of these comma-separated texts")
     parser.add_argument("--out", default=None, help="where runs go (default: a temp dir)")
     parser.add_argument("--reuse", action="store_true",
                         help="with --out: a configuration whose run an earlier call left there is projected again, "
@@ -360,8 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         best_check(out, args.steps, args.repeats, args.best_check)
     if args.research or args.best_check is not None:
         return 0
+    wanted = args.cases.split(",") if args.cases else None
     groups = [dataclasses.replace(GROUPS[n], cases=[c for c in GROUPS[n].cases if (c.tuned or not args.only_tuned)
-                                                    and (args.cases is None or args.cases in c.name)])
+                                                    and (wanted is None or any(t in c.name for t in wanted))])
               for n in args.groups.split(",") if n in GROUPS]
     groups = [g for g in groups if g.cases]
     if not groups:
