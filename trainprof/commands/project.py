@@ -245,7 +245,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output dir (default: a new RUN_DIR/projections/<UTC time>-<label>/)")
     p.add_argument("--no-probe", action="store_true",
                    help="do not time the model's parts or engines on this machine (changed shapes are re-derived from "
-                        "their GEMMs; engine and task changes are not predicted)")
+                        "their GEMMs; engine and task changes on this machine are not predicted)")
     p.add_argument("--best", action="store_true",
                    help="per target and size, search micro batch (up to what fits with 10%% headroom), ZeRO stage, "
                         "recompute and offload (LoRA vs QLoRA for finetuning): the highest tokens/s and the lowest "
