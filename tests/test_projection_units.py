@@ -356,6 +356,7 @@ def test_fewer_ranks_than_an_uneven_source_are_told_the_slowest_ranks_pace_is_ke
     (note,) = [a["values"] for a in one["assumptions"] if a["kind"] == "ranks_uneven"]
     assert note["slowest_rank"] == 0 and note["world"] == 1
     assert note["spread"] == pytest.approx(39.204385 / 27.24824 - 1)
+    assert "source ranks +44% apart: slowest kept" in one["confidence_text"]  # in the table's cell too
     assert "ranks_uneven" not in {a["kind"] for a in two["assumptions"]}
 
 

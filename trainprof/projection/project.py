@@ -403,6 +403,9 @@ class Projector:
             marks.append(f"{src.recipe.task.kind} -> {r.task.kind}: host likely low")
         if "host_bound_target" in noted:
             marks.append(HOST_BOUND_MARK)
+        uneven = next((a.values for a in notes if a.kind == "ranks_uneven"), None)
+        if uneven:
+            marks.append(f"source ranks {uneven['spread']:+.0%} apart: slowest kept")
         conf = dataclasses.replace(conf, marks=tuple(marks))
         pred: dict[str, Any] = {
             "hardware": t.machine if t.hardware is not None else
