@@ -123,7 +123,7 @@ def measured_from_profile(profile: dict[str, Any]) -> Measured:
         dtype_bytes=dtype_bytes,
         device_type=profile["env"].get("device_type", "cpu"),
         ops=_phase_ops(profile),
-        ranks_busy_ms={int(r["rank"]): busy_ms(r) for r in ranks} if all("rank" in r for r in ranks or [{}]) else None,
+        ranks_busy_ms={int(r["rank"]): busy_ms(r) for r in ranks} or None,  # `rank` is required by the schema
     )
 
 

@@ -200,10 +200,11 @@ class Projector:
         if "step_ms" in reasons:
             return inputs  # nothing to probe for a step that will not be predicted
         busy = m.ranks_busy_ms or {}
-        if t.world < len(busy) and max(busy.values()) > (1 + UNEVEN_RANKS) * min(busy.values()):
-            slowest = max(busy, key=busy.__getitem__)
-            notes.append(assume("ranks_uneven", fastest_ms=min(busy.values()), slowest_ms=busy[slowest],
-                                slowest_rank=slowest, spread=busy[slowest] / min(busy.values()) - 1, world=t.world))
+        if t.world < len(busy):
+            slowest, fastest_ms = max(busy, key=busy.__getitem__), min(busy.values())
+            if busy[slowest] > (1 + UNEVEN_RANKS) * fastest_ms:
+                notes.append(assume("ranks_uneven", fastest_ms=fastest_ms, slowest_ms=busy[slowest],
+                                    slowest_rank=slowest, spread=busy[slowest] / fastest_ms - 1, world=t.world))
         reshaped = any(KINDS[k].reshapes for k in t.kinds if k in KINDS)
         neighbours_differ = self.neighbour_count(m.world_size) != self.neighbour_count(t.world)
         threads = t.threads if t.threads and t.threads != self.source_threads else None
