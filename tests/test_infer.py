@@ -241,7 +241,7 @@ def test_diff_of_two_inference_runs(run, tmp_path, cli) -> None:
             r[key]["p50"] *= 2
         r["output_tokens_per_s"] /= 2
     d = diff_inference(doc, slower, repeat=doc)  # a repeat identical to A: the band floor, measured
-    assert d.band_source == "repeat" and d.repeat_noise == 0.0
+    assert d.band_source == "repeat" and d.repeat_noise == {"A": 0.0}
     assert len(d.steps) == 3 * 5 and all(r.verdict == "slower" and r.speedup == pytest.approx(0.5) for r in d.steps)
     assert not d.recipe_changes and not d.notes
 

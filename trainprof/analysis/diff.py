@@ -11,8 +11,9 @@ Verdict, symmetric in ratio (noise on a time is a factor, not an offset): B is "
 B < A / (1 + band), "slower" when B > A * (1 + band), else "within noise". Rows under `min_ms` in
 both runs are "too small" (one preemption is most of them), and so is a model part whose modules are
 each under `min_ms`. The band is measured: from a repeat of run A (`repeat`: an identical run; band =
-NOISE_SAFETY x the largest ratio between A and its repeat over the judged rows), else the default per
-statistic (docs/reports.md says how it was measured).
+NOISE_SAFETY x the largest ratio between A and its repeat over the judged rows), and of run B (`repeat_b`)
+where given, taking the wider: a slow spell of the machine during B's run alone shows only there. Else it is
+the default per statistic (docs/reports.md says how it was measured).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class ProfileDiff:
     recipe_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     band_source: str = "default"  # "default" | "given" | "repeat"
-    repeat_noise: float | None = None  # largest ratio - 1 between A and its repeat, when one was given
+    repeat_noise: dict[str, float] = field(default_factory=dict)  # "A"/"B": largest ratio - 1 against its repeat
 
     def rows(self) -> list[DiffRow]:
         return [*self.steps, *self.phases, *self.parts, *self.modules]
@@ -157,12 +158,20 @@ def noise_ratio(row: DiffRow) -> float | None:
     return max(row.b_ms / row.a_ms, row.a_ms / row.b_ms) - 1
 
 
-def _band_from_repeat(rows: list[DiffRow]) -> tuple[float, float]:
-    """(band, noise) from the rows of run A diffed against its repeat: noise = the largest ratio - 1 over the
-    judged rows, band = NOISE_SAFETY x noise, at least MIN_BAND."""
+def _repeat_noise(rows: list[DiffRow]) -> float:
+    """The largest ratio - 1 over the judged rows of a run diffed against its repeat."""
     ratios = [noise_ratio(r) for r in rows if r.verdict != "too small"]
-    noise = max((x for x in ratios if x is not None), default=0.0)
-    return max(MIN_BAND, NOISE_SAFETY * noise), noise
+    return max((x for x in ratios if x is not None), default=0.0)
+
+
+def _measured_band(band: float | None, default: float, noise: dict[str, float]) -> tuple[float, str]:
+    """(band, source): `band` where given; else NOISE_SAFETY x the wider side's repeat noise (at least MIN_BAND)
+    where a repeat was measured; else the default."""
+    if band is not None:
+        return band, "given"
+    if noise:
+        return max(MIN_BAND, NOISE_SAFETY * max(noise.values())), "repeat"
+    return default, "default"
 
 
 @dataclass(slots=True, kw_only=True)
@@ -190,6 +199,7 @@ class _Side:
 
 def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median", band: float | None = None,
                   min_ms: float = DEFAULT_MIN_MS, repeat: dict[str, Any] | None = None,
+                  repeat_b: dict[str, Any] | None = None,
                   parts: list[tuple[str, Callable[[dict[str, Any]], bool]]] | None = None) -> ProfileDiff:
     """Compare run B against run A: the noise band, then the step and phase rows, the model-part rows,
     the module rows, and each row's verdict.
@@ -202,6 +212,7 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
         min_ms: rows where both runs are below this many ms per step are "too small".
         repeat: a repeat of run A (same recipe, same machine): the band becomes NOISE_SAFETY x the
             largest ratio between A and the repeat over the judged rows (at least MIN_BAND).
+        repeat_b: a repeat of run B, measured the same way; the band is the wider of the two sides'.
         parts: (label, module predicate) groups summed per phase (outermost matching modules only),
             e.g. trainprof.report.sections.CATEGORIES.
     Returns:
@@ -209,16 +220,14 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
     """
     if stat not in STATS:
         raise ValueError(f"stat '{stat}' is not one of {', '.join(STATS)}")
-    band_source = "given" if band is not None else "default"
-    measured_noise = None
-    if band is None and repeat is not None:
-        self_diff = diff_profiles(a, repeat, stat=stat, band=0.0, min_ms=min_ms, parts=parts)
-        band, measured_noise = _band_from_repeat([r for r in self_diff.rows() if r.kind != "step"])
-        band_source = "repeat"
-    band = DEFAULT_BAND[stat] if band is None else band
+    noise = {} if band is not None else {
+        side: _repeat_noise([r for r in diff_profiles(run, again, stat=stat, band=0.0, min_ms=min_ms,
+                                                      parts=parts).rows() if r.kind != "step"])
+        for side, run, again in (("A", a, repeat), ("B", b, repeat_b)) if again is not None}
+    band, band_source = _measured_band(band, DEFAULT_BAND[stat], noise)
     out = ProfileDiff(stat=stat, band=band, min_ms=min_ms, recipe_changes=recipe_changes(a.get("recipe"),
                                                                                           b.get("recipe")),
-                      band_source=band_source, repeat_noise=measured_noise)
+                      band_source=band_source, repeat_noise=noise)
     sa, sb = _Side.of(a), _Side.of(b)
     _step_and_phase_rows(out, sa, sb, pipeline=bool(a.get("pipeline") or b.get("pipeline")))
     if not sa.mods or not sb.mods:
@@ -316,24 +325,24 @@ MODULES_NOT_JUDGED_WHY = ("Each module row is one hooked generate call per batch
 
 
 def diff_inference(a: dict[str, Any], b: dict[str, Any], *, band: float | None = None,
-                   min_ms: float = DEFAULT_INFER_MIN_MS, repeat: dict[str, Any] | None = None) -> ProfileDiff:
+                   min_ms: float = DEFAULT_INFER_MIN_MS, repeat: dict[str, Any] | None = None,
+                   repeat_b: dict[str, Any] | None = None) -> ProfileDiff:
     """Compare inference run B against A (inference.json documents), per batch size both measured.
 
     The p50 latencies (TTFT, TPOT, ITL, E2EL) and ms per output token (1000 / output tokens/s) are
-    "latency" rows, judged as in `diff_profiles` against `band` (from `repeat`, a repeat of A, over the
-    latency rows; else DEFAULT_BAND["p50"]). Each module's prefill and per-decode-step ms (matched by name)
+    "latency" rows, judged as in `diff_profiles` against `band` (from `repeat`, a repeat of A, and `repeat_b`,
+    one of B, over the latency rows; else DEFAULT_BAND["p50"]). Each module's prefill and per-decode-step ms (matched by name)
     are "module" rows, shown but not judged: they come from one hooked generate call per batch size, and
     identical runs here differed by up to 177% on them. Batch sizes and modules on one side only are in
     notes and only_a/only_b; `recipe_changes` includes the changed `settings.*`."""
-    band_source, measured_noise = ("given" if band is not None else "default"), None
-    if band is None and repeat is not None:
-        band, measured_noise = _band_from_repeat(diff_inference(a, repeat, band=0.0, min_ms=min_ms).steps)
-        band_source = "repeat"
-    band = DEFAULT_BAND["p50"] if band is None else band
+    noise = {} if band is not None else {
+        side: _repeat_noise(diff_inference(run, again, band=0.0, min_ms=min_ms).steps)
+        for side, run, again in (("A", a, repeat), ("B", b, repeat_b)) if again is not None}
+    band, band_source = _measured_band(band, DEFAULT_BAND["p50"], noise)
     changes = recipe_changes(a.get("recipe"), b.get("recipe"))
     changes += [(f"settings.{k}", va, vb) for k, va, vb in recipe_changes(a.get("settings"), b.get("settings"))]
     out = ProfileDiff(stat="p50", band=band, min_ms=min_ms, recipe_changes=changes, band_source=band_source,
-                      repeat_noise=measured_noise)
+                      repeat_noise=noise)
     by_a = {r["batch_size"]: r for r in a.get("results") or []}
     by_b = {r["batch_size"]: r for r in b.get("results") or []}
     common = sorted(by_a.keys() & by_b.keys())

@@ -24,7 +24,8 @@ def _diff(args: argparse.Namespace) -> int:
     if bad:
         raise UserError(f"--format {','.join(bad)}: choose from {','.join(FORMATS)}")
     # a RunDirError is the CLI's one-line error, exit 2
-    d, doc = run_diff(args.run_a, args.run_b, stat=args.stat, band=args.noise, min_ms=args.min_ms, repeat=args.repeat)
+    d, doc = run_diff(args.run_a, args.run_b, stat=args.stat, band=args.noise, min_ms=args.min_ms, repeat=args.repeat,
+                    repeat_b=args.repeat_b)
     if args.out is None:
         print(render_markdown(doc))
         return 0
@@ -49,9 +50,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "adds); median: the profiles' own medians (training run dirs; inference ones compare p50s)")
     p.add_argument("--repeat", metavar="RUN_A2", default=None,
                    help="a repeat of RUN_A (same recipe, same machine): the noise band is measured from A vs A2")
+    p.add_argument("--repeat-b", metavar="RUN_B2", default=None,
+                   help="a repeat of RUN_B, measured the same way; with both, the wider band is taken (a slow "
+                        "spell of the machine during one run shows only on its side)")
     p.add_argument("--noise", type=_fraction, default=None,
-                   help="ratio counted as noise, e.g. 0.15 or 15%% (default: from --repeat, else the measured "
-                        "default in docs/reports.md)")
+                   help="ratio counted as noise, e.g. 0.15 or 15%% (default: from --repeat and --repeat-b, else the "
+                        "measured default in docs/reports.md)")
     p.add_argument("--min-ms", type=float, default=None, help="rows under this many ms in both runs are not judged")
     p.set_defaults(func=_diff)
     return p

@@ -36,8 +36,12 @@ def _method(d: ProfileDiff, a: dict[str, Any], b: dict[str, Any]) -> str:
 
 def _band_text(d: ProfileDiff) -> str:
     if d.band_source == "repeat":
-        return (f"{100 * d.band:.0f}%: {NOISE_SAFETY}x the largest difference, {100 * (d.repeat_noise or 0):.0f}%, "
-                "between A and its repeat")
+        noise = sorted(d.repeat_noise.items())
+        if len(noise) == 1:
+            return (f"{100 * d.band:.0f}%: {NOISE_SAFETY}x the largest difference, {100 * noise[0][1]:.0f}%, between "
+                    f"{noise[0][0]} and its repeat")
+        return (f"{100 * d.band:.0f}%: {NOISE_SAFETY}x the wider of each run's largest difference from its repeat ("
+                + ", ".join(f"{side} {100 * x:.0f}%" for side, x in noise) + ")")
     if d.band_source == "given":
         return f"{100 * d.band:.0f}%, given with --noise"
     if d.stat == "p50":
@@ -55,12 +59,12 @@ def _table(rows, method: str, id: str, name_header: str, phase_header: str = "ph
                  method=method, id=id, numeric=[False, False, True, True, True, True, True, False, True, True])
 
 
-def _runs_section(doc: Document, paths: tuple[Path, Path, Path | None], d: ProfileDiff, statistic: str) -> None:
-    """The compared run dirs, the statistic, the noise band, what changed between the recipes, and notes."""
+def _runs_section(doc: Document, paths: tuple[Path | None, ...], d: ProfileDiff, statistic: str) -> None:
+    """The compared run dirs (A, B, then the repeats of A and B where given), the statistic, the noise band,
+    what changed between the recipes, and notes."""
     sec = doc.section("Runs", id="runs")
-    facts = [("A", str(paths[0])), ("B", str(paths[1]))]
-    if paths[2] is not None:
-        facts.append(("repeat of A", str(paths[2])))
+    facts = [(label, str(path)) for label, path in zip(("A", "B", "repeat of A", "repeat of B"), paths)
+             if path is not None]
     facts += [("statistic", statistic),
               ("noise band", _band_text(d) + (f"; rows under {d.min_ms} ms not judged" if d.min_ms else ""))]
     sec.blocks.append(Facts(facts))
@@ -74,11 +78,11 @@ def _runs_section(doc: Document, paths: tuple[Path, Path, Path | None], d: Profi
         sec.blocks.append(Missing(note.split(":")[0], note.split(":", 1)[1].strip()))
 
 
-def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff,
-                        run_repeat: RunData | None = None) -> Document:
+def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff, *repeats: RunData | None) -> Document:
+    """The diff of two training run dirs; `repeats`: the repeats of A and of B (None where not given)."""
     a, b = run_a.profile or {}, run_b.profile or {}
     doc = Document("trainprof diff", subtitle=f"A = {run_a.path.name}, B = {run_b.path.name}")
-    _runs_section(doc, (run_a.path, run_b.path, run_repeat.path if run_repeat else None), d, d.stat)
+    _runs_section(doc, (run_a.path, run_b.path, *(r.path if r else None for r in repeats)), d, d.stat)
     method = _method(d, a, b)
     sec = doc.section("Step and phases", id="phases")
     sec.blocks.append(_table([*d.steps, *d.phases], method, "phase-diff", "figure"))
@@ -133,7 +137,7 @@ def _modules_section(doc: Document, d: ProfileDiff, method: str, intro: str | No
                                 id="one-side-table", numeric=[False, False, False]))
 
 
-def build_inference_diff_document(paths: tuple[Path, Path, Path | None], d: ProfileDiff, a: dict[str, Any],
+def build_inference_diff_document(paths: tuple[Path | None, ...], d: ProfileDiff, a: dict[str, Any],
                                   b: dict[str, Any]) -> Document:
     """The diff of two `trainprof infer` run dirs: latencies and throughput per batch size, the modules'
     prefill and decode-step time, and memory."""
@@ -171,13 +175,14 @@ def diff_csv(d: ProfileDiff) -> str:
 
 
 def run_diff(path_a: str | Path, path_b: str | Path, *, stat: str = "min", band: float | None = None,
-             min_ms: float | None = None, repeat: str | Path | None = None) -> tuple[ProfileDiff, Document]:
-    """Load two run dirs (and optionally a repeat of A, to measure the noise band) and diff them; model
-    parts are the summary's Llama2 categories."""
+             min_ms: float | None = None, repeat: str | Path | None = None,
+             repeat_b: str | Path | None = None) -> tuple[ProfileDiff, Document]:
+    """Load two run dirs (and optionally repeats of A and of B, to measure the noise band) and diff them;
+    model parts are the summary's Llama2 categories."""
     from trainprof.report.sections import CATEGORIES
 
     runs = []
-    for p in (path_a, path_b, repeat):
+    for p in (path_a, path_b, repeat, repeat_b):
         if p is None:
             runs.append(None)
             continue
@@ -193,13 +198,13 @@ def run_diff(path_a: str | Path, path_b: str | Path, *, stat: str = "min", band:
     if "inference" in kinds:
         docs = [r.inference if r is not None else None for r in runs]
         d = diff_inference(docs[0], docs[1], band=band, min_ms=DEFAULT_INFER_MIN_MS if min_ms is None else min_ms,
-                           repeat=docs[2])
-        return d, build_inference_diff_document((runs[0].path, runs[1].path, runs[2].path if runs[2] else None),
-                                                d, docs[0], docs[1])
-    d = diff_profiles(runs[0].profile, runs[1].profile, stat=stat, band=band,
+                           repeat=docs[2], repeat_b=docs[3])
+        return d, build_inference_diff_document(tuple(r.path if r else None for r in runs), d, docs[0], docs[1])
+    profiles = [r.profile if r is not None else None for r in runs]
+    d = diff_profiles(profiles[0], profiles[1], stat=stat, band=band,
                       min_ms=DEFAULT_MIN_MS if min_ms is None else min_ms, parts=CATEGORIES,
-                      repeat=runs[2].profile if runs[2] is not None else None)
-    return d, build_diff_document(runs[0], runs[1], d, runs[2])
+                      repeat=profiles[2], repeat_b=profiles[3])
+    return d, build_diff_document(runs[0], runs[1], d, runs[2], runs[3])
 
 
 def write_diff(d: ProfileDiff, doc: Document, out_dir: str | Path,
