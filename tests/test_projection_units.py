@@ -787,6 +787,35 @@ def test_probe_parts_times_each_shape_in_one_call():
     assert s.step_ns_per_element is None  # steps are timed only when asked (a changed model)
 
 
+def test_a_layer_no_slower_than_none_is_probed_again(monkeypatch):
+    """Where a slow spell makes the model without layers read as slow as the one with k (noise larger than
+    the layers' time), the probe takes more rounds before it gives a layer's time; a spell that never ends
+    leaves it at 0 ms after UNRESOLVED_EXTRA more sets. The clock here is the stand-in: which calls a spell
+    hits cannot be chosen on a real one."""
+    from trainprof.projection import probes
+
+    small = load_recipe(QUICK, ["model.dtype=fp32", "train.micro_batch_size=1", "data.seq_len=32"])
+    calls: list[bool] = []
+
+    def clock(spell_calls: int):
+        def forward_backward_ms(model, batch, stepper):
+            with_layers = len(model.model.layers) > 0
+            calls.append(with_layers)
+            spell = not with_layers and calls.count(False) <= spell_calls
+            return (10.0 if spell else 5.0) if not with_layers else 8.0, 8.0 if with_layers else 4.0, None
+        return forward_backward_ms
+
+    monkeypatch.setattr(probes, "_forward_backward_ms", clock(spell_calls=2 + 3))  # warm-up and every timed round
+    probe, = probes.probe_parts([small], threads=1, rounds=3)
+    # one more set: the none-layer model's median is 7.5 ms over the six rounds, k = 2 layers 8 ms
+    assert len(calls) == 2 * (2 + 3 + 3) and probe.layers_probed == 2 and probe.layer_forward_ms == pytest.approx(0.25)
+    calls.clear()
+    monkeypatch.setattr(probes, "_forward_backward_ms", clock(spell_calls=10**6))
+    probe, = probes.probe_parts([small], threads=1, rounds=3)
+    assert len(calls) == 2 * (2 + 3 * (1 + probes.UNRESOLVED_EXTRA)) and probe.layer_forward_ms == 0.0
+    assert probe.layer_backward_ms == pytest.approx(2.0)
+
+
 def test_probe_parts_times_a_changed_models_optimizer_pass_per_element():
     """A model-size change has each shape's mixed-precision AdamW step timed over its bare models; the
     decoder layers' step, over their elements, is the cost per element (no duration compared: not timed)."""

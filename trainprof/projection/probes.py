@@ -29,6 +29,9 @@ from typing import Any
 import torch
 
 PROBE_ROUNDS = 12  # timed calls per model in a probe (their median counts), after 2 warm-up calls
+# where k layers read no slower than none (a slow spell larger than the layers' time), up to this many more
+# sets of rounds are taken before the layer is given as 0 ms
+UNRESOLVED_EXTRA = 2
 # above this many parameters per decoder layer a probe on CPU would take longer than the projection is
 # worth; such shapes are re-derived from their GEMMs instead (projection/gemm.py)
 PROBE_MAX_LAYER_PARAMS = 60_000_000
@@ -135,12 +138,26 @@ def probe_parts(probes: list[Any], *, threads: int | list[int] | None = None, ro
         keys = list(models)
         timed: dict[Any, dict[str, list[float]]] = {key: {"forward": [], "backward": [], "step": []} for key in keys}
         stepper = {key: MixedPrecisionStep(models[key]) for key in keys} if steps else {}
+        def medians(j: int, layers: int) -> list[float]:
+            return [statistics.median(timed[(j, layers)][ph]) if timed[(j, layers)][ph] else 0.0
+                    for ph in ("forward", "backward", "step")]
+
+        def unresolved() -> bool:  # k layers no slower than none: noise larger than the layers' time
+            for j, k in enumerate(ks):
+                (f0, b0, _), (fk, bk, _) = medians(j, 0), medians(j, k)
+                if fk <= f0 or bk <= b0:
+                    return True
+            return False
+
         with busy_neighbours(probes[0], neighbours, per_probe[0], pool=pool):
             _probe_rounds(models, batches, keys, rounds, timed, threads_of, stepper)
+            for _ in range(UNRESOLVED_EXTRA):
+                if not unresolved():
+                    break
+                _probe_rounds(models, batches, keys, rounds, timed, threads_of, stepper, warmup=0)
         out = []
         for j, k in enumerate(ks):
-            (f0, b0, s0), (fk, bk, sk) = ([statistics.median(timed[(j, n)][ph]) if timed[(j, n)][ph] else 0.0
-                                           for ph in ("forward", "backward", "step")] for n in (0, k))
+            (f0, b0, s0), (fk, bk, sk) = medians(j, 0), medians(j, k)
             elements = stepper[(j, k)].elements - stepper[(j, 0)].elements if steps else 0
             out.append(PartProbe(layer_forward_ms=max(fk - f0, 0.0) / k, layer_backward_ms=max(bk - b0, 0.0) / k,
                                  rest_forward_ms=f0, rest_backward_ms=b0, layers_probed=k, threads=threads_of[(j, k)],
@@ -493,15 +510,15 @@ def _forward_backward_ms(model: torch.nn.Module, batch: dict[str, torch.Tensor],
 
 def _probe_rounds(models: dict[Any, Any], batches: dict[Any, Any], keys: list[Any], rounds: int,
                   timed: dict[Any, dict[str, list[float]]], threads: dict[Any, int],
-                  stepper: dict[Any, MixedPrecisionStep]) -> None:
-    """2 untimed rounds, then `rounds` timed ones: every model called once a round, in turn, each with
+                  stepper: dict[Any, MixedPrecisionStep], warmup: int = 2) -> None:
+    """`warmup` untimed rounds, then `rounds` timed ones: every model called once a round, in turn, each with
     its own intra-op threads (`threads`, updated to the count torch took) and its `stepper`'s step if any."""
-    for i in range(rounds + 2):
+    for i in range(rounds + warmup):
         for n in keys:
             torch.set_num_threads(threads[n])
             threads[n] = torch.get_num_threads()  # what it ran with
             f_ms, b_ms, s_ms = _forward_backward_ms(models[n], batches[n], stepper.get(n))
-            if i >= 2:
+            if i >= warmup:
                 timed[n]["forward"].append(f_ms)
                 timed[n]["backward"].append(b_ms)
                 if s_ms is not None:
