@@ -102,6 +102,14 @@ def test_noise_band_takes_the_wider_side_when_both_runs_are_repeated(tmp_path):
     assert out.returncode == 0, out.stderr
     assert f"**repeat of B**: {dirs['b2']}" in out.stdout, out.stdout[:2000]
     assert "45%: 1.5x the wider of each run's largest difference from its repeat (A 4%, B 30%)" in out.stdout
+    assert not d.repeat_changes and "warning" not in out.stderr
+    # a "repeat" of another recipe is named, in the report and on stderr: its band holds that change
+    b_spell["recipe"]["model"]["attention"] = "eager"
+    (dirs["b2"] / "profile.json").write_text(json.dumps(b_spell))
+    out = subprocess.run([sys.executable, "-m", "trainprof", "diff", str(dirs["a"]), str(dirs["b"]), "--repeat-b",
+                          str(dirs["b2"])], capture_output=True, text=True, timeout=120, cwd=REPO)
+    said = "The repeat of B is not B's recipe (model.attention: sdpa -> eager)"
+    assert out.returncode == 0 and said in out.stdout and f"warning: {said}" in out.stderr, out.stderr
 
 
 def test_run_dirs_without_phases_or_modules_still_diff(tmp_path):

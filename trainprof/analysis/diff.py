@@ -77,6 +77,8 @@ class ProfileDiff:
     notes: list[str] = field(default_factory=list)
     band_source: str = "default"  # "default" | "given" | "repeat"
     repeat_noise: dict[str, float] = field(default_factory=dict)  # "A"/"B": largest ratio - 1 against its repeat
+    # "A"/"B": the recipe keys where a repeat is not its run's recipe (its band then holds that change too)
+    repeat_changes: dict[str, list[tuple[str, Any, Any]]] = field(default_factory=dict)
 
     def rows(self) -> list[DiffRow]:
         return [*self.steps, *self.phases, *self.parts, *self.modules]
@@ -220,14 +222,15 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
     """
     if stat not in STATS:
         raise ValueError(f"stat '{stat}' is not one of {', '.join(STATS)}")
-    noise = {} if band is not None else {
-        side: _repeat_noise([r for r in diff_profiles(run, again, stat=stat, band=0.0, min_ms=min_ms,
-                                                      parts=parts).rows() if r.kind != "step"])
+    self_diffs = {} if band is not None else {
+        side: diff_profiles(run, again, stat=stat, band=0.0, min_ms=min_ms, parts=parts)
         for side, run, again in (("A", a, repeat), ("B", b, repeat_b)) if again is not None}
+    noise = {side: _repeat_noise([r for r in d.rows() if r.kind != "step"]) for side, d in self_diffs.items()}
     band, band_source = _measured_band(band, DEFAULT_BAND[stat], noise)
     out = ProfileDiff(stat=stat, band=band, min_ms=min_ms, recipe_changes=recipe_changes(a.get("recipe"),
                                                                                           b.get("recipe")),
-                      band_source=band_source, repeat_noise=noise)
+                      band_source=band_source, repeat_noise=noise,
+                      repeat_changes={side: d.recipe_changes for side, d in self_diffs.items() if d.recipe_changes})
     sa, sb = _Side.of(a), _Side.of(b)
     _step_and_phase_rows(out, sa, sb, pipeline=bool(a.get("pipeline") or b.get("pipeline")))
     if not sa.mods or not sb.mods:
@@ -335,14 +338,16 @@ def diff_inference(a: dict[str, Any], b: dict[str, Any], *, band: float | None =
     are "module" rows, shown but not judged: they come from one hooked generate call per batch size, and
     identical runs here differed by up to 177% on them. Batch sizes and modules on one side only are in
     notes and only_a/only_b; `recipe_changes` includes the changed `settings.*`."""
-    noise = {} if band is not None else {
-        side: _repeat_noise(diff_inference(run, again, band=0.0, min_ms=min_ms).steps)
+    self_diffs = {} if band is not None else {
+        side: diff_inference(run, again, band=0.0, min_ms=min_ms)
         for side, run, again in (("A", a, repeat), ("B", b, repeat_b)) if again is not None}
+    noise = {side: _repeat_noise(d.steps) for side, d in self_diffs.items()}
     band, band_source = _measured_band(band, DEFAULT_BAND["p50"], noise)
     changes = recipe_changes(a.get("recipe"), b.get("recipe"))
     changes += [(f"settings.{k}", va, vb) for k, va, vb in recipe_changes(a.get("settings"), b.get("settings"))]
     out = ProfileDiff(stat="p50", band=band, min_ms=min_ms, recipe_changes=changes, band_source=band_source,
-                      repeat_noise=noise)
+                      repeat_noise=noise,
+                      repeat_changes={side: d.recipe_changes for side, d in self_diffs.items() if d.recipe_changes})
     by_a = {r["batch_size"]: r for r in a.get("results") or []}
     by_b = {r["batch_size"]: r for r in b.get("results") or []}
     common = sorted(by_a.keys() & by_b.keys())

@@ -16,7 +16,7 @@ def _fraction(text: str) -> float:
 
 def _diff(args: argparse.Namespace) -> int:
     from trainprof.errors import UserError
-    from trainprof.report.diff_report import FORMATS, run_diff, write_diff
+    from trainprof.report.diff_report import FORMATS, repeat_warning, run_diff, write_diff
     from trainprof.report.document import render_markdown
 
     formats = tuple(f.strip() for f in args.format.split(",") if f.strip())
@@ -26,6 +26,8 @@ def _diff(args: argparse.Namespace) -> int:
     # a RunDirError is the CLI's one-line error, exit 2
     d, doc = run_diff(args.run_a, args.run_b, stat=args.stat, band=args.noise, min_ms=args.min_ms, repeat=args.repeat,
                     repeat_b=args.repeat_b)
+    for side, changes in d.repeat_changes.items():
+        print(f"trainprof diff: warning: {repeat_warning(side, changes)}", file=sys.stderr)
     if args.out is None:
         print(render_markdown(doc))
         return 0

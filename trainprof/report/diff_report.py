@@ -49,6 +49,13 @@ def _band_text(d: ProfileDiff) -> str:
     return f"{100 * d.band:.0f}%, the default for --stat {d.stat}, measured on identical runs (docs/reports.md)"
 
 
+def repeat_warning(side: str, changes: list[tuple[str, Any, Any]]) -> str:
+    """What a repeat of another recipe does to the noise band, naming the keys."""
+    keys = ", ".join(f"{k}: {va} -> {vb}" for k, va, vb in changes[:4]) + (", ..." if len(changes) > 4 else "")
+    return (f"The repeat of {side} is not {side}'s recipe ({keys}): the noise band measured from it holds that "
+            "change as well as the noise")
+
+
 def _table(rows, method: str, id: str, name_header: str, phase_header: str = "phase") -> Table:
     return Table([name_header, phase_header, "A ms", "B ms", "change", "faster by", "speedup", "verdict", "spread A",
                   "spread B"],
@@ -68,6 +75,8 @@ def _runs_section(doc: Document, paths: tuple[Path | None, ...], d: ProfileDiff,
     facts += [("statistic", statistic),
               ("noise band", _band_text(d) + (f"; rows under {d.min_ms} ms not judged" if d.min_ms else ""))]
     sec.blocks.append(Facts(facts))
+    for side, changes in d.repeat_changes.items():
+        sec.blocks.append(Para(f"Warning: {repeat_warning(side, changes)}."))
     if d.recipe_changes:
         sec.blocks.append(Table(["recipe key", "A", "B"], [[k, str(va), str(vb)] for k, va, vb in d.recipe_changes],
                                 id="recipe-changes", numeric=[False, False, False]))
