@@ -8,8 +8,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 from conftest import QUICKSTART, REPO
+from trainprof.distributed import free_port
 
 LINE = "trainprof: recipe key 'engine.zero_stage': 9 is out of range; use 0, 1, 2 or 3"
 
@@ -26,3 +28,18 @@ def test_recipe_mistake_under_torchrun():
     assert "exitcode  : 2" in root and f"traceback : {LINE}" in root, root
     assert "To enable traceback see" not in proc.stderr  # every rank left its error file
     assert proc.returncode == 1  # torchrun's own code for any failed worker (ChildFailedError)
+
+
+def test_recipe_mistake_on_two_nodes_is_said_on_each():
+    """Two nodes (two launchers of scripts/multinode_torchrun.sh on this host, one rank each): each node's log
+    has the one line, not only the first node's, and neither waits for the other's ranks to time out."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "NNODES": "2", "NPROC_PER_NODE": "1", "RDZV_ID": f"test-{os.getpid()}"}
+    start = time.monotonic()
+    nodes = [subprocess.Popen(["bash", str(REPO / "scripts" / "multinode_torchrun.sh"), str(QUICKSTART),
+                               "engine.zero_stage=9"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=REPO, env=env) for _ in range(2)]
+    logs = [node.communicate(timeout=180)[1] for node in nodes]
+    assert time.monotonic() - start < 45, logs  # not RANK0_WAIT_S (60 s) on the second node
+    for node, log in zip(nodes, logs):
+        assert node.returncode != 0 and [ln for ln in log.splitlines() if ln.startswith("trainprof:")] == [LINE], log

@@ -296,19 +296,24 @@ def user_error(err: Exception) -> int:
     torchrun's failure report names this line as the root cause instead of a link to its docs; torchrun
     itself still prints that report and exits 1 (README, "Use"). Every rank reads the same recipe, so rank 0
     meets the same mistake: the other ranks wait for it (up to RANK0_WAIT_S), as torchrun stops the others when
-    the first rank exits, and a rank 0 still importing when a faster rank exited never printed its line."""
+    the first rank exits, and a rank 0 still importing when a faster rank exited never printed its line. On
+    several nodes the first rank of every other node prints the line too and exits as rank 0 does: a node's log
+    is all its user sees there, and its ranks would otherwise wait out RANK0_WAIT_S for a rank 0 whose exit
+    their torchrun need not see (it did not where the other node held the rendezvous store)."""
     import json
 
     line = f"trainprof: {err}"
     rank = int(os.environ.get("RANK", 0))
-    if rank == 0:
-        print(line, file=sys.stderr)
+    first_of_another_node = int(os.environ.get("GROUP_RANK", 0)) > 0 and int(os.environ.get("LOCAL_RANK", 0)) == 0
+    says_it = rank == 0 or first_of_another_node
+    if says_it:
+        print(line, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         with open(error_file, "w") as f:
             json.dump({"message": {"message": f"{type(err).__name__}: {err}",
                                    "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
-    if rank != 0:
+    if not says_it:
         time.sleep(RANK0_WAIT_S)
     return 2
 
