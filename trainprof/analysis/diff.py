@@ -334,10 +334,10 @@ def diff_inference(a: dict[str, Any], b: dict[str, Any], *, band: float | None =
 
     The p50 latencies (TTFT, TPOT, ITL, E2EL) and ms per output token (1000 / output tokens/s) are
     "latency" rows, judged as in `diff_profiles` against `band` (from `repeat`, a repeat of A, and `repeat_b`,
-    one of B, over the latency rows; else DEFAULT_BAND["p50"]). Each module's prefill and per-decode-step ms (matched by name)
-    are "module" rows, shown but not judged: they come from one hooked generate call per batch size, and
-    identical runs here differed by up to 177% on them. Batch sizes and modules on one side only are in
-    notes and only_a/only_b; `recipe_changes` includes the changed `settings.*`."""
+    one of B, over the latency rows; else DEFAULT_BAND["p50"]). Each module's prefill and per-decode-step ms
+    (matched by name) are "module" rows, shown but not judged: they come from one hooked generate call per
+    batch size, and identical runs here differed by up to 177% on them. Batch sizes and modules on one side
+    only are in notes and only_a/only_b; `recipe_changes` includes the changed `settings.*`."""
     self_diffs = {} if band is not None else {
         side: diff_inference(run, again, band=0.0, min_ms=min_ms)
         for side, run, again in (("A", a, repeat), ("B", b, repeat_b)) if again is not None}
