@@ -16,6 +16,9 @@ from trainprof.recipe import Recipe, RecipeError, check_environment, check_world
 
 # how long a rank other than 0 that met a recipe mistake waits for rank 0 to print it (user_error)
 RANK0_WAIT_S = 60.0
+# on several nodes, how long the first rank of each node waits after printing a recipe mistake: its exit can end
+# the rendezvous, and with it another node's ranks before they have printed the same line (user_error)
+NODES_GRACE_S = 10.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -297,9 +300,10 @@ def user_error(err: Exception) -> int:
     itself still prints that report and exits 1 (README, "Use"). Every rank reads the same recipe, so rank 0
     meets the same mistake: the other ranks wait for it (up to RANK0_WAIT_S), as torchrun stops the others when
     the first rank exits, and a rank 0 still importing when a faster rank exited never printed its line. On
-    several nodes the first rank of every other node prints the line too and exits as rank 0 does: a node's log
-    is all its user sees there, and its ranks would otherwise wait out RANK0_WAIT_S for a rank 0 whose exit
-    their torchrun need not see (it did not where the other node held the rendezvous store)."""
+    several nodes the first rank of every other node prints the line too, and each node's first rank exits
+    NODES_GRACE_S after printing: a node's log is all its user sees there, and its ranks would otherwise wait out
+    RANK0_WAIT_S for a rank 0 whose exit their torchrun need not see (it did not where the other node held the
+    rendezvous store)."""
     import json
 
     line = f"trainprof: {err}"
@@ -315,6 +319,8 @@ def user_error(err: Exception) -> int:
                                    "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
     if not says_it:
         time.sleep(RANK0_WAIT_S)
+    elif int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1:
+        time.sleep(NODES_GRACE_S)
     return 2
 
 
