@@ -166,14 +166,20 @@ def _repeat_noise(rows: list[DiffRow]) -> float:
     return max((x for x in ratios if x is not None), default=0.0)
 
 
-def _measured_band(band: float | None, default: float, noise: dict[str, float]) -> tuple[float, str]:
-    """(band, source): `band` where given; else NOISE_SAFETY x the wider side's repeat noise (at least MIN_BAND)
-    where a repeat was measured; else the default."""
+def _band_fields(band: float | None, default: float, self_diffs: dict[str, ProfileDiff],
+                 judged: Callable[[ProfileDiff], list[DiffRow]]) -> dict[str, Any]:
+    """ProfileDiff's band, band_source, repeat_noise and repeat_changes: `band` where given; else NOISE_SAFETY x
+    the wider side's repeat noise (at least MIN_BAND), from `self_diffs` (each run diffed against its repeat,
+    "A"/"B") over their `judged` rows; else the default."""
+    noise = {side: _repeat_noise(judged(d)) for side, d in self_diffs.items()}
     if band is not None:
-        return band, "given"
-    if noise:
-        return max(MIN_BAND, NOISE_SAFETY * max(noise.values())), "repeat"
-    return default, "default"
+        source = "given"
+    elif noise:
+        band, source = max(MIN_BAND, NOISE_SAFETY * max(noise.values())), "repeat"
+    else:
+        band, source = default, "default"
+    return {"band": band, "band_source": source, "repeat_noise": noise,
+            "repeat_changes": {side: d.recipe_changes for side, d in self_diffs.items() if d.recipe_changes}}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -225,12 +231,9 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
     self_diffs = {} if band is not None else {
         side: diff_profiles(run, again, stat=stat, band=0.0, min_ms=min_ms, parts=parts)
         for side, run, again in (("A", a, repeat), ("B", b, repeat_b)) if again is not None}
-    noise = {side: _repeat_noise([r for r in d.rows() if r.kind != "step"]) for side, d in self_diffs.items()}
-    band, band_source = _measured_band(band, DEFAULT_BAND[stat], noise)
-    out = ProfileDiff(stat=stat, band=band, min_ms=min_ms, recipe_changes=recipe_changes(a.get("recipe"),
-                                                                                          b.get("recipe")),
-                      band_source=band_source, repeat_noise=noise,
-                      repeat_changes={side: d.recipe_changes for side, d in self_diffs.items() if d.recipe_changes})
+    out = ProfileDiff(stat=stat, min_ms=min_ms, recipe_changes=recipe_changes(a.get("recipe"), b.get("recipe")),
+                      **_band_fields(band, DEFAULT_BAND[stat], self_diffs,
+                                     lambda d: [r for r in d.rows() if r.kind != "step"]))
     sa, sb = _Side.of(a), _Side.of(b)
     _step_and_phase_rows(out, sa, sb, pipeline=bool(a.get("pipeline") or b.get("pipeline")))
     if not sa.mods or not sb.mods:
@@ -243,7 +246,7 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
     out.only_a = [n for n in sa.mods if n not in sb.mods]
     out.only_b = [n for n in sb.mods if n not in sa.mods]
     for row in out.rows():
-        row.verdict = row.verdict or _verdict(row, band, min_ms)
+        row.verdict = row.verdict or _verdict(row, out.band, min_ms)
     return out
 
 
@@ -341,13 +344,10 @@ def diff_inference(a: dict[str, Any], b: dict[str, Any], *, band: float | None =
     self_diffs = {} if band is not None else {
         side: diff_inference(run, again, band=0.0, min_ms=min_ms)
         for side, run, again in (("A", a, repeat), ("B", b, repeat_b)) if again is not None}
-    noise = {side: _repeat_noise(d.steps) for side, d in self_diffs.items()}
-    band, band_source = _measured_band(band, DEFAULT_BAND["p50"], noise)
     changes = recipe_changes(a.get("recipe"), b.get("recipe"))
     changes += [(f"settings.{k}", va, vb) for k, va, vb in recipe_changes(a.get("settings"), b.get("settings"))]
-    out = ProfileDiff(stat="p50", band=band, min_ms=min_ms, recipe_changes=changes, band_source=band_source,
-                      repeat_noise=noise,
-                      repeat_changes={side: d.recipe_changes for side, d in self_diffs.items() if d.recipe_changes})
+    out = ProfileDiff(stat="p50", min_ms=min_ms, recipe_changes=changes,
+                      **_band_fields(band, DEFAULT_BAND["p50"], self_diffs, lambda d: d.steps))
     by_a = {r["batch_size"]: r for r in a.get("results") or []}
     by_b = {r["batch_size"]: r for r in b.get("results") or []}
     common = sorted(by_a.keys() & by_b.keys())
@@ -375,5 +375,5 @@ def diff_inference(a: dict[str, Any], b: dict[str, Any], *, band: float | None =
         out.only_a += [n for n in mods_a if n not in mods_b and n not in out.only_a]
         out.only_b += [n for n in mods_b if n not in mods_a and n not in out.only_b]
     for row in out.rows():
-        row.verdict = row.verdict or _verdict(row, band, min_ms)
+        row.verdict = row.verdict or _verdict(row, out.band, min_ms)
     return out

@@ -138,6 +138,7 @@ def probe_parts(probes: list[Any], *, threads: int | list[int] | None = None, ro
         keys = list(models)
         timed: dict[Any, dict[str, list[float]]] = {key: {"forward": [], "backward": [], "step": []} for key in keys}
         stepper = {key: MixedPrecisionStep(models[key]) for key in keys} if steps else {}
+
         def medians(j: int, layers: int) -> list[float]:
             return [statistics.median(timed[(j, layers)][ph]) if timed[(j, layers)][ph] else 0.0
                     for ph in ("forward", "backward", "step")]
