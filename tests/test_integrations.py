@@ -16,6 +16,8 @@ from conftest import REPO
 
 SCRIPTS = REPO / "tests" / "data" / "scripts"
 STEPS, WARMUP = 5, 1  # the scripts' optimizer steps; trainprof.wrap's default warm-up
+# The closure checked here (unattributed time within 2% of the step) is the median over the measured steps: a
+# preempted step does not move it, so these tests share the machine with the other worker's (docs/suite.md).
 
 
 def wrap(tmp_path: Path, script: str, *args: str, nproc: int = 0, timeout: int = 240) -> tuple[subprocess.CompletedProcess, Path]:
@@ -68,7 +70,6 @@ def test_wrap_passes_output_and_exit_code(tmp_path):
     assert "nothing profiled" in proc.stderr and "trainprof.Profiler" in proc.stderr
 
 
-@pytest.mark.timed  # the step closes within 2% (unattributed time)
 def test_wrap_hf_trainer(tmp_path):
     proc, out = wrap(tmp_path, "hf_trainer.py", str(tmp_path / "hf"), "--steps", str(STEPS))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -113,7 +114,6 @@ def assert_projectable(run_dir: Path, profile: dict, *, model: dict, train: dict
     assert seven["memory_per_rank_bytes"] > 6.7e9 * 2 and seven["step_ms"] > 10 * pred["step_ms"], seven
 
 
-@pytest.mark.timed  # the step closes within 2% (unattributed time)
 def test_wrap_lightning(tmp_path):
     proc, out = wrap(tmp_path, "lightning_module.py", "--steps", str(STEPS))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -123,7 +123,6 @@ def test_wrap_lightning(tmp_path):
     assert profile["engine"]["config"]["accumulate_grad_batches"] == 2
 
 
-@pytest.mark.timed  # the step closes within 2% (unattributed time)
 @pytest.mark.slow
 def test_wrap_deepspeed_zero2_two_ranks(tmp_path):
     proc, out = wrap(tmp_path, "ds_zero2.py", "--steps", str(STEPS), nproc=2)
@@ -141,7 +140,6 @@ def test_wrap_deepspeed_zero2_two_ranks(tmp_path):
         profile["comm"]
 
 
-@pytest.mark.timed  # the step closes within 2% (unattributed time)
 def test_lightning_callback_in_a_script(tmp_path):
     """The public callback, given to a Lightning Trainer by hand (no wrap)."""
     import lightning as L
@@ -174,7 +172,6 @@ def test_lightning_callback_in_a_script(tmp_path):
     assert profile["summary"]["unattributed_frac"] <= 0.02
 
 
-@pytest.mark.timed  # the step closes within 2% (unattributed time)
 @pytest.mark.slow
 def test_wrap_hf_trainer_with_its_deepspeed_integration_two_ranks(tmp_path):
     """The Trainer builds a ZeRO-2 engine through accelerate: the engine's backward and step are phases,
@@ -188,7 +185,6 @@ def test_wrap_hf_trainer_with_its_deepspeed_integration_two_ranks(tmp_path):
     assert all(abs(s["loss"] - math.log(256)) < 0.5 for s in profile["steps"])
 
 
-@pytest.mark.timed  # the step closes within 2% (unattributed time)
 @pytest.mark.slow
 def test_wrap_lightning_ddp_two_ranks(tmp_path):
     """Lightning DDP under torchrun: merged on rank 0; DDP's gradient all-reduce is recorded, once per
@@ -202,7 +198,6 @@ def test_wrap_lightning_ddp_two_ranks(tmp_path):
     assert allreduce["calls"] == 1 and allreduce["phase"] == "backward"
 
 
-@pytest.mark.timed  # the step closes within 2% (unattributed time)
 def test_hf_callback_in_a_script(tmp_path):
     """The public HF callback, given to a Trainer by hand (no wrap): gradient accumulation 3 makes one
     profiled step of 3 micro batches."""
