@@ -850,18 +850,21 @@ def test_probe_engines_times_the_bare_model_beside_each_engine():
                                                                        "engine_step_ms"}
 
 
-def busy_children(pid: int | None = None) -> list:
-    """The busy-neighbour processes (`python -m trainprof.projection.probes --busy ...`) that process `pid`
-    (None: this one) started."""
-    import psutil
+def test_an_engine_probe_that_fails_says_why_in_the_parents_error():
+    """The forked probe's stderr goes to a file its parent reads: the error it died of, not `no output`."""
+    from trainprof.projection.probes import probe_engines
 
-    return [c for c in psutil.Process(pid).children() if "--busy" in c.cmdline()]
+    recipe = load_recipe(QUICK, ["data.seq_len=32"])
+    broken = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, num_layers=-1))
+    with pytest.raises(ValueError, match=r"the engine probe failed \(trainprof\.recipe\.RecipeError: .*num_layers"):
+        probe_engines([broken], threads=1, rounds=1)
 
 
 def test_busy_neighbours_are_kept_across_probes_stopped_between_them_and_die_with_the_projection():
     """A Projector's neighbours start with its first probe, are stopped (SIGSTOP) between probes, so that
     nothing else a projection times shares the machine with them, run again at once for the next probe,
-    and are killed at close(), or by the kernel when the process that started them exits without it."""
+    and are killed at close(), or by the kernel when the process that started them exits without it (they are
+    forked from its warm server, which ends with it)."""
     import subprocess
 
     import psutil
@@ -873,30 +876,28 @@ def test_busy_neighbours_are_kept_across_probes_stopped_between_them_and_die_wit
     pool = Neighbours()
     try:
         with pool.busy(recipe, 1, threads=1):
-            (proc,) = busy_children()
+            (pid,) = pool.pids()
+            proc = psutil.Process(pid)
             assert wait_for_status(proc, psutil.STATUS_RUNNING) == psutil.STATUS_RUNNING
         assert wait_for_status(proc, psutil.STATUS_STOPPED) == psutil.STATUS_STOPPED
         t0 = time.monotonic()
         with pool.busy(recipe, 1, threads=1):
             assert time.monotonic() - t0 < 1.0  # no second start
-            assert busy_children() == [proc]
+            assert pool.pids() == [pid]
             assert wait_for_status(proc, psutil.STATUS_RUNNING) == psutil.STATUS_RUNNING
     finally:
         pool.close()
-    assert not proc.is_running() and busy_children() == []
+    assert not proc.is_running() and pool.pids() == []
 
     # a projection killed before its close(): its stopped neighbour does not outlive it
     code = ("import os, sys; from trainprof.recipe import load_recipe; "
-            "from trainprof.projection.probes import Neighbours; "
-            f"busy = Neighbours().busy(load_recipe({str(QUICK)!r}, ['data.seq_len=32']), 1, threads=1); "
-            "busy.__enter__(); busy.__exit__(None, None, None); sys.stdin.readline(); os._exit(0)")
-    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, text=True)
+            "from trainprof.projection.probes import Neighbours; pool = Neighbours(); "
+            f"busy = pool.busy(load_recipe({str(QUICK)!r}, ['data.seq_len=32']), 1, threads=1); "
+            "busy.__enter__(); busy.__exit__(None, None, None); print(*pool.pids(), flush=True); "
+            "sys.stdin.readline(); os._exit(0)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (orphan := busy_children(parent.pid)):
-            assert time.monotonic() < deadline and parent.poll() is None
-            time.sleep(0.1)
-        (neighbour,) = orphan
+        (neighbour,) = [psutil.Process(int(pid)) for pid in parent.stdout.readline().split()]
         assert wait_for_status(neighbour, psutil.STATUS_STOPPED, timeout=120) == psutil.STATUS_STOPPED
         parent.communicate("exit\n", timeout=60)
         deadline = time.monotonic() + 10

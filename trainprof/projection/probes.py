@@ -13,6 +13,12 @@ processes as the run has other ranks on a CPU (they share its cores and memory b
 host allocator the measured run had (`train.cpu_allocator`, which the projection sets from the source's
 profile): with glibc's defaults a run page-faults its large tensors in again at some shapes and not at
 others, and a probe does so at other shapes than the run. A process keeps the `cache` allocator once set.
+
+Engine probes and busy neighbours time work in processes of their own, forked from a server (multiprocessing's
+forkserver) that has imported torch, transformers' Llama and DeepSpeed once: such a process starts in a fraction of
+a second where a fresh interpreter spends about 10 s on those imports, and runs the same code once started. Probes
+of a process's resident memory (engine_resident) stay fresh interpreters: the imports' pages are part of what
+they measure.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import re
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -37,6 +43,11 @@ UNRESOLVED_EXTRA = 2
 PROBE_MAX_LAYER_PARAMS = 60_000_000
 PROBE_MAX_PARAMS = 200_000_000  # k, the layers of the larger probe model, stays under this
 GO_TIMEOUT_S = 300.0  # how long an engine probe waits for its busy neighbours (they get 120 s to start)
+ENGINE_PROBE_TIMEOUT_S = 600.0
+# what the server that timing probes are forked from imports once (see _forked): what every engine probe and busy
+# neighbour would import itself, DeepSpeed's ZeRO optimizer check included
+WARM_IMPORTS = ("torch", "transformers.models.llama.modeling_llama", "deepspeed",
+                "deepspeed.runtime.zero.muon.muon_optimizer", "trainprof.engines", "trainprof.projection.probes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +180,7 @@ def probe_parts(probes: list[Any], *, threads: int | list[int] | None = None, ro
 
 
 def _recipe_file(recipe: Any, path: Path) -> Path:
-    """The recipe written where a probe process reads it (`python -m trainprof.projection.probes ...`)."""
+    """The recipe written where a probe process reads it."""
     import yaml
 
     path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
@@ -180,6 +191,69 @@ def _group_env(rank: int, world: int, threads: int, port: int) -> dict[str, str]
     """A probe process's environment as one rank of a `world`-rank group on this host."""
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "RANK": str(rank), "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def warm_up() -> Any:
+    """Starts the server that timing probes are forked from (multiprocessing's forkserver, with WARM_IMPORTS
+    imported and its output to /dev/null), if it is not running; returns its context. It imports in the
+    background, so a caller that will probe starts it early. As with any multiprocessing start method but fork,
+    the caller's main module must be importable without side effects (the `if __name__ == "__main__"` guard)."""
+    import multiprocessing
+    import sys
+    from multiprocessing import forkserver
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(WARM_IMPORTS))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:  # the server's imports print (DeepSpeed's accelerator notes); its probes' output goes to `errors`
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        forkserver.ensure_running()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+    return ctx
+
+
+def _forked(main: Callable[[list[str]], int], argv: list[str], env: dict[str, str], errors: Path | str) -> Any:
+    """A started multiprocessing.Process forked from the warm server (warm_up) that runs `main(argv)` with `env`
+    set and torch's threads as its OMP_NUM_THREADS says, its stderr to the file `errors`. Daemonic: it dies with
+    this process."""
+    proc = warm_up().Process(target=_forked_main, args=(main, argv, env, str(errors)), daemon=True)
+    proc.start()
+    return proc
+
+
+def _forked_main(main: Callable[[list[str]], int], argv: list[str], env: dict[str, str], errors: str) -> None:
+    import sys
+    import traceback
+    from multiprocessing import forkserver
+
+    # the server ends when no process holds this end of its pipe: its client, and each process forked from it
+    # unless closed here. Closed, the server ends with the client, however the client ends, and this process
+    # with the server (a stopped neighbour included)
+    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
+    _die_with_parent()
+    os.environ.update(env)
+    err = os.open(errors, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(err, 2)
+    if "OMP_NUM_THREADS" in env:  # read by the OpenMP runtime when the server imported torch, so set here
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    try:
+        code = main(argv)
+    except BaseException:  # noqa: BLE001 - its last line is what the parent reports
+        traceback.print_exc()
+        code = 1
+    sys.stderr.flush()
+    os._exit(code or 0)  # as _engine_resident_main: a library's threads torn down at exit can abort the process
 
 
 class Neighbours:
@@ -201,10 +275,10 @@ class Neighbours:
         procs = self._started(recipe, count, threads) if count > 0 else []
         try:
             for p, _ in procs:
-                p.send_signal(signal.SIGCONT)
+                os.kill(p.pid, signal.SIGCONT)
             deadline = time.monotonic() + 120
             while not all(ready.exists() for _, ready in procs) and time.monotonic() < deadline:
-                if any(p.poll() is not None for p, _ in procs):
+                if any(not p.is_alive() for p, _ in procs):
                     break
                 time.sleep(0.1)
             if go is not None:
@@ -212,12 +286,14 @@ class Neighbours:
             yield
         finally:
             for p, _ in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGSTOP)
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGSTOP)
+
+    def pids(self) -> list[int]:
+        """The neighbours' process ids, started and not yet closed."""
+        return [p.pid for procs in self._procs.values() for p, _ in procs]
 
     def _started(self, recipe: Any, count: int, threads: int) -> list[tuple[Any, Path]]:
-        import subprocess
-        import sys
         import tempfile
 
         import yaml
@@ -230,18 +306,17 @@ class Neighbours:
         path = tmp / f"recipe{list(self._procs).index(key)}.yaml"
         if not path.exists():
             path.write_text(key[0])
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         while len(procs) < count:
             ready = tmp / f"ready{sum(map(len, self._procs.values()))}"
-            procs.append((subprocess.Popen([sys.executable, "-m", "trainprof.projection.probes", "--busy", str(path),
-                                            str(ready), str(os.getpid())],
-                                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), ready))
+            procs.append((_forked(_busy_main, [str(path), str(ready)], {**os.environ, "OMP_NUM_THREADS": str(threads)},
+                                  os.devnull),
+                          ready))
         return procs[:count]
 
     def close(self) -> None:
         for p, _ in (proc for procs in self._procs.values() for proc in procs):
             p.kill()
-            p.wait()
+            p.join()
         self._procs.clear()
         if self._tmp is not None:
             self._tmp.cleanup()
@@ -264,12 +339,13 @@ def busy_neighbours(recipe: Any, count: int, threads: int, go: Path | None = Non
             pool.close()
 
 
-def _die_with_parent(parent: int) -> None:
-    """A neighbour loops until it is killed, stopped or not: on Linux, the kernel kills it when the thread
-    that started it ends (projections probe from the main thread: when that process exits, however it exits)."""
+def _die_with_parent() -> None:
+    """A neighbour loops until it is killed, stopped or not, and an engine probe waits for its go: on Linux, the
+    kernel kills either when its parent, the warm server, ends."""
     import signal
     import sys
 
+    parent = os.getppid()
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -283,8 +359,7 @@ def _busy_main(argv: list[str]) -> int:
     from trainprof.models import resolve_shape
     from trainprof.recipe import load_recipe
 
-    path, ready, parent = argv
-    _die_with_parent(int(parent))
+    path, ready = argv
     recipe = load_recipe(path, [])
     apply_host_allocator(torch.device("cpu"), recipe.train.cpu_allocator)
     model, batch = bare_model(recipe, ProbeShape.of(recipe), resolve_shape(recipe.model).num_layers)
@@ -313,28 +388,28 @@ def probe_engines(recipes: list[Any], *, threads: int, rounds: int = 8, neighbou
         ValueError: the probe process failed (its last error line).
     """
     import json
-    import subprocess
-    import sys
     import tempfile
 
     from trainprof.distributed import free_port
 
     with tempfile.TemporaryDirectory(prefix="trainprof-engine-probe-") as tmp:
         paths = [_recipe_file(recipe, Path(tmp) / f"recipe{i}.yaml") for i, recipe in enumerate(recipes)]
-        out, go = Path(tmp) / "probe.json", Path(tmp) / "go"
-        env = _group_env(0, 1, threads, free_port())
-        # the probe imports and builds its engines while the neighbours start; it times once they run
-        proc = subprocess.Popen([sys.executable, "-m", "trainprof.projection.probes", "--probe-engines",
-                                 str(rounds), str(int(bare)), str(out), str(go), *map(str, paths)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        out, go, errors = Path(tmp) / "probe.json", Path(tmp) / "go", Path(tmp) / "stderr"
+        # the probe builds its engines while the neighbours start; it times once they run
+        proc = _forked(_probe_engines_main, [str(rounds), str(int(bare)), str(out), str(go), *map(str, paths)],
+                       _group_env(0, 1, threads, free_port()), errors)
         try:
             with busy_neighbours(recipes[0], neighbours, threads, go=go, pool=pool):
-                _, stderr = proc.communicate(timeout=600)
+                proc.join(ENGINE_PROBE_TIMEOUT_S)
+                timed_out = proc.is_alive()
         finally:
-            if proc.poll() is None:
+            if proc.is_alive():
                 proc.kill()
-                proc.wait()
-        if proc.returncode != 0 or not out.is_file():
+                proc.join()
+        if timed_out:
+            raise ValueError(f"the engine probe timed out after {ENGINE_PROBE_TIMEOUT_S:.0f} s")
+        if proc.exitcode != 0 or not out.is_file():
+            stderr = errors.read_text(errors="replace") if errors.is_file() else ""
             raise ValueError(f"the engine probe failed ({_error_line(stderr)[:200]})")
         return json.loads(out.read_text())
 
@@ -529,11 +604,6 @@ def _probe_rounds(models: dict[Any, Any], batches: dict[Any, Any], keys: list[An
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:2] == ["--busy"]:
-        sys.exit(_busy_main(sys.argv[2:]))
-    if sys.argv[1:2] == ["--probe-engines"]:
-        sys.exit(_probe_engines_main(sys.argv[2:]))
     if sys.argv[1:2] == ["--engine-resident"]:
         sys.exit(_engine_resident_main(sys.argv[2:]))
-    sys.exit("usage: python -m trainprof.projection.probes --busy RECIPE READY PARENT_PID | --probe-engines ... | "
-             "--engine-resident STEPS RECIPE")
+    sys.exit("usage: python -m trainprof.projection.probes --engine-resident STEPS RECIPE")

@@ -806,6 +806,10 @@ def project(run_dir: str | Path, *, targets: list[str] | None = None, nodes: lis
     source, target_recipe = load_source(run_dir, overrides)
     catalog = load_catalog(catalog_file)
     jobs = _jobs(catalog, source, targets or [THIS], nodes, gpus_per_node, nproc)
+    if probe and any(machine == THIS for machine, _ in jobs) and same_machine_as_source(source):
+        from trainprof.projection.probes import warm_up
+
+        warm_up()  # its imports run beside the predictions' first steps, before a probe needs it
     with Projector(source, catalog, prices=prices, validation=load_validation(), probe=probe) as projector:
         predictions = [projector.predict(target_recipe, machine=machine, world=world, gpus_per_node=gpus_per_node,
                                          threads=threads if machine == THIS else None, tokens=tokens,
