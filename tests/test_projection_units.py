@@ -850,6 +850,20 @@ def test_probe_engines_times_the_bare_model_beside_each_engine():
                                                                        "engine_step_ms"}
 
 
+def test_a_busy_neighbour_that_dies_fails_the_probe_instead_of_leaving_it_alone():
+    from trainprof.projection.probes import Neighbours
+
+    recipe = load_recipe(QUICK, ["data.seq_len=32"])
+    broken = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, num_layers=-1))
+    pool = Neighbours()
+    try:
+        with pytest.raises(ValueError, match=r"a busy neighbour of the probe exited \(code 1\) before its model ran"):
+            with pool.busy(broken, 1, threads=1):
+                pass
+    finally:
+        pool.close()
+
+
 def test_an_engine_probe_that_fails_says_why_in_the_parents_error():
     """The forked probe's stderr goes to a file its parent reads: the error it died of, not `no output`."""
     from trainprof.projection.probes import probe_engines

@@ -281,6 +281,9 @@ class Neighbours:
                 if any(not p.is_alive() for p, _ in procs):
                     break
                 time.sleep(0.1)
+            dead = [p for p, _ in procs if not p.is_alive()]
+            if dead:  # a probe timed without it would read the machine as less busy than the run was
+                raise ValueError(f"a busy neighbour of the probe exited (code {dead[0].exitcode}) before its model ran")
             if go is not None:
                 go.write_text("1")
             yield
