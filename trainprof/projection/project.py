@@ -229,7 +229,7 @@ class Projector:
             if self.probe and inputs.engine is None and one_rank_zero3:
                 inputs.step_probe = self.source_step()  # one rank: no gathers after the step
         except ValueError as err:
-            reasons["step_ms"] = f"the engine could not be probed: {err}"
+            reasons["step_ms"] = f"the step could not be probed on this machine: {err}"
         if threads:  # the optimizer's memory traffic, and the compute where it could not be probed
             inputs.source_machine = machine_from_calibration(self.calibration_at(self.source_threads),
                                                              f"this machine, {self.source_threads} threads")
