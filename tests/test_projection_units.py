@@ -864,6 +864,20 @@ def test_a_busy_neighbour_that_dies_fails_the_probe_instead_of_leaving_it_alone(
         pool.close()
 
 
+def test_probes_from_a_script_read_on_stdin_say_what_to_run_instead(monkeypatch):
+    """A probe's process is forked from multiprocessing's forkserver, which imports the caller's main module in
+    it: a script read from stdin cannot be, so the probe says so (the projection puts it in the step's reason)."""
+    import types
+
+    from trainprof.projection.probes import warm_up
+
+    stdin_main = types.ModuleType("__main__")
+    stdin_main.__file__ = "<stdin>"
+    monkeypatch.setitem(sys.modules, "__main__", stdin_main)
+    with pytest.raises(ValueError, match=r"not a file \(<stdin>\): run the projection from `trainprof project`"):
+        warm_up()
+
+
 def test_an_engine_probe_that_fails_says_why_in_the_parents_error():
     """The forked probe's stderr goes to a file its parent reads: the error it died of, not `no output`."""
     from trainprof.projection.probes import probe_engines

@@ -197,11 +197,21 @@ def warm_up() -> Any:
     """Starts the server that timing probes are forked from (multiprocessing's forkserver, with WARM_IMPORTS
     imported and its output to /dev/null), if it is not running; returns its context. It imports in the
     background, so a caller that will probe starts it early. As with any multiprocessing start method but fork,
-    the caller's main module must be importable without side effects (the `if __name__ == "__main__"` guard)."""
+    the caller's main module must be importable without side effects (the `if __name__ == "__main__"` guard).
+
+    Raises:
+        ValueError: the caller's main module is a script that is not a file (read from stdin), which each forked
+            process would fail to import.
+    """
     import multiprocessing
     import sys
     from multiprocessing import forkserver
 
+    main = sys.modules["__main__"]
+    path = getattr(main, "__file__", None)
+    if getattr(getattr(main, "__spec__", None), "name", None) is None and path and not os.path.isfile(path):
+        raise ValueError(f"a probe's process imports the caller's main module, and it is not a file ({path}): "
+                         "run the projection from `trainprof project` or a script file")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(WARM_IMPORTS))
     sys.stdout.flush()

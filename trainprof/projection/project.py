@@ -12,6 +12,7 @@ why not) and its assumptions as records. A figure the inputs cannot support is n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -809,7 +810,8 @@ def project(run_dir: str | Path, *, targets: list[str] | None = None, nodes: lis
     if probe and any(machine == THIS for machine, _ in jobs) and same_machine_as_source(source):
         from trainprof.projection.probes import warm_up
 
-        warm_up()  # its imports run beside the predictions' first steps, before a probe needs it
+        with contextlib.suppress(ValueError):  # a probe that needs it says why in its prediction
+            warm_up()  # its imports run beside the predictions' first steps, before a probe needs it
     with Projector(source, catalog, prices=prices, validation=load_validation(), probe=probe) as projector:
         predictions = [projector.predict(target_recipe, machine=machine, world=world, gpus_per_node=gpus_per_node,
                                          threads=threads if machine == THIS else None, tokens=tokens,
