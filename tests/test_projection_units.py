@@ -864,6 +864,19 @@ def test_a_busy_neighbour_that_dies_fails_the_probe_instead_of_leaving_it_alone(
         pool.close()
 
 
+def test_where_cuda_is_available_an_engine_probe_is_a_fresh_interpreter(monkeypatch):
+    """The warm server's imports ask whether CUDA is available, which can leave a process forked from it unable to
+    use CUDA: on a CUDA machine (stood in for here) each probe is spawned, and still measures."""
+    from trainprof.projection.probes import probe_engines, warm_up
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # in this process only: the probe runs on the CPU
+    assert warm_up().get_start_method() == "spawn"
+    recipe = load_recipe(QUICK, ["train.micro_batch_size=1", "data.seq_len=32", "engine.kind=torch",
+                                 "engine.zero_stage=0"])
+    (probe,) = probe_engines([recipe], threads=1, rounds=1)
+    assert probe["engine_forward_ms"] > 0 and probe["engine_backward_ms"] > 0
+
+
 def test_probes_from_a_script_read_on_stdin_say_what_to_run_instead(monkeypatch):
     """A probe's process is forked from multiprocessing's forkserver, which imports the caller's main module in
     it: a script read from stdin cannot be, so the probe says so (the projection puts it in the step's reason)."""

@@ -196,8 +196,10 @@ def _group_env(rank: int, world: int, threads: int, port: int) -> dict[str, str]
 def warm_up() -> Any:
     """Starts the server that timing probes are forked from (multiprocessing's forkserver, with WARM_IMPORTS
     imported and its output to /dev/null), if it is not running; returns its context. It imports in the
-    background, so a caller that will probe starts it early. As with any multiprocessing start method but fork,
-    the caller's main module must be importable without side effects (the `if __name__ == "__main__"` guard).
+    background, so a caller that will probe starts it early. Where CUDA is available each probe is a fresh
+    interpreter instead (multiprocessing's spawn): those imports ask whether CUDA is available, and a process
+    forked after CUDA was initialised cannot use it. As with any multiprocessing start method but fork, the
+    caller's main module must be importable without side effects (the `if __name__ == "__main__"` guard).
 
     Raises:
         ValueError: the caller's main module is a script that is not a file (read from stdin), which each forked
@@ -212,6 +214,8 @@ def warm_up() -> Any:
     if getattr(getattr(main, "__spec__", None), "name", None) is None and path and not os.path.isfile(path):
         raise ValueError(f"a probe's process imports the caller's main module, and it is not a file ({path}): "
                          "run the projection from `trainprof project` or a script file")
+    if torch.cuda.is_available():
+        return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(WARM_IMPORTS))
     sys.stdout.flush()
@@ -231,9 +235,9 @@ def warm_up() -> Any:
 
 
 def _forked(main: Callable[[list[str]], int], argv: list[str], env: dict[str, str], errors: Path | str) -> Any:
-    """A started multiprocessing.Process forked from the warm server (warm_up) that runs `main(argv)` with `env`
-    set and torch's threads as its OMP_NUM_THREADS says, its stderr to the file `errors`. Daemonic: it dies with
-    this process."""
+    """A started multiprocessing.Process, forked from the warm server (warm_up; on a CUDA machine a fresh
+    interpreter), that runs `main(argv)` with `env` set and torch's threads as its OMP_NUM_THREADS says, its
+    stderr to the file `errors`. Daemonic: it dies with this process."""
     proc = warm_up().Process(target=_forked_main, args=(main, argv, env, str(errors)), daemon=True)
     proc.start()
     return proc
@@ -246,7 +250,7 @@ def _forked_main(main: Callable[[list[str]], int], argv: list[str], env: dict[st
 
     # the server ends when no process holds this end of its pipe: its client, and each process forked from it
     # unless closed here. Closed, the server ends with the client, however the client ends, and this process
-    # with the server (a stopped neighbour included)
+    # with the server (a stopped neighbour included). A spawned process has none, and dies with its client.
     alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
     if alive is not None:
         os.close(alive)
@@ -354,7 +358,7 @@ def busy_neighbours(recipe: Any, count: int, threads: int, go: Path | None = Non
 
 def _die_with_parent() -> None:
     """A neighbour loops until it is killed, stopped or not, and an engine probe waits for its go: on Linux, the
-    kernel kills either when its parent, the warm server, ends."""
+    kernel kills either when its parent (the warm server, or the client that spawned it) ends."""
     import signal
     import sys
 
