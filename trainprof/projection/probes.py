@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import statistics
@@ -207,7 +208,6 @@ def warm_up() -> Any:
     """
     import multiprocessing
     import sys
-    from multiprocessing import forkserver
 
     main = sys.modules["__main__"]
     path = getattr(main, "__file__", None)
@@ -216,13 +216,24 @@ def warm_up() -> Any:
                          "run the projection from `trainprof project` or a script file")
     if torch.cuda.is_available():
         return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(WARM_IMPORTS))
+    _start_server()
+    return multiprocessing.get_context("forkserver")
+
+
+@functools.cache
+def _start_server() -> None:
+    """The forkserver started once per process, with WARM_IMPORTS and its stdout and stderr to /dev/null: its
+    imports print (DeepSpeed's accelerator notes), and its probes' output goes to their own files."""
+    import multiprocessing
+    import sys
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(WARM_IMPORTS))
     sys.stdout.flush()
     sys.stderr.flush()
     saved = [os.dup(1), os.dup(2)]
     null = os.open(os.devnull, os.O_WRONLY)
-    try:  # the server's imports print (DeepSpeed's accelerator notes); its probes' output goes to `errors`
+    try:
         os.dup2(null, 1)
         os.dup2(null, 2)
         forkserver.ensure_running()
@@ -231,7 +242,6 @@ def warm_up() -> Any:
         os.dup2(saved[1], 2)
         for fd in (*saved, null):
             os.close(fd)
-    return ctx
 
 
 def _forked(main: Callable[[list[str]], int], argv: list[str], env: dict[str, str], errors: Path | str) -> Any:
