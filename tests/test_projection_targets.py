@@ -184,3 +184,51 @@ def test_larger_logits_move_the_memory_by_what_the_heap_keeps(shared_run, tmp_pa
             pred["memory_per_rank_bytes"], measured, heap)
 
     retry_on_noise(check)
+
+
+def test_each_recipe_is_probed_for_its_resident_memory_once(shared_run, monkeypatch):
+    """A search predicts many targets from one source, each memory prediction beside a same-machine CPU run
+    needing the source's and the target's resident-memory probes (fresh processes, seconds each): the
+    source's is probed once for all of them and kept in the run dir for later projections, and a failed
+    probe is said in every prediction that needed it, not run again. The probe itself stands in here (it
+    counts what it is asked to run); test_larger_logits runs it."""
+    from trainprof.hardware import load_catalog
+    from trainprof.models import resolve_shape
+    from trainprof.projection import probes
+    from trainprof.projection.project import Projector, _plan_bytes
+    from trainprof.projection.source import PROBES_FILE, load_source
+
+    run_dir, _ = shared_run(1, "engine.zero_stage=3", "engine.offload=none", *QUIET)  # test_engines' ZeRO-3 run
+    asked, failing = [], set()
+
+    def engine_resident(recipe, world, *, steps=3):  # 1 KiB a token of the vocabulary beyond the plan
+        vocab = resolve_shape(recipe.model).vocab_size
+        asked.append(vocab)
+        if vocab in failing:
+            raise ValueError("the resident-memory probe failed (stood in)")
+        return _plan_bytes(recipe, world, "resident_per_rank") + vocab * 1024
+
+    monkeypatch.setattr(probes, "engine_resident", engine_resident)
+
+    def fixed(*vocabs: int) -> tuple[list, list]:
+        source, _ = load_source(run_dir)
+        with Projector(source, load_catalog()) as projector:
+            targets = [load_source(run_dir, [f"model.vocab_size={v}"])[1] for v in vocabs]
+            return [projector.resident_fixed(t) for t in targets], [projector._memory_notes(t) for t in targets]
+
+    source_vocab = resolve_shape(load_source(run_dir)[0].recipe.model).vocab_size
+    got, _ = fixed(16384, 32768)
+    assert asked == [source_vocab, 16384, 32768]
+    assert [(f.source_bytes, f.target_bytes) for f in got] == [(source_vocab * 1024, 16384 * 1024),
+                                                               (source_vocab * 1024, 32768 * 1024)]
+    got, notes = fixed(32768, 65536)  # a later projection: only the new recipe is probed
+    assert asked[3:] == [65536] and got[0].target_bytes == 32768 * 1024
+    assert sum("'resident'" in key for key in json.loads((run_dir / PROBES_FILE).read_text())) == 4
+
+    (run_dir / PROBES_FILE).unlink()
+    failing.add(source_vocab)
+    got, notes = fixed(16384, 32768)
+    assert got == [None, None] and asked[4:] == [source_vocab]  # the source's failure ends both, probed once
+    for target_notes in notes:
+        (note,) = target_notes
+        assert note.kind == "memory_heap_kept" and "(stood in)" in note.text, note.text

@@ -591,9 +591,10 @@ class Projector:
         transient tensors grow (heap_kept) makes the heap keep more freed blocks: the source's and the
         target's recipes are each built with k decoder layers (the parts probe's k, at most the source's),
         the target's engine and shape in the second. Either way by as many fresh processes as the source
-        had ranks, the fullest one's peak RSS minus the plan's resident figure for the same recipe. None
-        where neither changes, on a GPU (the allocator's peak holds no libraries) or where a probe failed
-        (its reason in self._resident_failed)."""
+        had ranks, the fullest one's peak RSS minus the plan's resident figure for the same recipe (each
+        recipe probed once: a search's targets share the source's). None where neither changes, on a GPU
+        (the allocator's peak holds no libraries) or where a probe failed (its reason in
+        self._resident_failed)."""
         from trainprof.models import resolve_shape
         from trainprof.projection.probes import probe_layers
 
@@ -606,27 +607,35 @@ class Projector:
         if not (self.probe and same_machine_as_source(src)):
             self._resident_failed = "not probed: --no-probe" if not self.probe else "not probed: another machine"
             return None
-        world = src.measured.world_size
         if heap:
             layers = min(resolve_shape(src.recipe.model).num_layers, probe_layers(target_recipe))
-            recipes = tuple(dataclasses.replace(r, model=dataclasses.replace(r.model, num_layers=layers))
-                            for r in (src.recipe, target_recipe))
-            key = ("resident", *(json.dumps(r.to_dict(), sort_keys=True, default=str) for r in recipes), world)
+            recipes = [dataclasses.replace(r, model=dataclasses.replace(r.model, num_layers=layers))
+                       for r in (src.recipe, target_recipe)]
         else:
             layers = None
-            recipes = (src.recipe, dataclasses.replace(src.recipe, engine=target_recipe.engine))
-            key = ("resident", src.recipe.engine.kind, target_recipe.engine.kind, world)
-        if key not in self._cache:
-            from trainprof.projection.probes import engine_resident
+            recipes = [src.recipe, dataclasses.replace(src.recipe, engine=target_recipe.engine)]
+        try:
+            fixed = [self._resident_beyond_plan(r, src.measured.world_size) for r in recipes]
+        except ValueError as err:  # a probe process failed: memory keeps the measured fixed part, saying why
+            self._resident_failed = str(err)
+            return None
+        return ResidentProbe(source_bytes=fixed[0], target_bytes=fixed[1], layers=layers)
 
+    def _resident_beyond_plan(self, recipe: Any, world: int) -> int:
+        """engine_resident's peak for `recipe` on `world` fresh processes minus the plan's resident figure,
+        probed once per recipe (kept in the run dir); a failed probe's ValueError is raised again, not retried."""
+        from trainprof.projection.probes import engine_resident
+
+        key = ("resident", json.dumps(recipe.to_dict(), sort_keys=True, default=str), world)
+        if key not in self._cache:
             try:
-                fixed = self._kept(key, "resident memory", lambda: [
-                    engine_resident(r, world) - _plan_bytes(r, world, "resident_per_rank") for r in recipes])
-                self._cache[key] = ResidentProbe(source_bytes=fixed[0], target_bytes=fixed[1], layers=layers)
-            except ValueError as err:  # a probe process failed: memory keeps the measured fixed part, saying why
-                self._cache[key] = None
-                self._resident_failed = str(err)
+                self._cache[key] = self._kept(key, "resident memory", lambda: engine_resident(recipe, world)
+                                              - _plan_bytes(recipe, world, "resident_per_rank"))
+            except ValueError as err:
+                self._cache[key] = err
         self._used.append(key)
+        if isinstance(self._cache[key], ValueError):
+            raise ValueError(str(self._cache[key]))
         return self._cache[key]
 
     def source_step(self) -> StepProbe:
