@@ -7,6 +7,7 @@ own folder and listed by the report, --best and the research's tables."""
 from __future__ import annotations
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -121,7 +122,7 @@ def test_catalog_targets_costs_fit_and_files(source):
 
 
 @pytest.mark.slow
-def test_best_settings_and_the_research_tables(source):
+def test_best_settings_and_the_research_tables(source, cli):
     run_dir, _ = source
     best = project(str(run_dir), "model.name=llama2-7b", "data.seq_len=350", "--best", "--to", "a800-80g",
                    "--price", "a800-80g=1.5", "--tokens", "2e12")["best"]
@@ -137,6 +138,11 @@ def test_best_settings_and_the_research_tables(source):
     assert all(r["tokens_per_s"] <= top["tokens_per_s"] for r in a800["runners_up_throughput"])
     assert all(r["cost_per_million_tokens_usd"] >= cheap["cost_per_million_tokens_usd"] for r in a800["runners_up_cost"])
     assert top["memory_per_rank_bytes"] <= 0.9 * 80e9
+    # in the terminal, a progress bar over the predictions names the setting under way
+    shown = cli("project", run_dir, "model.name=llama2-7b", "data.seq_len=350", "--best", "--to", "a800-80g")
+    assert shown.returncode == 0 and "a800-80g x 8: engine.kind=deepspeed engine.zero_stage=1" in shown.stderr
+    counts = [int(n) for n in re.findall(r"best: (\d+)prediction", shown.stderr)]
+    assert counts[-1] >= a800["tried"] + len(a800["refused"]) and counts == sorted(counts), shown.stderr[-500:]
     tables = project(str(run_dir), "--table", "zhang2023", "--to", "a800-80g,rtx4090")
     assert len(tables["table_iii"]) == 3 * 15 and len(tables["table_ix"]) == 3 * 2
     seven_zero3 = next(r for r in tables["table_iii"] if r["model"] == "llama2-7b" and r["method"] == "ZeRO-3")

@@ -978,22 +978,27 @@ def best(run_dir: str | Path, *, targets: list[str] | None = None, nodes: list[i
 
     source, target_recipe = load_source(run_dir, overrides)
     catalog = load_catalog(catalog_file)
-    with Projector(source, catalog, prices=prices, validation=load_validation(), probe=probe) as projector:
+    # over predictions, naming the one under way: on the source's machine one can probe for a minute
+    bar = tqdm(desc="best", unit="prediction", disable=not progress)
+    with Projector(source, catalog, prices=prices, validation=load_validation(), probe=probe) as projector, bar:
         results = []
-        for machine, world in tqdm(_jobs(catalog, source, targets or [THIS], nodes, gpus_per_node, nproc),
-                                   desc="best", unit="target", disable=not progress):
+        for machine, world in _jobs(catalog, source, targets or [THIS], nodes, gpus_per_node, nproc):
             same = machine == THIS
             if same and target_recipe.train.memory_cap_gb is None:
                 raise ProjectionError("--best on this machine needs a memory capacity: set train.memory_cap_gb=GB")
             capacity = (target_recipe.train.memory_cap_gb if same else catalog.resolve(machine).figure("memory_gb"))
 
             def predict(extra: list[str], machine: str = machine, world: int = world) -> dict[str, Any] | None:
+                bar.set_postfix_str(f"{machine} x {world}: {' '.join(extra)}")
                 try:
                     recipe = _with_overrides(source, [*(overrides or []), *extra])
                 except Exception:  # noqa: BLE001  a combination the recipe rules refuse is skipped, and listed
-                    return None
-                return projector.predict(recipe, machine=machine, world=world, gpus_per_node=gpus_per_node,
-                                         tokens=tokens, overrides=[*(overrides or []), *extra])
+                    recipe = None
+                pred = None if recipe is None else projector.predict(
+                    recipe, machine=machine, world=world, gpus_per_node=gpus_per_node, tokens=tokens,
+                    overrides=[*(overrides or []), *extra])
+                bar.update()
+                return pred
 
             capacity_bytes = capacity * (2**30 if same else 1e9) if capacity else None
             dtype_given = any(override_key(o) == "model.dtype" for o in overrides or [])
