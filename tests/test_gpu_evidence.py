@@ -263,8 +263,8 @@ def test_h100_to_h200_projection_error_of_every_pair_is_the_table_s(source, targ
 @pytest.mark.parametrize("case", VALIDATION.get("same_machine_cases") or [], ids=lambda c: c["target"])
 def test_same_machine_cases_recomputed_from_profiles(case):
     """Each settings change between runs of one GPU session, projected on the source's machine (--to this,
-    no probes), reproduces validation_gpu.json's figures; an engine change says it needs that machine's
-    probes instead of guessing, and its memory is the plan's delta on the measured peak."""
+    no probes), reproduces validation_gpu.json's figures; an engine change says why it is not predicted
+    instead of guessing, and its memory is the plan's delta on the measured peak."""
     import gpu_validation
 
     again = gpu_validation.same_machine_case(case["source"], case["target"])
@@ -274,7 +274,7 @@ def test_same_machine_cases_recomputed_from_profiles(case):
     if case["target"] not in KNOWN_PLAN_MISSES:  # a miss of the plan itself is held (strictly) there
         assert abs(case["memory_error_pct"]) <= 10  # issue 24's memory goal
     if {"engine", "zero_stage"} & set(case["change_kinds"]):
-        assert case["predicted_step_ms"] is None and "where the run was made" in case["step_reason"]
+        assert case["predicted_step_ms"] is None and "probed on a CPU, not on a GPU" in case["step_reason"]
     else:
         assert abs(case["step_error_pct"]) <= 15
         # MFU on the source's own GPU, against its datasheet peak, as the target run's MFU is; the run counts
@@ -282,6 +282,34 @@ def test_same_machine_cases_recomputed_from_profiles(case):
         counted = load(PROFILES / case["target"])["summary"]["measured_over_analytic"]
         assert case["predicted_mfu"] == pytest.approx(case["measured_mfu"] / counted * case["measured_step_ms"]
                                                       / case["predicted_step_ms"], abs=2e-4)
+
+
+def test_a_gpu_run_projected_on_its_own_machine_is_not_probed_on_its_cpu(tmp_path, monkeypatch):
+    """`trainprof project` on the GPU machine a run was measured on: the timing probes time bare models and
+    engines on the CPU, which says nothing of the GPU. A shape change is re-derived from the GEMMs at the GPU's
+    measured rates, as projected anywhere else (the validation cases above), and an engine change is null with
+    the reason, where the probes would have mixed CPU times into the GPU's."""
+    import shutil
+
+    from trainprof.projection import probes
+    from trainprof.projection import project as projection
+
+    run = tmp_path / "run"
+    shutil.copytree(PROFILES / "h100-llama1b_zero3_sdpa-torch-hostbound", run)
+
+    def probe(*args, **kwargs):
+        raise AssertionError("a GPU run's projection ran a CPU timing probe")
+
+    monkeypatch.setattr(probes, "probe_parts", probe)
+    monkeypatch.setattr(probes, "probe_engines", probe)
+    monkeypatch.setattr(projection, "same_machine_as_source", lambda source: True)  # as on the run's own machine
+    shape = ["train.micro_batch_size=16", "data.seq_len=1024"]
+    (here,) = projection.project(run, overrides=shape)["predictions"]
+    (elsewhere,) = projection.project(run, overrides=shape, probe=False)["predictions"]
+    assert here["step_ms"] is not None and here["step_ms"] == pytest.approx(elsewhere["step_ms"], rel=1e-9)
+    (engine,) = projection.project(run, overrides=["engine.kind=deepspeed", "engine.zero_stage=3"])["predictions"]
+    assert engine["step_ms"] is None and "probed on a CPU, not on a GPU" in engine["reasons"]["step_ms"]
+    assert not (run / "probes.json").exists()
 
 
 def test_elementwise_share_recomputed_from_profiles():

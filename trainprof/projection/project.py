@@ -209,10 +209,13 @@ class Projector:
         reshaped = any(KINDS[k].reshapes for k in t.kinds if k in KINDS)
         neighbours_differ = self.neighbour_count(m.world_size) != self.neighbour_count(t.world)
         threads = t.threads if t.threads and t.threads != self.source_threads else None
+        # the timing probes run bare models and engines on this machine's CPU: a GPU run's change is re-derived
+        # from its GEMMs at the GPU's measured rates instead, as its validation cases were (docs/projection.md)
+        on_cpu = m.device_type == "cpu"
         from trainprof.projection.probes import probeable
 
         try:
-            if (reshaped or neighbours_differ or threads) and self.probe and probeable(src.recipe) \
+            if (reshaped or neighbours_differ or threads) and self.probe and on_cpu and probeable(src.recipe) \
                     and probeable(t.recipe) and same_machine_as_source(src):
                 inputs.parts = self.parts(t.recipe, t.world, threads)
                 inputs.zero3_bytes = self._zero3_gathered_bytes(t)
@@ -220,6 +223,12 @@ class Projector:
                 self._rerate_here(t, inputs, reasons)
             if engine_key(src.recipe) != engine_key(t.recipe) or task_key(src.recipe) != task_key(t.recipe) \
                     or "dtype" in t.kinds:
+                if not on_cpu:
+                    reasons["step_ms"] = ("an engine, task or dtype change of a GPU run is not predicted: what the "
+                                          "engine adds around the model is probed on a CPU, not on a GPU; measure "
+                                          "the target's recipe on the GPU (trainprof.run) and compare with `trainprof "
+                                          "diff`")
+                    return inputs
                 if not (self.probe and same_machine_as_source(src)):
                     reasons["step_ms"] = ("an engine or task change is probed where the run was made (what the "
                                           "engine adds around the model is timed there): run `trainprof project` "
@@ -227,7 +236,7 @@ class Projector:
                     return inputs
                 inputs.engine = self.engine_probe(t.recipe)
             one_rank_zero3 = t.world == 1 < m.world_size and zero_stage_of(src.recipe) == 3
-            if self.probe and inputs.engine is None and one_rank_zero3:
+            if self.probe and on_cpu and inputs.engine is None and one_rank_zero3:
                 inputs.step_probe = self.source_step()  # one rank: no gathers after the step
         except ValueError as err:
             reasons["step_ms"] = f"the step could not be probed on this machine: {err}"
