@@ -312,6 +312,27 @@ def test_a_gpu_run_projected_on_its_own_machine_is_not_probed_on_its_cpu(tmp_pat
     assert not (run / "probes.json").exists()
 
 
+def test_a_gpu_run_at_another_world_size_on_its_machine_prices_its_gpus_links(tmp_path):
+    """More GPUs of the source's machine (`--nproc`, no --to): the collectives cross the GPUs' own links,
+    overlapping their compute as on the catalog's entry for that GPU, not gloo between this CPU's processes
+    (which priced a 2-GPU ZeRO-3 step of this llama2-1b run at 7.7 s, 7.3 s of it exposed communication)."""
+    import shutil
+
+    from helpers.projection import kinds
+    from trainprof.projection.project import project
+
+    run = tmp_path / "run"
+    shutil.copytree(PROFILES / "h100-llama1b_zero3_sdpa-hostbound", run)  # one H100, DeepSpeed ZeRO-3
+    measured = load(run)["summary"]["step_ms"]["median"]
+    for gpus in (2, 8):
+        (here,) = project(run, nproc=[gpus], probe=False)["predictions"]
+        (there,) = project(run, targets=["h100-sxm"], nodes=[1], gpus_per_node=gpus, probe=False)["predictions"]
+        assert kinds(here)["link_catalog"]["name"].startswith("NVLink 4"), kinds(here).keys()
+        assert not any("gloo" in a["text"] for a in here["assumptions"])
+        assert here["phases_ms"]["comm_exposed"] == pytest.approx(there["phases_ms"]["comm_exposed"], rel=1e-6)
+        assert here["step_ms"] < 1.1 * measured  # a host-bound step whose collectives hide behind its compute
+
+
 def test_elementwise_share_recomputed_from_profiles():
     """The share of the datasheet bandwidth the non-GEMM operators reach, fitted on the 2026-11-23 runs'
     operator tables (over both GPUs, and per GPU), is what validation_gpu.json states, and the later runs'

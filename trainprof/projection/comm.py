@@ -100,7 +100,7 @@ class CommTarget:
     source_census: Census | None = None
     zero3: dict[str, int] | None = None  # census.zero3_settings of the target
     source_zero3: dict[str, int] | None = None
-    cross_machine: bool = False
+    cross_machine: bool = False  # a GPU target priced from its links: collectives overlap the compute where they can
     compute_ms: dict[str, float] | None = None  # predicted forward/backward per step: what comm may hide behind
 
 

@@ -153,7 +153,10 @@ class Projector:
             census=tgt_census, source_census=self.source_census,
             zero3=zero3_settings(recipe), source_zero3=zero3_settings(src.recipe),
             reshard_after_forward=getattr(recipe.engine, "reshard_after_forward", True),
-            cross_machine=hardware is not None, **_zero_buckets(recipe))
+            # a GPU's collectives run beside its compute: priced so on a catalog target, and on the source's own
+            # machine where the run measured none at the target's world size
+            cross_machine=hardware is not None or (m.device_type != "cpu" and world != m.world_size),
+            **_zero_buckets(recipe))
         # on the source's machine a dtype change is the engine probe's, so the reshaped work stays in the source's
         change = Change(work=Work.of(recipe if hardware is not None else in_dtype(recipe, src.recipe.model.dtype)),
                         source_work=Work.of(src.recipe), grad_accum=recipe.train.grad_accum,
@@ -197,7 +200,7 @@ class Projector:
         inputs = Inputs(memory_gbps=self._memory_gbps())
         if t.world > 1 and (t.world != m.world_size or set(t.kinds) & {"zero_stage", "engine", "task", "model_size",
                                                                          "offload", "dtype"}):
-            inputs.link = self.gloo_link(t.world)
+            inputs.link = self.gloo_link(t.world) if m.device_type == "cpu" else self._gpu_link(t, reasons)
         if "step_ms" in reasons:
             return inputs  # nothing to probe for a step that will not be predicted
         busy = m.ranks_busy_ms or {}
@@ -246,6 +249,16 @@ class Projector:
             inputs.target_machine = machine_from_calibration(self.calibration_at(t.threads),
                                                              f"this machine, {t.threads} threads")
         return inputs
+
+    def _gpu_link(self, t: TargetRun, reasons: dict[str, str]) -> Link | None:
+        """A GPU run's collectives at another world size or bucket on its kind of machine: its accelerator's
+        catalogued links with NCCL's latency model, as for a catalog target (gloo between CPU processes says
+        nothing of them)."""
+        if self.source_gpu is None:
+            reasons.setdefault("step_ms", f"the run's GPU ({self.source.profile['env'].get('device')}) is not in the "
+                                          "catalog, so its links are unknown: add it with --catalog FILE")
+            return None
+        return catalog_link(self.catalog, self.catalog.resolve(self.source_gpu), t.world, t.gpus_per_node)
 
     def _rerate_here(self, t: TargetRun, inputs: Inputs, reasons: dict[str, str]) -> None:
         """A reshaped target that cannot be probed here is re-derived from its GEMMs at this machine's
