@@ -315,7 +315,8 @@ def test_a_gpu_run_projected_on_its_own_machine_is_not_probed_on_its_cpu(tmp_pat
 def test_a_gpu_run_at_another_world_size_on_its_machine_prices_its_gpus_links(tmp_path):
     """More GPUs of the source's machine (`--nproc`, no --to): the collectives cross the GPUs' own links,
     overlapping their compute as on the catalog's entry for that GPU, not gloo between this CPU's processes
-    (which priced a 2-GPU ZeRO-3 step of this llama2-1b run at 7.7 s, 7.3 s of it exposed communication)."""
+    (which priced a 2-GPU ZeRO-3 step of this llama2-1b run at 7.7 s, 7.3 s of it exposed communication).
+    `--threads`, a CPU run's intra-op threads, is refused for it (it re-derived the step from this CPU's rates)."""
     import shutil
 
     from helpers.projection import kinds
@@ -331,6 +332,9 @@ def test_a_gpu_run_at_another_world_size_on_its_machine_prices_its_gpus_links(tm
         assert not any("gloo" in a["text"] for a in here["assumptions"])
         assert here["phases_ms"]["comm_exposed"] == pytest.approx(there["phases_ms"]["comm_exposed"], rel=1e-6)
         assert here["step_ms"] < 1.1 * measured  # a host-bound step whose collectives hide behind its compute
+    # the CPU's intra-op threads are no change of a GPU run's step: refused, not re-derived from this CPU's rates
+    (threads,) = project(run, threads=4, probe=False)["predictions"]
+    assert threads["step_ms"] is None and "without --threads" in threads["reasons"]["step_ms"]
 
 
 def test_elementwise_share_recomputed_from_profiles():

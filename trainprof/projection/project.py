@@ -187,6 +187,9 @@ class Projector:
             reasons["step_ms"] = ("a GPU source's kernels and operator calls were recorded at its model.dtype "
                                   "(autocast's casts, the 16-bit optimizer's copies): measure a run at the target "
                                   "dtype and project from that run")
+        elif "threads" in t.kinds and self.source.measured.device_type == "cuda":
+            reasons["step_ms"] = ("--threads sets the intra-op threads of a CPU run, and this run computed on a GPU: "
+                                  "project it without --threads")
         elif "compile" in t.kinds and not t.same_machine:
             reasons["step_ms"] = ("torch.compile's effect is probed on the source's machine only (what inductor "
                                   "fuses on the target's GPU cannot be derived): project the compile change there, "
