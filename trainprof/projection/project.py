@@ -198,7 +198,8 @@ class Projector:
     # -- inputs on the source's machine -------------------------------------------------------------
 
     def _inputs_here(self, t: TargetRun, reasons: dict[str, str], notes: list[Assumption]) -> Inputs:
-        """Probes, calibrations and the gloo link for a prediction on the source's machine."""
+        """Probes (of a CPU run), calibrations and the link (gloo between this CPU's processes, or a GPU run's
+        catalogued links) for a prediction on the source's machine."""
         src, m = self.source, self.source.measured
         inputs = Inputs(memory_gbps=self._memory_gbps())
         if t.world > 1 and (t.world != m.world_size or set(t.kinds) & {"zero_stage", "engine", "task", "model_size",
