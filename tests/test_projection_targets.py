@@ -46,11 +46,12 @@ def test_an_engine_change_moves_the_memory_by_what_each_engines_process_holds(so
 @pytest.mark.slow
 def test_catalog_targets_costs_fit_and_files(source):
     run_dir, _ = source
-    result = project(str(run_dir), "--to", "h100-sxm,rtx4090", "--nodes", "1,2", "--tokens", "1e9",
+    # a node template priced by its GPU's price (a price is per GPU-hour)
+    result = project(str(run_dir), "--to", "hgx-h100,rtx4090", "--nodes", "1,2", "--tokens", "1e9",
                      "--price", "h100-sxm=2.0")
     preds = result["predictions"]
     assert [(p["hardware"], p["world_size"]) for p in preds] == [
-        ("h100-sxm", 8), ("h100-sxm", 16), ("rtx4090", 8), ("rtx4090", 16)]
+        ("hgx-h100", 8), ("hgx-h100", 16), ("rtx4090", 8), ("rtx4090", 16)]
     assert (run_dir / "calibration.json").is_file()
     for p in preds:
         assert p["step_ms"] > 0 and 0 < p["mfu"] < 1 and p["fits"] is True
@@ -74,14 +75,18 @@ def test_catalog_targets_costs_fit_and_files(source):
     assert h100["cost_to_train_usd"] == pytest.approx(2.0 * 8 / 3600 * h100["time_to_train_s"])
     assert preds[2]["cost_per_million_tokens_usd"] is None  # no price given for the 4090: never invented
     assert {p["ordered_by"] for p in preds} == {"tokens_per_s"}  # not every target has a price
-    (out,) = list((run_dir / "projections").glob("*h100-sxm_rtx4090"))
+    (out,) = list((run_dir / "projections").glob("*hgx-h100_rtx4090"))
     for name in ("projection.json", "projection.md", "projection.html", "projection.png"):
         assert (out / name).stat().st_size > 0, name
     df = pd.read_csv(out / "projection.csv")
     assert len(df) == 4 and df["tokens_per_s"].notna().all() and "confidence_text" in df
     doc = json.loads((out / "projection.json").read_text())
     assert doc["table"]["columns"][-2:] == ["time to train 1e+09 tokens", "total cost"]
-    assert doc["command"].startswith(f"trainprof project {run_dir} --to h100-sxm,rtx4090")
+    assert doc["command"].startswith(f"trainprof project {run_dir} --to hgx-h100,rtx4090")
+    # where each price came from, beside the table
+    assert "price of hgx-h100: $2 per GPU-hour (given for its GPU h100-sxm; --price on the command line, " in (
+        out / "projection.md").read_text()
+    assert "nor its GPU" not in preds[2]["reasons"]["cost_per_million_tokens_usd"]  # rtx4090 is the GPU
 
     # Llama2-7B pretraining on one 24 GB card does not fit; a second call keeps the first call's folder
     big = project(str(run_dir), "model.name=llama2-7b", "data.seq_len=350", "--to", "rtx4090",

@@ -20,7 +20,7 @@ from trainprof.projection.comm import CommTarget, Link, NcclLatency
 from trainprof.projection.compute import EngineProbe, Machine, Parts, StepProbe, task_ops
 from trainprof.projection.gemm import GemmRate, Work
 from trainprof.projection.measured import Measured, PhaseOps, measured_from_profile
-from trainprof.projection.prices import load_prices
+from trainprof.projection.prices import check_prices_name_targets, load_prices, price_for
 from trainprof.projection.stepmodel import Change, Inputs, predict_phases, residual_ms
 from trainprof.recipe import load_recipe
 from trainprof.shapes import SHAPES
@@ -103,6 +103,27 @@ def test_prices_need_source_and_date(tmp_path):
     assert {k: v["usd_per_gpu_hour"] for k, v in listed.items()} == {"h100-sxm": 2.5, "rtx4090": 0.5}
     with pytest.raises(CatalogError, match="'rtx4090'"):
         load_prices(None, ["h100-sxm=2.5,rtx4090"])
+
+
+def test_a_price_names_a_target_or_its_gpu(cli, tmp_path):
+    """A command-line price that names no --to target would leave every cost n/a unexplained (h100 for
+    h100-sxm): refused with the names it may take. A node template is priced by its GPU's price (per GPU-hour)
+    where it has none of its own; a price file may list more machines than one call projects to."""
+    catalog = load_catalog()
+    given = load_prices(None, ["h100=2.5"])
+    with pytest.raises(CatalogError, match=r"--price 'h100': .* h100-sxm, hgx-h100, rtx4090"):
+        check_prices_name_targets(given, ["h100-sxm", "hgx-h100", "rtx4090"], catalog)
+    check_prices_name_targets(load_prices(None, ["h100-sxm=2.5"]), ["hgx-h100"], catalog)  # its GPU
+    check_prices_name_targets(load_prices(None, ["this=0.1"]), ["this"], catalog)
+    filed = {"a100-80g-sxm": {"usd_per_gpu_hour": 1.8, "source": "quote", "date": "2026-11-01"}}
+    check_prices_name_targets(filed, ["h100-sxm"], catalog)
+    prices = load_prices(None, ["h100-sxm=2.5,hgx-h100=2.8"])
+    assert price_for(prices, "hgx-h100", "h100-sxm")["usd_per_gpu_hour"] == 2.8  # its own price first
+    assert price_for(prices, "hgx-a100", "a100-80g-sxm") is None
+    assert price_for({"h100-sxm": prices["h100-sxm"]}, "hgx-h100", "h100-sxm")["priced_as"] == "h100-sxm"
+    # the command says so in one line, before it reads the run
+    said = cli("project", tmp_path, "--to", "h100-sxm", "--price", "h100=2.5")
+    assert said.returncode == 2 and said.stderr.strip().count("\n") == 0 and "--price 'h100'" in said.stderr, said
 
 
 def test_alpha_beta_fit_recovers_a_known_line_and_bus_factors():

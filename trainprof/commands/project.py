@@ -74,8 +74,8 @@ def _refresh_report(args: argparse.Namespace, paths: list[Path]) -> None:
 
 def _project(args: argparse.Namespace) -> int:
     from trainprof.errors import UserError
-    from trainprof.hardware import CatalogError
-    from trainprof.projection.prices import load_prices
+    from trainprof.hardware import CatalogError, load_catalog
+    from trainprof.projection.prices import check_prices_name_targets, load_prices
     from trainprof.projection.source import ProjectionError
 
     if args.advice:
@@ -83,6 +83,7 @@ def _project(args: argparse.Namespace) -> int:
     targets = [t.strip() for t in args.to.split(",") if t.strip()]
     try:
         prices = load_prices(args.prices, args.price)
+        check_prices_name_targets(prices, targets, load_catalog(args.catalog))
         if args.best:
             return _best(args, targets, prices)
         if args.table:

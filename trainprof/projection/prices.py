@@ -7,8 +7,11 @@ import datetime as dt
 from pathlib import Path
 from typing import Any
 
-from trainprof.hardware import CatalogError
+from trainprof.hardware import Catalog, CatalogError
 from trainprof.io import read_yaml
+from trainprof.projection.changes import THIS
+
+COMMAND_LINE = "--price on the command line"
 
 
 def load_prices(file: str | Path | None = None, cli: list[str] | None = None) -> dict[str, dict[str, Any]]:
@@ -41,6 +44,29 @@ def load_prices(file: str | Path | None = None, cli: list[str] | None = None) ->
             usd = -1.0
         if not sep or not name or usd <= 0:
             raise CatalogError(f"--price '{item}': write NAME=USD_PER_GPU_HOUR, e.g. --price h100-sxm=2.99,rtx4090=0.69")
-        prices[name] = {"usd_per_gpu_hour": usd, "source": "--price on the command line",
+        prices[name] = {"usd_per_gpu_hour": usd, "source": COMMAND_LINE,
                         "date": dt.date.today().isoformat()}
     return prices
+
+
+def check_prices_name_targets(prices: dict[str, dict[str, Any]], targets: list[str], catalog: Catalog) -> None:
+    """A --price must name a --to target or its GPU: one that names neither (a typo, or h100 for h100-sxm) would
+    leave every cost n/a without saying why. A price file may list more than one call needs.
+
+    Raises:
+        CatalogError: naming the price and the names it may take.
+    """
+    names = [*targets, *(catalog.accelerator_key(catalog.resolve(t)) for t in targets if t != THIS)]
+    for name, entry in prices.items():
+        if entry["source"] == COMMAND_LINE and name not in names:
+            raise CatalogError(f"--price '{name}': not a --to target nor a target's GPU; price one of "
+                               f"{', '.join(dict.fromkeys(n for n in names if n))} (per GPU-hour)")
+
+
+def price_for(prices: dict[str, dict[str, Any]], machine: str, gpu: str | None) -> dict[str, Any] | None:
+    """The price of a target by its own name, else by its GPU's (a node template such as hgx-h100 priced as
+    h100-sxm: a price is per GPU-hour); the entry says which name it was given for."""
+    for name in (machine, gpu):
+        if name is not None and name in prices:
+            return {**prices[name], "priced_as": name}
+    return None

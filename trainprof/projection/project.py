@@ -32,6 +32,7 @@ from trainprof.projection.gemm import Work
 from trainprof.projection.machines import (by_host_path, catalog_link, gpu_host, gpu_ops_per_layer, host_key,
                                            machine_from_calibration, machine_from_target, measured_link)
 from trainprof.projection.measured import PHASES
+from trainprof.projection.prices import price_for
 from trainprof.projection.source import (PROBES_FILE, ProjectionError, Source, ensure_calibration, kept_probe,
                                          load_source, same_machine_as_source)
 from trainprof.projection.stepmodel import Change, Inputs, predict_phases, residual_ms
@@ -482,7 +483,8 @@ class Projector:
             pred["mfu_convention"] = "PaLM 6N + 12LHQT model FLOPs (trainprof plan) over the datasheet dense peak"
 
     def _cost(self, t: TargetRun, pred: dict[str, Any], reasons: dict[str, str]) -> None:
-        price = self.prices.get(t.machine)
+        gpu = self.catalog.accelerator_key(t.hardware) if t.hardware is not None else None
+        price = price_for(self.prices, t.machine, gpu)
         tps = pred["tokens_per_s"]
         if price and tps:
             usd_per_s = price["usd_per_gpu_hour"] * t.world / 3600
@@ -490,7 +492,8 @@ class Projector:
             pred["cost_to_train_usd"] = usd_per_s * pred["time_to_train_s"] if pred["time_to_train_s"] else None
             pred["price"] = price
         else:
-            reasons["cost_per_million_tokens_usd"] = (f"no price for '{t.machine}': pass --price {t.machine}=USD_PER_GPU_HOUR "
+            named = f"'{t.machine}'" + (f" nor its GPU '{gpu}'" if gpu not in (None, t.machine) else "")
+            reasons["cost_per_million_tokens_usd"] = (f"no price for {named}: pass --price {t.machine}=USD_PER_GPU_HOUR "
                                                       "or --prices FILE (with source and date)")
 
     def _memory(self, recipe: Any, world: int, target: Target | None, overrides: list[str]

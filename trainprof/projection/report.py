@@ -116,6 +116,11 @@ def notes(result: dict[str, Any]) -> list[str]:
     if src.get("unknown"):
         out.append("not recorded by the wrapped run, recipe defaults used: "
                    + "; ".join(f"{k} ({why})" for k, why in src["unknown"].items()))
+    priced = {p["hardware"]: p["price"] for p in result["predictions"] if p.get("price")}
+    for hardware, price in priced.items():
+        given = "" if price["priced_as"] == hardware else f"given for its GPU {price['priced_as']}; "
+        out.append(f"price of {hardware}: ${price['usd_per_gpu_hour']:g} per GPU-hour ({given}{price['source']}, "
+                   f"{price['date']})")
     for p in result["predictions"]:
         if p.get("fit_suggestion"):
             out.append(f"{p['hardware']} x {p['world_size']}: does not fit; would fit with "
