@@ -312,6 +312,38 @@ def test_a_gpu_run_projected_on_its_own_machine_is_not_probed_on_its_cpu(tmp_pat
     assert not (run / "probes.json").exists()
 
 
+def test_a_gpu_run_without_its_calibration_is_calibrated_on_its_gpu(tmp_path, monkeypatch):
+    """A GPU run projected on its own machine without a calibration.json: the bandwidth that prices its
+    optimizer's pass (ZeRO-3's state per GPU halves on two GPUs) is measured on its GPU, not on this host's
+    memory (a GPU's Adam pass priced at a CPU's tens of GB/s reads a hundred times long)."""
+    import shutil
+
+    import torch
+
+    from helpers.projection import kinds
+    from trainprof.projection import calibrate as calibration
+    from trainprof.projection import project as projection
+    from trainprof.projection import source as sources
+
+    run = tmp_path / "run"
+    shutil.copytree(PROFILES / "h100-llama1b_zero3_sdpa-hostbound", run)  # one H100, DeepSpeed ZeRO-3
+    measured = json.loads((run / "calibration.json").read_text())
+    (run / "calibration.json").unlink()
+    asked = []
+
+    def calibrate(device, **kwargs):  # what calibrate() measured on the run's machine: its GPU, and its host
+        asked.append(torch.device(device).type)
+        return measured if asked[-1] == "cuda" else {**measured, "memory": {"gbps": 40.0}}
+
+    monkeypatch.setattr(calibration, "calibrate", calibrate)
+    for module in (projection, sources):  # as on the run's own machine, with its GPU
+        monkeypatch.setattr(module, "same_machine_as_source", lambda source: True)
+    monkeypatch.setattr(sources, "torch_device", lambda env: torch.device("cuda"))
+    (pred,) = projection.project(run, nproc=[2])["predictions"]
+    assert set(asked) == {"cuda"}, asked
+    assert kinds(pred)["optimizer_fixed_plus_pass"]["memory_gbps"] == measured["memory"]["gbps"], kinds(pred).keys()
+
+
 def test_a_gpu_run_at_another_world_size_on_its_machine_prices_its_gpus_links(tmp_path):
     """More GPUs of the source's machine (`--nproc`, no --to): the collectives cross the GPUs' own links,
     overlapping their compute as on the catalog's entry for that GPU, not gloo between this CPU's processes

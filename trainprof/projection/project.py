@@ -708,12 +708,16 @@ class Projector:
         return self._cache[key]
 
     def _memory_gbps(self) -> float | None:
-        """The source machine's memory bandwidth: its calibration.json, or measured now on this machine."""
+        """The source machine's memory bandwidth: its calibration.json, or measured now on this machine (a GPU
+        run's on its GPU, which prices its optimizer's pass, not on the host's memory)."""
         if self.source.calibration is not None:
             return self.source.calibration["memory"]["gbps"]
-        if same_machine_as_source(self.source):
-            return self.calibration_at(self.source_threads)["memory"]["gbps"]
-        return None
+        if not same_machine_as_source(self.source):
+            return None
+        if self.source.measured.device_type != "cpu":
+            cal = ensure_calibration(self.source)
+            return cal["memory"]["gbps"] if cal else None
+        return self.calibration_at(self.source_threads)["memory"]["gbps"]
 
     def gloo_link(self, world: int) -> Link:
         from trainprof.projection.calibrate import gloo_collectives
