@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -107,10 +108,18 @@ def torch_device(env: dict[str, Any]):
 
 
 def same_machine_as_source(src: Source) -> bool:
+    env = src.profile["env"]
+    return _device_here(str(torch_device(env))) == env["device"]
+
+
+@functools.lru_cache(maxsize=None)
+def _device_here(device: str) -> str:
+    """This machine's device name as a run records it (a few ms each: a projection asks per prediction)."""
+    import torch
+
     from trainprof.env import collect_env
 
-    env = src.profile["env"]
-    return collect_env(torch_device(env), 1)["device"] == env["device"]
+    return collect_env(torch.device(device), 1)["device"]
 
 
 PROBES_FILE = "probes.json"  # in the run dir, beside calibration.json
