@@ -113,6 +113,13 @@ def test_catalog_targets_costs_fit_and_files(source):
     assert "host-bound" not in fp32["confidence_text"] and "host_bound_target" not in kinds(fp32)  # fp32 GEMMs
     assert fp32["memory_per_rank_bytes"] > eight["memory_per_rank_bytes"]
     assert eight["scaling_efficiency"] == pytest.approx(eight["tokens_per_s"] * 2 / (8 * two["tokens_per_s"]))
+    # Llama2-70B's ZeRO-3 at the quickstart's 1,024 tokens a GPU: on one HGX node its host calls bound the step;
+    # across 8 nodes its parameter gathers over InfiniBand do, which the row says in place of host-bound
+    node, nodes = project(str(run_dir), "model.name=llama2-70b", "--to", "hgx-h100", "--nodes", "1,8")["predictions"]
+    assert "predicted host-bound" in node["confidence_text"] and "comm_bound" not in kinds(node)
+    share = nodes["phases_ms"]["comm_exposed"] / nodes["step_ms"]
+    assert share > 0.5 and kinds(nodes)["comm_bound"]["share"] == pytest.approx(share)
+    assert nodes["confidence_text"].endswith(f"; predicted comm-bound ({share:.0%} of the step)"), nodes["confidence_text"]
     assert big["change_kinds"] == ["seq_len", "model_size", "world_size", "hardware"]
     assert big["step_ms"] > h100["step_ms"]
     # torch.compile is probed on the source's machine only; FSDP2's collectives are derived per unit

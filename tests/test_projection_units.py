@@ -1164,7 +1164,8 @@ def test_research_tables_give_each_reason_once_as_a_footnote(tmp_path):
     result = {
         "targets": ["a800-80g", "rtx4090"], "world_size": {"a800-80g": 8, "rtx4090": 8},
         "defaults": ["data.seq_len=350"], "source": {"run_dir": "runs/x"},
-        "table_iii": [{"model": "llama2-7b", "method": "naive DP", "a800-80g": cell, "rtx4090": cell},
+        "table_iii": [{"model": "llama2-7b", "method": "naive DP", "a800-80g": cell,
+                       "rtx4090": {**cell, "confidence": "unvalidated: CPU run -> GPU; predicted comm-bound (62% of the step)"}},
                       {"model": "llama2-7b", "method": "ZeRO-3 + offload", "a800-80g": refused, "rtx4090": refused}],
         "table_iv": [{"model": "llama2-7b", "method": "ZeRO-3 + offload",
                       "a800-80g": {**refused, "micro_batch": 16, "capped": False},
@@ -1181,6 +1182,7 @@ def test_research_tables_give_each_reason_once_as_a_footnote(tmp_path):
     assert "mb 16, tokens/s n/a [1]" in text and "n/a [2]" in text
     assert f"mb {MAX_MICRO_BATCH} (the search cap): 33,264" in text and "mb 16: 17,540, host-bound" in text
     assert text.count(", host-bound") == 1  # the cell whose prediction is, and no other
+    assert text.count(", comm-bound") == 1 and "4,287, 103.6 GiB, does not fit, comm-bound" in text
     write_tables_doc(result, tmp_path, command="trainprof project runs/x --table zhang2023")
     md = (tmp_path / "tables.md").read_text()
     assert md.count(offload) == 1 and "| n/a [1] | n/a [1] |" in md and "mb 16, tokens/s n/a [1]" in md

@@ -36,7 +36,8 @@ from trainprof.projection.prices import price_for
 from trainprof.projection.source import (PROBES_FILE, ProjectionError, Source, ensure_calibration, kept_probe,
                                          load_source, same_machine_as_source)
 from trainprof.projection.stepmodel import Change, Inputs, predict_phases, residual_ms
-from trainprof.projection.validation import HOST_BOUND_MARK, confidence, load_validation
+from trainprof.projection.validation import (COMM_BOUND_MARK, COMM_BOUND_SHARE, HOST_BOUND_MARK, confidence,
+                                              load_validation)
 from trainprof.recipe import shape_label
 from trainprof.shapes import DTYPE_BYTES
 
@@ -430,7 +431,11 @@ class Projector:
         noted, marks = {a.kind for a in notes}, []  # in the table cell, not only among the assumptions
         if "gpu_ops_finetune" in noted:
             marks.append(f"{src.recipe.task.kind} -> {r.task.kind}: host likely low")
-        if "host_bound_target" in noted:
+        comm = (phases or {}).get("comm_exposed") or 0.0
+        if step_ms and comm > COMM_BOUND_SHARE * step_ms:  # what bounds the row, where the reader looks
+            notes.append(assume("comm_bound", share=comm / step_ms, ms=comm))
+            marks.append(f"{COMM_BOUND_MARK} ({comm / step_ms:.0%} of the step)")
+        elif "host_bound_target" in noted:
             marks.append(HOST_BOUND_MARK)
         uneven = next((a.values for a in notes if a.kind == "ranks_uneven"), None)
         if uneven:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from trainprof.io import atomic_write_json
 from trainprof.projection.changes import counts_ranks
-from trainprof.projection.validation import HOST_BOUND_MARK
+from trainprof.projection.validation import COMM_BOUND_MARK, HOST_BOUND_MARK
 from trainprof.report.projections import PROJECTION_FILE, PROJECTIONS_DIR
 from trainprof.phases import PHASES
 from trainprof.report.plots import figure, pyplot, save_figure
@@ -327,7 +327,8 @@ def _table_cell(cell: dict[str, Any], footnote: Callable[[str], str]) -> str:
     if cell.get("tokens_per_s") is None:
         why = footnote(cell.get("reason") or "no prediction")
         return f"{mb}, tokens/s n/a {why}" if cell.get("micro_batch") is not None else f"n/a {why}"
-    host = ", host-bound" if HOST_BOUND_MARK in (cell.get("confidence") or "") else ""
+    said = cell.get("confidence") or ""
+    host = ", host-bound" if HOST_BOUND_MARK in said else ", comm-bound" if COMM_BOUND_MARK in said else ""
     if cell.get("micro_batch") is not None:
         return f"{mb}: {cell['tokens_per_s']:,.0f}{host}"
     mem = f", {cell['memory_gib']:.1f} GiB" if cell.get("memory_gib") else ""

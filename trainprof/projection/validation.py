@@ -16,6 +16,8 @@ GPU_VALIDATION_FILE = Path(__file__).with_name("validation_gpu.json")
 
 
 HOST_BOUND_MARK = "predicted host-bound"  # a GPU target's host calls outlast its device work (stepmodel)
+COMM_BOUND_MARK = "predicted comm-bound"  # exposed communication is most of the predicted step
+COMM_BOUND_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
