@@ -5,10 +5,13 @@ worker cannot change (README, "Use"); `trainprof run --nproc N` validates first 
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from conftest import QUICKSTART, REPO
 from trainprof.distributed import free_port
@@ -28,6 +31,37 @@ def test_recipe_mistake_under_torchrun():
     assert "exitcode  : 2" in root and f"traceback : {LINE}" in root, root
     assert "To enable traceback see" not in proc.stderr  # every rank left its error file
     assert proc.returncode == 1  # torchrun's own code for any failed worker (ChildFailedError)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler installed for `signum` (Linux: /proc's SigCgt mask)."""
+    mask = next(ln.split()[1] for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("SigCgt:"))
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+def test_a_waiting_rank_writes_its_error_file_when_it_is_stopped(tmp_path):
+    """torchrun names the failure with the earliest error-file timestamp (whole seconds) its root cause: a rank
+    that waits for rank 0 to say a recipe mistake writes its file when torchrun stops it, not before rank 0 has
+    written its own (a fresh-clone run's report once named rank 1, stopped with -15, whose file came first)."""
+    error_file = tmp_path / "error.json"
+    code = "from trainprof.recipe import RecipeError; from trainprof.run import user_error; user_error(RecipeError('x'))"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RANK": "1", "TORCHELASTIC_ERROR_FILE": str(error_file)})
+    try:
+        deadline = time.monotonic() + 60
+        while not _catches(proc.pid, signal.SIGTERM):  # waiting, ready to be stopped
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the waiting rank set no SIGTERM handler in 60 s"
+            time.sleep(0.05)
+        assert not error_file.exists()
+        stopped_at = int(time.time())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 2
+    finally:
+        proc.kill()
+    said = json.loads(error_file.read_text())["message"]["extraInfo"]
+    assert int(said["timestamp"]) >= stopped_at and said["py_callstack"] == "trainprof: x"
+    assert proc.stderr.read() == ""  # rank 0 says it
 
 
 def test_recipe_mistake_on_two_nodes_is_said_on_each():

@@ -303,7 +303,9 @@ def user_error(err: Exception) -> int:
     several nodes the first rank of every other node prints the line too, and each node's first rank exits
     NODES_GRACE_S after printing: a node's log is all its user sees there, and its ranks would otherwise wait out
     RANK0_WAIT_S for a rank 0 whose exit their torchrun need not see (it did not where the other node held the
-    rendezvous store)."""
+    rendezvous store). A waiting rank writes its error file when it exits, stopped by torchrun or at the end of
+    its wait: torchrun names the failure with the earliest timestamp (whole seconds) its root cause, and one written
+    before rank 0's named a rank torchrun had stopped (exit code -15)."""
     import json
 
     line = f"trainprof: {err}"
@@ -313,13 +315,24 @@ def user_error(err: Exception) -> int:
     if says_it:
         print(line, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        with open(error_file, "w") as f:
-            json.dump({"message": {"message": f"{type(err).__name__}: {err}",
-                                   "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+
+    def write_error_file() -> None:
+        if error_file:
+            with open(error_file, "w") as f:
+                json.dump({"message": {"message": f"{type(err).__name__}: {err}",
+                                       "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+
     if not says_it:
+        def stopped(*_: Any) -> None:
+            write_error_file()
+            os._exit(2)
+
+        signal.signal(signal.SIGTERM, stopped)
         time.sleep(RANK0_WAIT_S)
-    elif int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1:
+        write_error_file()
+        return 2
+    write_error_file()
+    if int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1:
         time.sleep(NODES_GRACE_S)
     return 2
 

@@ -328,12 +328,12 @@ def _table_cell(cell: dict[str, Any], footnote: Callable[[str], str]) -> str:
         why = footnote(cell.get("reason") or "no prediction")
         return f"{mb}, tokens/s n/a {why}" if cell.get("micro_batch") is not None else f"n/a {why}"
     said = cell.get("confidence") or ""
-    host = ", host-bound" if HOST_BOUND_MARK in said else ", comm-bound" if COMM_BOUND_MARK in said else ""
+    bound = ", host-bound" if HOST_BOUND_MARK in said else ", comm-bound" if COMM_BOUND_MARK in said else ""
     if cell.get("micro_batch") is not None:
-        return f"{mb}: {cell['tokens_per_s']:,.0f}{host}"
+        return f"{mb}: {cell['tokens_per_s']:,.0f}{bound}"
     mem = f", {cell['memory_gib']:.1f} GiB" if cell.get("memory_gib") else ""
     fit = "" if cell.get("fits") is not False else ", does not fit"
-    return f"{cell['tokens_per_s']:,.0f}{mem}{fit}{host}"
+    return f"{cell['tokens_per_s']:,.0f}{mem}{fit}{bound}"
 
 
 TABLE_TITLES = {"table_iii": "Table III: pretraining, tokens/s (all GPUs) and memory per GPU, per method",
