@@ -1186,7 +1186,9 @@ def test_research_tables_give_each_reason_once_as_a_footnote(tmp_path):
     write_tables_doc(result, tmp_path, command="trainprof project runs/x --table zhang2023")
     md = (tmp_path / "tables.md").read_text()
     assert md.count(offload) == 1 and "| n/a [1] | n/a [1] |" in md and "mb 16, tokens/s n/a [1]" in md
-    assert "confidence of the cells: 'unvalidated'" in md  # each kind once, quoted; none for n/a cells
+    # each kind once, quoted; none for n/a cells; what bounds a cell is said in the cell, and once below
+    assert "confidence of the cells: 'unvalidated', 'unvalidated: CPU run -> GPU'\n" in md, md
+    assert "comm-bound: exposed communication is more than half" in md
 
 
 def test_a_cpu_targets_rows_count_ranks_not_gpus():

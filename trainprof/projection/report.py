@@ -363,15 +363,22 @@ def _research_rows(result: dict[str, Any], key: str, footnote: _Footnotes) -> tu
     return cols, rows
 
 
+def _without_bounds(confidence: str) -> str:
+    """A cell's confidence less what bounds its step, which the cell says itself (`, host-bound`)."""
+    return "; ".join(part for part in confidence.split("; ") if not part.startswith((HOST_BOUND_MARK, COMM_BOUND_MARK)))
+
+
 def _research_notes(result: dict[str, Any], footnote: _Footnotes) -> list[str]:
-    confidences = sorted({r[t]["confidence"] for k in TABLE_TITLES for r in result[k] for t in result["targets"]
-                          if r[t].get("confidence")})
+    confidences = sorted({_without_bounds(r[t]["confidence"]) for k in TABLE_TITLES for r in result[k]
+                          for t in result["targets"] if r[t].get("confidence")})
     return [f"predicted from one run ({result['source']['run_dir']}) by trainprof's step model at "
             f"{' '.join(result['defaults'])}; the research measured these on real 8-GPU platforms "
             "(Zhang et al., arXiv 2311.03687): these cells are predictions, not its figures",
             "confidence of the cells: " + ", ".join(f"'{c}'" for c in confidences),
             "host-bound: the predicted step waits for the host's operator calls (more than the GPU's work), "
             "so a faster GPU does not shorten it",
+            "comm-bound: exposed communication is more than half of the predicted step (the collectives outlast "
+            "the compute they overlap), so faster links shorten it and a faster GPU does not",
             "n/a [k]: why the figure is not predicted (a recipe rule refusing the combination, or a change the "
             "step model does not re-derive, e.g. 4-bit Adam states):", *footnote.lines()]
 
