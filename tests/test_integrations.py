@@ -84,12 +84,18 @@ def test_wrap_hf_trainer(tmp_path):
     assert_projectable(run_dir, profile, model={"hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
                                                 "num_heads": 4, "vocab_size": 256},
                        train={"micro_batch_size": 2, "grad_accum": 2}, seq_len=32, engine="torch")
-    # on its own machine the memory moves from the run's highest phase peak (the script's loop has no runner)
+    # on its own machine the memory moves from the run's highest phase peak (the script's loop has no runner), and
+    # the rebuilt recipe's parts are probed at both depths. How near the step lands is test_projection's (timed):
+    # this test shares the machine, and a spell over one shape's probe rounds once put the 4-layer step below the
+    # 2-layer run's
+    from helpers.projection import kinds
     from trainprof.projection.project import project, research_tables
 
     (deeper,) = project(run_dir, overrides=["model.num_layers=4"])["predictions"]
     peak = max(v for v in profile["summary"]["peak_memory_bytes"].values() if v)
-    assert deeper["memory_per_rank_bytes"] > peak and deeper["step_ms"] > profile["summary"]["step_ms"]["median"]
+    assert deeper["memory_per_rank_bytes"] > peak and deeper["change_kinds"] == ["model_size"], deeper.get("reasons")
+    parts = kinds(deeper)["parts_probed"]
+    assert (parts["source_layers"], parts["target_layers"]) == (2, 4) and deeper["step_ms"] > 0, parts
     # the research's tables are DeepSpeed's methods, whatever engine the script ran
     table = research_tables(run_dir, targets=["a800-80g"])["table_iii"]
     zero3 = next(r for r in table if r["model"] == "llama2-7b" and r["method"] == "ZeRO-3")["a800-80g"]
