@@ -504,6 +504,7 @@ def test_a_replayed_trace_rebuilds_its_step_and_says_which_side_bounds_it(path):
 def test_replay_command_names_the_side_that_bounds_a_step(cli, tmp_path):
     lora = cli("replay", PROFILES / "h200-llama7b_lora")
     assert lora.returncode == 0 and lora.stdout.strip().splitlines()[-1].endswith("host"), lora.stdout
+    assert "host x0.5 ms" in lora.stdout and "GPU x0.5 ms" in lora.stdout  # the columns name their what-if
     dense = cli("replay", PROFILES / "h200-llama1b_zero3_sdpa-torch-gpubound")
     assert dense.returncode == 0 and dense.stdout.strip().splitlines()[-1].endswith("GPU"), dense.stdout
     missing = cli("replay", tmp_path / "nope")

@@ -44,14 +44,17 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"'{traces[0]}' has no traced step with GPU work (a CPU run's trace cannot be replayed)")
     print(f"{traces[0]}: host gaps x {args.host_scale:g}, device work x {args.device_scale:g} "
           "(replay of the launch timeline against the kernels; see trainprof/analysis/replay.py)")
-    print(f"{'step':>5} {'traced ms':>10} {'replayed':>9} {'GPU busy':>9} {'host x':>9} {'GPU x':>9}  bound by")
+    faster_host, faster_gpu = f"host x{args.host_scale:g} ms", f"GPU x{args.device_scale:g} ms"
+    width = max(12, len(faster_host), len(faster_gpu))
+    print(f"{'step':>5} {'traced ms':>10} {'replayed ms':>11} {'GPU busy':>9} {faster_host:>{width}} {faster_gpu:>{width}}"
+          "  bound by")
     for s in steps:
         same = replay(s)
         host = replay(s, host_scale=args.host_scale)
         gpu = replay(s, device_scale=lambda op: args.device_scale)
         bound = "host" if host.step_ms < gpu.step_ms else "GPU" if gpu.step_ms < host.step_ms else "both"
-        print(f"{s.step:>5} {s.measured_ms:>10.1f} {same.step_ms:>9.1f} {same.device_busy_ms / same.step_ms:>9.0%} "
-              f"{host.step_ms:>9.1f} {gpu.step_ms:>9.1f}  {bound}")
+        print(f"{s.step:>5} {s.measured_ms:>10.1f} {same.step_ms:>11.1f} {same.device_busy_ms / same.step_ms:>9.0%} "
+              f"{host.step_ms:>{width}.1f} {gpu.step_ms:>{width}.1f}  {bound}")
     if args.to:
         _print_cross_device(path, steps, args.to)
     return 0
