@@ -61,6 +61,19 @@ def test_faster_modules_are_named_and_the_rest_is_unchanged(stat):
     assert d.recipe_changes == [("model.attention", "sdpa", "eager")]
 
 
+def test_a_part_of_modules_each_too_small_is_not_judged_and_its_table_says_why(tmp_path):
+    """The same recipe on an H100 and an H200 (profiles/): the norms' forward sums to 14-17 ms a step over
+    modules each under 1 ms, so it is not judged, while the norms' backward, whose largest module is over
+    1 ms, is; the parts table's note gives the rule."""
+    recipe = "llama1b_zero3_sdpa-torch-gpubound"
+    d, doc = run_diff(REPO / "profiles" / f"h100-{recipe}", REPO / "profiles" / f"h200-{recipe}")
+    norms = {r.phase: r for r in d.parts if r.name == "norms"}
+    assert norms["forward"].a_ms > 10 * d.min_ms and norms["forward"].verdict == "too small"
+    assert norms["backward"].verdict != "too small"
+    md = write_diff(d, doc, tmp_path, formats=("md",))["md"].read_text()
+    assert f"a part whose modules are each under {d.min_ms} ms is too small too" in md
+
+
 def test_modules_on_one_side_only_are_listed():
     b = copy.deepcopy(PROFILE)
     b["modules"] = [m for m in b["modules"] if m["name"] != "lm_head"]

@@ -103,7 +103,9 @@ def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff, *repeats
                                             f"({', '.join(module_label(r) for r in rs[:3])}{', ...' if len(rs) > 3 else ''}) "
                                             "have no own times, so their parts count only the modules outside them."
                                             for side, rs in zip("AB", regions) if rs)))
-        sec.blocks.append(_table(d.parts, method, "part-diff", "part"))
+        parts_method = (f"{method}; a part whose modules are each under {d.min_ms} ms is too small too, whatever their "
+                        "sum (per-call effects such as hook cost add up in it)")
+        sec.blocks.append(_table(d.parts, parts_method, "part-diff", "part"))
     _modules_section(doc, d, method, regions=regions)
     return doc
 
