@@ -96,3 +96,18 @@ def test_deepspeeds_optimizer_calls_scale_with_trainable_tensors():
         assert m.phases_ms["optimizer"] - (ops.matmul_ms + ops.other_ms) > 15, path.parent.name
     assert finetune >= 5
     assert deepspeed >= 12
+
+
+@pytest.mark.parametrize("path", [p for p in PROFILES if read_json(p)["summary"].get("mfu") is not None],
+                         ids=lambda p: p.parent.name)
+def test_the_answers_mfu_names_the_figures_it_divides(path):
+    """The report's answer gives the model FLOP rate and the dense peak its MFU divides (with recompute the
+    executed rate is higher, and a datasheet quotes sparse peaks): the quoted figures give the quoted MFU."""
+    from trainprof.report.rundir import load_run
+    from trainprof.report.sections import headline_facts
+
+    text = dict(headline_facts(load_run(path.parent)))["achieved TFLOP/s"]
+    found = re.search(r"MFU ([\d.]+)% \(([\d.]+) TFLOP/s of model FLOPs / the bf16 dense peak ([\d.]+) TFLOP/s: ", text)
+    assert found, text
+    mfu, model, peak = map(float, found.groups())
+    assert 100 * model / peak == pytest.approx(mfu, abs=0.05 + 0.01 * mfu), text
