@@ -52,6 +52,7 @@ def test_report_of_a_profiled_two_rank_run(tmp_path):
         assert re.search(rf'<figure id="{fig}"><img alt="[^"]+" src="data:image/png;base64,', html), fig
         assert (run / "report_plots" / f"{fig[4:]}.png").stat().st_size > 5000
     assert "not available" not in html  # nothing is missing from this run dir
+    assert md.splitlines()[2].startswith(f"{run.name}; llama2-tiny pretrain; ")  # what ran, whatever its name
     profile = json.loads((run / "profile.json").read_text())
     # every module of the profile is in the module x phase table, and the method strings are copied
     for m in profile["modules"]:

@@ -219,7 +219,10 @@ def build_run_report(run: RunData, *, trace_scan_bytes: int = TRACE_SCAN_BYTES, 
     p = run.profile or {}
     recipe = recipe_of(run)
     name = dig(recipe, "output", "name") or run.name
-    doc = Document(f"trainprof report: {name}", subtitle=f"{run.path.name}; profile from {run.source}", plots=plots)
+    # the recipe's name stays when its model is overridden (llama70b_qlora run as llama2-7b): say what ran
+    ran = " ".join(str(x) for x in (dig(recipe, "model", "name"), dig(recipe, "task", "kind")) if x)
+    subtitle = "; ".join(x for x in (run.path.name, ran, f"profile from {run.source}") if x)
+    doc = Document(f"trainprof report: {name}", subtitle=subtitle, plots=plots)
     if run.profile is None:
         sec = doc.section("Run facts", id="facts")
         sec.blocks.append(Missing("profile", f"no profile.json, profile.rank*.json or rank*.json in {run.path} "
