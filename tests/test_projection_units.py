@@ -221,6 +221,21 @@ def test_gemm_rates_follow_the_curve_and_the_roofline():
     assert rate.tflops(skinny) == pytest.approx(intensity * 3000.0 / 1e3)
 
 
+def test_a_target_rated_by_its_measured_curve_or_mamf_is_not_called_datasheet_rated():
+    """The catalog's H200 has a GEMM curve measured on a lent H200 and no published MAMF: its GEMMs follow
+    the curve, and no note says they run at the (optimistic) datasheet peak; the B200 has neither."""
+    from trainprof.projection.machines import machine_from_target
+
+    cat = load_catalog()
+    h200, notes = machine_from_target(cat.resolve("h200"), "bf16")
+    assert "measured GEMM curve" in h200.matmul_source and not [n for n in notes if n.kind == "datasheet_peak"]
+    assert h200.gemm["forward"].curve and h200.gemm["forward"].best_tflops <= 989.5
+    _, notes = machine_from_target(cat.resolve("h100-sxm"), "bf16")
+    assert not [n for n in notes if n.kind == "datasheet_peak"]
+    b200, notes = machine_from_target(cat.resolve("b200"), "bf16")
+    assert [n.kind for n in notes] == ["datasheet_peak"] and "datasheet dense peak 2250" in b200.matmul_source
+
+
 def test_fused_attention_is_priced_without_its_scores_and_counted_bytes_widen_in_fp32():
     """A flash/SDPA kernel never writes its s x s scores: its attention GEMMs run at the curve's rate (the
     trace: cuDNN attention forward 4.5 ms on an H100 and an H200 alike), where eager attention's stay
@@ -774,6 +789,15 @@ def test_hardware_command_and_one_line_errors(capsys, tmp_path):
     assert main(["hardware", "--sources"]) == 0
     out = capsys.readouterr().out
     assert "h100-sxm" in out and "datasheet" in out and "tuning.cc" in out
+    h200 = next(line for line in out.splitlines() if line.startswith("h200 "))
+    assert "measured curve" in h200  # the rate its GEMMs are priced at, though it has no MAMF
+    # a reader that stops early (`trainprof hardware | head -1`) gets no traceback
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-m", "trainprof", "hardware", "--sources"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=REPO, bufsize=0)
+    proc.stdout.close()  # before it prints: its 13 kB would otherwise fit the pipe's buffer
+    assert proc.wait(timeout=60) == 141 and b"Traceback" not in proc.stderr.read()
     assert main(["project", str(REPO / "nope")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "profile.json" in err

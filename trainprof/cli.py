@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from trainprof.errors import UserError
@@ -46,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     except (RecipeError, RunDirError, UserError) as err:
         print(f"trainprof: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader of stdout left (`trainprof hardware | head`): no traceback, and none at exit's flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # a shell's status for a process ended by SIGPIPE
 
 
 if __name__ == "__main__":

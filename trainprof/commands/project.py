@@ -193,12 +193,16 @@ def _hardware(args: argparse.Namespace) -> int:
                           "files": cat.files}, indent=2))
         return 0
     keys = ("peak_bf16_dense_tflops", "mamf_bf16_tflops", "memory_gb", "memory_gbps")
-    print(f"{'key':<16} {'name':<28} {'bf16 dense TF':>13} {'MAMF TF':>8} {'mem GB':>7} {'mem GB/s':>9}  link")
+    print(f"{'key':<16} {'name':<28} {'bf16 dense TF':>13} {'MAMF TF':>8} {'mem GB':>7} {'mem GB/s':>9}  "
+          f"{'bf16 GEMMs at':<15} link")
     for key, acc in sorted(cat.accelerators.items()):
         vals = [acc.get(k, {}).get("value") if isinstance(acc.get(k), dict) else None for k in keys]
         cells = [f"{v:g}" if v is not None else "n/a" for v in vals]
+        # the rate a projection to this GPU prices its GEMMs at (projection/machines.py machine_from_target)
+        gemms = ("measured curve" if "gemm_bf16_curve_tflops" in acc else "MAMF" if vals[1] is not None
+                 else "datasheet peak")
         print(f"{key:<16} {acc['name'][:28]:<28} {cells[0]:>13} {cells[1]:>8} {cells[2]:>7} {cells[3]:>9}  "
-              f"{acc.get('intra_node_link', '')}")
+              f"{gemms:<15} {acc.get('intra_node_link', '')}")
     print("\nlinks (GB/s per direction, latency class):")
     for key, link in sorted(cat.links.items()):
         print(f"  {key:<24} {link['gbps_per_direction']['value']:>7g}  {link.get('class', 'net'):<7} {link['name']}")
