@@ -43,7 +43,7 @@ def test_every_catalog_figure_has_a_source_and_names_resolve():
     cat = load_catalog()
     # the research's platforms and the common buys
     for key in ("a800-80g", "rtx4090", "rtx3090", "h100-sxm", "h100-pcie", "h200", "b200", "a100-40g-sxm",
-                "a100-80g-sxm", "a100-40g-pcie", "a100-80g-pcie", "l40s", "a30", "mi300x", "gaudi2"):
+                "a100-80g-sxm", "a100-40g-pcie", "a100-80g-pcie", "a800-80g-pcie", "l40s", "a30", "mi300x", "gaudi2"):
         target = cat.resolve(key)
         assert target.figure("peak_bf16_dense_tflops") and target.figure("memory_gb") and target.figure("memory_gbps")
         for name, fig in target.accelerator.items():
@@ -55,6 +55,11 @@ def test_every_catalog_figure_has_a_source_and_names_resolve():
     node = cat.resolve("rtx3090-8x-nvlink")
     assert node.gpus_per_node == 8 and node.intra_node_link.key == "pcie4-nvlink-bridge"
     assert find_accelerator(cat, "NVIDIA H100 80GB HBM3") == "h100-sxm"
+    # one device name, one entry: a PCIe A800 is not read as the SXM4 one (NVLink, MAMF)
+    matches = [name for acc in cat.accelerators.values() for name in acc.get("match") or []]
+    assert len(matches) == len(set(matches))
+    assert find_accelerator(cat, "NVIDIA A800 80GB PCIe") == "a800-80g-pcie"
+    assert cat.resolve("a800-80g-pcie").intra_node_link.key == "pcie4"
     assert cat.base_latency_us()[0] == 8.4 and "tuning.cc" in cat.base_latency_us()[1]
     with pytest.raises(CatalogError, match="not in the catalog.*h100-sxm"):
         cat.resolve("h1OO")
