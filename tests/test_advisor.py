@@ -84,6 +84,9 @@ def test_gain_bounds_come_from_the_measured_figure():
     assert a["overrides"] == {"data.num_workers": 2}
     comm = fired(_with(summary__phases_ms__comm_exposed=30.0, recipe__engine__zero_stage=3))["comm_exposed"]
     assert comm["gain"]["upper_bound_step_frac"] == pytest.approx(0.30) and comm["overrides"] == {"engine.zero_stage": 2}
+    assert "this bound leaves out" in comm["gain"]["text"]  # ZeRO-2's gain may exceed the collectives' share
+    assert "leaves out" not in fired(_with(summary__phases_ms__comm_exposed=30.0, recipe__engine__zero_stage=2)
+                                     )["comm_exposed"]["gain"]["text"]
     st = fired(_with(straggler={"rank": 1, "slower_by_frac": 0.25, "metric": "busy_ms_median"}))["straggler"]
     assert st["gain"]["upper_bound_step_frac"] == pytest.approx(0.25 / 1.25)  # the step shrinks to the others' pace
     mem = fired(_with(recipe__train__memory_cap_gb=4.0, summary__activation_bytes=2**29))["memory_headroom"]
