@@ -293,6 +293,7 @@ def test_a_gpu_run_projected_on_its_own_machine_is_not_probed_on_its_cpu(tmp_pat
 
     from trainprof.projection import probes
     from trainprof.projection import project as projection
+    from trainprof.projection import projector
 
     run = tmp_path / "run"
     shutil.copytree(PROFILES / "h100-llama1b_zero3_sdpa-torch-hostbound", run)
@@ -302,7 +303,8 @@ def test_a_gpu_run_projected_on_its_own_machine_is_not_probed_on_its_cpu(tmp_pat
 
     monkeypatch.setattr(probes, "probe_parts", probe)
     monkeypatch.setattr(probes, "probe_engines", probe)
-    monkeypatch.setattr(projection, "same_machine_as_source", lambda source: True)  # as on the run's own machine
+    for module in (projection, projector):  # as on the run's own machine
+        monkeypatch.setattr(module, "same_machine_as_source", lambda source: True)
     shape = ["train.micro_batch_size=16", "data.seq_len=1024"]
     (here,) = projection.project(run, overrides=shape)["predictions"]
     (elsewhere,) = projection.project(run, overrides=shape, probe=False)["predictions"]
@@ -323,6 +325,7 @@ def test_a_gpu_run_without_its_calibration_is_calibrated_on_its_gpu(tmp_path, mo
     from helpers.projection import kinds
     from trainprof.projection import calibrate as calibration
     from trainprof.projection import project as projection
+    from trainprof.projection import projector
     from trainprof.projection import source as sources
 
     run = tmp_path / "run"
@@ -336,7 +339,7 @@ def test_a_gpu_run_without_its_calibration_is_calibrated_on_its_gpu(tmp_path, mo
         return measured if asked[-1] == "cuda" else {**measured, "memory": {"gbps": 40.0}}
 
     monkeypatch.setattr(calibration, "calibrate", calibrate)
-    for module in (projection, sources):  # as on the run's own machine, with its GPU
+    for module in (projection, projector, sources):  # as on the run's own machine, with its GPU
         monkeypatch.setattr(module, "same_machine_as_source", lambda source: True)
     monkeypatch.setattr(sources, "torch_device", lambda env: torch.device("cuda"))
     (pred,) = projection.project(run, nproc=[2])["predictions"]

@@ -213,7 +213,7 @@ def test_each_recipe_is_probed_for_its_resident_memory_once(shared_run, monkeypa
     from trainprof.hardware import load_catalog
     from trainprof.models import resolve_shape
     from trainprof.projection import probes
-    from trainprof.projection.project import Projector, _plan_bytes
+    from trainprof.projection.projector import Projector, _plan_bytes
     from trainprof.projection.source import PROBES_FILE, load_source
 
     run_dir, _ = shared_run(1, "engine.zero_stage=3", "engine.offload=none", *QUIET)  # test_engines' ZeRO-3 run

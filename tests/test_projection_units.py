@@ -1067,7 +1067,7 @@ def test_a_probe_is_kept_in_the_run_dir_per_machine(tmp_path, monkeypatch):
 
 
 def test_a_cpu_prediction_with_larger_logits_says_the_heap_keeps_more_than_the_plan_sees():
-    from trainprof.projection.project import heap_kept
+    from trainprof.projection.projector import heap_kept
 
     src = load_recipe(QUICK, [])  # vocab 1,024, micro batch 4, seq 256: 4 MiB of fp32 logits
     big = load_recipe(QUICK, ["model.vocab_size=16384"])

@@ -29,7 +29,7 @@ def project_scaling(points: list[dict[str, Any]], extra_sizes: list[int] | None 
     """
     from trainprof.hardware import load_catalog
     from trainprof.projection.measured import measured_from_profile
-    from trainprof.projection.project import Projector
+    from trainprof.projection.projector import Projector
     from trainprof.projection.source import load_source
     from trainprof.projection.validation import load_validation
 
