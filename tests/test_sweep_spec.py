@@ -19,7 +19,7 @@ from trainprof.sweep.maxbatch import search_max_batch
 from trainprof.sweep.outcome import failure_record, metrics_row
 from trainprof.sweep.scaling import PARTS, analyze, comm_rows, strong_overrides
 from trainprof.sweep.spec import SweepError, load_sweep
-from trainprof.report.tables import Column, fmt_num, write_tables
+from trainprof.report.tables import Column, fmt_num, fmt_pct, write_tables
 
 from conftest import QUICKSTART, REPO
 
@@ -292,6 +292,8 @@ def test_tables_md_csv_html(tmp_path):
     md = (tmp_path / "t.md").read_text()
     assert "| a\\|b | 1,234.5 |" in md and "| c | n/a |" in md and "x: host clock" in md
     assert "<td>a|b</td>" in (tmp_path / "t.html").read_text()
+    # a share too small for one decimal keeps two significant digits (a tiny model's MFU on an H200), zero stays 0.0%
+    assert [fmt_pct(x) for x in (0.283, 3.164e-5, 0.0, None)] == ["28.3%", "0.0032%", "0.0%", "n/a"]
 
 
 def test_launch_timeout_kills_the_whole_tree(tmp_path):

@@ -34,7 +34,11 @@ def fmt_num(digits: int = 1, *, thousands: bool = True) -> Callable[[Any], str]:
 
 
 def fmt_pct(x: Any) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}%"
+    if x is None:
+        return "n/a"
+    if 0 < abs(x) < 0.0005:  # a tiny model's MFU on a big GPU: two significant digits, not a 0.0% that reads as none
+        return f"{100 * x:.2g}%"
+    return f"{100 * x:.1f}%"
 
 
 def fmt_text(x: Any) -> str:
