@@ -8,6 +8,8 @@ settings.
 and size, each with step_ms, tokens_per_s, mfu, scaling_efficiency, memory_per_rank_bytes, fits,
 time_to_train_s, cost_per_million_tokens_usd, its confidence (validated with an expected error, or
 why not) and its assumptions as records. A figure the inputs cannot support is null with a reason.
+Each prediction is the Projector's (projector.py); this module runs it over targets and sizes, and over the
+settings of `best` (--best), `research_tables` (--table) and `project_advice` (--advice).
 """
 
 from __future__ import annotations
