@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_trainprof
-from helpers.checks import check_closure, logged_by
+from helpers.checks import check_closure, logged_by, retry_on_noise
 from trainprof.profiler.schema import validate_profile
 from trainprof.recipe import RecipeError, check_world_size, load_recipe
 
@@ -166,25 +166,36 @@ def test_report_has_the_pipeline_section(runs):
 
 
 @pytest.mark.slow
-def test_project_swaps_the_bubble_and_scales_p2p(runs):
+def test_project_swaps_the_bubble_and_scales_p2p(runs, tmp_path):
     from trainprof.projection.project import project
 
-    run_dir, source = runs["gpipe2"]
-    same = project(run_dir, probe=False)["predictions"][0]  # nothing changed: the pace stage's step back
-    pace_rank = source["pipeline"]["stages"][source["pipeline"]["balance"]["slowest_stage"]]["rank"]
-    measured_two = next(r["step_ms_median"] for r in source["ranks"] if r["rank"] == pace_rank)
-    assert same["step_ms"] == pytest.approx(measured_two, rel=1e-6)
-    assert same["pipeline"]["bubble_ms"] == pytest.approx(same["pipeline"]["bubble_ms_measured"])
-    assert same["pipeline"]["bubble_ms"] > 0
-    six = project(run_dir, overrides=["train.grad_accum=6"], probe=False)["predictions"][0]
-    assert six["pipeline"]["p2p_bytes_per_step_per_boundary"]["activations"] == 6 * BOUNDARY
-    assert six["tokens_per_step"] == 6 * MICRO * SEQ  # one pipeline: the stages share their tokens
-    measured_six = max(r["step_ms_median"] for r in runs["gpipe6"][1]["ranks"])
-    assert 1.2 * measured_two < six["step_ms"] < 3 * measured_two  # 3x the micro batches, fill/drain unchanged
-    assert six["step_ms"] == pytest.approx(measured_six, rel=0.4), (six["step_ms"], measured_six)  # another run
-    assert any(a["kind"].startswith("pipeline") for a in six["assumptions"])
+    attempt = iter(range(3))
+
+    def check() -> None:  # a slow spell over one of the two runs is retried with both made again, back to back
+        i = next(attempt)
+        (run_dir, source), (_, real_six) = (runs["gpipe2"], runs["gpipe6"]) if i == 0 else (
+            run_trainprof(tmp_path / f"gpipe2-{i}", 2, *PIPE, "train.grad_accum=2"),
+            run_trainprof(tmp_path / f"gpipe6-{i}", 2, *PIPE, "train.grad_accum=6"))
+        same = project(run_dir, probe=False)["predictions"][0]  # nothing changed: the pace stage's step back
+        pace_rank = source["pipeline"]["stages"][source["pipeline"]["balance"]["slowest_stage"]]["rank"]
+        measured_two = next(r["step_ms_median"] for r in source["ranks"] if r["rank"] == pace_rank)
+        assert same["step_ms"] == pytest.approx(measured_two, rel=1e-6)
+        assert same["pipeline"]["bubble_ms"] == pytest.approx(same["pipeline"]["bubble_ms_measured"])
+        assert same["pipeline"]["bubble_ms"] > 0
+        six = project(run_dir, overrides=["train.grad_accum=6"], probe=False)["predictions"][0]
+        assert six["pipeline"]["p2p_bytes_per_step_per_boundary"]["activations"] == 6 * BOUNDARY
+        assert six["tokens_per_step"] == 6 * MICRO * SEQ  # one pipeline: the stages share their tokens
+        assert any(a["kind"].startswith("pipeline") for a in six["assumptions"])
+        assert 1.2 * measured_two < six["step_ms"] < 3 * measured_two  # 3x the micro batches, fill/drain unchanged
+        measured_six = max(r["step_ms_median"] for r in real_six["ranks"])
+        said = f"6 micro batches: predicted {six['step_ms']:.1f} ms against a real run's {measured_six:.1f} ms"
+        print(said)
+        assert six["step_ms"] == pytest.approx(measured_six, rel=0.4), said  # another run
+
+    retry_on_noise(check)
     from trainprof.projection.pipeline import check_world
 
+    source = runs["gpipe2"][1]
     assert check_world(source, 2) is None and "project it with --nproc 2" in check_world(source, 4)
 
 
