@@ -42,6 +42,8 @@
 #   --program zero2_lora_v2 (<= 9.5 min): zero2, lora_v2, then memory (one archive per run, one for memory)
 #   --program offload (<= 8 min): llama1b DeepSpeed ZeRO-3 and ZeRO-2 with engine.offload=optimizer (CPU Adam
 #     JIT-built on the first): the host's optimizer step and the PCIe copies an offload target needs
+#   --program qlora_shapes (<= 9.5 min): QLoRA NF4 (ZeRO-2) at 70B width x 2 layers, 13B x 8 layers, 7B at micro
+#     batch 4 and 7B x 16 layers: the held-out shapes a host cost of bitsandbytes' calls needs
 # Each kept run leaves OUTDIR/<kind>-<name>/ as profiles/ keeps it: profile.json (CUDA-event profile,
 # NVML telemetry, GPU busy per phase), summary.md, recipe.yaml, calibration.json and the one traced
 # step's Kineto trace (rank0.*.pt.trace.json.gz; no stacks, no shapes), packed as OUTDIR/<kind>-<name>.tgz
@@ -54,7 +56,7 @@ program=""; dry_run=0; rest=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --program) program=${2:-}; shift
-      case "$program" in core|lora|lora_v2|zero2_lora_v2|pair|extra|size|zero2|memory|zero2_memory|recompute|offload) ;; *) echo "--program takes core, lora, lora_v2, zero2_lora_v2, pair, extra, size, zero2, memory, zero2_memory, recompute or offload, not '$program'"; exit 2;; esac;;
+      case "$program" in core|lora|lora_v2|zero2_lora_v2|pair|extra|size|zero2|memory|zero2_memory|recompute|offload|qlora_shapes) ;; *) echo "--program takes core, lora, lora_v2, zero2_lora_v2, pair, extra, size, zero2, memory, zero2_memory, recompute, offload or qlora_shapes, not '$program'"; exit 2;; esac;;
     --dry-run) dry_run=1;;
     *) rest+=("$1");;
   esac
@@ -243,6 +245,14 @@ program_lora() {  # LORA_SUFFIX=-v2: the runs again, kept beside the first ones
   run_recipe llama7b_qlora$v 200 recipes/llama70b_qlora.yaml model.name=llama2-7b train.steps=8
 }
 program_lora_v2() { LORA_SUFFIX=-v2 program_lora; }
+program_qlora_shapes() {  # issue 24: QLoRA at shapes besides 7B's. CPU -> GPU QLoRA reads 33-50% low (bitsandbytes'
+  # calls are not in the host model) and its only GPU runs are one recipe's: a per-call cost fitted there needs
+  # other widths, depths and batches to be checked on. Widest first (the 70B's 8192), each a few layers.
+  run_recipe llama70b_qlora-2layers 120 recipes/llama70b_qlora.yaml model.num_layers=2 train.steps=8
+  run_recipe llama13b_qlora-8layers 150 recipes/llama70b_qlora.yaml model.name=llama2-13b model.num_layers=8 train.steps=8
+  run_recipe llama7b_qlora-mb4 200 recipes/llama70b_qlora.yaml model.name=llama2-7b train.micro_batch_size=4 train.steps=8
+  run_recipe llama7b_qlora-16layers 150 recipes/llama70b_qlora.yaml model.name=llama2-7b model.num_layers=16 train.steps=8
+}
 program_offload() {  # issue 24: engine.offload on a GPU runs DeepSpeed's CPU Adam on the host and copies the
   # gradients and parameters over PCIe; no catalog row describes a host, so the projection waits for these
   run_recipe llama1b_zero3_sdpa-offload-hostbound 270 recipes/llama1b_zero3_sdpa.yaml engine.offload=optimizer train.steps=10

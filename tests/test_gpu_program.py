@@ -34,6 +34,7 @@ def dry_run(tmp_path, part: str) -> tuple[subprocess.CompletedProcess, list[tupl
     ("pair", ["llama1b_zero3_sdpa-torch-gpubound", "llama1b_zero3_sdpa-gpubound"]),
     ("zero2", ["llama1b_zero3_sdpa-zero2-hostbound", "llama1b_zero3_sdpa-zero2-gpubound"]),
     ("offload", ["llama1b_zero3_sdpa-offload-hostbound", "llama1b_zero3_sdpa-zero2-offload-hostbound"]),
+    ("qlora_shapes", ["llama70b_qlora-2layers", "llama13b_qlora-8layers", "llama7b_qlora-mb4", "llama7b_qlora-16layers"]),
 ])
 def test_dry_run_lists_every_command_and_loads_every_recipe(tmp_path, part, names):
     proc, rows = dry_run(tmp_path, part)
