@@ -150,11 +150,13 @@ def test_best_settings_and_the_research_tables(source, cli):
     assert all(r["tokens_per_s"] <= top["tokens_per_s"] for r in a800["runners_up_throughput"])
     assert all(r["cost_per_million_tokens_usd"] >= cheap["cost_per_million_tokens_usd"] for r in a800["runners_up_cost"])
     assert top["memory_per_rank_bytes"] <= 0.9 * 80e9
-    # in the terminal, a progress bar over the predictions names the setting under way
+    # a progress bar over the predictions names the setting under way; in a log (stderr captured here, not a
+    # terminal) it is redrawn every 30 s, not once per prediction
     shown = cli("project", run_dir, "model.name=llama2-7b", "data.seq_len=350", "--best", "--to", "a800-80g")
-    assert shown.returncode == 0 and "a800-80g x 8: engine.kind=deepspeed engine.zero_stage=1" in shown.stderr
+    assert shown.returncode == 0 and "a800-80g x 8: engine.kind=deepspeed engine.zero_stage=" in shown.stderr
     counts = [int(n) for n in re.findall(r"best: (\d+)prediction", shown.stderr)]
     assert counts[-1] >= a800["tried"] + len(a800["refused"]) and counts == sorted(counts), shown.stderr[-500:]
+    assert len(counts) < min(5, a800["tried"]), shown.stderr[-500:]
     tables = project(str(run_dir), "--table", "zhang2023", "--to", "a800-80g,rtx4090")
     assert len(tables["table_iii"]) == 3 * 15 and len(tables["table_ix"]) == 3 * 2
     seven_zero3 = next(r for r in tables["table_iii"] if r["model"] == "llama2-7b" and r["method"] == "ZeRO-3")

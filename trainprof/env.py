@@ -167,6 +167,14 @@ def peak_memory_bytes(device: torch.device) -> int:
     return max(_raw_peak(device), _folded_peak)
 
 
+def progress_interval() -> float:
+    """Seconds between a progress bar's redraws: a terminal's every 0.1 s (each overwrites the last); a log's,
+    where every redraw stays (stderr not a terminal), every 30 s."""
+    import sys
+
+    return 0.1 if sys.stderr.isatty() else 30.0
+
+
 def quiet_library_noise() -> None:
     """Hide library messages the user cannot act on and that bury trainprof's output: the
     deprecation warnings DeepSpeed's own calls into torch.distributed raise on every collective,

@@ -18,6 +18,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+from trainprof.env import progress_interval
 from trainprof.hardware import Catalog, CatalogError, find_accelerator, load_catalog
 from trainprof.projection.changes import THIS, counts_ranks, recipe_kinds
 from trainprof.projection.measured import PHASES
@@ -59,7 +60,8 @@ def project(run_dir: str | Path, *, targets: list[str] | None = None, nodes: lis
         predictions = [projector.predict(target_recipe, machine=machine, world=world, gpus_per_node=gpus_per_node,
                                          threads=threads if machine == THIS else None, tokens=tokens,
                                          overrides=overrides)
-                       for machine, world in tqdm(jobs, desc="project", unit="prediction", disable=not progress)]
+                       for machine, world in tqdm(jobs, desc="project", unit="prediction", disable=not progress,
+                                                  mininterval=progress_interval())]
         scaling_efficiency(projector, target_recipe, predictions, gpus_per_node, threads)
     order_by_value(predictions)
     return {"projection_version": PROJECTION_VERSION, "source": source_block(source), "tokens": tokens,
@@ -107,7 +109,8 @@ def project_advice(run_dir: str | Path, *, probe: bool = True, progress: bool = 
     with Projector(source, load_catalog(), validation=load_validation(), probe=probe) as projector:
         base = projector.predict(recipe)
         out = []
-        for a in tqdm(advise(source.profile)["advice"], desc="advice", unit="advice", disable=not progress):
+        for a in tqdm(advise(source.profile)["advice"], desc="advice", unit="advice", disable=not progress,
+                      mininterval=progress_interval()):
             overrides = override_args(a["overrides"])
             row: dict[str, Any] = {"rule": a["rule"], "overrides": overrides, "predicted_step_ms": None,
                                    "predicted_tokens_per_s": None, "predicted_gain": None, "expected_error_pct": None}
@@ -213,7 +216,7 @@ def best(run_dir: str | Path, *, targets: list[str] | None = None, nodes: list[i
     source, target_recipe = load_source(run_dir, overrides)
     catalog = load_catalog(catalog_file)
     # over predictions, naming the one under way: on the source's machine one can probe for a minute
-    bar = tqdm(desc="best", unit="prediction", disable=not progress)
+    bar = tqdm(desc="best", unit="prediction", disable=not progress, mininterval=progress_interval())
     with Projector(source, catalog, prices=prices, validation=load_validation(), probe=probe) as projector, bar:
         results = []
         for machine, world in _jobs(catalog, source, targets or [THIS], nodes, gpus_per_node, nproc):
@@ -223,7 +226,7 @@ def best(run_dir: str | Path, *, targets: list[str] | None = None, nodes: list[i
             capacity = (target_recipe.train.memory_cap_gb if same else catalog.resolve(machine).figure("memory_gb"))
 
             def predict(extra: list[str], machine: str = machine, world: int = world) -> dict[str, Any] | None:
-                bar.set_postfix_str(f"{machine} x {world}: {' '.join(extra)}")
+                bar.set_postfix_str(f"{machine} x {world}: {' '.join(extra)}", refresh=False)  # drawn by update()
                 try:
                     recipe = with_overrides(source, [*(overrides or []), *extra])
                 except Exception:  # noqa: BLE001  a combination the recipe rules refuse is skipped, and listed
@@ -264,7 +267,7 @@ def research_tables(run_dir: str | Path, *, targets: list[str], nodes: int = 1, 
     catalog = load_catalog(catalog_file)
     with Projector(source, catalog, prices=prices, validation=load_validation(), probe=False) as projector:
         worlds = {t: nodes * (catalog.resolve(t).gpus_per_node or gpus_per_node) for t in targets}
-        bar = tqdm(desc="tables", unit="prediction", disable=not progress)
+        bar = tqdm(desc="tables", unit="prediction", disable=not progress, mininterval=progress_interval())
 
         def predict(extra: list[str], target: str) -> dict[str, Any] | None:
             bar.update()
