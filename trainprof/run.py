@@ -174,11 +174,11 @@ def run_steps(recipe: Recipe, ctx, engine, loader, prof, steps: list[dict[str, A
     progress bar on rank 0."""
     from tqdm import tqdm
 
-    from trainprof.env import check_memory_cap
+    from trainprof.env import check_memory_cap, progress_interval
 
     t = recipe.train
     bar = tqdm(total=t.warmup_steps + t.steps, desc=f"{recipe.output.name}", unit="step",
-               disable=ctx.rank != 0, file=sys.stderr)
+               disable=ctx.rank != 0, file=sys.stderr, mininterval=progress_interval())
     no_loss = "on the last stage" if recipe.engine.pipeline_stages > 1 else "n/a"  # rank 0 runs the first one
     with prof:
         batches = prof.wrap_loader(loader)
@@ -189,7 +189,7 @@ def run_steps(recipe: Recipe, ctx, engine, loader, prof, steps: list[dict[str, A
             steps.append(record)
             check_memory_cap(ctx.device, t.memory_cap_gb)
             bar.set_postfix(loss=f"{record['loss']:.3f}" if record["loss"] is not None else no_loss,
-                            ms=f"{record['wall_ms']:.0f}")
+                            ms=f"{record['wall_ms']:.0f}", refresh=False)  # drawn by update(), at its interval
             bar.update()
         bar.close()
 
