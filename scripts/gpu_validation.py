@@ -226,6 +226,30 @@ def cpu_to_gpu_case(source: str, target: str, hardware: str) -> dict:
 # layers, measured in one H100 session (2026-11-26, seven shapes) and one H200 session (2026-11-27, three of
 # them). Each is projected, without probes, from that GPU kind's llama2-1b run (same machine kind; the
 # H200's source ran the session before its shapes), from the other kind's and from the CPU quickstart.
+# A GPU run projected to a GPU across an engine change (DeepSpeed ZeRO-3 -> ZeRO-2; --to the target's kind, one
+# GPU, no probes): the target engine's host calls from the catalog's references (deepspeed-zero12: fitted on the
+# H100 ZeRO-2 runs, so the H200 targets are held out), at the source host's pace.
+ENGINE_ACROSS = [(f"{s}-llama1b_zero3_sdpa{bound}", f"{t}-llama1b_zero3_sdpa-zero2{bound}", hardware)
+                 for bound in ("-hostbound", "-gpubound")
+                 for s, t, hardware in (("h100", "h200", "h200"), ("h200", "h200", "h200"),
+                                        ("h200", "h100", "h100-sxm"), ("h100", "h100", "h100-sxm"))]
+
+
+def engine_case(source: str, target: str, hardware: str) -> dict:
+    """One engine change (and its target's batch and sequence) projected from a GPU run to a catalog GPU."""
+    from trainprof.projection.project import project
+
+    src, tgt = _profile(source), _profile(target)
+    overrides = overrides_between(src, tgt)
+    (pred,) = project(PROFILES / source, targets=[hardware], gpus_per_node=1, overrides=overrides,
+                      probe=False)["predictions"]
+    return {"source": source, "target": target, "hardware": hardware, "overrides": overrides,
+            "held_out": target.startswith("h200-"), "source_step_ms": src["summary"]["step_ms"]["median"],
+            "target_gpu_busy_frac": round(_busy(tgt), 2),
+            "host_assumptions": sorted(a["kind"] for a in pred["assumptions"] if a["kind"].startswith("host")),
+            **_against(pred, tgt)}
+
+
 SIZE_RUN = "llama1b_zero3_sdpa-torch-gpubound"
 SIZE_SOURCE = f"h100-{SIZE_RUN}"
 SIZE_FROM = [(SIZE_SOURCE, None, "same machine", "h100"),
@@ -396,6 +420,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model size, {c['kind']}: {c['target'].split(SIZE_RUN + '-')[-1]:<11} {' '.join(c['overrides'])}: "
               f"predicted {c['predicted_step_ms']:7.1f}, measured {c['measured_step_ms']:7.1f}: {c['step_error_pct']:+.1f}%;"
               f" memory {c['memory_error_pct']:+.2f}%")
+    engines = [engine_case(*c) for c in ENGINE_ACROSS if _kept(c[0]) and _kept(c[1])]
+    for c in engines:
+        print(f"engine change {c['source']} -> {c['target']} ({c['hardware']}, {' '.join(c['overrides'])}): predicted "
+              f"{c['predicted_step_ms']:.1f}, measured {c['measured_step_ms']:.1f}: {c['step_error_pct']:+.1f}%"
+              f"{' (held out)' if c['held_out'] else ''}")
     sizes = size_summary(size) if size else {}
     for kind, row in sizes.items():
         print(f"model size, {kind}: step MAPE {row['step_mape_pct']:.1f}%, max {row['step_max_pct']:.1f}%; memory "
@@ -423,6 +452,13 @@ def main(argv: list[str] | None = None) -> int:
                             "--program size); each projected from that GPU kind's llama2-1b run (--to this), from the "
                             "other kind's (--to h100-sxm / h200) and from the CPU quickstart, without probes"),
             "size_cases": size,
+            "engine_change_method": ("a GPU run's DeepSpeed ZeRO-3 recipe projected with engine.zero_stage=2 (and the "
+                                     "target run's batch and sequence) to a catalog GPU, one GPU, no probes: the "
+                                     "target engine's operator calls per layer and host time per call from the "
+                                     "catalog's GPU references, the latter at the source host's pace against the "
+                                     "references for ZeRO-3; the ZeRO-1/2 references are the H100 ZeRO-2 runs', so "
+                                     "the H200 targets are held out"),
+            "engine_change_cases": engines,
             "size_error": sizes,
             "replay_method": ("trainprof replay SOURCE --to TARGET (trainprof/analysis/replay.py cross_device): the "
                               "source's traced step replayed from its host launches with each kernel re-timed by the "

@@ -15,6 +15,9 @@ TEMPLATES: dict[str, str] = {
     "rates_from_source": ("{target} from {source} measured: matmul x {key} {target_figure:g}/{source_figure:g}, memory x "
                           "datasheet {target_gbps:g}/{source_gbps:g} GB/s (the source's measured efficiency carries over)"),
     "datasheet_peak": "{target}: no published MAMF; the datasheet dense peak is used (optimistic)",
+    "host_engine_change": ("host across the engine change: the operator calls a decoder layer issues and their host "
+                           "time per call are the GPU references' for {target_engine}, the latter at the source "
+                           "host's pace against the references for {source_engine} ({pace})"),
     "host_bound_source": ("the source's GPU ran kernels {busy_frac:.0%} of the step (operator trace): host-bound; the "
                           "host's part is predicted as host time (the target's host CPU assumed as fast as the source's)"),
     # compute

@@ -221,10 +221,12 @@ class Projector:
             if engine_key(src.recipe) != engine_key(t.recipe) or task_key(src.recipe) != task_key(t.recipe) \
                     or "dtype" in t.kinds:
                 if not on_cpu:
+                    there = (f" (`--to {self.source_gpu}` predicts it from the catalog's GPU references for the "
+                             "target engine instead)" if self.source_gpu else "")
                     reasons["step_ms"] = ("an engine, task or dtype change of a GPU run is not predicted: what the "
                                           "engine adds around the model is probed on a CPU, not on a GPU; measure "
                                           "the target's recipe on the GPU (trainprof.run) and compare with `trainprof "
-                                          "diff`")
+                                          f"diff`{there}")
                     return inputs
                 if not (self.probe and same_machine_as_source(src)):
                     reasons["step_ms"] = ("an engine or task change is probed where the run was made (what the "
@@ -285,10 +287,13 @@ class Projector:
         notes += more
         if not inputs.target_machine.gemm:
             reasons.setdefault("step_ms", f"{t.machine} lacks a matmul rate or memory bandwidth in the catalog")
-        # a CPU source's host work on the GPU is the target engine's, as the reference GPU runs measured it
-        engine = t.recipe.engine if src.measured.device_type == "cpu" else src.recipe.engine
-        inputs.host_us_per_op = self._gpu_host(notes, engine.kind, engine.zero_stage)
-        if inputs.host_us_per_op is not None and src.measured.device_type == "cpu":
+        # a CPU source's host work on the GPU is the target engine's, as the reference GPU runs measured it; so
+        # is a GPU source's across an engine change (ZeRO-3's hooks issue more calls, each dearer), at its host's pace
+        engine_change = engine_key(src.recipe) != engine_key(t.recipe)
+        cpu_source = src.measured.device_type == "cpu"
+        engine = t.recipe.engine if cpu_source or engine_change else src.recipe.engine
+        inputs.host_us_per_op = self._gpu_host(notes, engine.kind, engine.zero_stage, engine_change=engine_change)
+        if inputs.host_us_per_op is not None and (cpu_source or engine_change):
             calls, calls_source = gpu_ops_per_layer(self.catalog, engine.kind, engine.zero_stage)
             if calls:
                 inputs.ops_per_layer = calls
@@ -303,7 +308,7 @@ class Projector:
         if ref:
             inputs.optimizer_bytes_per_param = (float(ref["value"]), ref["source"])
         inputs.optimizer_host = self._optimizer_host(t)
-        if engine_key(src.recipe) != engine_key(t.recipe):
+        if engine_change and cpu_source:
             notes.append(assume("engine_change_other_machine"))
         return inputs
 
@@ -330,10 +335,12 @@ class Projector:
                     "optimizer calls per rank change with the world size (measured on CPU only, docs/projection.md)")
         return calls, float(ref["us_per_call"]["value"]), f"{how}; µs per call: {ref['us_per_call']['source']}"
 
-    def _gpu_host(self, notes: list[Assumption], engine: str, zero_stage: int) -> dict[str, float] | None:
+    def _gpu_host(self, notes: list[Assumption], engine: str, zero_stage: int, *, engine_change: bool = False
+                  ) -> dict[str, float] | None:
         """Host µs per operator call on the target: a GPU source's own (where its phase was host-bound,
-        else the catalog's reference for `engine`), a CPU source's from the catalog's GPU references for
-        `engine` (the target's)."""
+        else the catalog's reference for `engine`); across an engine change, the catalog's reference for the
+        target's `engine` x the source host's pace against the reference for its own engine; a CPU source's
+        from the catalog's GPU references for `engine` (the target's)."""
         m = self.source.measured
         if not m.ops and m.device_type == "cuda":  # its own host time per call is what a GPU source's needs
             notes.append(assume("host_unknown", why="the source profile has no operator trace (profile.ops=true "
@@ -349,6 +356,15 @@ class Projector:
             from trainprof.projection.hostref import host_us_per_op
 
             own = {ph: us for ph, us in host_us_per_op(self.source.profile).items() if us is not None}
+            if engine_change:  # the target engine's calls at this host's pace (own over its engine's reference)
+                src_engine = self.source.recipe.engine
+                src_ref, _, _ = gpu_host(self.catalog, src_engine.kind, src_engine.zero_stage)
+                pace = {ph: us / src_ref[ph] for ph, us in own.items() if src_ref.get(ph)}
+                own = {ph: values[ph] * f for ph, f in pace.items() if ph in values}
+                if own:
+                    notes.append(assume("host_engine_change", pace=", ".join(f"{ph} x{f:.2f}" for ph, f in pace.items()),
+                                        source_engine=host_key(src_engine.kind, src_engine.zero_stage),
+                                        target_engine=host_key(engine, zero_stage)))
             values.update(own)
             if "forward" in own:
                 values["recompute"] = own["forward"]
