@@ -17,7 +17,8 @@ TEMPLATES: dict[str, str] = {
     "datasheet_peak": "{target}: no published MAMF; the datasheet dense peak is used (optimistic)",
     "host_engine_change": ("host across the engine change: the operator calls a decoder layer issues and their host "
                            "time per call are the GPU references' for {target_engine}, the latter at the source "
-                           "host's pace against the references for {source_engine} ({pace})"),
+                           "host's pace against the references for {source_engine} ({pace}); the calls outside "
+                           "the layers and the device work as the source's engine had them"),
     "host_bound_source": ("the source's GPU ran kernels {busy_frac:.0%} of the step (operator trace): host-bound; the "
                           "host's part is predicted as host time (the target's host CPU assumed as fast as the source's)"),
     # compute
@@ -40,8 +41,10 @@ TEMPLATES: dict[str, str] = {
     "engine_change": ("engine, task or dtype change: forward x{forward:.2f}, backward x{backward:.2f} (both "
                       "engines, each with its task and dtype, probed at the source's shape in one process, a group "
                       "of one, called alternately)"),
-    "engine_change_other_machine": ("engine change on another machine not modelled: compute as under the source's engine "
-                                    "(probe it on the source machine with --to this)"),
+    "engine_change_other_machine": ("engine change on another machine: the decoder layers' operator calls are the target "
+                                    "engine's GPU references and the device work is derived from the shapes; the "
+                                    "calls outside the layers are counted as the source's engine issued them (probe "
+                                    "the change on the source machine with --to this)"),
     "device_rerated": ("compute on {target}: each phase's device work re-rated: GEMMs at the target's rate for their shapes "
                        "({matmul_source}), the rest by the memory bandwidth it reaches ({memory_source} x "
                        "{elementwise}; the source's: {source_elementwise})"),
