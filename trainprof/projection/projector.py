@@ -288,12 +288,12 @@ class Projector:
         if not inputs.target_machine.gemm:
             reasons.setdefault("step_ms", f"{t.machine} lacks a matmul rate or memory bandwidth in the catalog")
         # a CPU source's host work on the GPU is the target engine's, as the reference GPU runs measured it; so
-        # is a GPU source's across an engine change (ZeRO-3's hooks issue more calls, each dearer), at its host's pace
-        engine_change = engine_key(src.recipe) != engine_key(t.recipe)
+        # is a GPU source's across a change of host path (ZeRO-3's hooks issue more calls, each dearer), at its pace
         cpu_source = src.measured.device_type == "cpu"
-        engine = t.recipe.engine if cpu_source or engine_change else src.recipe.engine
-        inputs.host_us_per_op = self._gpu_host(notes, engine.kind, engine.zero_stage, engine_change=engine_change)
-        if inputs.host_us_per_op is not None and (cpu_source or engine_change):
+        path_change = self._host_path_change(t.recipe.engine.kind, t.recipe.engine.zero_stage)
+        engine = t.recipe.engine if cpu_source or path_change else src.recipe.engine
+        inputs.host_us_per_op = self._gpu_host(notes, engine.kind, engine.zero_stage)
+        if inputs.host_us_per_op is not None and (cpu_source or path_change):
             calls, calls_source = gpu_ops_per_layer(self.catalog, engine.kind, engine.zero_stage)
             if calls:
                 inputs.ops_per_layer = calls
@@ -308,7 +308,7 @@ class Projector:
         if ref:
             inputs.optimizer_bytes_per_param = (float(ref["value"]), ref["source"])
         inputs.optimizer_host = self._optimizer_host(t)
-        if engine_change and cpu_source:
+        if cpu_source and engine_key(src.recipe) != engine_key(t.recipe):
             notes.append(assume("engine_change_other_machine"))
         return inputs
 
@@ -335,11 +335,16 @@ class Projector:
                     "optimizer calls per rank change with the world size (measured on CPU only, docs/projection.md)")
         return calls, float(ref["us_per_call"]["value"]), f"{how}; µs per call: {ref['us_per_call']['source']}"
 
-    def _gpu_host(self, notes: list[Assumption], engine: str, zero_stage: int, *, engine_change: bool = False
-                  ) -> dict[str, float] | None:
+    def _host_path_change(self, engine: str, zero_stage: int) -> bool:
+        """Whether `engine` runs another host path than the source's (machines.host_key: ZeRO-3's module hooks
+        against ZeRO-0/1/2's root hook, or another engine)."""
+        src = self.source.recipe.engine
+        return host_key(src.kind, src.zero_stage) != host_key(engine, zero_stage)
+
+    def _gpu_host(self, notes: list[Assumption], engine: str, zero_stage: int) -> dict[str, float] | None:
         """Host µs per operator call on the target: a GPU source's own (where its phase was host-bound,
-        else the catalog's reference for `engine`); across an engine change, the catalog's reference for the
-        target's `engine` x the source host's pace against the reference for its own engine; a CPU source's
+        else the catalog's reference for `engine`); on another host path, the catalog's reference for the
+        target's `engine` x the source host's pace against the reference for its own path; a CPU source's
         from the catalog's GPU references for `engine` (the target's)."""
         m = self.source.measured
         if not m.ops and m.device_type == "cuda":  # its own host time per call is what a GPU source's needs
@@ -356,7 +361,7 @@ class Projector:
             from trainprof.projection.hostref import host_us_per_op
 
             own = {ph: us for ph, us in host_us_per_op(self.source.profile).items() if us is not None}
-            if engine_change:  # the target engine's calls at this host's pace (own over its engine's reference)
+            if self._host_path_change(engine, zero_stage):  # the target's calls at this host's pace (own / reference)
                 src_engine = self.source.recipe.engine
                 src_ref, _, _ = gpu_host(self.catalog, src_engine.kind, src_engine.zero_stage)
                 pace = {ph: us / src_ref[ph] for ph, us in own.items() if src_ref.get(ph)}
