@@ -174,6 +174,14 @@ def _package_catalog() -> dict[str, Any]:
     return read_yaml(CATALOG_FILE, what="hardware catalog", hint="reinstall trainprof", error=CatalogError)
 
 
+def bf16_gemm_basis(accelerator: dict[str, Any]) -> str:
+    """What a projection to the accelerator prices its bf16 GEMMs at (projection/machines.py
+    machine_from_target): its measured GEMM curve, else its MAMF, else its datasheet dense peak."""
+    if accelerator.get("gemm_bf16_curve_tflops"):
+        return "measured curve"
+    return "MAMF" if accelerator.get("mamf_bf16_tflops") else "datasheet peak"
+
+
 def find_accelerator(catalog: Catalog, device_name: str) -> str | None:
     """The catalog key whose `match` list holds a torch device name, None when none does."""
     for key, entry in catalog.accelerators.items():

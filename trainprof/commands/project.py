@@ -181,7 +181,7 @@ def advice_lines(rows: list[dict]) -> list[str]:
 
 def _hardware(args: argparse.Namespace) -> int:
     from trainprof.errors import UserError
-    from trainprof.hardware import CatalogError, load_catalog
+    from trainprof.hardware import CatalogError, bf16_gemm_basis, load_catalog
 
     try:
         cat = load_catalog(args.catalog)
@@ -198,9 +198,7 @@ def _hardware(args: argparse.Namespace) -> int:
     for key, acc in sorted(cat.accelerators.items()):
         vals = [acc.get(k, {}).get("value") if isinstance(acc.get(k), dict) else None for k in keys]
         cells = [f"{v:g}" if v is not None else "n/a" for v in vals]
-        # the rate a projection to this GPU prices its GEMMs at (projection/machines.py machine_from_target)
-        gemms = ("measured curve" if "gemm_bf16_curve_tflops" in acc else "MAMF" if vals[1] is not None
-                 else "datasheet peak")
+        gemms = bf16_gemm_basis(acc)
         print(f"{key:<16} {acc['name'][:28]:<28} {cells[0]:>13} {cells[1]:>8} {cells[2]:>7} {cells[3]:>9}  "
               f"{gemms:<15} {acc.get('intra_node_link', '')}")
     print("\nlinks (GB/s per direction, latency class):")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from trainprof.hardware import Catalog, Target
+from trainprof.hardware import Catalog, Target, bf16_gemm_basis
 from trainprof.hardware import Link as HardwareLink
 from trainprof.projection.assumptions import Assumption, assume
 from trainprof.projection.comm import Link, NcclLatency
@@ -66,7 +66,7 @@ def machine_from_target(target: Target, dtype: str, *, source: Target | None = N
         return Machine(name=target.key, is_gpu=True, gemm={}, memory_gbps=None), notes
     curve_fig = target.accelerator.get("gemm_bf16_curve_tflops") if bf16 else None
     curve = tuple((int(n), float(r)) for n, r in curve_fig["value"]) if curve_fig else ()
-    if mamf is None and not curve:
+    if not bf16 or bf16_gemm_basis(target.accelerator) == "datasheet peak":
         notes.append(assume("datasheet_peak", target=target.key))
     src = (f"measured GEMM curve ({curve_fig['source']})" if curve else
            f"{'MAMF' if mamf else 'datasheet dense peak'} {rate:g} TFLOP/s "
