@@ -48,9 +48,12 @@ def _maxbatch(args: argparse.Namespace) -> int:
     rows, interrupted = [], False
     from tqdm import tqdm
 
+    from trainprof.env import progress_interval
+
     try:
         for label, path, overrides, nproc, nnodes in tqdm(configs, desc=f"maxbatch {name}", unit="config",
-                                                          file=sys.stderr, disable=len(configs) == 1):
+                                                          file=sys.stderr, disable=len(configs) == 1,
+                                                          mininterval=progress_interval()):
             print(f"trainprof: max batch of '{label}' on {nproc * nnodes} rank(s)", file=sys.stderr)
             rows.append(run_search(path, overrides, label=label, nproc=nproc, nnodes=nnodes, out_dir=out, state=state,
                                    timeout_s=timeout, start=args.start, limit=args.max, steps=args.steps))

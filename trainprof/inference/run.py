@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from trainprof.env import apply_host_allocator, collect_env, device_name, memory_meter, peak_memory_bytes, reset_peak_memory
+from trainprof.env import (apply_host_allocator, collect_env, device_name, memory_meter, peak_memory_bytes,
+                           progress_interval, reset_peak_memory)
 from trainprof.inference.breakdown import module_breakdown, operator_breakdown
 from trainprof.inference.generate import METRICS_METHOD, TIMER_DESCRIPTION, make_prompt, run_request, serving_metrics
 from trainprof.io import atomic_write_json, atomic_write_text
@@ -109,7 +110,8 @@ def infer(recipe: Recipe, settings: InferSettings, *, progress: bool = True) -> 
     run_dir = new_run_dir(recipe.output.dir, f"{recipe.output.name}-infer")
     serving = ServingDevice.of(model, device)
     total = len(settings.batch_sizes) * (settings.warmup + settings.requests + 2) + int(settings.ops)
-    bar = tqdm(total=total, desc=f"{recipe.output.name} infer", unit="call", file=sys.stderr, disable=not progress)
+    bar = tqdm(total=total, desc=f"{recipe.output.name} infer", unit="call", file=sys.stderr, disable=not progress,
+               mininterval=progress_interval())
     results = [measure_batch(model, recipe, settings, b, serving, bar.update) for b in settings.batch_sizes]
     ops = None
     if settings.ops:

@@ -81,10 +81,12 @@ def run_cells(cells: Iterable[Cell], out_dir: Path, state: SweepState, *, timeou
     """
     from tqdm import tqdm
 
+    from trainprof.env import progress_interval
+
     cells = list(cells)
     todo = [c for c in cells if state.should_run(c.key, retry_failed=retry_failed)]
     bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc=desc, unit="cell", file=sys.stderr,
-               dynamic_ncols=True)
+               dynamic_ncols=True, mininterval=progress_interval())
     counts = {"done": 0, "failed": 0}
     todo_keys = {c.key for c in todo}
     for c in cells:
