@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from trainprof.inference.generate import make_prompt, run_request, serving_metrics
+from trainprof.inference.report import stdout_table
 from trainprof.inference.run import InferSettings, infer, load_inference_model
 from trainprof.inference.schema import validate_inference
 from trainprof.hardware import memory_bandwidth
@@ -62,6 +63,18 @@ def test_run_dir_layout_and_schema(run) -> None:
     del broken["results"][0]["tpot_ms"]
     with pytest.raises(jsonschema.ValidationError):
         validate_inference(broken)
+
+
+def test_terminal_table_says_how_measured(run) -> None:
+    """What `trainprof infer` prints: the medians of the JSON per batch size, and a line saying over how many
+    calls, by whose definitions and with which timer."""
+    _, doc = run
+    lines = stdout_table(doc).splitlines()
+    assert lines[0].split()[:3] == ["batch", "TTFT", "p50"]
+    for line, r in zip(lines[1:4], doc["results"]):
+        assert line.split()[:2] == [str(r["batch_size"]), f"{r['ttft_ms']['p50']:,.2f}"]
+    assert lines[4].startswith("p50/p99 over 3 measured generate calls a batch size after 1 warm-up (prompt 32, ")
+    assert "vLLM" in lines[4] and "time.perf_counter_ns" in lines[4]
 
 
 def test_metrics_are_consistent(run) -> None:

@@ -65,7 +65,11 @@ def stdout_table(doc: dict[str, Any]) -> str:
     cols, rows = summary_rows(doc)
     keep = ["batch", "TTFT p50 ms", "TPOT p50 ms", "ITL p99 ms", "E2EL p50 ms", "output tok/s", "req/s", "KV cache MiB"]
     frame = pd.DataFrame(rows, columns=cols)[keep]
-    return frame.to_string(index=False, float_format=lambda v: f"{v:,.2f}")
+    s = doc["settings"]
+    how = (f"p50/p99 over {s['requests']} measured generate calls a batch size after {s['warmup']} warm-up "
+           f"(prompt {s['prompt_len']}, {s['new_tokens']} new tokens), as vLLM's benchmark_serving defines them; "
+           f"timer: {doc['method']['timer'].split(';')[0]}; KV cache: the StaticCache's key/value bytes")
+    return frame.to_string(index=False, float_format=lambda v: f"{v:,.2f}") + "\n" + how
 
 
 def build_document(doc: dict[str, Any], run_name: str) -> Document:
