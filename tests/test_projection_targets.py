@@ -90,8 +90,12 @@ def test_catalog_targets_costs_fit_and_files(source):
 
     # Llama2-7B pretraining on one 24 GB card does not fit; a second call keeps the first call's folder
     big = project(str(run_dir), "model.name=llama2-7b", "data.seq_len=350", "--to", "rtx4090",
-                  "--gpus-per-node", "1")["predictions"][0]
+                  "--gpus-per-node", "1", "--tokens", "1e9", "--price", "rtx4090=0.69")["predictions"][0]
     assert big["fits"] is False and big["memory_per_rank_bytes"] > 24e9 and big["fit_suggestion"]
+    # its step is predicted (what it would take, were it made to fit), but a run that cannot start has no
+    # time nor cost to train: null, with the reason
+    assert big["tokens_per_s"] and big["time_to_train_s"] is None and big["cost_to_train_usd"] is None
+    assert "does not fit" in big["reasons"]["cost_per_million_tokens_usd"], big.get("reasons")
     # where no one change fits, the changes that fit together: 70B at 8 x 4096 tokens on one 24 GB card needs
     # full offload, recomputation and micro batch 1
     huge = project(str(run_dir), "model.name=llama2-70b", "data.seq_len=4096", "train.micro_batch_size=8", "--to",

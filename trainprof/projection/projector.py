@@ -461,7 +461,7 @@ class Projector:
             "step_ms": step_ms, "phases_ms": phases, "tokens_per_step": tokens_per_step, "tokens_per_s": tps,
             "mfu": None, "scaling_efficiency": None, "scaling_base_gpus": None,
             "memory_per_rank_bytes": memory, "fits": fits,
-            "time_to_train_s": (tokens / tps) if (tokens and tps) else None,
+            "time_to_train_s": (tokens / tps) if (tokens and tps and fits is not False) else None,
             "cost_per_million_tokens_usd": None, "cost_to_train_usd": None,
             "change_kinds": t.kinds,
             "confidence": conf.label, "confidence_text": conf.text, "confidence_reason": conf.reason,
@@ -474,7 +474,11 @@ class Projector:
         if block is not None:
             pred["pipeline"] = block
         self._mfu(t, pred, reasons)
-        self._cost(t, pred, reasons)
+        if fits is False and tps:  # a run of these settings cannot start: no time nor cost to train with them
+            reasons["time_to_train_s"] = reasons["cost_per_million_tokens_usd"] = (
+                "does not fit the target's memory (plan): no time nor cost to train with these settings")
+        else:
+            self._cost(t, pred, reasons)
         if reasons:
             pred["reasons"] = reasons
         return pred
