@@ -557,3 +557,27 @@ def test_replay_to_another_gpu_prints_the_cases_prediction(cli):
     assert "memory bandwidth" in out.stdout and "host as fast" in out.stdout  # how it was derived, where it is read
     bad = cli("replay", PROFILES / case["source"], "--to", "nope")
     assert bad.returncode == 2 and "'nope' is not in the catalog" in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["h100-llama7b_qlora", "h100-llama7b_lora"])
+def test_a_finetuning_runs_projection_counts_mfu_and_fit_as_its_run_does(name, tmp_path):
+    """On its own GPU, unchanged, a LoRA/QLoRA run's predicted MFU is its report's: model FLOPs with 4N for
+    the frozen base, not PaLM's 6N as if every weight trained (which read 2.4% beside the report's 1.6%),
+    and whether a setting fits is judged against its GPU's memory, not left n/a."""
+    import shutil
+
+    from trainprof.projection import project as projection
+
+    run = tmp_path / "run"
+    shutil.copytree(PROFILES / name, run)
+    summary = load(run)["summary"]
+    (same,) = projection.project(run, probe=False)["predictions"]
+    measured_ms = summary["step_ms"]["median"]
+    assert same["mfu"] == pytest.approx(summary["mfu"] / summary["measured_over_analytic"] * measured_ms
+                                        / same["step_ms"], rel=0.02), (same["mfu"], summary["mfu"])
+    assert "4N for a LoRA/QLoRA frozen base" in same["mfu_convention"]
+    assert same["fits"] is True
+    # the GPU's 80 GB less what an allocator peak leaves out: micro batch 1,024 at the recipe's sequence does not
+    (big,) = projection.project(run, overrides=["train.micro_batch_size=1024"], probe=False)["predictions"]
+    assert big["memory_per_rank_bytes"] > 80e9 and big["fits"] is False
+    assert big["time_to_train_s"] is None and "does not fit" in big["reasons"]["cost_per_million_tokens_usd"]

@@ -30,6 +30,8 @@ from trainprof.recipe import shape_label
 from trainprof.shapes import DTYPE_BYTES
 
 PROJECTION_VERSION = 2  # 2: assumptions as records, confidence, model-size changes, NCCL latency
+MFU_CONVENTION = ("PaLM model FLOPs (6N + 12LHQT a token; 4N for a LoRA/QLoRA frozen base, as the run report counts "
+                  "them; trainprof plan) over the datasheet dense peak")
 DATA_WAIT_DOMINATES = 0.2  # flag data wait above this share of the predicted step
 UNEVEN_RANKS = 0.05  # ranks busier than the least busy by more than this: a smaller world is told its pace is kept
 # recipe changes tried, in order, when a prediction does not fit the target's memory: each alone, then
@@ -498,7 +500,7 @@ class Projector:
                                      else "peak_fp32_tflops")
         if peak and pred["step_ms"]:
             pred["mfu"] = _plan_flops(t.recipe, t.world) / (pred["step_ms"] / 1e3) / (t.world * peak * 1e12)
-            pred["mfu_convention"] = "PaLM 6N + 12LHQT model FLOPs (trainprof plan) over the datasheet dense peak"
+            pred["mfu_convention"] = MFU_CONVENTION
 
     def _cost(self, t: TargetRun, pred: dict[str, Any], reasons: dict[str, str]) -> None:
         gpu = self.catalog.accelerator_key(t.hardware) if t.hardware is not None else None
@@ -525,8 +527,9 @@ class Projector:
             # meter is its resident set, which holds only the written part of a buffer
             alloc = "gpu_allocated_per_rank" if m.device_type == "cuda" else "resident_per_rank"
             fixed = self.resident_fixed(recipe)
-            return int(m.peak_memory_bytes + _plan_bytes(recipe, world, alloc) - _plan_bytes(src.recipe, m.world_size, alloc)
-                       + (fixed.target_bytes - fixed.source_bytes if fixed else 0)), None, None
+            memory = int(m.peak_memory_bytes + _plan_bytes(recipe, world, alloc) - _plan_bytes(src.recipe, m.world_size, alloc)
+                         + (fixed.target_bytes - fixed.source_bytes if fixed else 0))
+            return memory, self._fits_here(recipe, world, memory), None
         planned = _plan_bytes(recipe, world)
         capacity = target.figure("memory_gb")
         if capacity is None:
@@ -543,6 +546,19 @@ class Projector:
             if _plan_bytes(candidate, world) <= capacity * 1e9:
                 return planned, False, extra
         return planned, False, None
+
+    def _fits_here(self, recipe: Any, world: int, memory: int) -> bool | None:
+        """Whether a prediction on the source's own machine fits: under train.memory_cap_gb (GiB, the cap a run
+        checks its peak against), else on a catalogued GPU under its capacity, with what an allocator peak
+        leaves out added (plan's device total minus its allocated: the CUDA context, the allocator's reserve).
+        None on a CPU without a cap."""
+        if recipe.train.memory_cap_gb is not None:
+            return memory <= recipe.train.memory_cap_gb * 2**30
+        capacity = self.catalog.resolve(self.source_gpu).figure("memory_gb") if self.source_gpu else None
+        if self.source.measured.device_type != "cuda" or not capacity:
+            return None
+        beyond = _plan_bytes(recipe, world) - _plan_bytes(recipe, world, "gpu_allocated_per_rank")
+        return memory + beyond <= capacity * 1e9
 
     # -- probes and measurements, cached -------------------------------------------------------------
 
@@ -812,7 +828,11 @@ def _logits_bytes(recipe: Any) -> int:
 
 
 def _plan_flops(recipe: Any, world: int) -> float:
-    return float(_plan(recipe, world)["flops"]["per_step_6n"]["value"])
+    """The step's model FLOPs as the run report counts them for its MFU: PaLM's 6N + 12LHQT a token, with 4N
+    for a LoRA/QLoRA frozen base (no weight gradients), so that a finetuning prediction's MFU reads on the
+    same scale as its measured run's."""
+    flops = _plan(recipe, world)["flops"]
+    return float((flops.get("per_step_frozen_base") or flops["per_step_6n"])["value"])
 
 
 def with_overrides(source: Source, overrides: list[str]) -> Any:

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainprof.io import atomic_write_json
-from trainprof.projection.changes import counts_ranks
+from trainprof.projection.changes import THIS, counts_ranks
+from trainprof.projection.projector import MFU_CONVENTION
 from trainprof.projection.validation import COMM_BOUND_MARK, HOST_BOUND_MARK
 from trainprof.report.projections import PROJECTION_FILE, PROJECTIONS_DIR
 from trainprof.phases import PHASES
@@ -101,12 +102,13 @@ def notes(result: dict[str, Any]) -> list[str]:
         "confidence: the step-time error scripts/bench_projection.py measured for that kind of change "
         "(validation.json, ±%); 'unvalidated' when a kind of change was never checked against real runs (a CPU "
         "run projected to a GPU always is), 'low' when the source GPU was mostly idle (host-bound)",
-        "MFU: PaLM model FLOPs (6N + 12LHQT per token, trainprof plan) over the catalog's datasheet dense peak",
+        f"MFU: {MFU_CONVENTION}",
         "scaling eff.: predicted tokens/s at N GPUs over N/N0 x the predicted tokens/s at N0 GPUs of the same kind "
         "and settings (the 'vs' column): N0 = 1, or where the settings do not fit one GPU the fewest (a power of two) "
         "they fit; with ZeRO each of the N0 does a larger share of the optimizer step, so it can pass 100%",
         "memory/GPU: trainprof plan's formulas for the target (plus what the source measured beyond them on the "
-        "same machine); fits: under the catalog's memory capacity",
+        "same machine); fits: under the catalog's memory capacity (on the source's machine: under "
+        "train.memory_cap_gb, else its GPU's capacity less the CUDA context and allocator reserve plan counts)",
         "cost: price x GPUs / tokens/s, only from --price or a price file with source and date (never invented)",
         "host on a GPU: operator calls x a GPU host's time per call (the source's own where its GPU waited for it, "
         "else the catalog's gpu_host_us_per_op, measured on the reference profiles per engine and ZeRO-3 or not; "
@@ -125,6 +127,9 @@ def notes(result: dict[str, Any]) -> list[str]:
         if p.get("fit_suggestion"):
             out.append(f"{p['hardware']} x {p['world_size']}: does not fit; would fit with "
                        f"{' '.join(p['fit_suggestion'])} (plan)")
+        elif p.get("fits") is False and p["hardware"].startswith(THIS):
+            out.append(f"{p['hardware']} x {p['world_size']}: does not fit ({_fmt_bytes(p['memory_per_rank_bytes'])} "
+                       "GiB a rank predicted, over train.memory_cap_gb or, without it, the GPU's memory)")
         elif p.get("fits") is False:
             out.append(f"{p['hardware']} x {p['world_size']}: does not fit ({_fmt_bytes(p['memory_per_rank_bytes'])} "
                        "GiB a GPU, plan), nor with ZeRO-3, recomputation and offload of the optimizer and parameters "
