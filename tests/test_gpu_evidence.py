@@ -522,12 +522,17 @@ def test_a_replayed_trace_rebuilds_its_step_and_says_which_side_bounds_it(path):
         assert faster_gpu.step_ms <= 0.9 * same.step_ms
 
 
+def _rows(out: str) -> list[str]:
+    """The replay table's step rows."""
+    return [ln for ln in out.splitlines() if ln.split() and ln.split()[0].isdigit()]
+
+
 def test_replay_command_names_the_side_that_bounds_a_step(cli, tmp_path):
     lora = cli("replay", PROFILES / "h200-llama7b_lora")
-    assert lora.returncode == 0 and lora.stdout.strip().splitlines()[-1].endswith("host"), lora.stdout
+    assert lora.returncode == 0 and _rows(lora.stdout)[-1].endswith("host"), lora.stdout
     assert "host x0.5 ms" in lora.stdout and "GPU x0.5 ms" in lora.stdout  # the columns name their what-if
     dense = cli("replay", PROFILES / "h200-llama1b_zero3_sdpa-torch-gpubound")
-    assert dense.returncode == 0 and dense.stdout.strip().splitlines()[-1].endswith("GPU"), dense.stdout
+    assert dense.returncode == 0 and _rows(dense.stdout)[-1].endswith("GPU"), dense.stdout
     missing = cli("replay", tmp_path / "nope")
     assert missing.returncode == 2 and "does not exist" in missing.stderr and len(missing.stderr.splitlines()) == 1
     cpu = cli("replay", PROFILES / "cpu-x86_64-quickstart_cpu")
@@ -557,6 +562,63 @@ def test_replay_to_another_gpu_prints_the_cases_prediction(cli):
     assert "memory bandwidth" in out.stdout and "host as fast" in out.stdout  # how it was derived, where it is read
     bad = cli("replay", PROFILES / case["source"], "--to", "nope")
     assert bad.returncode == 2 and "'nope' is not in the catalog" in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+REPLAYED = PROFILES / "h100-llama1b_zero3_sdpa-gpubound"  # 57.6 GiB measured peak; traced 49% slower than untraced
+
+
+def _step_on(out: str, name: str) -> float:
+    line = next(ln for ln in out.splitlines() if ln.startswith(f"on {name}"))
+    return float(line.split(": ", 1)[1].split(" ms a step")[0])
+
+
+def test_replay_refuses_an_unknown_target_before_any_output(cli):
+    bad = cli("replay", REPLAYED, "--to", "h300")
+    assert bad.returncode == 2 and bad.stdout == "", bad.stdout
+    assert len(bad.stderr.splitlines()) == 1 and "'h300' is not in the catalog" in bad.stderr
+    assert "`trainprof hardware`" in bad.stderr  # where the keys are
+
+
+def test_replay_to_a_node_template_replays_its_gpu_and_says_so(cli):
+    """hgx-h100 is 8 x h100-sxm: replayed as one h100-sxm (as projection/prices.py prices a node per GPU), and
+    the line says which GPU it took."""
+    node, gpu = cli("replay", REPLAYED, "--to", "hgx-h100"), cli("replay", REPLAYED, "--to", "h100-sxm")
+    assert node.returncode == 0 and gpu.returncode == 0, node.stderr + gpu.stderr
+    assert "on hgx-h100, taken as its GPU h100-sxm (a node template of 8;" in node.stdout
+    assert "h100-sxm -> h100-sxm" in node.stdout
+    assert _step_on(node.stdout, "hgx-h100") == _step_on(gpu.stdout, "h100-sxm")
+
+
+def test_replay_says_when_the_measured_peak_does_not_fit_the_target(cli):
+    """The source run's measured peak against the target's catalog memory_gb, as measured (no memory model):
+    57.6 GiB does not fit an RTX 4090's 24 GB, fits an H200's 141 GB."""
+    from trainprof.hardware import load_catalog
+    from trainprof.report.rundir import run_peak_memory
+
+    peak = run_peak_memory(load(REPLAYED)["summary"])
+    capacity = load_catalog().resolve("rtx4090").figure("memory_gb") * 1e9
+    small, big = cli("replay", REPLAYED, "--to", "rtx4090"), cli("replay", REPLAYED, "--to", "h200")
+    assert small.returncode == 0 and big.returncode == 0, small.stderr + big.stderr
+    line = next(ln for ln in small.stdout.splitlines() if ln.startswith("on rtx4090:"))
+    assert f"ms a step, does not fit: measured peak {peak / 2**30:.1f} GiB > {capacity / 2**30:.1f} GiB" in line
+    assert "57.6 GiB > 22.4 GiB" in line
+    assert "catalog memory_gb" in small.stdout and "max_memory_allocated" in small.stdout  # how it was compared
+    assert "does not fit" not in big.stdout and "memory:" not in big.stdout
+
+
+def test_replay_says_its_verdict_is_the_traced_steps(cli):
+    """The traced step (slowed by tracing) against the untraced median, both from profile.json, beside the
+    table whose 'bound by' describes the traced one."""
+    doc = load(REPLAYED)
+    (traced,) = [s["wall_ms"] for s in doc["steps"] if s["step"] in doc["ops_info"]["steps"]]
+    untraced, busy = doc["summary"]["step_ms"]["median"], doc["gpu_busy"]["step"]["busy_frac"]
+    out = cli("replay", REPLAYED)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    note = next(ln for ln in lines if ln.startswith("'bound by' is the traced step's"))
+    assert lines.index(note) == lines.index(_rows(out.stdout)[-1]) + 1  # right under the table's rows
+    assert f"{traced:.1f} ms, +49% on the untraced median {untraced:.1f} ms of 8 measured steps" in note
+    assert f"GPU is busy {busy:.1%}" in note and "89.0%" in note and "tracing slows the host" in note
 
 
 @pytest.mark.parametrize("name", ["h100-llama7b_qlora", "h100-llama7b_lora"])

@@ -4,7 +4,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainprof.analysis.replay import DeviceRates
+
+GIB = 2**30
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -17,17 +25,31 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--device-scale", type=float, default=0.5,
                    help="every kernel, copy and memset x this (default 0.5: a GPU twice as fast)")
     p.add_argument("--to", metavar="HARDWARE",
-                   help="also predict the step on this catalog GPU (e.g. h200): the kernels re-timed by the datasheet "
-                        "ratios (GEMM and attention by bf16 peak, the rest by memory bandwidth), the host as fast as "
-                        "the source's; needs the run's profile.json beside the trace (its GPU and measured step)")
+                   help="also predict the step on this catalog GPU (e.g. h200; a node template such as hgx-h100 is "
+                        "taken as one of its GPUs): the kernels re-timed by the datasheet ratios (GEMM and attention by "
+                        "bf16 peak, the rest by memory bandwidth), the host as fast as the source's; needs the run's "
+                        "profile.json beside the trace (its GPU and measured step)")
     p.set_defaults(func=run)
     return p
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class CrossTarget:
+    """What --to resolved to, checked before any trace is read."""
+
+    name: str  # as given to --to
+    gpu: str  # its accelerator key: itself, or a node template's GPU
+    gpus_per_node: int | None  # set for a node template
+    rates: DeviceRates
+    measured_ms: float  # the source run's median untraced step
+    capacity_bytes: float | None  # the target GPU's catalog memory_gb
 
 
 def run(args: argparse.Namespace) -> int:
     from trainprof.analysis.replay import load_steps, replay
     from trainprof.analysis.trace import find_traces
     from trainprof.errors import UserError
+    from trainprof.io import profile_file, read_json
 
     path = Path(args.path)
     if not path.exists():
@@ -39,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"'{path}': no rank 0 trace in it or in its tb/; run with profile.ops=true")
     if args.host_scale <= 0 or args.device_scale <= 0:
         raise UserError("--host-scale and --device-scale must be > 0")
+    profile = profile_file(path) or profile_file(path.parent)
+    doc = read_json(profile) if profile else None
+    target = _cross_target(args.to, path, profile, doc) if args.to else None  # a bad --to fails before any output
     steps = load_steps(traces[0])
     if not steps or not any(s.ops for s in steps):
         raise UserError(f"'{traces[0]}' has no traced step with GPU work (a CPU run's trace cannot be replayed)")
@@ -55,36 +80,91 @@ def run(args: argparse.Namespace) -> int:
         bound = "host" if host.step_ms < gpu.step_ms else "GPU" if gpu.step_ms < host.step_ms else "both"
         print(f"{s.step:>5} {s.measured_ms:>10.1f} {same.step_ms:>11.1f} {same.device_busy_ms / same.step_ms:>9.0%} "
               f"{host.step_ms:>{width}.1f} {gpu.step_ms:>{width}.1f}  {bound}")
-    if args.to:
-        _print_cross_device(path, steps, args.to)
+    if doc is not None and (line := traced_against_untraced(doc)):
+        print(line)
+    if target is not None:
+        _print_cross_device(steps, target, doc)
     return 0
 
 
-def _print_cross_device(path: Path, steps: list, to: str) -> None:
-    """The --to prediction: the measured step carried by the ratio of the replays on the two GPUs."""
-    from trainprof.analysis.replay import cross_device, device_rates
+def _cross_target(to: str, path: Path, profile: Path | None, doc: dict[str, Any] | None) -> CrossTarget:
+    """--to resolved against the catalog and the run's profile.json, or a one-line UserError."""
+    from trainprof.analysis.replay import device_rates
     from trainprof.errors import UserError
     from trainprof.hardware import CatalogError, find_accelerator, load_catalog
-    from trainprof.io import profile_file, read_json
 
-    profile = profile_file(path) or profile_file(path.parent)
-    if profile is None:
-        raise UserError(f"'{path}': --to needs the run's profile.json beside the trace (its GPU and measured step)")
-    doc = read_json(profile)
     catalog = load_catalog()
+    if to not in catalog.accelerators and to not in catalog.nodes:
+        raise UserError(f"--to {to}: hardware '{to}' is not in the catalog; `trainprof hardware` lists the keys "
+                        "(GPUs such as h200, h100-sxm)")
+    if doc is None:
+        raise UserError(f"'{path}': --to needs the run's profile.json beside the trace (its GPU and measured step)")
     device = (doc.get("env") or {}).get("device") or ""
-    key = find_accelerator(catalog, device)
-    if key is None:
-        raise UserError(f"{profile}: its GPU '{device}' is not in the hardware catalog; add it (--catalog) to re-time "
-                        "its kernels")
+    source = find_accelerator(catalog, device)
+    if source is None:
+        raise UserError(f"{profile}: its GPU '{device}' is not in the hardware catalog (trainprof/hardware.yaml); "
+                        "add it there to re-time its kernels")
     try:
-        rates = device_rates(catalog.resolve(key), catalog.resolve(to))
+        # a node template is priced and projected per GPU elsewhere (projection/prices.py); a replay re-times one GPU
+        resolved = catalog.resolve(to)
+        gpu = catalog.accelerator_key(resolved) or to
+        rates = device_rates(catalog.resolve(source), catalog.resolve(gpu))
     except (CatalogError, ValueError) as e:
         raise UserError(f"--to {to}: {e}") from None
-    measured = doc["summary"]["step_ms"]["median"]
-    pred = cross_device(steps[0], measured, rates)
-    print(f"on {to}: {pred.step_ms:.1f} ms a step (measured here {measured:.1f} ms x replay {pred.target.step_ms:.1f}"
-          f" / {pred.source.step_ms:.1f} ms; GPU busy {pred.target.device_busy_ms / pred.target.step_ms:.0%}); "
-          f"kernels x{rates.compute:.3f} "
+    return CrossTarget(name=to, gpu=gpu, gpus_per_node=resolved.gpus_per_node if to in catalog.nodes else None,
+                       rates=rates, measured_ms=doc["summary"]["step_ms"]["median"],
+                       capacity_bytes=(resolved.figure("memory_gb") or 0) * 1e9 or None)
+
+
+def traced_against_untraced(doc: dict[str, Any]) -> str | None:
+    """One line: the traced step against the untraced median, both from profile.json, and the untraced GPU busy
+    share; None when the profile lacks either step figure."""
+    traced_ids = set((doc.get("ops_info") or {}).get("steps") or [])
+    traced = [s["wall_ms"] for s in doc.get("steps") or [] if s.get("step") in traced_ids and s.get("wall_ms")]
+    summary = doc.get("summary") or {}
+    untraced = (summary.get("step_ms") or {}).get("median")
+    if not traced or not untraced:
+        return None
+    traced_ms = statistics.median(traced)
+    busy = ((doc.get("gpu_busy") or {}).get("step") or {}).get("busy_frac")
+    busy_text = f"; untraced, the GPU is busy {busy:.1%} (gpu_busy.step)" if busy is not None else ""
+    return (f"'bound by' is the traced step's: profile.json times it at {traced_ms:.1f} ms, "
+            f"{traced_ms / untraced - 1:+.0%} on the untraced median {untraced:.1f} ms of "
+            f"{summary.get('steps_used', '?')} measured steps (tracing slows the host){busy_text}")
+
+
+def _print_cross_device(steps: list, target: CrossTarget, doc: dict[str, Any]) -> None:
+    """The --to prediction: the measured step carried by the ratio of the replays on the two GPUs, and whether
+    the run's measured peak memory fits the target GPU."""
+    from trainprof.analysis.replay import cross_device
+
+    rates = target.rates
+    pred = cross_device(steps[0], target.measured_ms, rates)
+    where = target.gpu if target.gpu == target.name else (
+        f"{target.name}, taken as its GPU {target.gpu} (a node template of {target.gpus_per_node}; the replay re-times "
+        "one GPU's kernels, not the node's links)")
+    misfit = does_not_fit(doc, target)
+    print(f"on {where}: {pred.step_ms:.1f} ms a step{', ' + misfit[0] if misfit else ''} (measured here "
+          f"{target.measured_ms:.1f} ms x replay {pred.target.step_ms:.1f} / {pred.source.step_ms:.1f} ms; GPU busy "
+          f"{pred.target.device_busy_ms / pred.target.step_ms:.0%}); kernels x{rates.compute:.3f} "
           f"(GEMM, attention) and x{rates.memory:.3f} (the rest) from {rates.source}; the host as fast as this one's. "
           "Measured error: docs/projection.md (replay_cases)")
+    if misfit:
+        print(misfit[1])
+
+
+def does_not_fit(doc: dict[str, Any], target: CrossTarget) -> tuple[str, str] | None:
+    """(the note beside the step, how it was compared) when the source run's measured peak memory exceeds the
+    target GPU's catalog capacity; None when it does not or either figure is missing. The measured peak is
+    compared as it is: no memory model moves it to the target."""
+    from trainprof.report.rundir import run_peak_memory
+
+    summary = doc.get("summary") or {}
+    peak = run_peak_memory(summary)
+    if not peak or not target.capacity_bytes or peak <= target.capacity_bytes:
+        return None
+    meter = summary.get("memory_meter") if summary.get("peak_memory_bytes_max") else summary.get("peak_memory_method")
+    return (f"does not fit: measured peak {peak / GIB:.1f} GiB > {target.capacity_bytes / GIB:.1f} GiB",
+            f"memory: the run as traced would not fit {target.gpu}: its measured peak per rank "
+            f"({meter or 'meter not recorded'}) against {target.gpu}'s {target.capacity_bytes / 1e9:g} GB "
+            "(catalog memory_gb); the peak is compared as measured, not re-planned for the target")
