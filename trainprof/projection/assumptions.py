@@ -88,6 +88,9 @@ TEMPLATES: dict[str, str] = {
                           "state elements per rank and the bandwidth ({memory_gbps:.4g} GB/s)"),
     "optimizer_gpu_bytes": ("optimizer on {target}: {target_elements:,.0f} parameters per rank x {bytes_per_param:.1f} B "
                             "({source}) over {memory_gbps:.4g} GB/s"),
+    "optimizer_own_gpu": ("optimizer on the source's GPU: its measured {measured_ms:.1f} ms with its kernels ({kernels_ms:.1f} "
+                          "ms) moved with the state per rank ({target_elements:,.0f} elements); the host's calls and "
+                          "waits around them as measured"),
     "optimizer_host_longer": ("optimizer: the longer of its kernels and the host's {calls:,.0f} calls x {us:.1f} µs "
                               "(a step that does not wait for its kernels)"),
     "optimizer_host_added": ("optimizer: DeepSpeed's step waits for its kernels between its host calls, so "

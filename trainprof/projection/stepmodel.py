@@ -176,7 +176,12 @@ def _gpu_optimizer(m: Measured, change: Change, inputs: Inputs, dst: Machine) ->
     ops = (m.ops or {}).get("optimizer")
     src = inputs.source_machine
     if m.device_type == "cuda" and ops is not None and src is not None and src.memory_gbps and n_s:
-        device = (ops.matmul_ms + ops.other_ms) * n_t / n_s * src.memory_gbps / dst.memory_gbps
+        kernels = ops.matmul_ms + ops.other_ms
+        device = kernels * n_t / n_s * src.memory_gbps / dst.memory_gbps
+        measured = m.phases_ms.get("optimizer")
+        if src is dst and measured is not None:  # its own GPU: the host's part is measured, not looked up
+            return max(measured - kernels, 0.0) + device, [assume(
+                "optimizer_own_gpu", measured_ms=measured, kernels_ms=kernels, target_elements=n_t)]
         note = assume("optimizer_rerated", target=dst.name, target_elements=n_t, memory_gbps=dst.memory_gbps)
     else:
         per_param, where = inputs.optimizer_bytes_per_param or (ADAM_BYTES_PER_ELEMENT, "one ideal fp32 Adam pass")
