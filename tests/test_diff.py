@@ -153,6 +153,24 @@ def test_cli_writes_md_html_csv(tmp_path):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
 
 
+def test_cli_refuses_a_cut_short_or_foreign_profile_and_a_bad_noise_band(tmp_path, cli):
+    good, cut, foreign = tmp_path / "good", tmp_path / "cut", tmp_path / "foreign"
+    text = json.dumps(PROFILE)
+    for path, content in ((good, text), (cut, text[:200]), (foreign, '{"foo": 1}')):
+        path.mkdir()
+        (path / "profile.json").write_text(content)
+    for other, said in ((cut, "profile.json: not valid JSON (line 1 col "), (foreign, "is not a trainprof profile"),
+                        (tmp_path / "nope", "does not exist")):
+        proc = cli("diff", good, other, "--out", tmp_path / "d")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert str(other) in proc.stderr and said in proc.stderr
+    assert not (tmp_path / "d").exists()
+    proc = cli("diff", good, good, "--noise", "abc")
+    assert proc.returncode == 2 and "invalid" not in proc.stderr
+    assert proc.stderr.splitlines()[-1].endswith("argument --noise: noise band must be a fraction like 0.15 or 15%, "
+                                                 "got 'abc'")
+
+
 # -- two real runs ---------------------------------------------------------------------------------
 # seq 2048 (the tiny model's RoPE table raised to cover it): eager attention materializes 4 heads x
 # 2048^2 scores per layer; SDPA's CPU flash kernel does not, which makes attention several times faster

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from trainprof.io import atomic_write_json, kept_profiles, profile_file, read_profile
+from trainprof.errors import UserError
+from trainprof.io import atomic_write_json, kept_profiles, profile_file, read_json, read_profile
 
 
 def test_a_gzipped_profile_reads_as_the_plain_one_and_is_written_byte_stable(tmp_path):
@@ -24,3 +25,17 @@ def test_a_gzipped_profile_reads_as_the_plain_one_and_is_written_byte_stable(tmp
     (tmp_path / "empty").mkdir()
     # one file a folder that holds a profile, either form, sorted
     assert kept_profiles(tmp_path) == [kept / "profile.json.gz", plain / "profile.json"]
+
+
+def test_json_cut_short_is_a_one_line_user_error_naming_the_file(tmp_path):
+    """What a process stopped mid-write leaves: plain, gzipped, or cut inside a UTF-8 character."""
+    text = json.dumps({"summary": {"note": "é"}, "steps": [1, 2]}, ensure_ascii=False)
+    files = {"plain.json": text[:20].encode(), "cut.json.gz": gzip.compress(text.encode())[:25],
+             "mid_char.json": text.encode()[:text.encode().index("é".encode()) + 1]}
+    said = {"plain.json": "line 1 col 21", "cut.json.gz": "gzip stream is cut short", "mid_char.json": "not UTF-8"}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(UserError) as err:
+            read_json(tmp_path / name)
+        assert str(err.value).startswith(f"{tmp_path / name}: not valid JSON (") and said[name] in str(err.value)
+        assert "\n" not in str(err.value)

@@ -805,11 +805,19 @@ def test_hardware_command_and_one_line_errors(capsys, tmp_path):
     assert proc.wait(timeout=60) == 141 and b"Traceback" not in proc.stderr.read()
     assert main(["project", str(REPO / "nope")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "profile.json" in err
+    assert err.count("\n") == 1 and f"'{REPO / 'nope'}' does not exist" in err
     (tmp_path / "inference.json").write_text("{}")  # a `trainprof infer` run dir: told what it is
     assert main(["project", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is an inference run" in err
+    (tmp_path / "profile.json").write_text('{"summary": 1')  # a run stopped while writing it
+    assert main(["project", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / 'profile.json'}: not valid JSON (line 1 col 14)" in err
+    (tmp_path / "profile.json").write_text("[1, 2]")  # valid JSON, not a profile
+    assert main(["project", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"'{tmp_path / 'profile.json'}' is not a trainprof profile" in err
 
 
 @pytest.mark.timed

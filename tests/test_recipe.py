@@ -214,6 +214,23 @@ def test_cli_takes_overrides_after_options(cli):
     assert json.loads(proc.stdout)["tokens_per_step"]["value"] == 3 * 256 * 2
 
 
+@pytest.mark.parametrize("command", ["plan", "run", "sweep", "maxbatch", "scale", "infer"])
+def test_a_directory_given_as_the_recipe_is_called_one(command, cli):
+    """`trainprof plan recipes`: it exists, so "not found" would mislead; every command that takes a recipe
+    (or a sweep file) reads it through the one YAML loader."""
+    proc = cli(command, REPO / "recipes")
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"file '{REPO / 'recipes'}' is a directory; pass " in lines[0], lines
+    assert ("recipes/sweeps/" if command == "sweep" else "recipes/quickstart_cpu.yaml") in lines[0]
+
+
+def test_a_bad_count_option_names_the_option_not_a_function(cli):
+    proc = cli("plan", QUICKSTART, "--nproc", "two")
+    assert proc.returncode == 2 and "positive_int" not in proc.stderr
+    assert proc.stderr.splitlines()[-1].endswith("argument --nproc: must be an integer >= 1, got 'two'")
+
+
 @pytest.mark.parametrize("text", ["", "# only a comment\n\n   \n"])
 def test_empty_recipe_file_refused(tmp_path, text, cli):
     """An empty file is a mistake (wrong file, lost content), not a request for the defaults."""

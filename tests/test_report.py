@@ -4,6 +4,7 @@ headless Chromium; and the report of a fresh real run with operator tracing."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -94,6 +95,40 @@ def test_run_dir_with_only_a_failure_and_cli_errors(tmp_path):
     out = subprocess.run([sys.executable, "-m", "trainprof", "report", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "does not exist" in out.stderr
+
+
+def _tree(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def test_a_dir_that_holds_no_run_is_refused_in_one_line_and_nothing_is_written(tmp_path, cli):
+    """An empty dir, some other program's JSON, a profile cut short mid-write (plain or gzipped) and a file
+    are refused: one line naming the path, exit 2, nothing written into the dir. What a run leaves without
+    a profile (a failure record, the runner's recipe.yaml, an inference run's inference.json) still reports."""
+    text = (DATA / "zero3_2rank" / "profile.json").read_text()
+    cases = {"empty": ({}, "is not a run dir"),
+             "foreign": ({"profile.json": '{"foo": 1}'}, "is not a trainprof profile"),
+             "a_list": ({"profile.json": "[1, 2]"}, "is not a trainprof profile"),
+             "cut": ({"profile.json": text[:len(text) // 2]}, "not valid JSON (line "),
+             "cut_gz": ({"profile.json.gz": gzip.compress(text.encode())[:200]}, "gzip stream is cut short")}
+    for name, (files, said) in cases.items():
+        run = tmp_path / name
+        run.mkdir()
+        for file, content in files.items():
+            (run / file).write_bytes(content if isinstance(content, bytes) else content.encode())
+        proc = cli("report", run)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (name, proc.stderr)
+        assert proc.stderr.startswith("trainprof: ") and str(run) in proc.stderr and said in proc.stderr, name
+        assert _tree(run) == sorted(files), name
+    proc = cli("report", tmp_path / "cut" / "profile.json")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "is a file" in proc.stderr
+    killed, infer = tmp_path / "killed", tmp_path / "infer"
+    for run, file in ((killed, "recipe.yaml"), (infer, "inference.json")):
+        run.mkdir()
+        (run / file).write_text("{}\n")
+        assert cli("report", run).returncode == 0
+    assert "(the run failed before writing one)" in (killed / "report.md").read_text()
+    assert "inference run (`trainprof infer`): its report is inference.md" in (infer / "report.md").read_text()
 
 
 def _chromium() -> str:

@@ -6,8 +6,11 @@ import gzip
 import json
 import os
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any
+
+from trainprof.errors import UserError
 
 
 def atomic_write_text(path: str | Path, text: str | bytes) -> None:
@@ -47,12 +50,26 @@ def kept_profiles(root: str | Path) -> list[Path]:
 
 
 def read_json(path: str | Path) -> Any:
-    """A JSON file, gzipped where its name ends in .gz."""
+    """A JSON file, gzipped where its name ends in .gz.
+
+    Raises:
+        UserError: the file is not complete JSON (one line naming it and where parsing stopped): what a
+            process stopped while writing leaves behind.
+    """
     path = Path(path)
-    if path.suffix == ".gz":
-        with gzip.open(path, "rt") as f:
-            return json.load(f)
-    return json.loads(path.read_text())
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rt") as f:
+                return json.load(f)
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        where = f"line {err.lineno} col {err.colno}"
+    except (EOFError, gzip.BadGzipFile, zlib.error):
+        where = "the gzip stream is cut short or damaged"
+    except UnicodeDecodeError as err:
+        where = f"byte {err.start} is not UTF-8"
+    raise UserError(f"{path}: not valid JSON ({where}): the run may have been stopped while writing it; rerun it, "
+                    "or pass a complete run dir")
 
 
 def read_profile(run_dir: str | Path) -> dict[str, Any]:
@@ -64,11 +81,13 @@ def read_profile(run_dir: str | Path) -> dict[str, Any]:
 
 
 def read_yaml(path: str | Path, *, what: str, hint: str, error: type[Exception]) -> Any:
-    """Parse a YAML file; a missing file or a syntax error raises `error` with one line naming the
-    file (and line) and `hint`, e.g. what="recipe file", hint="pass the path of a YAML recipe"."""
+    """Parse a YAML file; a missing file, a directory or a syntax error raises `error` with one line
+    naming the file (and line) and `hint`, e.g. what="recipe file", hint="pass a YAML recipe file, e.g. ..."."""
     import yaml
 
     path = Path(path)
+    if path.is_dir():
+        raise error(f"{what} '{path}' is a directory; {hint}")
     if not path.is_file():
         raise error(f"{what} '{path}' not found; {hint}")
     try:

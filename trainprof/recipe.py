@@ -341,7 +341,7 @@ def apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str]) -> di
 def read_yaml(path: str | Path) -> dict[str, Any]:
     from trainprof.io import read_yaml as read_yaml_file
 
-    data = read_yaml_file(path, what="recipe file", hint="pass the path of a YAML recipe (see recipes/)",
+    data = read_yaml_file(path, what="recipe file", hint="pass a YAML recipe file, e.g. recipes/quickstart_cpu.yaml",
                           error=RecipeError)
     if data is None:  # 0 bytes or only comments: almost surely the wrong file, not "all defaults"
         raise RecipeError(f"recipe file '{path}' is empty; give the recipe's keys, or write {{}} in it "

@@ -17,12 +17,12 @@ figures, one step's aligned timeline and the imbalance (analysis/pipeline.py).
 from __future__ import annotations
 
 import copy
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
 from trainprof.analysis.pipeline import merge_pipeline
+from trainprof.io import read_json
 
 STRAGGLER_THRESHOLD = 0.05  # a rank more than 5% slower than the others is named
 _MODULE_SPREAD = ("forward_ms", "backward_ms", "recompute_ms", "self_forward_ms", "self_backward_ms",
@@ -160,4 +160,4 @@ def merge_rank_files(run_dir: str | Path) -> dict[str, Any]:
     files = sorted(Path(run_dir).glob("profile.rank*.json"))
     if not files:
         raise FileNotFoundError(f"no profile.rank*.json in {run_dir}; run with the profiler enabled first")
-    return merge_ranks([json.loads(f.read_text()) for f in files])
+    return merge_ranks([read_json(f) for f in files])

@@ -7,10 +7,14 @@ import argparse
 import sys
 
 
-def _fraction(text: str) -> float:
-    value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+def noise_band(text: str) -> float:
+    """--noise: a fraction (0.15) or a percentage (15%)."""
+    try:
+        value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        value = -1.0
     if not 0 <= value < 10:
-        raise argparse.ArgumentTypeError(f"noise band must be a fraction like 0.15 or 15%, got {text}")
+        raise argparse.ArgumentTypeError(f"noise band must be a fraction like 0.15 or 15%, got '{text}'")
     return value
 
 
@@ -55,7 +59,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--repeat-b", metavar="RUN_B2", default=None,
                    help="a repeat of RUN_B, measured the same way; with both, the wider band is taken (a slow "
                         "spell of the machine during one run shows only on its side)")
-    p.add_argument("--noise", type=_fraction, default=None,
+    p.add_argument("--noise", type=noise_band, default=None,
                    help="ratio counted as noise, e.g. 0.15 or 15%% (default: from --repeat and --repeat-b, else the "
                         "measured default in docs/reports.md)")
     p.add_argument("--min-ms", type=float, default=None, help="rows under this many ms in both runs are not judged")

@@ -77,7 +77,13 @@ def _project(args: argparse.Namespace) -> int:
     from trainprof.hardware import CatalogError, load_catalog
     from trainprof.projection.prices import check_prices_name_targets, load_prices
     from trainprof.projection.source import ProjectionError
+    from trainprof.io import profile_file
+    from trainprof.report.rundir import existing_run_dir, read_profile_file
 
+    # a missing dir, or a profile cut short or not trainprof's, is the CLI's one-line error here, before the
+    # projection reads it
+    if (kept := profile_file(existing_run_dir(args.run_dir))) is not None:
+        read_profile_file(kept)
     if args.advice:
         return _advice(args)
     targets = [t.strip() for t in args.to.split(",") if t.strip()]

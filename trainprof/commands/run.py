@@ -12,9 +12,12 @@ from trainprof.sweep.launch import launch_command
 
 
 def positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got '{text}'")
     return value
 
 

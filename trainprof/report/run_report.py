@@ -23,7 +23,7 @@ from trainprof.report.gpu import gpu_section
 from trainprof.report.pipeline import pipeline_section
 from trainprof.report.plots import INSTALL_HINT
 from trainprof.report.projections import how_to_project, projections_section
-from trainprof.report.rundir import RunData, load_run, recipe_of
+from trainprof.report.rundir import WRITERS, RunData, RunDirError, load_run, recipe_of
 from trainprof.report.sections import (MiB, advice_section, categories_section, comm_section, compile_text,
                                        headline_facts, memory_section, methods_section, module_phase_section,
                                        ops_section, phases_section, ranks_section, top_modules_section)
@@ -225,8 +225,10 @@ def build_run_report(run: RunData, *, trace_scan_bytes: int = TRACE_SCAN_BYTES, 
     doc = Document(f"trainprof report: {name}", subtitle=subtitle, plots=plots)
     if run.profile is None:
         sec = doc.section("Run facts", id="facts")
+        why = ("an inference run (`trainprof infer`): its report is inference.md and inference.html"
+               if run.inference is not None else "the run failed before writing one")
         sec.blocks.append(Missing("profile", f"no profile.json, profile.rank*.json or rank*.json in {run.path} "
-                                  "(the run failed before writing one)"))
+                                  f"({why})"))
         for f in run.failures:
             sec.blocks.append(Para(f"rank {f.get('rank')} failed: {f.get('kind')}: {f.get('message')}"))
         traces_section(doc, run, trace_scan_bytes)
@@ -254,11 +256,16 @@ def write_reports(run_dir: str | Path, *, scalars: bool = True,
     Returns:
         name -> path of what was written.
     Raises:
+        RunDirError: the path is not a run dir (nothing is written into it).
         ReportIncomplete: after writing the rest, when a part could not be made (names the package).
     """
     from trainprof.report.summary import write_summary
 
     run = load_run(run_dir)
+    if not run.is_run:
+        raise RunDirError(f"'{run.path}' is not a run dir: no profile.json, profile.rank*.json, rank*.json, "
+                          f"inference.json, failure-rank*.json or recipe.yaml in it; pass a run dir written by "
+                          f"{WRITERS} (runs/<run>/)")
     out: dict[str, Path] = {}
     missing: list[NotWritten] = []
     if run.profile is not None and "modules" in run.profile:  # written by the step profiler

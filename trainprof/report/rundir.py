@@ -5,7 +5,6 @@ crashed on). No torch import.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,31 @@ def report_phases(profile: dict[str, Any] | None) -> tuple[str, ...]:
 
 class RunDirError(ValueError):
     """The path is not a readable run dir (one line: what, where, what to do)."""
+
+
+# every profile has had these, from the pre-profiler runner's rank files on; a JSON file with none of them
+# is some other program's
+PROFILE_FIELDS = ("steps", "summary", "env")
+WRITERS = "`trainprof run`, `trainprof wrap` or a trainprof callback"
+
+
+def existing_run_dir(path: str | Path) -> Path:
+    """`path` as a Path; RunDirError where it does not exist or is a file."""
+    path = Path(path)
+    if not path.exists():
+        raise RunDirError(f"run dir '{path}' does not exist; pass a run dir written by {WRITERS} (runs/<run>/)")
+    if not path.is_dir():
+        raise RunDirError(f"run dir '{path}' is a file; pass the directory that holds the run ('{path.parent}')")
+    return path
+
+
+def read_profile_file(path: Path) -> dict[str, Any]:
+    """A profile file; RunDirError where it is valid JSON but not a trainprof profile."""
+    doc = read_json(path)
+    if not isinstance(doc, dict) or not any(k in doc for k in PROFILE_FIELDS):
+        raise RunDirError(f"'{path}' is not a trainprof profile (it has none of {', '.join(PROFILE_FIELDS)}); "
+                          f"pass a run dir written by {WRITERS}")
+    return doc
 
 
 @dataclass
@@ -73,6 +97,13 @@ class RunData:
         return self.path.name
 
     @property
+    def is_run(self) -> bool:
+        """Whether the dir holds anything a run writes: a profile of any version, inference.json, a
+        rank's failure record, or recipe.yaml (the runner's first file; all a killed run may leave)."""
+        return (self.profile is not None or self.inference is not None or bool(self.failures)
+                or self.recipe_text is not None)
+
+    @property
     def has_phases(self) -> bool:
         """Whether the profile comes from the step profiler (phases per step, modules)."""
         p = self.profile or {}
@@ -97,7 +128,7 @@ def _old_rank_files(path: Path) -> dict[str, Any] | None:
     files = sorted(path.glob("rank[0-9]*.json"))
     if not files:
         return None
-    ranks = [json.loads(f.read_text()) for f in files]
+    ranks = [read_json(f) for f in files]
     steps = [s for s in ranks[0].get("steps", []) if not s.get("warmup")]
     return {"schema_version": 0, "steps": steps, "summary": {}, "env": {}, "ranks": [
         {"rank": r.get("rank"), "step_ms_median": None} for r in ranks]}
@@ -111,11 +142,10 @@ def load_run(path: str | Path) -> RunData:
     Returns:
         RunData; `profile` is None only when the dir has no profile of any kind.
     Raises:
-        RunDirError: the path does not exist or is not a directory.
+        RunDirError: the path does not exist, is not a directory, or its profile.json is not a profile.
+        UserError: a JSON file in it is cut short (the run was stopped while writing it).
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise RunDirError(f"run dir '{path}' does not exist or is not a directory; pass runs/<run>/")
+    path = existing_run_dir(path)
     profile, source = None, "none"
     recovered = []
     kept = profile_file(path)
@@ -125,14 +155,14 @@ def load_run(path: str | Path) -> RunData:
         recovered = recover_journals(path)
         kept = profile_file(path)
     if kept is not None:
-        profile, source = read_json(kept), kept.name
+        profile, source = read_profile_file(kept), kept.name
     elif list(path.glob("profile.rank*.json")):
         from trainprof.analysis.merge import merge_rank_files
 
         profile, source = merge_rank_files(path), "profile.rank*.json (merged now: profile.json is missing)"
         partial = sorted(path.glob("profile.rank*.partial.json"))
         if partial:  # written by a rank that failed or was stopped: only its finished steps
-            reasons = [json.loads(f.read_text()).get("partial_reason") or f.name for f in partial]
+            reasons = [read_json(f).get("partial_reason") or f.name for f in partial]
             profile.update(partial=True, partial_reason="; ".join(reasons))
             source = f"profile.rank*.partial.json (partial: {len(partial)} rank(s) stopped early; merged now)"
             if recovered:
@@ -148,9 +178,9 @@ def load_run(path: str | Path) -> RunData:
     return RunData(
         path=path, profile=profile, source=source,
         recipe_text=recipe.read_text() if recipe.is_file() else None,
-        failures=[json.loads(f.read_text()) for f in sorted(path.glob("failure-rank*.json"))],
+        failures=[read_json(f) for f in sorted(path.glob("failure-rank*.json"))],
         traces=traces, scalars=scalars,
-        inference=json.loads(infer.read_text()) if (infer := path / "inference.json").is_file() else None,
+        inference=read_json(infer) if (infer := path / "inference.json").is_file() else None,
     )
 
 

@@ -26,12 +26,12 @@ whose inputs are missing is null with the reason, and `other` takes its share.
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
 from trainprof.analysis.bandwidth import bandwidth_gbps
+from trainprof.io import read_json
 from trainprof.report.plots import figure, pyplot, save_figure
 from trainprof.report.tables import Column, fmt_num, fmt_pct, fmt_text, write_tables
 
@@ -58,7 +58,7 @@ def strong_overrides(micro_batch: int, grad_accum: int, n_ref: int, n: int) -> l
 
 
 def load_run(run_dir: Path) -> dict[str, Any]:
-    profile = json.loads((run_dir / "profile.json").read_text())
+    profile = read_json(run_dir / "profile.json")
     return {"run_dir": str(run_dir), "profile": profile, "world_size": (profile.get("env") or {}).get("world_size")}
 
 
