@@ -101,11 +101,11 @@ def test_projected_gains_attach_to_their_advice_only():
     profile = _with(summary__phases_ms__data_wait=5.0, summary__phases_ms__comm_exposed=20.0,
                     recipe__engine__zero_stage=3)
     rows = [{"rule": "comm_exposed", "overrides": ["engine.zero_stage=2"], "predicted_gain": 0.12,
-             "expected_error_pct": 9.0},
+             "expected_error_pct": 9.0, "expected_error_text": "±9.0% mean, 14.0% max over 4 runs"},
             {"rule": "data_wait", "overrides": ["data.num_workers=2"], "predicted_gain": None,
              "reason": "the step model does not model data.num_workers"}]
     got = {a["rule"]: a for a in advise(profile, rows)["advice"]}
-    assert got["comm_exposed"]["predicted_gain"] == 0.12 and "expected step error 9%" in got["comm_exposed"]["predicted_gain_source"]
+    assert got["comm_exposed"]["predicted_gain"] == 0.12 and "validated step error ±9.0% mean, 14.0% max over 4 runs" in got["comm_exposed"]["predicted_gain_source"]
     assert got["data_wait"]["predicted_gain"] is None and "does not model data.num_workers" in got["data_wait"]["predicted_gain_reason"]
     stale = advise(profile, [{**rows[0], "overrides": ["engine.zero_stage=1"]}])["advice"]
     assert all(a["predicted_gain"] is None for a in stale)  # a projection of other overrides is not this advice's

@@ -95,7 +95,7 @@ def test_same_settings_reproduce_the_measurement_and_a_change_lands_near_a_real_
     from trainprof.commands.project import advice_lines
 
     printed = next(line for line in advice_lines(advice) if line.startswith("comm_exposed"))
-    assert f"{100 * zero2['predicted_gain']:+.1f}% tokens/s (expected step error ±" in printed, printed
+    assert f"{100 * zero2['predicted_gain']:+.1f}% tokens/s (validated step error ±" in printed, printed
 
     # changes the model was tuned on, against real runs of them: micro batch 2 -> 4 with 2 ranks -> 1, and
     # ZeRO-3 -> ZeRO-2 (the advice above)

@@ -772,6 +772,15 @@ def test_confidence_labels_what_was_never_validated():
     a800 = confidence(["hardware_gpu"], table, host_bound=False, source_device="cuda", gpus=("h100-sxm", "a800-80g"))
     assert a800.text == "unvalidated: h100-sxm -> a800-80g never validated"
     assert "between h100-sxm and h200 only" in a800.reason
+    # a mean is shown with its worst run beside it, so that it does not read as a bound
+    table["by_kind"].update(spread={"step_mape_pct": 2.8, "step_max_pct": 15.5, "cases": 17},
+                            one={"step_mape_pct": 8.8, "step_max_pct": 8.8, "cases": 1})
+    assert confidence(["spread"], table, host_bound=False).text == "±2.8% mean, 15.5% max over 17 runs"
+    assert confidence(["one"], table, host_bound=False).text == "±8.8% (1 run)"
+    assert confidence(["one", "spread"], table, host_bound=False).text == "±8.8% (1 run)"  # the larger mean's kind
+    table["by_kind_gpu"]["hardware_gpu_host_bound"].update(step_max_pct=77.6, cases=7)
+    assert confidence(["hardware_gpu"], table, host_bound=True, source_device="cuda").text == (
+        "low: host-bound source (validated: ±36.6% mean, 77.6% max over 7 runs)")
     assert confidence(["hardware_gpu"], table, host_bound=True, source_device="cuda",
                       gpus=(None, "h200")).text == "low: a GPU not in the catalog -> h200 never validated"
 

@@ -77,13 +77,7 @@ def _project(args: argparse.Namespace) -> int:
     from trainprof.hardware import CatalogError, load_catalog
     from trainprof.projection.prices import check_prices_name_targets, load_prices
     from trainprof.projection.source import ProjectionError
-    from trainprof.io import profile_file
-    from trainprof.report.rundir import existing_run_dir, read_profile_file
 
-    # a missing dir, or a profile cut short or not trainprof's, is the CLI's one-line error here, before the
-    # projection reads it
-    if (kept := profile_file(existing_run_dir(args.run_dir))) is not None:
-        read_profile_file(kept)
     if args.advice:
         return _advice(args)
     targets = [t.strip() for t in args.to.split(",") if t.strip()]
@@ -177,9 +171,9 @@ def advice_lines(rows: list[dict]) -> list[str]:
     """What `--advice` prints: per advice its change and predicted gain, with the gain's expected error."""
     lines = []
     for r in rows:
-        err = r.get("expected_error_pct")
+        err = r.get("expected_error_text")
         gain = (f"{100 * r['predicted_gain']:+.1f}% tokens/s "
-                + (f"(expected step error ±{err:.0f}%)" if err is not None else "(error not validated)")
+                + (f"(validated step error {err})" if err is not None else "(error not validated)")
                 if r["predicted_gain"] is not None else r.get("reason"))
         lines.append(f"{r['rule']:<22} {' '.join(r['overrides']) or '-':<50} {gain}")
     return lines

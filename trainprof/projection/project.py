@@ -128,6 +128,7 @@ def project_advice(run_dir: str | Path, *, probe: bool = True, progress: bool = 
                     pred = projector.predict(target, overrides=overrides)
                     row.update(predicted_step_ms=pred["step_ms"], predicted_tokens_per_s=pred["tokens_per_s"],
                                expected_error_pct=pred["expected_error_pct"],
+                               expected_error_text=pred["expected_error_text"],
                                expected_error_source=pred["expected_error_source"], phases_ms=pred["phases_ms"],
                                assumptions=pred["assumptions"])
                     if pred["tokens_per_s"] and base["tokens_per_s"]:

@@ -467,7 +467,9 @@ class Projector:
             "cost_per_million_tokens_usd": None, "cost_to_train_usd": None,
             "change_kinds": t.kinds,
             "confidence": conf.label, "confidence_text": conf.text, "confidence_reason": conf.reason,
-            "expected_error_pct": conf.expected_error_pct, "expected_error_source": conf.reason,
+            "expected_error_pct": conf.expected_error_pct, "expected_max_error_pct": conf.max_error_pct,
+            "expected_error_text": conf.error_text() if conf.expected_error_pct is not None else None,
+            "expected_error_source": conf.reason,
             "host_bound_source": host_bound,
             "assumptions": [a.to_dict() for a in notes],
         }

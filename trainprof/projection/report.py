@@ -100,7 +100,7 @@ def notes(result: dict[str, Any]) -> list[str]:
         "step ms: the step model (trainprof/projection/stepmodel.py) re-derives every measured phase for the "
         "target; each prediction's assumptions are listed in projection.json",
         "confidence: the step-time error scripts/bench_projection.py measured for that kind of change "
-        "(validation.json, ±%); 'unvalidated' when a kind of change was never checked against real runs (a CPU "
+        "(validation.json: the mean absolute error, and the worst run's); 'unvalidated' when a kind of change was never checked against real runs (a CPU "
         "run projected to a GPU always is), 'low' when the source GPU was mostly idle (host-bound)",
         f"MFU: {MFU_CONVENTION}",
         "scaling eff.: predicted tokens/s at N GPUs over N/N0 x the predicted tokens/s at N0 GPUs of the same kind "
@@ -183,7 +183,7 @@ def plot_projection(result: dict[str, Any], path: Path) -> Path:
     preds = [p for p in result["predictions"] if p["tokens_per_s"]]
     labels = [f"{p['hardware']}\nx{p['world_size']} {' '.join(p['overrides'])}".strip() for p in preds]
     fig, (ax1, ax2), rect = figure(plt, 2, width_in=12, plot_height_in=4.2, notes=[
-        "Predicted by trainprof project from one measured run; error bars: the validated expected error "
+        "Predicted by trainprof project from one measured run; error bars: the validated mean step error "
         "(none when not validated).", f"source: {result['source']['run_dir']}"])
     errs = [p["tokens_per_s"] * (p["expected_error_pct"] or 0) / 100 for p in preds]
     colors = ["#4c72b0" if p.get("confidence") == "validated" else "#bbbbbb" for p in preds]

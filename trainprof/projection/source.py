@@ -40,11 +40,13 @@ def load_source(run_dir: str | Path, overrides: list[str] | None = None) -> tupl
 
     Raises:
         ProjectionError: no profile.json, a partial profile, or neither a recipe nor a workload.
+        RunDirError: no such dir, or its profile.json is not a profile; UserError: it is cut short.
     """
-    from trainprof.io import profile_file, read_json
+    from trainprof.io import profile_file
     from trainprof.recipe import RecipeError, apply_overrides, load_recipe, recipe_from_dict
+    from trainprof.report.rundir import existing_run_dir, read_profile_file
 
-    run_dir = Path(run_dir)
+    run_dir = existing_run_dir(run_dir)
     path = profile_file(run_dir)
     if path is None and (run_dir / "inference.json").is_file():
         raise ProjectionError(f"'{run_dir}' is an inference run (`trainprof infer`); `trainprof project` predicts "
@@ -53,7 +55,7 @@ def load_source(run_dir: str | Path, overrides: list[str] | None = None) -> tupl
     if path is None:
         raise ProjectionError(f"'{run_dir}' has no profile.json; pass a run dir written by `trainprof run`, "
                               "`trainprof wrap` or a trainprof callback")
-    profile = read_json(path)
+    profile = read_profile_file(path)
     if profile.get("partial"):
         raise ProjectionError(f"'{run_dir}' holds a partial profile (the run failed); project from a finished run")
     recipe_path = run_dir / "recipe.yaml"

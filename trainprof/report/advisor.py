@@ -351,11 +351,11 @@ def _attach_prediction(item: dict[str, Any], predicted: list[dict[str, Any]] | N
     elif row["predicted_gain"] is None:
         item["predicted_gain_reason"] = row.get("reason") or NO_PROJECTION
     else:
-        err = row.get("expected_error_pct")
+        err = row.get("expected_error_text")
         item["predicted_gain"] = row["predicted_gain"]
         item["predicted_gain_reason"] = None
         item["predicted_gain_source"] = ("trainprof project --advice: predicted tokens/s over the same-settings "
-                                         "prediction" + (f", expected step error {err:.0f}%" if err is not None
+                                         "prediction" + (f", validated step error {err}" if err is not None
                                                          else f"; {row.get('expected_error_source') or 'error not validated'}"))
 
 
