@@ -827,6 +827,19 @@ def test_hardware_command_and_one_line_errors(capsys, tmp_path):
     assert main(["project", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"'{tmp_path / 'profile.json'}' is not a trainprof profile" in err
+    # a world-size option no target takes is refused, not ignored (--to h100-sxm --nproc 4 showed 8 GPUs), before
+    # the run dir is read
+    run = REPO / "profiles" / "h100-llama7b_qlora"
+    for argv, said in ((["--to", "h100-sxm", "--nproc", "4"], "--nproc and --threads size the run's own machine"),
+                       (["--threads", "4", "--to", "rtx4090"], "--nproc and --threads size the run's own machine"),
+                       (["--nodes", "4"], "--nodes and --gpus-per-node size catalog targets"),
+                       (["--to", "hgx-h100", "--gpus-per-node", "4"],
+                        "--to hgx-h100 is a node of 8 GPUs; --gpus-per-node 4 does not apply to it: name its GPU "
+                        "(h100-sxm)"),
+                       (["--table", "zhang2023", "--to", "rtx4090", "--nodes", "1,2"], "pass one node count")):
+        assert main(["project", str(run), *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, (argv, err)
 
 
 @pytest.mark.timed

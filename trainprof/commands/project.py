@@ -82,8 +82,10 @@ def _project(args: argparse.Namespace) -> int:
         return _advice(args)
     targets = [t.strip() for t in args.to.split(",") if t.strip()]
     try:
+        catalog = load_catalog(args.catalog)
+        _check_world_options(args, targets, catalog)
         prices = load_prices(args.prices, args.price)
-        check_prices_name_targets(prices, targets, load_catalog(args.catalog))
+        check_prices_name_targets(prices, targets, catalog)
         if args.best:
             return _best(args, targets, prices)
         if args.table:
@@ -104,6 +106,31 @@ def _project(args: argparse.Namespace) -> int:
     _refresh_report(args, paths)
     _print(args, result, render_short(result), paths)
     return 0
+
+
+def _check_world_options(args: argparse.Namespace, targets: list[str], catalog: Any) -> None:
+    """Refuse a world-size option no target takes (it was silently ignored: `--to h100-sxm --nproc 4` showed
+    8 GPUs), then fill in the defaults."""
+    from trainprof.errors import UserError
+    from trainprof.projection.changes import THIS
+
+    here, there = THIS in targets, [t for t in targets if t != THIS]
+    if not here and (args.nproc or args.threads):
+        raise UserError("--nproc and --threads size the run's own machine (--to this); for catalog targets use "
+                        "--nodes and --gpus-per-node")
+    if not there and (args.nodes or args.gpus_per_node):
+        raise UserError("--nodes and --gpus-per-node size catalog targets (--to h100-sxm,...); for the run's own "
+                        "machine use --nproc")
+    if args.gpus_per_node:
+        for t in there:
+            own = catalog.resolve(t).gpus_per_node  # unknown names fail here, one line, before any work
+            if own and own != args.gpus_per_node:
+                raise UserError(f"--to {t} is a node of {own} GPUs; --gpus-per-node {args.gpus_per_node} does not "
+                                f"apply to it: name its GPU ({catalog.accelerator_key(catalog.resolve(t))}) to choose "
+                                "the GPUs per node")
+    if args.table and args.nodes and len(args.nodes) > 1:
+        raise UserError("--table predicts one platform size: pass one node count (--nodes 1)")
+    args.nodes, args.gpus_per_node = args.nodes or [1], args.gpus_per_node or 8
 
 
 def _best(args: argparse.Namespace, targets: list[str], prices: dict[str, Any]) -> int:
@@ -234,8 +261,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "change a step (optimizer kind, ...)")
     p.add_argument("--to", default="this", help="comma-separated catalog keys (see `trainprof hardware`) or 'this' "
                    "(the machine the run was measured on; default)")
-    p.add_argument("--nodes", type=_int_list, default=[1], help="node counts for catalog targets, e.g. 1,2,4 (default 1)")
-    p.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node for catalog targets (default 8)")
+    p.add_argument("--nodes", type=_int_list, default=None, help="node counts for catalog targets, e.g. 1,2,4 (default 1)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=None,
+                   help="GPUs per node for catalog GPU targets (default 8; a node template such as hgx-h100 has its own)")
     p.add_argument("--nproc", type=_int_list, default=None, help="world sizes for --to this (default: the run's)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="for --to this: intra-op threads of the target, a different CPU calibrated here")
