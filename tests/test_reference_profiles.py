@@ -111,3 +111,19 @@ def test_the_answers_mfu_names_the_figures_it_divides(path):
     assert found, text
     mfu, model, peak = map(float, found.groups())
     assert 100 * model / peak == pytest.approx(mfu, abs=0.05 + 0.01 * mfu), text
+
+
+def test_the_model_state_table_holds_bytes_only():
+    """The report's model-state table is in MiB: the state's element count (33,554,432 on the H100 QLoRA
+    run) is not a size and is not among its rows (it read as 32.00 MiB)."""
+    from trainprof.report.document import Document, Table
+    from trainprof.report.rundir import load_run
+    from trainprof.report.sections import memory_section
+
+    run = load_run(REPO / "profiles" / "h100-llama7b_qlora")
+    doc = Document("t")
+    memory_section(doc, run)
+    (table,) = [b for sec in doc.sections for b in sec.blocks if isinstance(b, Table) and b.id == "model-state-table"]
+    state = run.profile["model_state_bytes"]
+    assert [row[0] for row in table.rows] == ["params", "grads", "optimizer_states", "master_params", "total"]
+    assert table.rows[-1][1] == pytest.approx(state["total"] / 2**20)

@@ -424,8 +424,8 @@ def memory_section(doc: Document, run: RunData) -> None:
     if state:
         rank = p.get("steps_rank", 0)
         sec.blocks.append(Para(f"Model states on rank {rank}: {model_states_text(state)}."))
-        sec.blocks.append(Table(["model state", "MiB"], [[k, _mib(v)] for k, v in state.items()
-                                                         if isinstance(v, (int, float))],
+        sec.blocks.append(Table(["model state", "MiB"], [[k, _mib(v)] for k, v in state.items()  # bytes only
+                                                         if isinstance(v, (int, float)) and not k.endswith("_elements")],
                                 method=f"rank {rank}: " + state.get(
                                     "method", "bytes this rank stores, each storage counted once"),
                                 id="model-state-table"))
