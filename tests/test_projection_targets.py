@@ -80,6 +80,7 @@ def test_catalog_targets_costs_fit_and_files(source):
         assert (out / name).stat().st_size > 0, name
     df = pd.read_csv(out / "projection.csv")
     assert len(df) == 4 and df["tokens_per_s"].notna().all() and "confidence_text" in df
+    assert df["world_size"].dtype == int and df["nodes"].dtype == int  # beside the shown "16 (2 x 8)"
     doc = json.loads((out / "projection.json").read_text())
     assert doc["table"]["columns"][-2:] == ["time to train 1e+09 tokens", "total cost"]
     assert doc["command"].startswith(f"trainprof project {run_dir} --to hgx-h100,rtx4090")
@@ -175,6 +176,14 @@ def test_best_settings_and_the_research_tables(source, cli):
     assert "offload=none" in top["setting"] and "offload=none" in cheap["setting"]
     ix = next(r for r in tables["table_ix"] if r["model"] == "llama2-70b" and r["method"] == "qlora")
     assert ix["a800-80g"]["memory_gib"] < 80
+    # each table's csv is one row per model, method and target, its figures as numbers a frame can group by
+    (kept,) = (run_dir / "projections").glob("*zhang2023*")
+    iii = pd.read_csv(kept / "table_iii.csv")
+    assert len(iii) == 2 * len(tables["table_iii"]) and set(iii["hardware"]) == {"a800-80g", "rtx4090"}
+    assert iii["tokens_per_s"].dtype == float and iii["gpus"].dtype == int
+    row = iii[(iii["model"] == "llama2-7b") & (iii["method"] == "ZeRO-3") & (iii["hardware"] == "a800-80g")]
+    assert row["tokens_per_s"].item() == pytest.approx(seven_zero3["a800-80g"]["tokens_per_s"])
+    assert pd.read_csv(kept / "table_iv.csv")["micro_batch"].notna().any()
 
 
 @pytest.mark.slow

@@ -171,9 +171,11 @@ def write_projection(result: dict[str, Any], out_dir: Path, *, title: str, comma
     image = None
     if any(p["tokens_per_s"] for p in result["predictions"]):
         image = plot_projection(result, out_dir / "projection.png").name
+    numbers = ["world_size", "nodes", "gpus_per_node", "expected_error_pct", "expected_max_error_pct"]
     paths = write_tables(out_dir / "projection", table_rows, cols, title=title,
                          intro=["Predicted from one measured run; every figure is a prediction with its confidence, "
-                                "not a measurement.", f"Command: `{command}`"], notes=doc["notes"], image=image)
+                                "not a measurement.", f"Command: `{command}`"], notes=doc["notes"], image=image,
+                         csv=([c.key for c in cols] + numbers, table_rows))
     return [out_dir / "projection.json", *paths]
 
 
@@ -388,6 +390,18 @@ def _research_notes(result: dict[str, Any], footnote: _Footnotes) -> list[str]:
             "step model does not re-derive, e.g. 4-bit Adam states):", *footnote.lines()]
 
 
+RESEARCH_CSV = ["model", "method", "hardware", "gpus", "micro_batch", "micro_batch_capped", "tokens_per_s",
+                "memory_gib", "fits", "confidence", "reason"]
+
+
+def _research_csv(result: dict[str, Any], key: str) -> tuple[list[str], list[dict[str, Any]]]:
+    """A research table as a frame reads it: one row per model, method and target, its figures as numbers
+    (the shown cells join them into text)."""
+    rows = [{"model": r["model"], "method": r["method"], "hardware": t, "gpus": result["world_size"][t],
+             "micro_batch_capped": r[t].get("capped"), **r[t]} for r in result[key] for t in result["targets"]]
+    return RESEARCH_CSV, rows
+
+
 def write_tables_doc(result: dict[str, Any], out_dir: Path, *, command: str) -> list[Path]:
     footnote = _Footnotes()
     tables = {key: _research_rows(result, key, footnote) for key in TABLE_TITLES}
@@ -396,7 +410,7 @@ def write_tables_doc(result: dict[str, Any], out_dir: Path, *, command: str) -> 
     md = ["# Zhang et al. (arXiv 2311.03687) tables, predicted", "", f"Command: `{command}`", ""]
     for key, title in TABLE_TITLES.items():
         cols, rows = tables[key]
-        paths += write_tables(out_dir / key, rows, cols, title=title, notes=notes_)
+        paths += write_tables(out_dir / key, rows, cols, title=title, notes=notes_, csv=_research_csv(result, key))
         md += [f"## {title}", "", "| " + " | ".join(c.header for c in cols) + " |", "|" + "---|" * len(cols)]
         md += ["| " + " | ".join(str(r[c.key]).replace("|", "/") for c in cols) + " |" for r in rows] + [""]
     md += ["## How these figures were made", ""] + [f"- {n}" for n in notes_]

@@ -64,10 +64,14 @@ def table_document(rows: list[dict[str, Any]], columns: list[Column], *, title: 
 
 
 def write_tables(stem: Path, rows: list[dict[str, Any]], columns: list[Column], *, title: str,
-                 intro: list[str] = (), notes: list[str] = (), image: str | None = None) -> list[Path]:
-    """Write <stem>.md, <stem>.csv and <stem>.html atomically; return their paths."""
+                 intro: list[str] = (), notes: list[str] = (), image: str | None = None,
+                 csv: tuple[list[str], list[dict[str, Any]]] | None = None) -> list[Path]:
+    """Write <stem>.md, <stem>.csv and <stem>.html atomically; return their paths. The csv holds the rows'
+    raw values under the columns' keys, or `csv` (keys, rows) where the shown cells are text a frame cannot
+    sort or group by."""
     doc = table_document(rows, columns, title=title, intro=intro, notes=notes, image=image)
-    raw = Table([c.key for c in columns], [[row.get(c.key) for c in columns] for row in rows])
+    keys, raw_rows = csv or ([c.key for c in columns], rows)
+    raw = Table(list(keys), [[row.get(k) for k in keys] for row in raw_rows])
     out = []
     for suffix, text in ((".md", render_markdown(doc)), (".csv", render_csv(raw)), (".html", render_html(doc))):
         path = stem.with_suffix(suffix)
