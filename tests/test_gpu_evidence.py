@@ -429,6 +429,9 @@ def test_cpu_to_gpu_cases_recomputed_from_profiles(case):
     finetune = next((o.split("=")[1] for o in case["overrides"] if o.startswith("task.kind=")), None)
     assert ("gpu_ops_finetune" in case["host_assumptions"]) == (finetune is not None), case["host_assumptions"]
     assert ("host likely low" in case["confidence"]) == (finetune is not None), case["confidence"]  # in the table
+    if finetune:  # with how far the kept rows of that task landed
+        errors = [c["step_error_pct"] for c in VALIDATION["cpu_to_gpu_cases"] if f"task.kind={finetune}" in c["overrides"]]
+        assert f"host likely low ({min(errors):+.0f}..{max(errors):+.0f}% on {len(errors)} GPU runs)" in case["confidence"]
     if finetune == "lora":
         assert abs(case["step_error_pct"]) <= 25
         rows = [c for c in VALIDATION["cpu_to_gpu_cases"] if c["target"].endswith("-llama7b_lora")]

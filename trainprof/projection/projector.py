@@ -25,7 +25,8 @@ from trainprof.projection.machines import (by_host_path, catalog_link, gpu_host,
 from trainprof.projection.prices import price_for
 from trainprof.projection.source import PROBES_FILE, Source, ensure_calibration, kept_probe, same_machine_as_source
 from trainprof.projection.stepmodel import Change, Inputs, predict_phases, residual_ms
-from trainprof.projection.validation import COMM_BOUND_MARK, COMM_BOUND_SHARE, HOST_BOUND_MARK, confidence
+from trainprof.projection.validation import (COMM_BOUND_MARK, COMM_BOUND_SHARE, HOST_BOUND_MARK, confidence,
+                                             cpu_to_gpu_task_error)
 from trainprof.recipe import shape_label
 from trainprof.shapes import DTYPE_BYTES
 
@@ -441,7 +442,8 @@ class Projector:
                           gpus=gpus)
         noted, marks = {a.kind for a in notes}, []  # in the table cell, not only among the assumptions
         if "gpu_ops_finetune" in noted:
-            marks.append(f"{src.recipe.task.kind} -> {r.task.kind}: host likely low")
+            seen = cpu_to_gpu_task_error(r.task.kind) if src.measured.device_type == "cpu" else None
+            marks.append(f"{src.recipe.task.kind} -> {r.task.kind}: host likely low" + (f" ({seen})" if seen else ""))
         comm = (phases or {}).get("comm_exposed") or 0.0
         if step_ms and comm > COMM_BOUND_SHARE * step_ms:  # what bounds the row, where the reader looks
             notes.append(assume("comm_bound", share=comm / step_ms, ms=comm))

@@ -132,6 +132,18 @@ def confidence(kinds: list[str], validation: dict[str, Any] | None, *, host_boun
     return Confidence(label="validated", expected_error_pct=err, **spread, why="", reason=why)
 
 
+@functools.lru_cache(maxsize=8)
+def cpu_to_gpu_task_error(task: str) -> str | None:
+    """How far CPU -> GPU predictions of a finetuning task landed from the kept GPU runs of it
+    (validation_gpu.json cpu_to_gpu_cases), e.g. "-50..-33% on 4 GPU runs"; None where none was run."""
+    doc = json.loads(GPU_VALIDATION_FILE.read_text()) if GPU_VALIDATION_FILE.is_file() else {}
+    errors = [c["step_error_pct"] for c in doc.get("cpu_to_gpu_cases") or []
+              if f"task.kind={task}" in c.get("overrides", []) and c.get("step_error_pct") is not None]
+    if not errors:
+        return None
+    return f"{min(errors):+.0f}..{max(errors):+.0f}% on {len(errors)} GPU run{'s' * (len(errors) > 1)}"
+
+
 @functools.lru_cache(maxsize=16)
 def elementwise_share(accelerator: str | None = None) -> tuple[float, str]:
     """The share of a GPU's datasheet memory bandwidth that a model's non-GEMM operators reach, as measured
