@@ -18,7 +18,10 @@ import pytest
 from conftest import QUIET, run_trainprof
 from helpers.checks import NotJudged, retry_on_noise
 from trainprof.analysis.diff import MIN_BAND, NOISE_SAFETY, diff_profiles
-from trainprof.report.diff_report import run_diff, write_diff
+from trainprof.io import read_json
+from trainprof.report.diff_report import build_diff_document, run_diff, write_diff
+from trainprof.report.document import render_markdown
+from trainprof.report.rundir import RunData
 from trainprof.report.sections import CATEGORIES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,6 +75,48 @@ def test_a_part_of_modules_each_too_small_is_not_judged_and_its_table_says_why(t
     assert norms["backward"].verdict != "too small"
     md = write_diff(d, doc, tmp_path, formats=("md",))["md"].read_text()
     assert f"a part whose modules are each under {d.min_ms} ms is too small too" in md
+
+
+def test_the_runs_name_each_side_s_device_and_speed_and_warn_when_the_machines_differ(tmp_path, cli):
+    """The same QLoRA recipe on an H100 and an H200 (profiles/): each side's device, tokens/s and median step
+    are the profile's own (env, summary), in the terminal with --out and in diff.md / diff.html, with a
+    warning that the machines differ; against itself there is no warning."""
+    a, b = REPO / "profiles" / "h100-llama7b_qlora", REPO / "profiles" / "h200-llama7b_qlora"
+    out = cli("diff", a, b, "--out", tmp_path / "d")
+    assert out.returncode == 0, out.stderr
+    md, html = (tmp_path / "d" / "diff.md").read_text(), (tmp_path / "d" / "diff.html").read_text()
+    for side, run in (("A", a), ("B", b)):
+        profile = read_json(run / "profile.json.gz")
+        env, s = profile["env"], profile["summary"]
+        said = (f"**{side} ran on**: {env['device']} ({env['device_type']}) x {env['world_size']} rank; "
+                f"{s['tokens_per_s']:,.0f} tokens/s ({s['tokens_per_s_scope']}); median step "
+                f"{s['step_ms']['median']:,.2f} ms, wall time of an optimizer step over {s['steps_used']} measured steps")
+        assert said in out.stdout and said in md, out.stdout
+        assert env["device"] in html and f"{s['tokens_per_s']:,.0f} tokens/s" in html
+    assert ("A and B ran on different machines (NVIDIA H100 80GB HBM3 vs NVIDIA H200)" in md
+            and "differences are what the warning above names" in md)
+    # the figures sit above the first table
+    assert md.index("**B ran on**") < md.index("| figure |")
+    same = cli("diff", a, a)
+    assert "different machines" not in same.stdout and "differences are noise or the machine" in same.stdout
+
+
+def test_a_cpu_side_names_its_host_and_the_slowest_rank():
+    """A CPU run's device is its architecture, so the host CPU's model is named; on 2 ranks the median step
+    is the slowest rank's (the one tokens/s divides by), rank 0's beside it; a rank count that differs is
+    warned about."""
+    one_rank = copy.deepcopy(PROFILE)
+    one_rank["env"].update(world_size=1, device_type="cpu", device="x86_64", host_cpu="AMD EPYC")
+    two = copy.deepcopy(one_rank)
+    two["env"]["world_size"] = 2
+    two["summary"]["across_ranks"]["step_ms_median"] = {"min": 10.0, "median": 11.0, "max": 12.5}
+    two["summary"]["step_ms"]["median"] = 10.0
+    two["steps_rank"] = 0
+    runs = [RunData.of_profile(p, name) for name, p in (("one", one_rank), ("two", two))]
+    md = render_markdown(build_diff_document(*runs, diff_profiles(one_rank, two, stat="min")))
+    assert "**A ran on**: x86_64 (cpu, AMD EPYC) x 1 rank;" in md
+    assert "median step 12.50 ms on the slowest rank (10.00 ms on rank 0)" in md
+    assert "A and B ran on different rank counts (1 vs 2)" in md and "different machines" not in md
 
 
 def test_modules_on_one_side_only_are_listed():

@@ -246,7 +246,11 @@ def test_diff_of_two_inference_runs(run, tmp_path, cli) -> None:
     assert set(df[df["kind"] == "module"]["verdict"]) == {MODULE_NOT_JUDGED}
     html = (tmp_path / "diff" / "diff.html").read_text()
     assert 'id="latency-diff"' in html and 'id="memory-diff"' in html and "model.attention" in html
-    assert "settings.batch_sizes" in (tmp_path / "diff" / "diff.md").read_text()
+    md = (tmp_path / "diff" / "diff.md").read_text()
+    assert "settings.batch_sizes" in md
+    env = doc["env"]  # both ran here: each side names this machine, and no warning says they differ
+    assert f"**A ran on**: {env['device']} ({env['device_type']}" in md and f"**B ran on**: {env['device']}" in md
+    assert "different machines" not in md and "ran on" in out.stdout
 
     slower = json.loads(json.dumps(doc))
     for r in slower["results"]:

@@ -66,6 +66,34 @@ def test_report_of_a_profiled_two_rank_run(tmp_path):
     assert (run / "tb").glob("events.out.tfevents.*.trainprof")
 
 
+@pytest.mark.parametrize("cost, said", [
+    (-0.04, "ran 4% faster than the median untraced step"),
+    (0.04, "ran 4% slower than the median untraced step"),
+    (0.001, "ran as fast as the median untraced step"),
+    (0.5, "ran 50% slower than the median untraced step"),
+    (1.5, "ran 150% slower than the median untraced step"),
+    (-0.5, "ran 50% faster than the median untraced step"),
+])
+def test_the_operators_section_says_what_tracing_did_either_way_against_the_step_spread(cost, said):
+    """ops_info.cost_frac below zero is traced steps that ran faster (noise), not a negative slowdown; it is
+    judged against the untraced steps' spread (zero3_2rank: min / median -29%, max / median +123%)."""
+    from trainprof.report.document import Document, render_markdown
+    from trainprof.report.rundir import RunData
+    from trainprof.report.sections import ops_section
+
+    profile = json.loads((DATA / "zero3_2rank" / "profile.json").read_text())
+    profile["ops_info"]["cost_frac"] = cost
+    s = profile["summary"]["step_ms"]
+    low, high = s["min"] / s["median"] - 1, s["max"] / s["median"] - 1
+    doc = Document("t")
+    ops_section(doc, RunData.of_profile(profile, DATA / "zero3_2rank"))
+    md = render_markdown(doc)
+    verdict = ("noise, no cost of tracing shows" if low <= cost <= high else "the cost of tracing" if cost > high
+               else "noise, not tracing's doing")
+    assert said in md and verdict in md and f"{100 * low:+.0f}% to {100 * high:+.0f}% of their median" in md, md
+    assert "-4%" not in md and "Tracing made" not in md
+
+
 def test_report_does_not_import_torch_and_is_fast(tmp_path):
     run = _copy("zero3_2rank", tmp_path)
     code = ("import sys, time; t = time.perf_counter(); from trainprof.report.run_report import write_reports; "

@@ -21,7 +21,7 @@ def noise_band(text: str) -> float:
 def _diff(args: argparse.Namespace) -> int:
     from trainprof.errors import UserError
     from trainprof.report.diff_report import FORMATS, repeat_warning, run_diff, write_diff
-    from trainprof.report.document import render_markdown
+    from trainprof.report.document import Document, render_markdown
 
     formats = tuple(f.strip() for f in args.format.split(",") if f.strip())
     bad = [f for f in formats if f not in FORMATS]
@@ -35,6 +35,8 @@ def _diff(args: argparse.Namespace) -> int:
     if args.out is None:
         print(render_markdown(doc))
         return 0
+    # the files hold the tables; the terminal still says what was compared, on which machines
+    print(render_markdown(Document(doc.title, doc.subtitle, sections=doc.sections[:1])))
     written = write_diff(d, doc, args.out, formats)
     print("trainprof diff: wrote " + ", ".join(str(p) for p in written.values()), file=sys.stderr)
     return 0

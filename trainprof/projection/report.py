@@ -186,12 +186,12 @@ def plot_projection(result: dict[str, Any], path: Path) -> Path:
     labels = [f"{p['hardware']}\nx{p['world_size']} {' '.join(p['overrides'])}".strip() for p in preds]
     fig, (ax1, ax2), rect = figure(plt, 2, width_in=12, plot_height_in=4.2, notes=[
         "Predicted by trainprof project from one measured run; error bars: the validated mean step error "
-        "(none when not validated).", f"source: {result['source']['run_dir']}"])
+        "(none when not validated); grey bars: unvalidated or low confidence.", f"source: {result['source']['run_dir']}"])
     errs = [p["tokens_per_s"] * (p["expected_error_pct"] or 0) / 100 for p in preds]
     colors = ["#4c72b0" if p.get("confidence") == "validated" else "#bbbbbb" for p in preds]
     ax1.bar(range(len(preds)), [p["tokens_per_s"] for p in preds], yerr=errs, color=colors, capsize=3)
     ax1.set_xticks(range(len(preds)), labels, fontsize=7, rotation=30, ha="right")
-    ax1.set_ylabel("predicted tokens/s (all GPUs; grey: unvalidated or low confidence)")
+    ax1.set_ylabel("predicted tokens/s (all GPUs)")
     bottom = [0.0] * len(preds)
     for phase in PHASES:
         vals = [(p["phases_ms"] or {}).get(phase, 0.0) for p in preds]

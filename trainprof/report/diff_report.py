@@ -8,11 +8,12 @@ from typing import Any
 from trainprof.analysis.diff import (DEFAULT_INFER_MIN_MS, DEFAULT_MIN_MS, MODULES_NOT_JUDGED_WHY, NOISE_SAFETY,
                                     ProfileDiff, diff_inference, diff_profiles)
 from trainprof.analysis.records import module_label
-from trainprof.io import atomic_write_text
+from trainprof.io import atomic_write_text, dig
 from trainprof.report import plots
-from trainprof.report.document import Document, Facts, Figure, Missing, Para, Table, render_csv, render_html
+from trainprof.report.document import Document, Facts, Figure, Missing, Para, Table, fmt, render_csv, render_html
 from trainprof.report.document import render_markdown
 from trainprof.report.rundir import RunData, RunDirError, load_run
+from trainprof.report.sections import hardware_text, throughput_text
 
 FORMATS = ("md", "html", "csv")
 CSV_COLUMNS = ["kind", "name", "phase", "a_ms", "b_ms", "change", "faster_by", "speedup", "verdict", "spread_a",
@@ -66,20 +67,59 @@ def _table(rows, method: str, id: str, name_header: str, phase_header: str = "ph
                  method=method, id=id, numeric=[False, False, True, True, True, True, True, False, True, True])
 
 
-def _runs_section(doc: Document, paths: tuple[Path | None, ...], d: ProfileDiff, statistic: str) -> None:
-    """The compared run dirs (A, B, then the repeats of A and B where given), the statistic, the noise band,
-    what changed between the recipes, and notes."""
+def _training_side(run: RunData) -> str:
+    """Where a training run ran and how fast, worded as its run report words them: the summary's tokens/s
+    and median step (the slowest rank's beside rank 0's when there are several)."""
+    p = run.profile or {}
+    s, env = p.get("summary") or {}, p.get("env") or {}
+    median, slowest = dig(s, "step_ms", "median"), dig(s, "across_ranks", "step_ms_median", "max")
+    step = f"median step {fmt(median)} ms"
+    if (env.get("world_size") or 1) > 1 and slowest is not None:
+        step = f"median step {fmt(slowest)} ms on the slowest rank ({fmt(median)} ms on rank {p.get('steps_rank', 0)})"
+    return (f"{hardware_text(env)}; {throughput_text(s)}; {step}, wall time of an optimizer step over "
+            f"{s.get('steps_used', len(run.measured_steps))} measured steps "
+            f"({s.get('steps_used_description') or 'all measured steps'}; {env.get('timer', 'timer not recorded')} timer)")
+
+
+def _machine(env: dict[str, Any]) -> str:
+    """What tells two runs' hardware apart: the device's name, and for a CPU (named by its architecture) the
+    host's model."""
+    device = str(env.get("device") or "device not recorded")
+    return f"{device} ({env['host_cpu']})" if env.get("device_type") == "cpu" and env.get("host_cpu") else device
+
+
+def _hardware_note(env_a: dict[str, Any], env_b: dict[str, Any]) -> str | None:
+    """A warning when A and B ran on different machines or rank counts: every change then holds that too."""
+    if _machine(env_a) != _machine(env_b):
+        return (f"A and B ran on different machines ({_machine(env_a)} vs {_machine(env_b)}): each change below "
+                "mixes the hardware with any difference in settings.")
+    if env_a.get("world_size") != env_b.get("world_size"):
+        return (f"A and B ran on different rank counts ({env_a.get('world_size', '?')} vs "
+                f"{env_b.get('world_size', '?')}): each change below holds that as well as any recipe change.")
+    return None
+
+
+def _runs_section(doc: Document, paths: tuple[Path | None, ...], d: ProfileDiff, statistic: str,
+                  sides: tuple[str, str], envs: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    """The compared run dirs (A, B, then the repeats of A and B where given), where A and B ran (`sides`),
+    the statistic, the noise band, what changed between the machines and the recipes, and notes."""
     sec = doc.section("Runs", id="runs")
     facts = [(label, str(path)) for label, path in zip(("A", "B", "repeat of A", "repeat of B"), paths)
              if path is not None]
-    facts += [("statistic", statistic),
+    facts += [("A ran on", sides[0]), ("B ran on", sides[1]), ("statistic", statistic),
               ("noise band", _band_text(d) + (f"; rows under {d.min_ms} ms not judged" if d.min_ms else ""))]
     sec.blocks.append(Facts(facts))
+    hardware = _hardware_note(*envs)
+    if hardware:
+        sec.blocks.append(Para(f"Warning: {hardware}"))
     for side, changes in d.repeat_changes.items():
         sec.blocks.append(Para(f"Warning: {repeat_warning(side, changes)}."))
     if d.recipe_changes:
         sec.blocks.append(Table(["recipe key", "A", "B"], [[k, str(va), str(vb)] for k, va, vb in d.recipe_changes],
                                 id="recipe-changes", numeric=[False, False, False]))
+    elif hardware:
+        sec.blocks.append(Para("The two recipes are the same (apart from output.*): differences are what the "
+                               "warning above names, and noise."))
     else:
         sec.blocks.append(Para("The two recipes are the same (apart from output.*): differences are noise or the "
                                "machine."))
@@ -91,7 +131,8 @@ def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff, *repeats
     """The diff of two training run dirs; `repeats`: the repeats of A and of B (None where not given)."""
     a, b = run_a.profile or {}, run_b.profile or {}
     doc = Document("trainprof diff", subtitle=f"A = {run_a.path.name}, B = {run_b.path.name}")
-    _runs_section(doc, (run_a.path, run_b.path, *(r.path if r else None for r in repeats)), d, d.stat)
+    _runs_section(doc, (run_a.path, run_b.path, *(r.path if r else None for r in repeats)), d, d.stat,
+                  (_training_side(run_a), _training_side(run_b)), (a.get("env") or {}, b.get("env") or {}))
     method = _method(d, a, b)
     sec = doc.section("Step and phases", id="phases")
     sec.blocks.append(_table([*d.steps, *d.phases], method, "phase-diff", "figure"))
@@ -153,7 +194,10 @@ def build_inference_diff_document(paths: tuple[Path | None, ...], d: ProfileDiff
     """The diff of two `trainprof infer` run dirs: latencies and throughput per batch size, the modules'
     prefill and decode-step time, and memory."""
     doc = Document("trainprof diff (inference)", subtitle=f"A = {paths[0].name}, B = {paths[1].name}")
-    _runs_section(doc, paths, d, "p50 over the requests of each batch size (inference.json)")
+    envs = (a.get("env") or {}, b.get("env") or {})
+    _runs_section(doc, paths, d, "p50 over the requests of each batch size (inference.json)",
+                  tuple(f"{hardware_text(env)} ({env.get('timer', 'timer not recorded')} timer); latencies and "
+                        "throughput per batch size below" if env else "device not recorded" for env in envs), envs)
     timers = {x.get("method", {}).get("timer") for x in (a, b)} - {None}
     method = (f"ms; latencies as inference.json defines them ({(a.get('method') or {}).get('metrics', '')[:120]}...); "
               "ms per output token = 1000 / output tokens/s; module rows: prefill = the model's first forward, decode "

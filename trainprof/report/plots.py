@@ -61,12 +61,53 @@ def figure(plt, ncols: int, *, width_in: float, plot_height_in: float, notes: li
     return fig, list(axes[0]), (0, (cap_in + 0.1) / (plot_height_in + cap_in), 1, 1)
 
 
+TICK_LABEL_CHARS = 40  # longer x tick labels (a projection's overrides) are wrapped onto lines this long
+MIN_PANEL_IN = 1.5  # a panel keeps at least this height and width: the figure grows around long labels instead
+LAYOUT_PAD = 1.08  # tight_layout's padding around and between the panels, in font sizes (matplotlib's default)
+
+
+def wrap_tick_labels(fig) -> None:
+    """Wrap each x tick label longer than TICK_LABEL_CHARS at its spaces: same text, on shorter lines. Y tick
+    labels stay whole: they name bar rows, and extra lines would run into the next row."""
+    for ax in fig.axes:
+        texts = [label.get_text() for label in ax.xaxis.get_ticklabels()]
+        if all(len(line) <= TICK_LABEL_CHARS for text in texts for line in text.split("\n")):
+            continue
+        wrapped = ["\n".join(textwrap.fill(line, TICK_LABEL_CHARS, break_long_words=False) or line
+                             for line in text.split("\n")) for text in texts]
+        ax.xaxis.set_ticks(ax.xaxis.get_ticklocs(), wrapped)
+
+
+def fit_size(fig, rect: tuple[float, float, float, float]) -> tuple[float, float, float, float]:
+    """Grow the figure so that each panel (side by side, as `figure` makes them) keeps MIN_PANEL_IN inches
+    each way beside its labels: tight_layout alone would shrink the panels, and gives up with a warning
+    ("Tight layout not applied") when they would vanish. The caption below rect keeps its height.
+    Returns rect for the new size."""
+    import matplotlib
+
+    renderer = fig.canvas.get_renderer()
+    width, height = fig.get_size_inches()
+    pad_in = LAYOUT_PAD * matplotlib.rcParams["font.size"] / 72
+    panels = [(ax.get_tightbbox(renderer), ax.get_window_extent(renderer)) for ax in fig.axes if ax.get_visible()]
+    need_h = max(((tight.height - own.height) / fig.dpi for tight, own in panels), default=0.0)
+    need_h += 2 * pad_in + MIN_PANEL_IN
+    need_w = sum((tight.width - own.width) / fig.dpi + MIN_PANEL_IN for tight, own in panels)
+    need_w += (len(panels) + 1) * pad_in
+    room_h = (rect[3] - rect[1]) * height
+    grown_w, grown_h = max(width, need_w), height + max(0.0, need_h - room_h)
+    if (grown_w, grown_h) == (width, height):
+        return rect
+    fig.set_size_inches(grown_w, grown_h)
+    return (rect[0], rect[1] * height / grown_h, rect[2], 1 - (1 - rect[3]) * height / grown_h)
+
+
 def save_figure(fig, path: Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> Path:
     """Lay out the panels inside rect, save the figure atomically (temp file, then rename) and close it."""
     import os
     import tempfile
 
-    fig.tight_layout(rect=rect)
+    wrap_tick_labels(fig)
+    fig.tight_layout(rect=fit_size(fig, rect), pad=LAYOUT_PAD)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
     os.close(fd)

@@ -25,8 +25,9 @@ from trainprof.report.plots import INSTALL_HINT
 from trainprof.report.projections import how_to_project, projections_section
 from trainprof.report.rundir import WRITERS, RunData, RunDirError, load_run, recipe_of
 from trainprof.report.sections import (MiB, advice_section, categories_section, comm_section, compile_text,
-                                       headline_facts, memory_section, methods_section, module_phase_section,
-                                       ops_section, phases_section, ranks_section, top_modules_section)
+                                       hardware_text, headline_facts, memory_section, methods_section,
+                                       module_phase_section, ops_section, phases_section, ranks_section,
+                                       top_modules_section)
 
 TRACE_SCAN_BYTES = 32 * MiB  # traces larger than this (on disk) are listed, not read, unless asked
 
@@ -104,8 +105,7 @@ def facts_section(doc: Document, run: RunData) -> None:
         ("steps", f"{train.get('steps', '?')} measured after {train.get('warmup_steps', '?')} warm-up; "
                   f"{s.get('steps_used', len(run.measured_steps))} used for medians "
                   f"({s.get('steps_used_description', 'all measured steps')})"),
-        ("hardware", f"{env.get('device', 'n/a')} ({env.get('device_type', 'device type not recorded')}) x "
-                     f"{env.get('world_size', '?')} ranks"),
+        ("hardware", hardware_text(env)),
         ("versions", ", ".join(f"{k} {env[k]}" for k in ("torch", "deepspeed", "transformers") if env.get(k))
          or "not recorded"),
         ("timer", f"{env.get('timer', 'n/a')}: {env.get('timer_description', 'not recorded')}"),

@@ -107,6 +107,21 @@ def _peak_memory_text(s: dict[str, Any]) -> str:
     return f"{_mib_text(max(peaks.values()))} (largest phase peak; {s.get('peak_memory_method', 'method not recorded')})"
 
 
+def hardware_text(env: dict[str, Any]) -> str:
+    """The device a run used: name (type) x ranks. A CPU's device name is its architecture, so the host's
+    model is named beside it."""
+    host = f", {env['host_cpu']}" if env.get("device_type") == "cpu" and env.get("host_cpu") else ""
+    ranks = env.get("world_size")
+    return (f"{env.get('device', 'n/a')} ({env.get('device_type', 'device type not recorded')}{host}) x "
+            f"{'?' if ranks is None else ranks} rank{'' if ranks == 1 else 's'}")
+
+
+def throughput_text(s: dict[str, Any]) -> str:
+    """The summary's tokens/s with its scope (which ranks' tokens over which rank's median step)."""
+    return (f"{fmt(s.get('tokens_per_s'), 0)} tokens/s "
+            f"({s.get('tokens_per_s_scope') or s.get('tokens_per_s_method') or 'scope not recorded'})")
+
+
 def headline_facts(run: RunData) -> list[tuple[str, str]]:
     """The run's answer as (label, text) pairs: throughput, step time, bottleneck, closure, FLOPs, memory
     and parameters. The report's opening, summary.md's Measurements and the terminal summary show these."""
@@ -116,8 +131,7 @@ def headline_facts(run: RunData) -> list[tuple[str, str]]:
     phases = {k: v for k, v in (s.get("phases_ms") or {}).items() if v}
     frac, frac_max = s.get("unattributed_frac"), s.get("unattributed_frac_max")
     facts = [
-        ("throughput", f"{fmt(s.get('tokens_per_s'), 0)} tokens/s "
-                       f"({s.get('tokens_per_s_scope') or s.get('tokens_per_s_method') or 'scope not recorded'})"),
+        ("throughput", throughput_text(s)),
         ("time of a step", f"{fmt(dig(s, 'step_ms', 'median'))} ms median (min {fmt(dig(s, 'step_ms', 'min'))}, "
                            f"max {fmt(dig(s, 'step_ms', 'max'))}) over {s.get('steps_used', len(run.measured_steps))} "
                            f"measured steps ({s.get('steps_used_description') or 'all measured steps'})"),
@@ -332,6 +346,27 @@ def module_phase_section(doc: Document, run: RunData) -> None:
                             id="module-phase-table", numeric=[False, False] + [True] * 10))
 
 
+def tracing_cost_text(cost: float, step_ms: dict[str, float | None]) -> str:
+    """What operator tracing did to the traced steps (`ops_info.cost_frac`), in either direction, judged
+    against the untraced steps' own spread (summary.step_ms min / max): inside it, the change is noise."""
+    if round(100 * cost) == 0:
+        change = "as fast as"
+    else:
+        change = f"{100 * abs(cost):.0f}% {'slower' if cost > 0 else 'faster'} than"
+    text = (f"Traced steps ran {change} the median untraced step (median traced step / median of the steps the "
+            "medians use - 1)")
+    median, low, high = step_ms.get("median"), step_ms.get("min"), step_ms.get("max")
+    if not median or low is None or high is None:
+        return text + "."
+    low, high = low / median - 1, high / median - 1
+    spread = f"{100 * low:+.0f}% to {100 * high:+.0f}% of their median"
+    if cost > high:
+        return f"{text}, beyond the untraced steps' spread ({spread}): the cost of tracing."
+    if cost < low:
+        return f"{text}, faster than any untraced step ({spread}): noise, not tracing's doing."
+    return f"{text}, within the untraced steps' own spread ({spread}): noise, no cost of tracing shows."
+
+
 def ops_section(doc: Document, run: RunData) -> None:
     p = run.profile or {}
     ops, info = p.get("ops") or [], p.get("ops_info") or {}
@@ -345,8 +380,8 @@ def ops_section(doc: Document, run: RunData) -> None:
     cost = info.get("cost_frac")
     sec.blocks.append(Para(f"Traced steps: {info.get('steps')}; top {min(TOP_OPS, len(ops))} of {len(ops)} "
                            f"(operator, module, phase) rows by self time, per traced step."
-                           + (f" Tracing made those steps {100 * cost:.0f}% slower; they are left out of every "
-                              "other figure." if cost is not None else "")))
+                           + (f" {tracing_cost_text(cost, dig(p, 'summary', 'step_ms') or {})} They are left out "
+                              "of every other figure." if cost is not None else "")))
     cuda = dig(p, "env", "device_type") == "cuda"
     sec.blocks.append(Table(
         ["operator", "module", "phase", "calls", "self ms", "GFLOPs"],
