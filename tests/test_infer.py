@@ -188,7 +188,7 @@ def test_cli_help_and_bad_arguments(cli) -> None:
     help_ = cli("infer", "--help")
     assert help_.returncode == 0 and "--prompt-len" in help_.stdout and "--new-tokens" in help_.stdout
     bad = cli("infer", RECIPE, "--batch", "0,4")
-    assert bad.returncode == 2 and "--batch" in bad.stderr and "batch sizes must be integers >= 1" in bad.stderr
+    assert bad.returncode == 2 and "--batch" in bad.stderr and "expected comma-separated integers >= 1 like 1,2,4, got '0,4'" in bad.stderr
     long = cli("infer", RECIPE, "--prompt-len", "1000", "--new-tokens", "100")
     assert long.returncode == 2
     lines = [ln for ln in long.stderr.splitlines() if ln.startswith("trainprof:")]

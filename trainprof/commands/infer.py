@@ -4,18 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from trainprof.commands.run import positive_int
+from trainprof.commands.run import positive_int, positive_ints
 from trainprof.recipe import load_recipe
-
-
-def batch_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,4,16, got '{text}'") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be integers >= 1, got '{text}'")
-    return sorted(set(values))
 
 
 def _infer(args: argparse.Namespace) -> int:
@@ -53,7 +43,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        "decode times. Writes <output.dir>/<recipe>-infer-<UTC timestamp>/.")
     p.add_argument("recipe", help="recipe YAML file (its model; LoRA adapters are merged)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.dtype=fp32")
-    p.add_argument("--batch", type=batch_list, default=[1, 4, 16], help="batch sizes, comma-separated (default 1,4,16)")
+    p.add_argument("--batch", type=positive_ints, default=[1, 4, 16], help="batch sizes, comma-separated (default 1,4,16)")
     p.add_argument("--prompt-len", type=positive_int, default=512, help="prompt tokens per request (default 512)")
     p.add_argument("--new-tokens", type=positive_int, default=128,
                    help="output tokens per request, fixed: eos disabled (default 128; >= 2 for TPOT)")

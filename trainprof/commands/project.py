@@ -12,19 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainprof.commands.run import positive_int
+from trainprof.commands.run import positive_int, positive_ints
 
 TABLES = ("zhang2023",)
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of positive integers, e.g. 1,2,4")
-    return values
 
 
 def _tokens(text: str) -> float:
@@ -261,10 +251,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "change a step (optimizer kind, ...)")
     p.add_argument("--to", default="this", help="comma-separated catalog keys (see `trainprof hardware`) or 'this' "
                    "(the machine the run was measured on; default)")
-    p.add_argument("--nodes", type=_int_list, default=None, help="node counts for catalog targets, e.g. 1,2,4 (default 1)")
+    p.add_argument("--nodes", type=positive_ints, default=None, help="node counts for catalog targets, e.g. 1,2,4 (default 1)")
     p.add_argument("--gpus-per-node", type=positive_int, default=None,
                    help="GPUs per node for catalog GPU targets (default 8; a node template such as hgx-h100 has its own)")
-    p.add_argument("--nproc", type=_int_list, default=None, help="world sizes for --to this (default: the run's)")
+    p.add_argument("--nproc", type=positive_ints, default=None, help="world sizes for --to this (default: the run's)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="for --to this: intra-op threads of the target, a different CPU calibrated here")
     p.add_argument("--tokens", type=_tokens, default=None,

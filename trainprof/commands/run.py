@@ -11,6 +11,17 @@ from trainprof.recipe import check_environment, check_world_size, load_recipe
 from trainprof.sweep.launch import launch_command
 
 
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of integers >= 1 (world sizes, node counts, batch sizes), sorted, each once."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1 like 1,2,4, got '{text}'")
+    return sorted(set(values))
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

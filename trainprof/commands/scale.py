@@ -7,15 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,4,8, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected integers >= 1 like 1,2,4,8, got {text!r}")
-    return sorted(set(values))
+from trainprof.commands.run import positive_ints
 
 
 def _launch_points(args: argparse.Namespace) -> tuple[list[dict], str, Path, bool]:
@@ -140,8 +132,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        "(fixed per-rank batch) by default. Resumable like `trainprof sweep`.")
     p.add_argument("recipe", nargs="?", help="recipe YAML (omit with --runs)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    p.add_argument("--nproc", type=int_list, default=[1, 2], help="ranks per node, comma-separated (default 1,2)")
-    p.add_argument("--nnodes", type=int_list, default=[1], help="nodes, comma-separated (default 1; > 1 runs the "
+    p.add_argument("--nproc", type=positive_ints, default=[1, 2], help="ranks per node, comma-separated (default 1,2)")
+    p.add_argument("--nnodes", type=positive_ints, default=[1], help="nodes, comma-separated (default 1; > 1 runs the "
                    "nodes with srun inside a SLURM allocation, see scripts/slurm_scale.sh)")
     p.add_argument("--strong", action="store_true", help="strong scaling: keep the global batch of the smallest N")
     p.add_argument("--runs", nargs="+", metavar="DIR", help="existing run dirs (or dirs holding them), one per "
@@ -150,7 +142,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=int, default=1800, help="seconds per world size (default 1800)")
     p.add_argument("--retry-failed", action="store_true", help="run failed world sizes again")
     p.add_argument("--out", help="output dir (default runs/scale/<recipe>-<weak|strong>)")
-    p.add_argument("--project-to", type=int_list, default=[], help="also project these world sizes from the "
+    p.add_argument("--project-to", type=positive_ints, default=[], help="also project these world sizes from the "
                    "smallest run (scaling_projected.*), e.g. 4,8")
     p.add_argument("--no-project", action="store_true", help="skip the projected section")
     p.set_defaults(func=_scale)
