@@ -111,7 +111,7 @@ def _cross_target(to: str, path: Path, profile: Path | None, doc: dict[str, Any]
         rates = device_rates(catalog.resolve(source), catalog.resolve(gpu))
     except (CatalogError, ValueError) as e:
         raise UserError(f"--to {to}: {e}") from None
-    return CrossTarget(name=to, gpu=gpu, gpus_per_node=resolved.gpus_per_node if to in catalog.nodes else None,
+    return CrossTarget(name=to, gpu=gpu, gpus_per_node=resolved.gpus_per_node,
                        rates=rates, measured_ms=doc["summary"]["step_ms"]["median"],
                        capacity_bytes=(resolved.figure("memory_gb") or 0) * 1e9 or None)
 
