@@ -13,7 +13,7 @@ from trainprof.report import plots
 from trainprof.report.document import Document, Facts, Figure, Missing, Para, Table, fmt, render_csv, render_html
 from trainprof.report.document import render_markdown
 from trainprof.report.rundir import RunData, RunDirError, load_run
-from trainprof.report.sections import hardware_text, throughput_text
+from trainprof.report.sections import cpu_model, hardware_text, throughput_text
 
 FORMATS = ("md", "html", "csv")
 CSV_COLUMNS = ["kind", "name", "phase", "a_ms", "b_ms", "change", "faster_by", "speedup", "verdict", "spread_a",
@@ -85,7 +85,7 @@ def _machine(env: dict[str, Any]) -> str:
     """What tells two runs' hardware apart: the device's name, and for a CPU (named by its architecture) the
     host's model."""
     device = str(env.get("device") or "device not recorded")
-    return f"{device} ({env['host_cpu']})" if env.get("device_type") == "cpu" and env.get("host_cpu") else device
+    return f"{device} ({cpu_model(env)})" if cpu_model(env) else device
 
 
 def _hardware_note(env_a: dict[str, Any], env_b: dict[str, Any]) -> str | None:

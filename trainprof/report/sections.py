@@ -107,10 +107,15 @@ def _peak_memory_text(s: dict[str, Any]) -> str:
     return f"{_mib_text(max(peaks.values()))} (largest phase peak; {s.get('peak_memory_method', 'method not recorded')})"
 
 
+def cpu_model(env: dict[str, Any]) -> str | None:
+    """A CPU run's processor model, which tells its machine apart (a CPU's device name is its architecture);
+    None for a GPU run or where it was not recorded."""
+    return env.get("host_cpu") if env.get("device_type") == "cpu" else None
+
+
 def hardware_text(env: dict[str, Any]) -> str:
-    """The device a run used: name (type) x ranks. A CPU's device name is its architecture, so the host's
-    model is named beside it."""
-    host = f", {env['host_cpu']}" if env.get("device_type") == "cpu" and env.get("host_cpu") else ""
+    """The device a run used: name (type) x ranks, with a CPU's model beside its architecture."""
+    host = f", {cpu_model(env)}" if cpu_model(env) else ""
     ranks = env.get("world_size")
     return (f"{env.get('device', 'n/a')} ({env.get('device_type', 'device type not recorded')}{host}) x "
             f"{'?' if ranks is None else ranks} rank{'' if ranks == 1 else 's'}")
