@@ -274,6 +274,28 @@ def test_a_single_rank_cell_runs_without_torchrun_and_its_kill_names_rank_0(tmp_
     assert failure_record(result, None, world_size=2)["rank"] is None
 
 
+def test_a_cell_whose_profile_is_cut_short_fails_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    """A profile.json cut short (a disk filled, a copy stopped) marks its cell failed, naming the file, rather
+    than ending the sweep with a traceback and losing the cells after it."""
+    from trainprof.sweep import runner
+    from trainprof.sweep.spec import make_cell
+    from trainprof.sweep.state import SweepState
+
+    def writes_half_a_profile(recipe, overrides, **_):
+        run_dir = Path(next(o for o in overrides if o.startswith("output.dir=")).split("=", 1)[1]) / "run"
+        script = (f"import pathlib; d = pathlib.Path({str(run_dir)!r}); d.mkdir(parents=True); "
+                  "(d / 'recipe.yaml').write_text('{}'); (d / 'profile.json').write_text('{\"steps\": [1, ')")
+        return [sys.executable, "-c", script]
+
+    monkeypatch.setattr(runner, "launch_command", writes_half_a_profile)
+    cells = [make_cell(QUICKSTART, [f"train.steps={n}"], label=f"c{n}")[0] for n in (2, 3)]
+    state = SweepState(tmp_path / "sweep.json", kind="sweep", name="t", meta={})
+    recs = runner.run_cells(cells, tmp_path, state, timeout_s=60)
+    assert [r["status"] for r in recs] == ["failed", "failed"]
+    message = recs[0]["failure"]["message"]
+    assert "profile.json: not valid JSON (line 1" in message and "stopped while writing it" in message
+
+
 def test_metrics_row_reads_absent_fields_as_null_with_a_reason():
     values, methods, why = metrics_row({"env": {"world_size": 2, "timer": "host"},
                                         "summary": {"tokens_per_s": 10.0, "step_ms": {"median": 5.0}}})

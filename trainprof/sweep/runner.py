@@ -8,7 +8,6 @@ launch.log (torchrun's or the single rank's output) and the run dir trainprof.ru
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -16,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
+from trainprof.errors import UserError
+from trainprof.report.rundir import RunDirError, read_profile_file
 from trainprof.sweep.launch import launch, launch_command
 from trainprof.sweep.outcome import failure_record, find_run_dir, metrics_row
 from trainprof.sweep.spec import Cell
@@ -60,13 +61,19 @@ def run_cell(cell: Cell, out_dir: Path, state: SweepState, *, timeout_s: float) 
         state.update(cell.key, {**common, "status": "interrupted"})
         raise KeyboardInterrupt
     profile_path = run_dir / "profile.json" if run_dir else None
+    unreadable = None
     if result.returncode == 0 and profile_path is not None and profile_path.is_file():
-        values, methods, why = metrics_row(json.loads(profile_path.read_text()))
-        return state.update(cell.key, {**common, "status": "done", "values": values, "methods": methods,
-                                      "null_reasons": why})
+        try:
+            profile = read_profile_file(profile_path)
+        except (UserError, RunDirError) as err:  # a cut-short or foreign file fails this cell, not the sweep
+            unreadable = str(err)
+        else:
+            values, methods, why = metrics_row(profile)
+            return state.update(cell.key, {**common, "status": "done", "values": values, "methods": methods,
+                                          "null_reasons": why})
     failure = failure_record(result, run_dir, cell.world_size)
     if result.returncode == 0 and failure["kind"] == "error" and failure["rank"] is None:
-        failure["message"] = "the launcher exited 0 but the run wrote no profile.json"
+        failure["message"] = unreadable or "the launcher exited 0 but the run wrote no profile.json"
     return state.update(cell.key, {**common, "status": "failed", "failure": failure})
 
 
