@@ -118,6 +118,17 @@ def test_cli_bad_sweep_exits_2_before_running_anything(tmp_path, cli):
     assert missing.returncode == 2 and "not found" in missing.stderr
 
 
+def test_scale_runs_that_are_not_profiles_are_one_line_errors(tmp_path, cli):
+    for name, text, message in (("cut", '{"steps": [', "not valid JSON (line 2 col 1)"),
+                                ("list", "[1, 2]", "is not a trainprof profile")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "profile.json").write_text(text + "\n")
+        proc = cli("scale", "--runs", tmp_path / name, "--out", tmp_path / "out")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+        assert f"{name}/profile.json" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_help_of_each_command(cli):
     for command in ("sweep", "maxbatch", "scale"):
         proc = cli(command, "--help")

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.analysis.bandwidth import bandwidth_gbps
-from trainprof.io import read_json
 from trainprof.report.plots import figure, pyplot, save_figure
+from trainprof.report.rundir import read_profile_file
 from trainprof.report.tables import Column, fmt_num, fmt_pct, fmt_text, write_tables
 
 PARTS = ("comm", "idle", "imbalance", "compute", "other")
@@ -58,7 +58,7 @@ def strong_overrides(micro_batch: int, grad_accum: int, n_ref: int, n: int) -> l
 
 
 def load_run(run_dir: Path) -> dict[str, Any]:
-    profile = read_json(run_dir / "profile.json")
+    profile = read_profile_file(run_dir / "profile.json")  # cut short or not a profile: a one-line error
     return {"run_dir": str(run_dir), "profile": profile, "world_size": (profile.get("env") or {}).get("world_size")}
 
 
