@@ -104,13 +104,15 @@ def test_catalog_targets_costs_fit_and_files(source):
     assert huge["fits"] is False and huge.get("fit_suggestion") == [
         "engine.zero_stage=3", "model.recompute=true", "engine.offload=optimizer+params", "train.micro_batch_size=1"
     ], huge.get("fit_suggestion")
-    # no one-GPU throughput to scale from: null with the reason, never a ratio against what cannot run
-    assert big["scaling_efficiency"] is None and "do not fit one GPU of rtx4090" in big["reasons"]["scaling_efficiency"]
+    # one GPU is the baseline, not 100% of itself
+    assert big["scaling_efficiency"] is None and "one GPU: the baseline" in big["reasons"]["scaling_efficiency"]
     # on 80 GB cards it needs two: eight scale from two, tput(8) x 2 / (8 x tput(2)), the two predicted apart
     eight = project(str(run_dir), "model.name=llama2-7b", "data.seq_len=350", "--to", "a800-80g")["predictions"][0]
     two = project(str(run_dir), "model.name=llama2-7b", "data.seq_len=350", "--to", "a800-80g",
                   "--gpus-per-node", "2")["predictions"][0]
     assert (eight["world_size"], two["world_size"], two["fits"], eight["scaling_base_gpus"]) == (8, 2, True, 2)
+    # two have no one-GPU throughput to scale from: null with the reason, never a ratio against what cannot run
+    assert two["scaling_efficiency"] is None and "do not fit one GPU of a800-80g" in two["reasons"]["scaling_efficiency"]
     # the same in fp32: the GEMMs at the A800's fp32 rate, the collectives and the plan at 4 bytes an element
     fp32 = project(str(run_dir), "model.name=llama2-7b", "data.seq_len=350", "model.dtype=fp32", "--to",
                    "a800-80g")["predictions"][0]

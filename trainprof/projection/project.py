@@ -168,7 +168,11 @@ def scaling_efficiency(projector: Projector, recipe: Any, predictions: list[dict
         if p["tokens_per_s"] is None:
             continue
         (machine, settings), n = where(p), p["world_size"]
-        fewer = [1 << k for k in range(n.bit_length()) if 1 << k < n] or [1]
+        if n == 1:  # itself against itself would read 100%
+            p.setdefault("reasons", {})["scaling_efficiency"] = (
+                f"one {unit(machine)}: the baseline larger world sizes are scaled against")
+            continue
+        fewer = [1 << k for k in range(n.bit_length()) if 1 << k < n]
         base = next((b for b in fewer if at(machine, settings, b)["fits"] is not False), None)
         if base is None:
             one = at(machine, settings, 1)

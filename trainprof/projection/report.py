@@ -105,7 +105,8 @@ def notes(result: dict[str, Any]) -> list[str]:
         f"MFU: {MFU_CONVENTION}",
         "scaling eff.: predicted tokens/s at N GPUs over N/N0 x the predicted tokens/s at N0 GPUs of the same kind "
         "and settings (the 'vs' column): N0 = 1, or where the settings do not fit one GPU the fewest (a power of two) "
-        "they fit; with ZeRO each of the N0 does a larger share of the optimizer step, so it can pass 100%",
+        "they fit; with ZeRO each of the N0 does a larger share of the optimizer step, so it can pass 100%; n/a on a "
+        "one-GPU row (the baseline)",
         "memory/GPU: trainprof plan's formulas for the target (plus what the source measured beyond them on the "
         "same machine); fits: under the catalog's memory capacity (on the source's machine: under "
         "train.memory_cap_gb, else its GPU's capacity less the CUDA context and allocator reserve plan counts)",
