@@ -39,3 +39,23 @@ def test_json_cut_short_is_a_one_line_user_error_naming_the_file(tmp_path):
             read_json(tmp_path / name)
         assert str(err.value).startswith(f"{tmp_path / name}: not valid JSON (") and said[name] in str(err.value)
         assert "\n" not in str(err.value)
+
+
+def test_written_files_get_the_mode_open_would_give_them(tmp_path):
+    """0666 less the umask, as TensorBoard's own files: mkstemp's 0600 left a run's report unreadable to a
+    teammate on a shared cluster. Charts go through the same writer."""
+    import os
+    import stat
+
+    from trainprof.io import _UMASK, atomic_write_text
+    from trainprof.report.plots import pyplot, save_figure
+
+    atomic_write_text(tmp_path / "summary.md", "x")
+    save_figure(pyplot().figure(), tmp_path / "chart.png")
+    with open(tmp_path / "control.txt", "w") as f:
+        f.write("x")
+    want = stat.S_IMODE(os.stat(tmp_path / "control.txt").st_mode)
+    assert want == 0o666 & ~_UMASK  # 0644 under the usual umask 022
+    for name in ("summary.md", "chart.png"):
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == want, name
+    assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -13,12 +13,27 @@ from typing import Any
 from trainprof.errors import UserError
 
 
+def _read_umask() -> int:
+    """The process's umask (set and restored at once: os.umask has no read-only form)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # once, at import: before any thread of ours could create a file meanwhile
+
+
 def atomic_write_text(path: str | Path, text: str | bytes) -> None:
-    """Write `text` (or bytes) to `path` via a temp file in the same directory and os.replace."""
+    """Write `text` (or bytes) to `path` via a temp file in the same directory and os.replace.
+
+    The file gets the mode open() would give it (0666 less the umask): mkstemp's 0600 would leave a run's
+    report unreadable to the teammates that TensorBoard's files, written with open(), are readable to.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()

@@ -102,21 +102,17 @@ def fit_size(fig, rect: tuple[float, float, float, float]) -> tuple[float, float
 
 
 def save_figure(fig, path: Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> Path:
-    """Lay out the panels inside rect, save the figure atomically (temp file, then rename) and close it."""
-    import os
-    import tempfile
+    """Lay out the panels inside rect, save the figure atomically (trainprof.io.atomic_write_text) and close it."""
+    from trainprof.io import atomic_write_text
 
     wrap_tick_labels(fig)
     fig.tight_layout(rect=fit_size(fig, rect), pad=LAYOUT_PAD)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
+    buf = io.BytesIO()
     try:
-        fig.savefig(tmp, dpi=DPI)
-        os.replace(tmp, path)
+        fig.savefig(buf, format=path.suffix.lstrip(".") or None, dpi=DPI)
     finally:
-        Path(tmp).unlink(missing_ok=True)
         pyplot().close(fig)
+    atomic_write_text(path, buf.getvalue())
     return path
 
 
