@@ -260,3 +260,30 @@ def test_a_forward_under_autocast_is_recorded_as_the_torch_engines_16_bit_recipe
     assert recorded[True, "hf"]["train"] == {"micro_batch_size": 2, "grad_accum": 1}
     assert recorded[True, "deepspeed"]["model"]["dtype"] == "fp32"
     assert "autocast to bf16" in recorded[True, "deepspeed"]["unknown"]["model.dtype"]
+
+
+def test_a_compiled_model_is_recorded_as_model_compile():
+    """A wrapped run of a torch.compile'd model projects from a compiled source: per-layer `.compile()` is
+    the recipes' model.compile; a whole-model wrapper is taken as it, and `unknown` says so. Without this
+    the what-if model.compile=false read the compiled step 'as measured'."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainprof.integrations.workload import workload
+    from trainprof.profiler.compiled import CompiledModules, compile_block
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+    def recorded(model):
+        block = compile_block(CompiledModules.find(model), None)  # what the profile's `compile` holds
+        return workload(model, framework="hf", engine_config={}, shape=None, compiled=block)
+
+    eager = recorded(LlamaForCausalLM(cfg))
+    assert eager["model"]["compile"] is False and "model.compile" not in eager["unknown"]
+    per_layer = LlamaForCausalLM(cfg)
+    for layer in per_layer.model.layers:
+        layer.compile()  # lazy: nothing is compiled until a forward
+    assert recorded(per_layer)["model"]["compile"] is True and "model.compile" not in recorded(per_layer)["unknown"]
+    whole = recorded(torch.compile(LlamaForCausalLM(cfg)))
+    assert whole["model"]["compile"] is True
+    assert "not the 2 decoder layers" in whole["unknown"]["model.compile"]

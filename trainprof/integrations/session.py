@@ -52,8 +52,18 @@ class ProfileSession:
 
     # -- attaching and steps -----------------------------------------------------------------------
 
-    def attach(self, model: Any, optimizer: Any = None, **profiler_kwargs: Any) -> None:
-        """Create the Profiler on `model` (the module the loop calls); once per session."""
+    def attach(self, model: Any, optimizer: Any = None, *, time_optimizer: bool = True,
+               **profiler_kwargs: Any) -> None:
+        """Create the Profiler on `model` (the module the loop calls); once per session.
+
+        Args:
+            model: the module to profile (depth 0).
+            optimizer: its optimizer; its states count in the model-state bytes.
+            time_optimizer: time a torch optimizer's step() and zero_grad() as the optimizer phase. False
+                where step() holds more than the update (Lightning runs forward and backward inside
+                `optimizer.step(closure)`): the caller marks the phase, the states are still measured.
+            profiler_kwargs: any Profiler keyword, applied last.
+        """
         from trainprof.profiler import Profiler
 
         if self.prof is not None:
@@ -65,7 +75,8 @@ class ProfileSession:
                                       warmup_steps=self.warmup_steps)
         kwargs.update(profiler_kwargs)
         self.model = model
-        self.prof = Profiler(model, optimizer, **kwargs)
+        self.prof = Profiler(model, optimizer if time_optimizer else None, **kwargs)
+        self.prof.optimizer = optimizer  # the Profiler wraps the step() of the optimizer it is given; states read it here
         from trainprof.integrations.workload import BatchShape, find_llama
 
         llama = find_llama(model)
@@ -162,7 +173,7 @@ class ProfileSession:
         from trainprof.integrations.workload import workload
 
         profile["workload"] = workload(self.model, framework=self.framework, engine_config=self.engine_config,
-                                       shape=self._shape)
+                                       shape=self._shape, compiled=profile.get("compile"))
         if self._shape is not None:
             self._shape.remove()
         profile["summary"]["memory_meter"] = memory_meter(prof.device)

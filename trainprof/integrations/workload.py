@@ -6,6 +6,7 @@ as recipe keys in profile.json's `workload`, and under `unknown` each key it cou
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -107,9 +108,27 @@ def _engine_block(framework: str, config: dict[str, Any] | None) -> dict[str, An
     return {"kind": "deepspeed", "zero_stage": int(zero.get("stage", 0)), "offload": offload}
 
 
+def _compile_key(compiled: dict[str, Any] | None, num_layers: int, unknown: dict[str, str]) -> bool:
+    """model.compile from the profile's `compile` block: recipes compile each decoder layer; other regions
+    (the whole model, a few layers) are taken as compiled too, and `unknown` says so."""
+    if not (compiled or {}).get("compiled"):
+        return False
+    regions = compiled.get("regions") or []
+    per_layer = len(regions) == num_layers and all(re.search(r"layers\.\d+$", r) for r in regions)
+    if not per_layer:
+        shown = ", ".join(regions[:3]) + (f" and {len(regions) - 3} more" if len(regions) > 3 else "")
+        unknown["model.compile"] = (f"compiled regions ({shown or 'unnamed'}) are not the {num_layers} decoder "
+                                    "layers a recipe's model.compile compiles; taken as model.compile=true")
+    return True
+
+
 def workload(model: Any, *, framework: str, engine_config: dict[str, Any] | None,
-             shape: BatchShape | None) -> dict[str, Any]:
-    """The workload block of a wrapped run's profile (recipe keys, and `unknown` with reasons)."""
+             shape: BatchShape | None, compiled: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The workload block of a wrapped run's profile (recipe keys, and `unknown` with reasons).
+
+    Args:
+        compiled: the profile's `compile` block (whether and where the model was torch.compiled).
+    """
     unknown: dict[str, str] = {}
     out: dict[str, Any] = {"engine": _engine_block(framework, engine_config), "task": _task_block(model)}
     llama = find_llama(model)
@@ -117,6 +136,7 @@ def workload(model: Any, *, framework: str, engine_config: dict[str, Any] | None
         unknown["model"] = f"no module of {type(model).__name__} has a decoder config (hidden_size, layers, heads)"
     else:
         out["model"] = _model_block(llama, model)
+        out["model"]["compile"] = _compile_key(compiled, out["model"]["num_layers"], unknown)
         amp = shape.autocast if shape is not None else None
         if amp and out["model"]["dtype"] == "fp32":  # fp32 weights, 16-bit compute
             if out["engine"]["kind"] == "torch":  # a torch-engine recipe in a 16-bit dtype is exactly that (AMP)
