@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -36,6 +37,10 @@ def test_scalar_series_per_measured_step():
     assert "module/model.layers.0.self_attn/forward_ms" in top  # per-step module times (steps[].modules_ms)
     first = next(s for s in PROFILE["steps"] if s["step"] == measured[0])
     assert series["phase/forward_ms"][0][1] == pytest.approx(first["phases_ms"]["forward"])
+    # the run's tokens/s, as its summary counts them (both ranks' tokens), not rank 0's alone
+    assert series["step/tokens_per_s"][0][1] == pytest.approx(2 * first["tokens"] / first["wall_ms"] * 1e3, rel=1e-3)
+    assert PROFILE["summary"]["tokens_per_s"] == pytest.approx(
+        statistics.median(v for _, v in series["step/tokens_per_s"]), rel=0.1)
 
 
 def test_scalars_of_a_run_dir_without_phases(tmp_path):

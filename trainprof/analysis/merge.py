@@ -111,13 +111,15 @@ def _merge_summary(merged: dict[str, Any], profiles: list[dict[str, Any]], ranks
     tokens = [p["summary"].get("tokens_per_step") for p in profiles]
     if step_s > 0 and all(t for t in tokens):
         if pipeline:
+            summary["tokens_per_step_all_ranks"] = tokens[0]
             summary["tokens_per_s"] = tokens[0] / step_s
             summary["tokens_per_s_scope"] = ("one pipeline: tokens per step (every stage processes the same "
                                              "tokens) / slowest stage's median step")
         else:
             # Megatron's tensor x pipeline parallel ranks of one model replica process the same tokens
             shared = int(profiles[0]["env"].get("model_parallel_size") or 1)
-            summary["tokens_per_s"] = sum(tokens) / shared / step_s
+            summary["tokens_per_step_all_ranks"] = sum(tokens) / shared
+            summary["tokens_per_s"] = summary["tokens_per_step_all_ranks"] / step_s
             summary["tokens_per_s_scope"] = "all ranks: sum of per-rank tokens per step / slowest rank's median step"
             if shared > 1:
                 summary["tokens_per_s_scope"] += (f", / {shared} (the tensor x pipeline parallel ranks of a model "

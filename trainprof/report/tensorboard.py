@@ -3,8 +3,8 @@ so one `tensorboard --logdir <run_dir>/tb` shows the profiler plugin's views and
 both under the run's name.
 
 Series (x axis = the profile's step number; warm-up steps are left out):
-    step/wall_ms, step/tokens_per_s, step/achieved_tflops, step/loss, step/instrumented (1 on a step
-    slowed by FLOP counting or operator tracing)
+    step/wall_ms, step/tokens_per_s (all ranks, as the summary), step/achieved_tflops (rank 0's), step/loss,
+    step/instrumented (1 on a step slowed by FLOP counting or operator tracing)
     phase/<phase>_ms for data_wait, forward, backward, recompute, optimizer, comm_exposed, other,
     unattributed; comm/exposed_ms and comm/exposed_frac (exposed communication over the step)
     memory/peak_<phase>_mib (forward, backward, optimizer; or the step's peak in older run dirs)
@@ -45,12 +45,14 @@ def scalar_series(profile: dict[str, Any], top: int = TOP_MODULES) -> dict[str, 
             series.setdefault(tag, []).append((step, float(value)))
 
     modules = [m["name"] for m in top_modules(profile, top)]
+    ranks = _all_ranks_factor(profile.get("summary") or {})
     for s in profile.get("steps") or []:
         if s.get("warmup") or s.get("step", 0) < 0:
             continue
         n = int(s["step"])
         add("step/wall_ms", n, s.get("wall_ms"))
-        add("step/tokens_per_s", n, step_tokens_per_s(s))
+        tps = step_tokens_per_s(s)
+        add("step/tokens_per_s", n, tps * ranks if tps is not None else None)
         add("step/achieved_tflops", n, step_tflops(profile, s))
         add("step/loss", n, s.get("loss"))
         if "instrumented" in s:
@@ -78,6 +80,16 @@ def scalar_series(profile: dict[str, Any], top: int = TOP_MODULES) -> dict[str, 
     return series
 
 
+def _all_ranks_factor(summary: dict[str, Any]) -> float:
+    """All ranks' tokens per step over rank 0's (a step's own record is rank 0's): the scalar is then the
+    run's tokens/s, as its summary counts them; 1 for a one-rank run."""
+    everyone, own = summary.get("tokens_per_step_all_ranks"), summary.get("tokens_per_step")
+    slowest = ((summary.get("across_ranks") or {}).get("step_ms_median") or {}).get("max")
+    if everyone is None and summary.get("tokens_per_s") and slowest:  # merged before that field: its inverse
+        everyone = summary["tokens_per_s"] * slowest / 1e3
+    return everyone / own if everyone and own else 1.0
+
+
 def _summary_text(profile: dict[str, Any], run_name: str) -> str:
     """Markdown shown in TensorBoard's Text tab: how the scalars were measured."""
     meas = profile.get("measurement") or {}
@@ -87,8 +99,11 @@ def _summary_text(profile: dict[str, Any], run_name: str) -> str:
         if key in meas:
             lines.append(f"- {key}: {meas[key]}")
     if s.get("tokens_per_s_scope") or s.get("tokens_per_s_method"):
-        lines.append(f"- tokens/s: per step, tokens of the step / its wall time "
-                     f"({s.get('tokens_per_s_scope') or s.get('tokens_per_s_method')})")
+        per_step = ("all ranks' tokens of the step (rank 0's x "
+                    f"{_all_ranks_factor(s):g}) / rank 0's wall time of it" if _all_ranks_factor(s) != 1 else
+                    "tokens of the step / its wall time")
+        lines.append(f"- tokens/s: per step, {per_step}; the run's figure: "
+                     f"{s.get('tokens_per_s_scope') or s.get('tokens_per_s_method')}")
     if s.get("flops_convention"):
         lines.append(f"- achieved TFLOP/s: FLOPs counted on one step / each step's wall time; {s['flops_convention']}")
     mods = top_modules(profile, TOP_MODULES)
