@@ -64,6 +64,12 @@ def test_report_of_a_profiled_two_rank_run(tmp_path):
     per_step = profile["ops_info"]["trace_bytes_per_step"] / 2**20
     assert f"{per_step:.2f}" in md
     assert (run / "tb").glob("events.out.tfevents.*.trainprof")
+    # the phase table's medians need not add up to the median step: it shows their sum and says why
+    s = profile["summary"]
+    total = sum(s["phases_ms"].values()) + s["unattributed_ms"]
+    row = next(line for line in md.splitlines() if line.startswith("| sum of the rows above |"))
+    assert f"{total:.3g}" in row.replace(",", "") or f"{total:.2f}" in row, (row, total)
+    assert "so they need not add up to 100%" in md
 
 
 @pytest.mark.parametrize("cost, said", [

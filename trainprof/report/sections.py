@@ -252,8 +252,15 @@ def phases_section(doc: Document, run: RunData) -> None:
     phases = s.get("phases_ms") or {}
     rows = [[ph, phases.get(ph), _pct(phases.get(ph), step_ms)] for ph in shown]
     rows.append(["unattributed (closure error)", s.get("unattributed_ms"), _pct(s.get("unattributed_ms"), step_ms)])
+    parts = [phases.get(ph) for ph in shown] + [s.get("unattributed_ms")]
+    total = sum(x for x in parts if x is not None) if any(x is not None for x in parts) else None
+    rows.append(["sum of the rows above", total, _pct(total, step_ms)])
+    medians = (f"each row is that phase's own median over the measured steps, and shares are of the median step "
+               f"({step_ms:.1f} ms), so they need not add up to 100%; each step's phases add up to its wall time "
+               "(the per-step table of report.md)") if step_ms else None
     sec.blocks.append(Table(["phase", "ms per step (median)", "share of step"], rows,
-                            method=dig(p, "measurement", "phases"), id="phases-table"))
+                            method="; ".join(x for x in (dig(p, "measurement", "phases"), medians) if x),
+                            id="phases-table"))
     if doc.compact:
         return
     cols = ["step", "wall ms", *shown, "unattributed", "instrumented"]
