@@ -1363,3 +1363,17 @@ def test_time_and_cost_to_train_read_at_their_size():
     assert [fmt_duration(s) for s in (None, 42, 3188, 9.4 * 3600, 12.3 * 86400)] == \
         ["n/a", "42 s", "53 min", "9.4 h", "12.3 days"]
     assert [_fmt_usd(x) for x in (None, 0.034, 35.2, 3_536_000)] == ["n/a", "$0.03", "$35.20", "$3,536,000"]
+
+
+def test_a_world_size_change_here_computes_at_the_threads_a_launched_run_gets(monkeypatch):
+    """A 1-rank source ran at torch's default threads (2 on a 2-core machine); its 2-rank target, launched by
+    torchrun, runs each rank at 1 unless OMP_NUM_THREADS says otherwise: the prediction probes that."""
+    from trainprof.projection.projector import threads_when_launched
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert threads_when_launched(2, one_process=2)[0] == 1 and "torchrun" in threads_when_launched(2, 2)[1]
+    assert threads_when_launched(1, one_process=2) == (2, "one process without torchrun: torch's default")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_when_launched(2, one_process=2) == (3, "OMP_NUM_THREADS=3")
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    assert threads_when_launched(4, one_process=2)[0] == 1

@@ -22,6 +22,8 @@ TEMPLATES: dict[str, str] = {
     "host_bound_source": ("the source's GPU ran kernels {busy_frac:.0%} of the step (operator trace): host-bound; the "
                           "host's part is predicted as host time (the target's host CPU assumed as fast as the source's)"),
     # compute
+    "threads_launched": ("compute: each of the {world} rank(s) at {threads} intra-op thread(s), as a run launched "
+                         "here gets them ({why}); the source's ranks ran at {source_threads}"),
     "ranks_uneven": ("compute: the source's ranks were busy {fastest_ms:.1f}-{slowest_ms:.1f} ms a step (rank "
                      "{slowest_rank} the slowest, +{spread:.0%}) and the prediction keeps the slowest one's pace, "
                      "which a run on {world} rank(s) need not have (the cores, or the GPUs, ran unevenly)"),

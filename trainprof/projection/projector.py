@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 from typing import Any
 
 from trainprof.hardware import Catalog, Target, find_accelerator
@@ -57,6 +58,17 @@ class ResidentProbe:
     layers: int | None  # the decoder layers both were built with; None: the source's model, two engines
 
 
+def threads_when_launched(ranks: int, one_process: int) -> tuple[int, str]:
+    """(intra-op threads, why) of each rank of `trainprof run --nproc N` on this machine: OMP_NUM_THREADS where
+    set; else torchrun's default of 1 where it starts several ranks; else torch's default in one process."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given), f"OMP_NUM_THREADS={given}"
+    if ranks > 1:
+        return 1, f"torchrun sets OMP_NUM_THREADS=1 for each of its {ranks} processes where it is unset"
+    return one_process, "one process without torchrun: torch's default"
+
+
 @dataclasses.dataclass(kw_only=True)
 class TargetRun:
     """One prediction's target: the recipe, where it runs, and what changes from the source."""
@@ -91,6 +103,9 @@ class Projector:
         self._used: list[Any] = []  # the probe keys the prediction under way used
         env = source.profile["env"]
         self.source_threads = int(env.get("cpu_threads") or 1)
+        import torch
+
+        self.default_threads = torch.get_num_threads()  # one process's, before any probe or calibration here
         self.source_census = census(source.recipe)
         self.source_gpu = find_accelerator(catalog, env.get("device", ""))  # None: a CPU, or a GPU not catalogued
         from trainprof.projection.probes import Neighbours
@@ -113,10 +128,17 @@ class Projector:
                 threads: int | None = None, tokens: float | None = None, overrides: list[str] | None = None
                 ) -> dict[str, Any]:
         """One prediction dict (see the module docstring for its fields)."""
-        t = self._target(target_recipe, machine, world or self.source.measured.world_size, gpus_per_node, threads)
+        m, notes = self.source.measured, []
+        world = world or m.world_size
+        if threads is None and machine == THIS and m.device_type == "cpu" and world != m.world_size:
+            launched, why = threads_when_launched(world, self.default_threads)
+            if launched != self.source_threads:  # 2 ranks on a 2-core machine do not each get both cores
+                threads = launched
+                notes.append(assume("threads_launched", world=world, threads=launched, why=why,
+                                    source_threads=self.source_threads))
+        t = self._target(target_recipe, machine, world, gpus_per_node, threads)
         reasons: dict[str, str] = {}
         self._refuse(t, reasons)
-        notes: list[Assumption] = []
         self._used = []
         inputs = self._inputs_here(t, reasons, notes) if t.same_machine else self._inputs_there(t, reasons, notes)
         phases, step_ms, pipeline_block = self._step(t, inputs, reasons, notes)
@@ -456,7 +478,7 @@ class Projector:
         conf = dataclasses.replace(conf, marks=tuple(marks))
         pred: dict[str, Any] = {
             "hardware": t.machine if t.hardware is not None else
-            f"this ({src.profile['env']['device']}" + (f", {t.threads} threads" if t.threads else "") + ")",
+            f"this ({src.profile['env']['device']}" + (f", {t.threads} thread{'s' * (t.threads > 1)}" if t.threads else "") + ")",
             "nodes": max(1, math.ceil(t.world / t.gpus_per_node)) if t.hardware is not None else 1,
             "gpus_per_node": t.gpus_per_node if t.hardware is not None else t.world,
             "world_size": t.world,
