@@ -66,6 +66,9 @@ def test_torch_ddp_two_ranks(shared_run):
     _, profile = shared_run(2, "engine.kind=torch", "engine.zero_stage=0", "train.grad_accum=2", *QUIET)
     assert_trained(profile, 2, grad_accum=2)
     assert profile["engine"]["config"]["ddp"] is True
+    # its all-reduces are recorded, and the profile says where DDP's wait for them went
+    assert any(c["op"] == "all_reduce" for c in profile["comm"])
+    assert "counted in backward, not comm_exposed" in profile["measurement"]["comm_exposed_ddp"]
 
 
 @pytest.mark.slow

@@ -154,6 +154,7 @@ class Profiler:
         self.activation_bytes: int | None = None
         self._seq_len: int | None = None
         self.pipeline: PipelineInfo | None = None  # set by watch_pipeline on a pipeline stage
+        self.ddp = False  # set by watch_ddp: DDP waits for its all-reduces inside backward
         self._origin_unix_ns: int | None = None
         self._undo: list[Any] = []  # callables that remove the call wrappers
         self._closed = False
@@ -421,6 +422,7 @@ class Profiler:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         ddp_model.register_comm_hook(None, default_hooks.allreduce_hook)
+        self.ddp = True
 
     def watch_pipeline(self, *, stage: int, num_stages: int, schedule: str, micro_batches: int,
                        prev_rank: int | None, next_rank: int | None) -> None:

@@ -50,6 +50,7 @@ class Recorded(Protocol):
     activation_bytes: int | None
     grads_bytes: int | None
     pipeline: Any  # PipelineInfo | None (a pipeline stage)
+    ddp: bool  # DDP's gradient all-reduces watched (watch_ddp)
     dynamo: Any  # DynamoWatch | None (a compiled model)
 
 
@@ -190,6 +191,11 @@ def mean_ops(per_step: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
+DDP_WAIT = ("DDP waits for its gradient all-reduces in C++ at the end of backward, where no Python hook sees "
+            "the wait: that wait is counted in backward, not comm_exposed; the all-reduces' issue-to-completion time "
+            "bounds it")
+
+
 def measurement(prof: Recorded, used_desc: str) -> dict[str, str]:
     """How every figure was measured, in words, for the output."""
     return {
@@ -217,6 +223,7 @@ def measurement(prof: Recorded, used_desc: str) -> dict[str, str]:
         "memory": prof.memory.method if prof.memory is not None else "not measured",
         "pipeline_bubble": (BUBBLE_METHOD if prof.pipeline is not None else
                             "0: not a pipeline stage (no engine.pipeline_stages > 1)"),
+        **({"comm_exposed_ddp": DDP_WAIT} if prof.ddp else {}),
         **({"p2p": ("point-to-point rows: phase = what they carry (forward activations, backward gradients); "
                     "total = issue to the end of this rank's last wait on it, so it includes waiting for the "
                     "neighbour and the bandwidth is a lower bound; the link time per transfer is "

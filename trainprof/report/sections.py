@@ -425,9 +425,10 @@ def comm_section(doc: Document, run: RunData) -> None:
         return
     step_ms = dig(p, "summary", "step_ms", "median")
     exposed = dig(p, "summary", "phases_ms", "comm_exposed")
-    sec.blocks.append(Para(f"Exposed communication: {fmt(exposed)} ms per step "
-                           f"({_pct(exposed, step_ms)} of the step)."))
     meas = p.get("measurement") or {}
+    ddp = f" {meas['comm_exposed_ddp']}." if meas.get("comm_exposed_ddp") else ""
+    sec.blocks.append(Para(f"Exposed communication: {fmt(exposed)} ms per step "
+                           f"({_pct(exposed, step_ms)} of the step).{ddp}"))
     sec.blocks.append(Table(
         ["op", "phase", "group", "calls", "exposed ms", "share of step", "MiB", "issue-to-completion ms",
          "algbw GB/s", "busbw GB/s"],
