@@ -176,6 +176,102 @@ def test_lightning_callback_in_a_script(tmp_path):
     profile = json.loads((callback.run_dir / "profile.json").read_text())
     assert len([s for s in profile["steps"] if not s.get("warmup")]) == 6 - 2
     assert profile["summary"]["unattributed_frac"] <= 0.02
+    # no child with a config holds the parameters: the LightningModule stays the root, its net a child
+    assert {"net.0", "net.2"} <= {m["name"] for m in profile["modules"]}, [m["name"] for m in profile["modules"]]
+
+
+LIGHTNING_VOCAB = 256  # random init: the loss starts near ln 256 = 5.55
+
+
+def lightning_llama_run(out: Path, accumulate: int) -> tuple[Path, dict]:
+    """A LightningModule holding a tiny random-init HF Llama, as users write one, trained 4 optimizer steps
+    (micro batch 2, sequence 32) with the callback: (run dir, profile)."""
+    import lightning as L
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainprof.integrations.lightning import TrainprofCallback
+
+    class LitLlama(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                      num_attention_heads=4, num_key_value_heads=4,
+                                                      vocab_size=LIGHTNING_VOCAB, max_position_embeddings=64))
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    data = torch.randint(0, LIGHTNING_VOCAB, (64, 32), generator=torch.Generator().manual_seed(0))
+    callback = TrainprofCallback(output_dir=out, name=f"lit-llama-acc{accumulate}")
+    trainer = L.Trainer(max_steps=4, accumulate_grad_batches=accumulate, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[callback])
+    trainer.fit(LitLlama(), torch.utils.data.DataLoader(data, batch_size=2))
+    return callback.run_dir, json.loads((callback.run_dir / "profile.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def lightning_llama_runs(tmp_path_factory) -> dict[int, tuple[Path, dict]]:
+    """accumulate_grad_batches -> its run; one run each, shared by the tests below."""
+    return {acc: lightning_llama_run(tmp_path_factory.mktemp(f"lightning-acc{acc}"), acc) for acc in (1, 2)}
+
+
+def test_lightning_records_the_steps_loss_whatever_the_accumulation(lightning_llama_runs):
+    """Lightning divides training_step's loss by accumulate_grad_batches before backward: the recorded loss
+    is training_step's, the same at 1 and 2 micro batches a step."""
+    mean_loss = {}
+    for acc, (_, profile) in lightning_llama_runs.items():
+        losses = [s["loss"] for s in profile["steps"]]
+        assert all(abs(x - math.log(LIGHTNING_VOCAB)) < 0.3 for x in losses), (acc, losses)
+        mean_loss[acc] = sum(losses) / len(losses)
+    assert abs(mean_loss[2] - mean_loss[1]) < 0.1, mean_loss
+
+
+def test_lightning_profiles_the_hf_model_it_holds_as_the_hf_trainer_does(lightning_llama_runs):
+    """The LightningModule's one model (an HF PreTrainedModel) is depth 0: attention and MLP rows at the default
+    depth, the PaLM cross-check, the optimizer's states, and a projection of the run to a larger micro batch."""
+    from trainprof.projection.project import project
+
+    run_dir, profile = lightning_llama_runs[2]
+    (root,) = [m for m in profile["modules"] if m["depth"] == 0]
+    assert root["type"] == "LlamaForCausalLM", root["type"]
+    names = {m["name"] for m in profile["modules"]}
+    assert {"model.layers.0.self_attn", "model.layers.0.mlp"} <= names, sorted(names)
+    assert profile["summary"]["analytic"] is not None
+    states = profile["model_state_bytes"]
+    assert states["optimizer_states"] >= 2 * states["params"], states  # AdamW: two fp32 moments a parameter
+    assert profile["summary"]["phases_ms"]["optimizer"] > 0 and profile["summary"]["unattributed_frac"] <= 0.02
+    # `trainprof project RUN train.micro_batch_size=4 --nproc 1`
+    (pred,) = project(run_dir, overrides=["train.micro_batch_size=4"], nproc=[1])["predictions"]
+    assert pred["step_ms"] is not None and pred["step_ms"] > 0, pred["reasons"]
+    assert pred["tokens_per_step"] == 4 * 2 * 32
+
+
+def test_lightning_keeps_the_lightning_module_as_root_unless_one_model_holds_every_parameter():
+    """A frozen teacher beside the student, or parameters of the LightningModule's own: no one child is the model."""
+    import lightning as L
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainprof.integrations.lightning import profiled_model
+
+    def llama():
+        return LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, vocab_size=32))
+
+    student = L.LightningModule()
+    student.model, student.loss_fn = llama(), torch.nn.CrossEntropyLoss()
+    assert profiled_model(student) is student.model
+    student.teacher = llama().requires_grad_(False)
+    assert profiled_model(student) is student
+    own = L.LightningModule()
+    own.model, own.temperature = llama(), torch.nn.Parameter(torch.ones(()))
+    assert profiled_model(own) is own
 
 
 @pytest.mark.slow

@@ -1,9 +1,10 @@
 """`TrainprofCallback` for Lightning (`lightning.pytorch`, or the older `pytorch_lightning`): one
 optimizer step (all its `accumulate_grad_batches` micro batches) is one profiled step. Lightning runs
-forward and backward inside `optimizer.step(closure)`, so the optimizer is not hooked: the optimizer
-phase runs from `on_before_optimizer_step` (the closure is done) to `on_before_zero_grad` (or the end
-of the batch). Time between batches (the dataloader's next()) is data wait; Lightning's own code inside
-a step is "other".
+forward and backward inside `optimizer.step(closure)`, so the optimizer's step() is not hooked (its
+states are still measured): the optimizer phase runs from `on_before_optimizer_step` (the closure is
+done) to `on_before_zero_grad` (or the end of the batch). Time between batches (the dataloader's next())
+is data wait; Lightning's own code inside a step is "other". A LightningModule that holds an HF model
+is profiled as that model (see `profiled_model`), as the HF Trainer's callback profiles it.
 
     trainer = L.Trainer(max_steps=100, callbacks=[TrainprofCallback(output_dir="runs")])
 """
@@ -29,7 +30,7 @@ class TrainprofCallback(Callback):
         output_dir: run dirs go to <output_dir>/<name>-<UTC timestamp>/ (default $TRAINPROF_OUTPUT_DIR or runs/).
         name: run name (default "lightning").
         warmup_steps: leading optimizer steps not measured.
-        module_depth: deepest module level timed (0 = the LightningModule).
+        module_depth: deepest module level timed (0 = `profiled_model(pl_module)`).
         session: an existing session to drive (what `trainprof.wrap` passes).
     """
 
@@ -46,7 +47,10 @@ class TrainprofCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         import torch
 
-        self.session.attach(pl_module, None)  # optimizer.step(closure) holds forward and backward: not hooked
+        optimizers = trainer.optimizers
+        optimizer = optimizers[0] if len(optimizers) == 1 else None
+        # optimizer.step(closure) holds forward and backward: its step is not timed, its states are measured
+        self.session.attach(profiled_model(pl_module), optimizer, time_optimizer=False)
         ddp = getattr(trainer.strategy, "model", None)
         if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and self.session.prof.hooks is not None:
             self.session.prof.watch_ddp(ddp)  # DDP's gradient all-reduces through torch.distributed: recorded
@@ -66,9 +70,6 @@ class TrainprofCallback(Callback):
         self._stepped = False
         self.session.record(tokens=_tokens_of_batch(batch))
 
-    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
-        self.session.record(loss=loss)
-
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self.session.in_step and self._optimizer_phase is None:
             self._optimizer_phase = self.session.phase("optimizer")
@@ -79,6 +80,7 @@ class TrainprofCallback(Callback):
         self._close_optimizer_phase()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.session.record(loss=_step_loss(trainer, pl_module, outputs))
         self._close_optimizer_phase()
         if self._stepped:
             self.session.end_step()
@@ -94,6 +96,34 @@ class TrainprofCallback(Callback):
         if self._optimizer_phase is not None:
             phase, self._optimizer_phase = self._optimizer_phase, None
             phase.__exit__(None, None, None)
+
+
+def profiled_model(pl_module: Any) -> Any:
+    """The module profiled as depth 0: the model the LightningModule holds, else the LightningModule.
+
+    It holds one when exactly one direct child holds parameters, that child holds all of them (the
+    LightningModule has none of its own) and it has a `config` (an HF PreTrainedModel, a peft or
+    torch.compile wrapper of one): then module names, module depth, analytic FLOPs and `trainprof
+    project` read as for the same model under the HF Trainer, and training_step's code around the call
+    is "other". Any other layout (a frozen teacher beside the student, a head outside the backbone, a
+    ModuleList the LightningModule loops over) keeps the LightningModule as depth 0.
+    """
+    holders = [child for child in pl_module.children() if next(child.parameters(), None) is not None]
+    if len(holders) != 1 or next(pl_module.parameters(recurse=False), None) is not None:
+        return pl_module
+    (model,) = holders
+    return model if getattr(model, "config", None) is not None else pl_module
+
+
+def _step_loss(trainer: Any, pl_module: Any, outputs: Any) -> Any:
+    """A micro batch's loss as training_step returned it (None when it returned none), read from the
+    batch's outputs: the loss `on_before_backward` sees is AMP's scaled one. Under automatic optimization
+    Lightning divides it by `accumulate_grad_batches`: multiplied back, so the mean over the step's micro
+    batches is the step's loss (as the HF callback undoes the Trainer's division)."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if loss is None or not pl_module.automatic_optimization:
+        return loss
+    return loss.detach() * trainer.accumulate_grad_batches
 
 
 def _tokens_of_batch(batch: Any) -> int | None:

@@ -75,8 +75,7 @@ class ProfileSession:
                                       warmup_steps=self.warmup_steps)
         kwargs.update(profiler_kwargs)
         self.model = model
-        self.prof = Profiler(model, optimizer if time_optimizer else None, **kwargs)
-        self.prof.optimizer = optimizer  # the Profiler wraps the step() of the optimizer it is given; states read it here
+        self.prof = Profiler(model, optimizer, time_optimizer=time_optimizer, **kwargs)
         from trainprof.integrations.workload import BatchShape, find_llama
 
         llama = find_llama(model)

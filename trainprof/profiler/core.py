@@ -81,7 +81,11 @@ class Profiler:
         optimizer: a torch optimizer (its step() and zero_grad() are timed as the optimizer phase) or
             any other object (e.g. a DeepSpeed ZeRO optimizer: wrap engine.step() in
             `prof.phase("optimizer")`); used for model-state bytes.
-        module_depth: deepest module level timed (0 = the model itself).
+        time_optimizer: time a torch optimizer's step() and zero_grad() as the optimizer phase; False where
+            step() holds more than the update (Lightning runs forward and backward inside
+            `optimizer.step(closure)`) and the caller marks the phase: its states are still measured.
+        module_depth: deepest module level timed (0 = the model itself; 4 = a Llama's attention, MLP and
+            norms, as recipes and `trainprof wrap` time them).
         enabled: False installs nothing and records only step wall times.
         warmup_steps: leading `step()`s that are not measured (the last one counts FLOPs).
         active_steps: measured steps after warm-up (None: every step).
@@ -108,7 +112,8 @@ class Profiler:
             profiler/telemetry.py. Elsewhere `telemetry` is null with the reason.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any = None, *, module_depth: int = 3,
+    def __init__(self, model: torch.nn.Module, optimizer: Any = None, *, time_optimizer: bool = True,
+                 module_depth: int = 4,
                  enabled: bool = True, warmup_steps: int = 0, active_steps: int | None = None,
                  flops: bool = True, ops: bool = False, ops_steps: int = 1,
                  trace_dir: str | Path | None = None, trace_wait: int = 0, trace_warmup: int = 0,
@@ -191,7 +196,7 @@ class Profiler:
                                              lambda index: fsdp_owned(self._comm_owner, index)))
         active = self._recording
         self._undo.append(wrap_autograd_backward(self._phase, active))
-        if isinstance(optimizer, torch.optim.Optimizer):
+        if time_optimizer and isinstance(optimizer, torch.optim.Optimizer):
             for method in ("step", "zero_grad"):
                 self._undo.append(wrap_optimizer_method(optimizer, method, self._phase, active))
 
