@@ -70,6 +70,26 @@ def test_wrap_passes_output_and_exit_code(tmp_path):
     assert "nothing profiled" in proc.stderr and "trainprof.Profiler" in proc.stderr
 
 
+def test_wrap_options_are_checked_and_both_entries_say_the_same(cli, capsys):
+    """`trainprof wrap` and `python -m trainprof.wrap` share one parser: negative counts are refused before
+    the script runs, and both --help texts name what is attached to (Accelerate included)."""
+    from trainprof.wrap import parse_args
+
+    for option in ("--warmup-steps", "--module-depth"):
+        proc = cli("wrap", option, "-1", "never_run.py")
+        assert proc.returncode == 2 and f"argument {option}: must be an integer >= 0, got '-1'" in proc.stderr
+        with pytest.raises(SystemExit):
+            parse_args([option, "-1", "never_run.py"])
+        assert f"argument {option}: must be an integer >= 0" in capsys.readouterr().err
+    assert parse_args(["--warmup-steps", "0", "train.py", "--lr", "1"]).args == ["--lr", "1"]
+    helps = [cli("wrap", "--help").stdout]
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    helps.append(capsys.readouterr().out)
+    for text in helps:
+        assert "Accelerate" in " ".join(text.split()) and "trainprof.Profiler" in text
+
+
 def test_wrap_hf_trainer(tmp_path):
     proc, out = wrap(tmp_path, "hf_trainer.py", str(tmp_path / "hf"), "--steps", str(STEPS))
     assert proc.returncode == 0, proc.stderr[-3000:]

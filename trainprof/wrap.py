@@ -17,24 +17,36 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from trainprof.commands.run import non_negative_int
 from trainprof.integrations.session import DEFAULT_MODULE_DEPTH, DEFAULT_WARMUP_STEPS, ProfileSession, default_output_dir
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m trainprof.wrap",
-        description="Profile an unmodified training script (DeepSpeed engines, HF Trainer, HF Accelerate, "
-        "Lightning Trainer); "
-        "run dirs go to $TRAINPROF_OUTPUT_DIR (default runs/). Under torchrun: "
-        "`torchrun --nproc_per_node 2 -m trainprof.wrap train.py --lr 1e-4`.",
-    )
-    parser.add_argument("--warmup-steps", type=int, default=DEFAULT_WARMUP_STEPS,
+# what the wrapper attaches to, for both `--help`s
+ATTACHES_TO = ("DeepSpeed engines, HF Trainer (and its DeepSpeed integration), what HF Accelerate's "
+               "Accelerator.prepare returns, and Lightning Trainer")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The wrapper's options (`python -m trainprof.wrap` and `trainprof wrap` alike)."""
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=DEFAULT_WARMUP_STEPS,
                         help=f"optimizer steps not measured (default {DEFAULT_WARMUP_STEPS})")
-    parser.add_argument("--module-depth", type=int, default=DEFAULT_MODULE_DEPTH,
-                        help=f"deepest module level timed (default {DEFAULT_MODULE_DEPTH})")
+    parser.add_argument("--module-depth", type=non_negative_int, default=DEFAULT_MODULE_DEPTH,
+                        help=f"deepest module level timed, 0 = the model (default {DEFAULT_MODULE_DEPTH})")
     parser.add_argument("script", help="the training script, run as __main__")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments, passed through")
-    return parser.parse_args(argv)
+    return parser
+
+
+def description(entry: str) -> str:
+    return (f"Run SCRIPT as __main__ with trainprof attached to the {ATTACHES_TO} it builds (a plain loop: "
+            "use trainprof.Profiler in it); the run dir goes to $TRAINPROF_OUTPUT_DIR (default runs/). Its output "
+            f"and exit code pass through. Several ranks: `torchrun --nproc_per_node N -m trainprof.wrap SCRIPT ARGS`"
+            + (f" (`{entry}` runs one process)" if entry != "python -m trainprof.wrap" else "") + ".")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m trainprof.wrap", description=description("python -m trainprof.wrap"))
+    return add_arguments(parser).parse_args(argv)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
