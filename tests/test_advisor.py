@@ -77,6 +77,23 @@ def test_each_rule_fires_only_on_its_measured_trigger(rule, trigger, below):
     assert isinstance(a["overrides"], dict)
 
 
+def test_a_run_without_a_recipe_is_advised_from_its_workload():
+    """An own loop over FSDP2 (or a wrapped script) has no recipe: its workload's engine decides the advice
+    (FSDP2's prefetch, not DeepSpeed's overlap_comm), and the data-loader advice names the script's DataLoader,
+    not a recipe key it cannot set."""
+    p = _with(summary__phases_ms__comm_exposed=25.0, summary__phases_ms__data_wait=12.0)
+    del p["recipe"]
+    p["engine"] = {"kind": "torch", "config": None}
+    p["workload"] = {"engine": {"kind": "fsdp", "zero_stage": 0, "offload": "none", "reshard_after_forward": True},
+                     "unknown": {}}
+    hit = fired(p)
+    assert "FSDP2, reshard_after_forward True" in hit["comm_exposed"]["trigger"]["text"], hit["comm_exposed"]
+    assert "overlap_comm" not in json.dumps(hit["comm_exposed"])
+    assert hit["comm_exposed"]["overrides"] == {"engine.reshard_after_forward": False}
+    assert "the DataLoader's num_workers" in hit["data_wait"]["action"] and hit["data_wait"]["overrides"] == {}
+    assert fired(_with(summary__phases_ms__data_wait=12.0))["data_wait"]["overrides"] == {"data.num_workers": 2}
+
+
 def test_gain_bounds_come_from_the_measured_figure():
     a = fired(_with(summary__phases_ms__data_wait=12.0))["data_wait"]
     assert a["trigger"]["value"] == pytest.approx(0.12) and a["gain"]["upper_bound_step_frac"] == pytest.approx(0.12)

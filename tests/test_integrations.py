@@ -357,7 +357,7 @@ def test_a_forward_under_autocast_is_recorded_as_the_torch_engines_16_bit_recipe
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainprof.integrations.workload import BatchShape, workload
+    from trainprof.profiler.workload import BatchShape, workload
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     model = LlamaForCausalLM(cfg)
@@ -385,7 +385,7 @@ def test_a_compiled_model_is_recorded_as_model_compile():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainprof.integrations.workload import workload
+    from trainprof.profiler.workload import workload
     from trainprof.profiler.compiled import CompiledModules, compile_block
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
@@ -403,3 +403,52 @@ def test_a_compiled_model_is_recorded_as_model_compile():
     whole = recorded(torch.compile(LlamaForCausalLM(cfg)))
     assert whole["model"]["compile"] is True
     assert "not the 2 decoder layers" in whole["unknown"]["model.compile"]
+
+
+def test_an_own_loop_records_its_workload_and_projects(tmp_path):
+    """README's own-loop snippet, with gradient accumulation: the profile records the workload a recipe would
+    (there is no recipe.yaml) and `trainprof project` predicts from it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainprof import Profiler
+    from trainprof.projection.project import project
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, use_cache=False)
+    model = LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 256, (2, 32))
+    with Profiler(model, optimizer=opt, warmup_steps=1) as prof:
+        for _ in range(4):
+            with prof.step():
+                for _ in range(2):  # two micro batches a step
+                    loss = model(input_ids=ids, labels=ids).loss / 2
+                    loss.backward()
+                opt.step()
+                opt.zero_grad()
+                prof.record(loss=loss * 2)
+    run_dir = tmp_path / "my-run"
+    profile = prof.save(run_dir)
+    w = profile["workload"]
+    assert w["train"] == {"micro_batch_size": 2, "grad_accum": 2} and w["data"] == {"seq_len": 32}
+    assert w["engine"] == {"kind": "torch", "zero_stage": 0, "offload": "none"} and w["unknown"] == {}
+    assert (w["model"]["num_layers"], w["model"]["hidden_size"], w["model"]["compile"]) == (2, 64, False)
+    assert not (run_dir / "recipe.yaml").exists()
+    assert {m["name"] for m in profile["modules"]} >= {"model.layers.0.self_attn", "model.layers.0.mlp"}  # depth 4
+    (pred,) = project(str(run_dir), overrides=["train.micro_batch_size=4"])["predictions"]
+    assert pred["step_ms"] > 0 and pred["tokens_per_step"] == 4 * 2 * 32, pred.get("reasons")
+
+
+def test_an_own_loop_over_fsdp2_records_the_engine_and_its_settings():
+    """fully_shard groups read as engine.kind fsdp, with reshard_after_forward and CPU offload as set: the
+    report's advice and a projection take them for FSDP2, not DeepSpeed."""
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "fsdp_own_loop.py")], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    engines = json.loads(proc.stdout.strip().splitlines()[-1])
+    fsdp = {"kind": "fsdp", "zero_stage": 0}
+    assert engines == {"reshard": {**fsdp, "offload": "none", "reshard_after_forward": True},
+                       "keep": {**fsdp, "offload": "none", "reshard_after_forward": False},
+                       "offload": {**fsdp, "offload": "optimizer+params", "reshard_after_forward": True}}

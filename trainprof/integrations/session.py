@@ -47,7 +47,6 @@ class ProfileSession:
         self._step_cm = None
         self._other_cm = None
         self._last_end = None  # timer stamp of the previous step's end: the next step's data wait starts there
-        self._shape = None  # the HF model's batch shape and micro batches per step (integrations/workload.py)
         self.finished = False
 
     # -- attaching and steps -----------------------------------------------------------------------
@@ -76,10 +75,6 @@ class ProfileSession:
         kwargs.update(profiler_kwargs)
         self.model = model
         self.prof = Profiler(model, optimizer, time_optimizer=time_optimizer, **kwargs)
-        from trainprof.integrations.workload import BatchShape, find_llama
-
-        llama = find_llama(model)
-        self._shape = BatchShape(llama) if llama is not None else None  # what `trainprof project` needs
 
     @property
     def in_step(self) -> bool:
@@ -107,8 +102,6 @@ class ProfileSession:
             self._other_cm = None
         cm, self._step_cm = self._step_cm, None
         cm.__exit__(None, None, None)
-        if self._shape is not None:
-            self._shape.step_ended()
         self._last_end = self.prof.timer.now()  # a CUDA event recorded after release() lives until the next step
 
     def mark_data_wait(self, start: Any) -> None:
@@ -150,7 +143,6 @@ class ProfileSession:
         from trainprof.distributed import shared_run_dir
         from trainprof.env import memory_meter
         from trainprof.io import atomic_write_json
-        from trainprof.models import count_params
         from trainprof.report.run_report import write_run_files
 
         if self.prof is None or self.finished:
@@ -167,14 +159,8 @@ class ProfileSession:
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.run_dir = shared_run_dir(self.output_dir, self.name)
         profile = prof.result()
-        profile.update(partial=False, engine={"kind": self.framework, "config": self.engine_config},
-                       params=count_params(self.model))
-        from trainprof.integrations.workload import workload
-
-        profile["workload"] = workload(self.model, framework=self.framework, engine_config=self.engine_config,
-                                       shape=self._shape, compiled=profile.get("compile"))
-        if self._shape is not None:
-            self._shape.remove()
+        profile.update(partial=False, engine={"kind": self.framework, "config": self.engine_config})
+        profile["workload"] = prof.workload(self.framework, self.engine_config)
         profile["summary"]["memory_meter"] = memory_meter(prof.device)
         if prof.rank == 0:
             write_run_files(profile, self.run_dir)

@@ -27,9 +27,10 @@ from trainprof.analysis.breakdown import CommEvent
 from trainprof.analysis.gpu_busy import gpu_busy_fields
 from trainprof.analysis.pipeline import PipelineInfo
 from trainprof.layout import tb_run_dir
+from trainprof.models import count_params
 from trainprof.phases import REGION_PHASES
 from trainprof.profiler.comm import CommTracer, comm_total_ms
-from trainprof.profiler.compiled import DynamoWatch
+from trainprof.profiler.compiled import DynamoWatch, compile_block
 from trainprof.profiler.flops import FlopCounter, analytic_flops
 from trainprof.profiler.fsdp import owned as fsdp_owned, param_groups as fsdp_param_groups, watch as watch_fsdp
 from trainprof.profiler.hooks import ModuleHooks
@@ -41,6 +42,7 @@ from trainprof.profiler.patches import wrap_autograd_backward, wrap_optimizer_me
 from trainprof.profiler.result import profile_env, rank_profile
 from trainprof.profiler.telemetry import DEFAULT_PERIOD_MS, open_step_telemetry, telemetry_fields
 from trainprof.profiler.timers import make_timer
+from trainprof.profiler.workload import BatchShape, find_llama, workload
 
 # Steps are analysed when `Profiler.steps` is read (at save, typically after training); a longer backlog
 # is analysed at once, which bounds the memory the timelines hold (a few hundred kB per 100 steps).
@@ -176,8 +178,13 @@ class Profiler:
             if (journal_dir is not None and enabled) else None
         self.telemetry, self.telemetry_reason = open_step_telemetry(self.device, telemetry_period_ms) if enabled \
             else (None, "the profiler is disabled (profile.enabled false)")
+        self.batch_shape: BatchShape | None = None  # the loop's micro batch, sequence and accumulation (workload)
         if not enabled:
             return
+        llama = find_llama(model)
+        if llama is not None:
+            self.batch_shape = BatchShape(llama)
+            self._undo.append(self.batch_shape.remove)  # what it saw stays readable
         self.hooks = ModuleHooks(model, module_depth, self.log, self.timer.now,
                                  on_root=self._on_root if self.memory else None,
                                  recompute_sentinels=recompute_sentinels)
@@ -350,7 +357,11 @@ class Profiler:
         flops_step = (self.count_flops and self.flops is None and not self._closed
                       and index == max(self.warmup_steps - 1, 0))
         if self._closed or not (measured or flops_step):
-            yield self
+            try:
+                yield self
+            finally:
+                if self.batch_shape is not None:
+                    self.batch_shape.step_ended()
             return
         if measured and self.dynamo is not None:
             self.dynamo.mark("measured")
@@ -409,6 +420,8 @@ class Profiler:
                 if traced:
                     instrumented.append("ops" if ops_phase == "active" else "trace_warmup")
             self._finish_step(index, origin, end, warm=not measured, instrumented=instrumented)
+            if self.batch_shape is not None:
+                self.batch_shape.step_ended()
             if telemetry_begin is not None:
                 self.telemetry.step_ends(index - self.warmup_steps, telemetry_begin, end_ns, counted=not instrumented)
             if counter is not None:
@@ -653,8 +666,20 @@ class Profiler:
         if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             gathered: list[Any] = [None] * self.world_size
             torch.distributed.all_gather_object(gathered, local)
-            return merge_ranks(gathered)
-        return merge_ranks([local])
+            merged = merge_ranks(gathered)
+        else:
+            merged = merge_ranks([local])
+        merged["params"] = count_params(self.model)  # a runner that knows better (pipeline stages) sets its own
+        if self.recipe is None:  # a loop of the user's own: what `trainprof project` rebuilds a recipe from
+            merged["workload"] = self.workload()
+        return merged
+
+    def workload(self, framework: str = "torch", engine_config: dict[str, Any] | None = None) -> dict[str, Any]:
+        """profile.json's `workload` (profiler/workload.py): the model, task, engine, batch shape and
+        compilation this Profiler saw, as recipe keys. `framework` and `engine_config`: what the loop ran
+        under (an integration's; "deepspeed" with its config reads the ZeRO stage and offload)."""
+        return workload(self.model, framework=framework, engine_config=engine_config, shape=self.batch_shape,
+                        compiled=compile_block(self.hooks.compiled if self.hooks is not None else None, self.dynamo))
 
     def save(self, run_dir: str | Path, *, recipe: dict[str, Any] | None = None,
              env: dict[str, Any] | None = None) -> dict[str, Any]:

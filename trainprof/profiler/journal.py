@@ -116,6 +116,7 @@ def _header(prof: Any) -> dict[str, Any]:
         "modules": [dataclasses.asdict(m) for m in prof.hooks.modules] if prof.hooks is not None else None,
         "module_depth": prof.module_depth, "enabled": prof.enabled, "count_flops": prof.count_flops, "ops": prof.ops,
         "pipeline": dataclasses.asdict(prof.pipeline) if prof.pipeline is not None else None,
+        "ddp": prof.ddp,
     }
 
 
@@ -216,6 +217,7 @@ def replay(path: str | Path) -> dict[str, Any]:
         module_depth=header["module_depth"], enabled=header["enabled"], count_flops=header["count_flops"],
         ops=header["ops"], ops_rows=ops_rows, **facts,
         pipeline=PipelineInfo(**header["pipeline"]) if header.get("pipeline") else None,
+        ddp=header.get("ddp", False),
     )
     state = with_grads(header["state"], facts["grads_bytes"])
     doc = compose_rank_profile(recorded, env=header["env"], state=state, device_type=header["device_type"],

@@ -71,8 +71,9 @@ def load_source(run_dir: str | Path, overrides: list[str] | None = None) -> tupl
             source_recipe = recipe_from_dict(copy.deepcopy(data))
             target_recipe = recipe_from_dict(apply_overrides(copy.deepcopy(data), overrides or []))
         else:
-            raise ProjectionError(f"'{run_dir}' has no recipe.yaml and its profile records no workload; profile it "
-                                  "again with this trainprof (`trainprof wrap` and the callbacks record it)")
+            raise ProjectionError(f"'{run_dir}' has no recipe.yaml and its profile records no workload (an older "
+                                  "trainprof wrote it): profile it again (trainprof.Profiler, `trainprof wrap` and "
+                                  "the callbacks record it), or pass recipe= to Profiler.save")
     except RecipeError as err:
         raise ProjectionError(f"'{run_dir}': {err}") from None
     source_recipe, target_recipe = ran_allocator(profile, source_recipe, target_recipe, overrides or [])

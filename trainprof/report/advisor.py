@@ -44,7 +44,10 @@ class RunFigures:
         self.phases = s.get("phases_ms") or {}
         self.unattributed_ms = s.get("unattributed_ms")
         self.mfu = s.get("mfu")
-        self.recipe = profile.get("recipe") or {}
+        # a run not made from a recipe (own loop, wrap, callbacks) has its workload's recipe keys instead
+        self.from_recipe = bool(profile.get("recipe"))
+        self.recipe = profile.get("recipe") or {k: v for k, v in (profile.get("workload") or {}).items()
+                                                 if k != "unknown"}
         self.engine = profile.get("engine") or {}
         self.config = self.engine.get("config") or {}
 
@@ -121,14 +124,16 @@ def rule_data_wait(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
         return check, None
     workers = f.num_workers
     target = max(2, 2 * workers) if workers is not None else 2
+    # data.num_workers is a recipe's key; a script's own DataLoader takes num_workers itself
+    knob = "data.num_workers" if f.from_recipe else "the DataLoader's num_workers"
     return check, _advice(
         "data_wait", "Feed the GPU faster: more data-loader workers, pinned memory",
         "phases_ms.data_wait / step_ms", frac, f"> {_pct(DATA_WAIT_FRAC)}",
         f"data_wait is {_pct(frac)} of the step ({f.phases['data_wait']:.2f} of {f.step_ms:.2f} ms, median)",
-        f"raise data.num_workers ({workers if workers is not None else 'unknown'} -> {target}), pin memory "
+        f"raise {knob} ({workers if workers is not None else 'unknown'} -> {target}), pin memory "
         "(DataLoader pin_memory=True) and prefetch, so batches are ready when a step starts",
         frac, f"at most {_pct(frac)} less step time, if loading is hidden entirely behind compute",
-        {"data.num_workers": target})
+        {"data.num_workers": target} if f.from_recipe else {})
 
 
 def rule_comm_exposed(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:

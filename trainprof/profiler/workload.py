@@ -1,7 +1,9 @@
-"""What a run profiled in someone else's loop (`trainprof wrap`, the HF / Lightning callbacks) records
-for `trainprof project`: the model's shape, dtype, attention and recomputation, the task (LoRA or QLoRA
-adapters), the engine and its settings, the micro batch, sequence length and gradient accumulation,
-as recipe keys in profile.json's `workload`, and under `unknown` each key it could not read and why.
+"""What a run not made from a recipe records for `trainprof project` (a loop of the user's own with
+`trainprof.Profiler`, `trainprof wrap`, the HF / Lightning callbacks): the model's shape, dtype, attention,
+recomputation and compilation, the task (LoRA or QLoRA adapters), the engine and its settings (DeepSpeed's
+from its config; FSDP2 from the model's fully_shard groups), the micro batch, sequence length and gradient
+accumulation, as recipe keys in profile.json's `workload`, and under `unknown` each key it could not read
+and why.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 import torch
 
 from trainprof.models import recomputes
+from trainprof.profiler.fsdp import param_groups as fsdp_param_groups
 
 ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash2"}
 DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
@@ -97,15 +100,32 @@ def _task_block(model: Any) -> dict[str, Any]:
                      "target_modules": sorted(cfg.target_modules)}}
 
 
-def _engine_block(framework: str, config: dict[str, Any] | None) -> dict[str, Any]:
-    """DeepSpeed's ZeRO stage and offload from its config; anything else runs as PyTorch (DDP on ranks)."""
+def _engine_block(framework: str, config: dict[str, Any] | None, model: Any) -> dict[str, Any]:
+    """DeepSpeed's ZeRO stage and offload from its config; FSDP2 (fully_shard) from its parameter groups;
+    anything else runs as PyTorch (DDP on ranks)."""
     if "deepspeed" not in framework:
+        groups = fsdp_param_groups(model)
+        if groups:
+            return _fsdp_block(groups)
         return {"kind": "torch", "zero_stage": 0, "offload": "none"}
     zero = (config or {}).get("zero_optimization") or {}
     device = lambda key: ((zero.get(key) or {}).get("device") or "none")  # noqa: E731
     offload = "optimizer+params" if device("offload_param") == "cpu" else (
         "optimizer" if device("offload_optimizer") == "cpu" else "none")
     return {"kind": "deepspeed", "zero_stage": int(zero.get("stage", 0)), "offload": offload}
+
+
+def _fsdp_block(groups: list[tuple[str, Any]]) -> dict[str, Any]:
+    """engine.kind fsdp with the settings of the groups below the root (FSDP2 keeps the root's parameters
+    after forward by its own rule): reshard_after_forward where each has its post-forward mesh (FSDP2 sets
+    none where parameters stay gathered), CPUOffloadPolicy as offload."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    inner = [g for name, g in groups if name] or [g for _, g in groups]
+    reshard = all(getattr(g, "post_forward_mesh_info", None) is not None for g in inner)
+    offload = any(isinstance(getattr(g, "offload_policy", None), CPUOffloadPolicy) for _, g in groups)
+    return {"kind": "fsdp", "zero_stage": 0, "offload": "optimizer+params" if offload else "none",
+            "reshard_after_forward": reshard}
 
 
 def _compile_key(compiled: dict[str, Any] | None, num_layers: int, unknown: dict[str, str]) -> bool:
@@ -130,7 +150,7 @@ def workload(model: Any, *, framework: str, engine_config: dict[str, Any] | None
         compiled: the profile's `compile` block (whether and where the model was torch.compiled).
     """
     unknown: dict[str, str] = {}
-    out: dict[str, Any] = {"engine": _engine_block(framework, engine_config), "task": _task_block(model)}
+    out: dict[str, Any] = {"engine": _engine_block(framework, engine_config, model), "task": _task_block(model)}
     llama = find_llama(model)
     if llama is None:
         unknown["model"] = f"no module of {type(model).__name__} has a decoder config (hidden_size, layers, heads)"
