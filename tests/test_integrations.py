@@ -122,6 +122,15 @@ def test_wrap_hf_trainer(tmp_path):
     assert zero3["tokens_per_s"] > 0 and zero3["fits"], zero3
 
 
+def test_wrap_leaves_a_script_that_adds_the_callback_itself_to_that_callback(tmp_path):
+    """Two profilers on one Trainer wrote two run dirs of the same steps, each timing the other's hooks."""
+    proc, out = wrap(tmp_path, "hf_trainer.py", str(tmp_path / "hf"), "--steps", "3", "--own-callback")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir, profile = the_run(out, "own")  # the script's callback's run dir, and no other
+    assert "gives its HF Trainer trainprof's callback itself" in proc.stderr
+    assert [s for s in profile["steps"] if not s.get("warmup")]
+
+
 def assert_projectable(run_dir: Path, profile: dict, *, model: dict, train: dict, seq_len: int, engine: str) -> None:
     """The wrapped run recorded what `trainprof project` needs (its shape, engine, batch), and a projection
     of it to another machine is a prediction, from the rebuilt recipe."""

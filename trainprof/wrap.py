@@ -49,6 +49,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return add_arguments(parser).parse_args(argv)
 
 
+def _leave_to_the_scripts_callback(trainer: str) -> None:
+    print(f"trainprof wrap: the script gives its {trainer} trainprof's callback itself; that callback profiles "
+          "it (its run dir), wrap adds none", file=sys.stderr)
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs a patch right after a named module is first imported (or at once if it already is), so
     the script's own `import deepspeed` / `from transformers import Trainer` sees the patched objects
@@ -143,14 +148,16 @@ class Wrapper:
 
     def patch_hf(self, module: Any) -> None:
         def add_callback(trainer: Any) -> None:
-            from trainprof.integrations.hf import TrainprofCallback
-
-            trainer.add_callback(TrainprofCallback(session=self.new_session("hf")))
             from trainprof.integrations.accelerate import OWNED_MARK
+            from trainprof.integrations.hf import TrainprofCallback
 
             accelerator = getattr(trainer, "accelerator", None)
             if accelerator is not None:  # the Trainer's own Accelerator: profiled by the callback, not patch_accelerate
                 setattr(accelerator, OWNED_MARK, "hf")
+            if any(isinstance(c, TrainprofCallback) for c in trainer.callback_handler.callbacks):
+                _leave_to_the_scripts_callback("HF Trainer")  # two profilers would write two run dirs
+                return
+            trainer.add_callback(TrainprofCallback(session=self.new_session("hf")))
 
         _wrap_init(module.Trainer, after=add_callback)
 
@@ -172,6 +179,9 @@ class Wrapper:
                 return
             callbacks = kwargs.get("callbacks")
             callbacks = [callbacks] if callbacks is not None and not isinstance(callbacks, list) else list(callbacks or [])
+            if any(isinstance(c, lightning.TrainprofCallback) for c in callbacks):
+                _leave_to_the_scripts_callback("Lightning Trainer")
+                return
             kwargs["callbacks"] = callbacks + [lightning.TrainprofCallback(session=self.new_session("lightning"))]
 
         _wrap_init(module.Trainer, before=add_callback)

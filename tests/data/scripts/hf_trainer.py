@@ -14,6 +14,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("output_dir")
 parser.add_argument("--steps", type=int, default=5)
 parser.add_argument("--zero", type=int, default=None, help="use the Trainer's DeepSpeed integration at this ZeRO stage")
+parser.add_argument("--own-callback", action="store_true", help="add trainprof's callback itself (run name 'own')")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -38,6 +39,11 @@ training_args = TrainingArguments(output_dir=args.output_dir, max_steps=args.ste
                                   deepspeed=None if args.zero is None else {
                                       "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                                       "train_batch_size": "auto", "zero_optimization": {"stage": args.zero}})
-trainer = Trainer(model=model, args=training_args, train_dataset=Synthetic())
+callbacks = []
+if args.own_callback:
+    from trainprof.integrations.hf import TrainprofCallback
+
+    callbacks.append(TrainprofCallback(name="own"))
+trainer = Trainer(model=model, args=training_args, train_dataset=Synthetic(), callbacks=callbacks)
 result = trainer.train()
 print(f"hf_trainer done: {trainer.state.global_step} optimizer steps, loss {result.training_loss:.3f}")
