@@ -437,6 +437,8 @@ class Projector:
             unattributed -= block["bubble_ms_measured"]
             notes += more
         residual = residual_ms(m, phases, unattributed)
+        if t.kinds == ["none"] and block is None:  # no change: the measured step, which its phases' medians need not sum to
+            residual = m.step_ms - sum(phases.values())
         if block is not None:
             phases["pipeline_bubble"] = bubble
         step_ms = sum(phases.values()) + residual
