@@ -63,3 +63,42 @@ def test_scale_one_and_two_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     strong = check_report(out, "strong", batches=[2, 1])
     assert strong["run_dir"][0] == weak["run_dir"][0]
+
+
+def _run_dir(root: Path, n: int, tokens_per_s: float) -> Path:
+    """A run dir whose profile.json holds what `scale --runs` reads (one recipe, world size n)."""
+    d = root / f"n{n}"
+    d.mkdir()
+    (d / "profile.json").write_text(json.dumps({
+        "recipe": {"train": {"micro_batch_size": 2, "grad_accum": 1}, "data": {"seq_len": 100},
+                   "output": {"dir": str(d)}},
+        "env": {"world_size": n, "timer": "host"},
+        "summary": {"tokens_per_s": tokens_per_s, "step_ms": {"median": 200 * n / tokens_per_s * 1e3}},
+        "ranks": [{"rank": r, "step_ms_median": 100.0} for r in range(n)]}))
+    return d
+
+
+def test_scale_says_it_is_projecting_and_labels_the_baseline(tmp_path, cli, monkeypatch):
+    """The projection takes minutes with no output of its own: a line says it started. The smallest N is the
+    baseline: its efficiency is 100% by definition, said so, and its projection claims no expected error."""
+    from trainprof.projection import views
+
+    def projected(points, extra):
+        return ([{"world_size": 1, "predicted_tokens_per_s": 722.0, "step_error_pct": -0.6, "expected_error_pct": 0.0,
+                  "predicted_efficiency": 1.0},
+                 {"world_size": 2, "predicted_tokens_per_s": 1300.0, "step_error_pct": 3.0, "expected_error_pct": 2.1,
+                  "predicted_efficiency": 0.9}], ["projected from the N=1 run"])
+
+    monkeypatch.setattr(views, "project_scaling", projected)
+    dirs = [_run_dir(tmp_path, 1, 700.0), _run_dir(tmp_path, 2, 1200.0)]
+    proc = cli("scale", "--runs", *dirs, "--out", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    assert "trainprof: projecting N=1, 2 from the N=1 run" in proc.stderr
+    assert "N=1: 700 tokens/s, efficiency 100.0% (the baseline: 100% by definition)" in proc.stderr
+    assert "N=2: 1,200 tokens/s, efficiency 85.7%\n" in proc.stderr
+    assert "N=1: projected 722 tokens/s, error -0.6% (the baseline, projected from itself)" in proc.stderr
+    table = pd.read_csv(tmp_path / "out" / "scaling_projected.csv")
+    assert table["expected_error_pct"].isna().tolist() == [True, False]  # no 0.0 claimed for itself
+    assert "N=1: the baseline" in (tmp_path / "out" / "scaling_projected.md").read_text()
+    measured = pd.read_csv(tmp_path / "out" / "scaling.csv")
+    assert measured["label"].tolist() == ["n1 (baseline)", "n2"]

@@ -130,3 +130,9 @@ cells:
     state = json.loads((out / "sweep.json").read_text())
     attempts = {c["label"]: (c["status"], c["attempts"]) for c in state["cells"].values()}
     assert attempts == {"first": ("done", 1), "second": ("done", 2)}
+    # the interrupted attempt's files are moved aside, not deleted, and the resume says where
+    second = next(c for c in state["cells"].values() if c["label"] == "second")
+    kept = out / "cells" / f"{second['id']}.attempt1"
+    assert second["earlier_attempts"][0]["dir"] == str(kept) and second["earlier_attempts"][0]["status"] == "interrupted"
+    assert (kept / "launch.log").is_file() and list(kept.glob("*/recipe.yaml"))
+    assert "attempt 1 (interrupted" in stderr and str(kept) in stderr

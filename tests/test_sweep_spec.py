@@ -4,6 +4,7 @@ arithmetic, tables and the launcher's timeout: everything about sweeps that need
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 import time
@@ -358,3 +359,209 @@ def test_multi_node_cells_use_srun_inside_slurm_only(monkeypatch):
     assert cmd[:3] == ["srun", "--nodes=2", "--ntasks-per-node=1"]
     assert "--nnodes=2" in cmd and "--nproc_per_node=8" in cmd and "--rdzv_endpoint=node7:29500" in cmd
     assert cmd[-4:] == ["-m", "trainprof.run", "r.yaml", "a=1"]
+
+
+def _fake_partial_cell(run_dir_of: str) -> str:
+    """A cell's script that leaves what a rank stopped after 20 measured steps leaves (its partial profile,
+    made from the checked-in CPU reference profile, and its failure record), then hangs until stopped."""
+    source = REPO / "profiles" / "cpu-x86_64-quickstart_cpu" / "profile.json"
+    return (f"import json, pathlib, time; d = pathlib.Path({run_dir_of!r}) / 'run'; d.mkdir(parents=True); "
+            "(d / 'recipe.yaml').write_text('{}'); "
+            f"p = json.loads(pathlib.Path({str(source)!r}).read_text()); "
+            "p.update(rank=0, partial=True, partial_reason='rank 0 stopped after 20 profiled steps: Terminated'); "
+            "(d / 'profile.rank0.partial.json').write_text(json.dumps(p)); "
+            "(d / 'failure-rank0.json').write_text(json.dumps({'rank': 0, 'kind': 'interrupted', "
+            "'type': 'Terminated', 'signal': 'SIGTERM', 'message': 'terminated', 'peak_memory_bytes': 3 * 2**20})); "
+            "print('ready', flush=True); time.sleep(120)")
+
+
+def test_a_timed_out_cell_keeps_its_partial_figures_and_a_rerun_keeps_the_earlier_attempt(tmp_path, monkeypatch):
+    """A cell stopped at its timeout after measuring steps: its figures are kept, marked partial (never as a
+    finished cell's), its failure says the timeout and the time it took, with the memory its rank recorded;
+    running it again moves the earlier attempt aside instead of deleting what it measured."""
+    from trainprof.sweep import runner
+    from trainprof.sweep.report import sweep_rows, write_sweep_report
+    from trainprof.sweep.spec import Sweep, make_cell
+    from trainprof.sweep.state import SweepState
+
+    def hangs_after_measuring(recipe, overrides, **_):
+        cell_dir = next(o for o in overrides if o.startswith("output.dir=")).split("=", 1)[1]
+        return [sys.executable, "-c", _fake_partial_cell(cell_dir)]
+
+    monkeypatch.setattr(runner, "launch_command", hangs_after_measuring)
+    cell = make_cell(QUICKSTART, ["train.steps=200"], label="long")[0]
+    state = SweepState(tmp_path / "sweep.json", kind="sweep", name="t", meta={})
+    rec = runner.run_cell(cell, tmp_path, state, timeout_s=5)
+    assert rec["status"] == "failed" and rec["values"] is None  # not a finished cell
+    f = rec["failure"]
+    assert f["kind"] == "timeout" and "timeout of 5 s" in f["message"]
+    assert re.search(r"; \d+ s elapsed", f["message"])
+    assert f["peak_memory_bytes"] == 3 * 2**20  # what the rank recorded as it was stopped
+    assert rec["partial"]["steps"] == 20 and rec["partial"]["values"]["tokens_per_s"] > 0
+
+    sweep = Sweep(name="t", path="", recipe_path=str(QUICKSTART), cells=[cell])
+    (row,) = sweep_rows(sweep, [rec])
+    assert row["status"] == "failed" and row["figures"] == "partial: 20 measured steps before it failed"
+    assert row["tokens_per_s"] == rec["partial"]["values"]["tokens_per_s"] and row["failure_memory_mib"] == 3
+    write_sweep_report(tmp_path, sweep, [rec])
+    df = pd.read_csv(tmp_path / "results.csv")
+    assert df["figures"].tolist() == ["partial: 20 measured steps before it failed"]
+    assert df["tokens_per_s"].notna().all() and "figures from `partial`" in (tmp_path / "results.md").read_text()
+
+    # run again (--retry-failed, or a resume): the first attempt's files are moved aside, not deleted
+    first = Path(rec["run_dir"])
+    again = runner.run_cell(cell, tmp_path, state, timeout_s=5)
+    kept = tmp_path / "cells" / f"{cell.id}.attempt1"
+    assert (kept / first.name / "profile.rank0.partial.json").is_file() and (kept / "launch.log").is_file()
+    assert again["attempts"] == 2 and again["earlier_attempts"][0]["dir"] == str(kept)
+    assert again["earlier_attempts"][0]["partial"]["steps"] == 20
+
+
+def test_a_sigterm_names_what_sent_it(monkeypatch):
+    """A single-rank cell stopped by the sweep's timeout was told torchrun stopped it, with no torchrun."""
+    from trainprof.run import _who_sent_sigterm
+
+    for var in ("TRAINPROF_CELL_TIMEOUT_S", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert "torchrun" not in _who_sent_sigterm()
+    monkeypatch.setenv("TRAINPROF_CELL_TIMEOUT_S", "35")
+    alone = _who_sent_sigterm()
+    assert "timeout of 35 s" in alone and "torchrun" not in alone
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert "through torchrun" in _who_sent_sigterm()
+    monkeypatch.delenv("TRAINPROF_CELL_TIMEOUT_S")
+    assert _who_sent_sigterm().startswith("from torchrun")
+
+
+def test_scale_of_one_world_size_is_refused_before_launching(tmp_path, cli):
+    proc = cli("scale", QUICKSTART, "--nproc", "2", "--out", tmp_path / "out")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "at least two world sizes" in proc.stderr and "N=2" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args", [("scale", QUICKSTART, "--timeout", "-5"), ("scale", QUICKSTART, "--timeout", "0"),
+                                  ("maxbatch", QUICKSTART, "--steps", "-1")])
+def test_negative_timeouts_and_steps_are_refused(tmp_path, cli, args):
+    proc = cli(*args, "--out", tmp_path / "out")
+    assert proc.returncode == 2 and "must be an integer >=" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _run_dirs(tmp_path: Path, *profiles: dict) -> list[Path]:
+    dirs = []
+    for i, profile in enumerate(profiles):
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        (d / "profile.json").write_text(json.dumps(profile))
+        dirs.append(d)
+    return dirs
+
+
+def _recipe(profile: dict, **values) -> dict:
+    """The profile with its recipe's dotted keys set."""
+    for key, value in values.items():
+        section, leaf = key.split("__")
+        profile["recipe"].setdefault(section, {})[leaf] = value
+    return profile
+
+
+PH = {"data_wait": 1.0, "forward": 30.0, "backward": 60.0, "recompute": 0.0, "optimizer": 9.0, "comm_exposed": 0.0,
+      "other": 0.0}
+
+
+def test_scale_runs_with_different_settings_are_refused_unless_asked(tmp_path, cli):
+    one = _recipe(_profile(1, 2000.0, 100.0, PH), engine__zero_stage=2, output__dir="a")
+    two = _recipe(_profile(2, 3000.0, 133.0, PH), engine__zero_stage=3, output__dir="b")
+    two["recipe"]["train"]["micro_batch_size"] = 4  # neither per-rank (2) nor global (2 x 1) batch kept
+    dirs = _run_dirs(tmp_path, one, two)
+    proc = cli("scale", "--runs", *dirs, "--no-project", "--out", tmp_path / "out")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "engine.zero_stage (N=1: 2, N=2: 3)" in proc.stderr
+    assert "train.micro_batch_size x train.grad_accum (N=1: 2x1, N=2: 4x1)" in proc.stderr
+    assert "output.dir" not in proc.stderr and not (tmp_path / "out").exists()
+    anyway = cli("scale", "--runs", *dirs, "--no-project", "--allow-different-settings", "--out", tmp_path / "out")
+    assert anyway.returncode == 0, anyway.stderr
+    assert "warning: the runs differ in engine.zero_stage" in anyway.stderr
+    assert "settings differ between the runs" in (tmp_path / "out" / "scaling.md").read_text()
+
+
+def test_strong_and_weak_scaling_batches_are_not_setting_differences():
+    from trainprof.sweep.scaling import setting_differences
+
+    def point(n: int, mbs: int, accum: int = 1) -> dict:
+        p = _profile(n, 1.0, 1.0, PH)
+        p["recipe"]["train"].update(micro_batch_size=mbs, grad_accum=accum)
+        p["recipe"]["output"] = {"dir": f"d{n}"}
+        return {"world_size": n, "run_dir": f"d{n}", "profile": p}
+
+    assert setting_differences([point(1, 2), point(2, 2)]) == []  # weak: the per-rank batch kept
+    longer = point(2, 2)
+    longer["profile"]["recipe"]["train"].update(steps=40, seed=7)
+    longer["profile"]["recipe"]["profile"] = {"ops": True}
+    assert setting_differences([point(1, 2), longer]) == []  # how long, seeded or traced: not the step's work
+    assert setting_differences([point(1, 4), point(2, 1, 2), point(4, 1)]) == []  # strong: global batch 4 kept
+    (diff,) = setting_differences([point(1, 4), point(2, 1)])
+    assert diff.key == "train.micro_batch_size x train.grad_accum" and diff.values == {1: "4x1", 2: "1x1"}
+
+
+def test_a_profile_with_a_string_world_size_is_a_one_line_error(tmp_path, cli):
+    bad = _profile(1, 2000.0, 100.0, PH)
+    bad["env"]["world_size"] = "2"
+    dirs = _run_dirs(tmp_path, _profile(1, 2000.0, 100.0, PH), bad)
+    proc = cli("scale", "--runs", *dirs, "--no-project", "--out", tmp_path / "out")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "env.world_size is '2' (str)" in proc.stderr and "run1/profile.json" in proc.stderr
+
+
+def test_scaling_labels_its_baseline_and_notes_fewer_cpu_threads_per_rank():
+    from trainprof.sweep.scaling import measurement_notes
+
+    one, two = _profile(1, 2000.0, 100.0, PH), _profile(2, 3000.0, 133.0, PH)
+    one["env"]["cpu_threads"], two["env"]["cpu_threads"] = 2, 1
+    points = [{"label": "N=1", "world_size": 1, "run_dir": "a", "profile": one},
+              {"label": "N=2", "world_size": 2, "run_dir": "b", "profile": two}]
+    rows, _ = analyze(points)
+    assert rows[0]["label"] == "N=1 (baseline)" and rows[0]["efficiency"] == pytest.approx(1.0)
+    assert rows[1]["label"] == "N=2"
+    notes = measurement_notes(points, "weak")
+    (threads,) = [n for n in notes if "env.cpu_threads" in n]
+    assert "N=1: 2, N=2: 1" in threads and "compute slowdown" in threads
+    assert any(n.startswith("baseline:") and "100% by definition" in n for n in notes)
+    two["env"]["cpu_threads"] = 2
+    assert not any("env.cpu_threads" in n for n in measurement_notes(points, "weak"))
+
+
+def test_charts_draw_no_empty_legend(tmp_path):
+    """matplotlib's "No artists with labels found" must not reach the user's terminal."""
+    import warnings
+
+    from trainprof.sweep.maxbatch import _chart as maxbatch_chart
+    from trainprof.sweep.scaling import write_scale_report
+
+    rows, _ = analyze([{"world_size": 1, "run_dir": "a", "profile": _profile(1, 2000.0, 100.0, PH)},
+                       {"world_size": 2, "run_dir": "b", "profile": _profile(2, 3000.0, 133.0, PH)}])
+    # collectives whose bandwidth is unknown: the bandwidth panel has nothing to label
+    comms = [{"world_size": 2, "op": "all_reduce", "group_size": 2, "calls": 1, "bytes": 0, "total_ms": 0.0,
+              "exposed_ms": 0.0, "algbw_gbps": None, "busbw_gbps": None}]
+    every_try_failed = [{"config": "c", "micro_batch_size": 1, "status": "failed", "failure_memory_mib": 5.0,
+                         "peak_memory_mib": None}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        write_scale_report(tmp_path, rows, comms, ["note"], title="t")
+        maxbatch_chart(tmp_path / "mb.png", [{"config": "c", "world_size": 1, "max_micro_batch": None,
+                                              "status": "none fits"}], every_try_failed, ["note"])
+
+
+def test_a_catalog_entry_without_a_required_key_is_a_one_line_error(tmp_path, cli):
+    cat = tmp_path / "cat.yaml"
+    cat.write_text("accelerators: {foo: {bf16: 1}}\n")
+    proc = cli("hardware", "--catalog", cat)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"catalog file '{cat}': accelerators.foo has no 'name:'" in proc.stderr
+    cat.write_text("links: {l1: {name: my link}}\n")
+    proc = cli("hardware", "--catalog", cat)
+    assert proc.returncode == 2 and "links.l1 has no 'gbps_per_direction:'" in proc.stderr
+    cat.write_text("accelerators: {g: {name: G, peak_bf16_dense_tflops: 5}}\n")
+    proc = cli("hardware", "--catalog", cat)
+    assert proc.returncode == 2 and f"catalog file '{cat}': accelerators.g.peak_bf16_dense_tflops" in proc.stderr

@@ -303,8 +303,10 @@ def check_memory_cap(device: torch.device, cap_gb: float | None) -> None:
     if cap_gb is None or device.type == "cuda":
         return
     peak = peak_memory_bytes(device)
-    if peak > cap_gb * 2**30:
+    over = peak - cap_gb * 2**30
+    if over > 0:  # MiB, and by how much: two figures rounded alike can print the same
+        by = f"{over / 2**20:,.1f} MiB" if over >= 2**20 / 10 else f"{over / 2**10:,.0f} KiB"
         raise MemoryError(
-            f"out of memory: peak RSS {peak / 2**30:.2f} GiB exceeds train.memory_cap_gb={cap_gb} "
-            "(CPU cap, checked after each step)"
+            f"out of memory: peak RSS {peak / 2**20:,.1f} MiB exceeds train.memory_cap_gb={cap_gb} "
+            f"({cap_gb * 1024:,.1f} MiB) by {by} (CPU cap, checked after each step)"
         )

@@ -129,11 +129,34 @@ class Catalog:
         return self.accelerators[key]
 
 
+# the keys each entry is read by without a default (Catalog.resolve / link, dense_peak, the hardware command)
+REQUIRED_KEYS = {"accelerators": ("name",), "links": ("name", "gbps_per_direction"),
+                 "nodes": ("accelerator", "gpus_per_node")}
+
+
 def _check_figures(entry: dict[str, Any], where: str) -> None:
     for key, fig in entry.items():
         if key.endswith(("_tflops", "_gbps", "_gb", "_us")):
             if not (isinstance(fig, dict) and "value" in fig and fig.get("source")):
                 raise CatalogError(f"{where}.{key}: every figure needs {{value, source}}; add the datasheet source")
+
+
+def _check_entry(entry: Any, section: str, key: str, file: str) -> None:
+    """One catalog entry: a mapping with its section's required keys and sourced figures (CatalogError, one
+    line naming the entry, the key and the file it came from)."""
+    where = f"{section}.{key}"
+    if not isinstance(entry, dict):
+        raise CatalogError(f"catalog file '{file}': {where} must be a mapping of keys (see trainprof/hardware.yaml), "
+                           f"got {type(entry).__name__}")
+    for required in REQUIRED_KEYS[section]:
+        if entry.get(required) in (None, ""):
+            raise CatalogError(f"catalog file '{file}': {where} has no '{required}:'; add it (see "
+                               "trainprof/hardware.yaml for the layout)")
+    if section != "nodes":
+        try:
+            _check_figures(entry, where)
+        except CatalogError as err:
+            raise CatalogError(f"catalog file '{file}': {err}") from None
 
 
 def load_catalog(user_file: str | Path | None = None) -> Catalog:
@@ -148,6 +171,7 @@ def load_catalog(user_file: str | Path | None = None) -> Catalog:
     """
     data = dict(_package_catalog())
     files = [CATALOG_FILE.name]
+    origin: dict[tuple[str, str], str] = {}  # (section, key) -> the user's file, for its entries' errors
     if user_file is not None:
         user = read_yaml(user_file, what="catalog file", hint="pass a YAML file with accelerators:/links:/nodes:",
                          error=CatalogError)
@@ -155,11 +179,16 @@ def load_catalog(user_file: str | Path | None = None) -> Catalog:
             raise CatalogError(f"catalog file '{user_file}' has none of accelerators:, links:, nodes:; "
                                "see trainprof/hardware.yaml for the layout")
         for section in ("accelerators", "links", "nodes"):
-            data[section] = {**(data.get(section) or {}), **(user.get(section) or {})}
+            entries = user.get(section) or {}
+            if not isinstance(entries, dict):
+                raise CatalogError(f"catalog file '{user_file}': {section}: must map names to entries, got "
+                                   f"{type(entries).__name__}; see trainprof/hardware.yaml for the layout")
+            data[section] = {**(data.get(section) or {}), **entries}
+            origin.update({(section, key): str(user_file) for key in entries})
         files.append(str(user_file))
-    for section in ("accelerators", "links"):
-        for key, entry in data[section].items():
-            _check_figures(entry, f"{section}.{key}")
+    for section in ("accelerators", "links", "nodes"):
+        for key, entry in (data.get(section) or {}).items():
+            _check_entry(entry, section, key, origin.get((section, key), str(CATALOG_FILE)))
     return Catalog(accelerators=data["accelerators"], links=data["links"], nodes=data.get("nodes") or {},
                    default_inter_node_link=data.get("default_inter_node_link", "ib-ndr"),
                    latency=data["collective_latency"], files=files,

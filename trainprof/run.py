@@ -120,7 +120,21 @@ class Terminated(BaseException):
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated("terminated by SIGTERM (torchrun stops the other ranks when one fails)")
+    raise Terminated(f"terminated by SIGTERM ({_who_sent_sigterm()})")
+
+
+def _who_sent_sigterm() -> str:
+    """What likely sent this rank SIGTERM, as far as the rank can know: the signal does not say who sent it."""
+    # set by trainprof's cell launcher (trainprof/sweep/runner.py cell_env)
+    timeout = os.environ.get("TRAINPROF_CELL_TIMEOUT_S")
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if timeout:
+        via = "through torchrun, which also stops the other ranks when one fails" if under_torchrun else "directly"
+        return (f"sent by trainprof's cell launcher, {via}: the cell ran past its timeout of {timeout} s or the "
+                "sweep was stopped; the sweep's record says which")
+    if under_torchrun:
+        return "from torchrun: it stops the other ranks when one fails, and passes on a SIGTERM it receives"
+    return "sent by another process: a scheduler's preemption, a timeout or `kill`"
 
 
 def _train(recipe: Recipe, ctx, run_dir: Path) -> Path:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainprof.commands.run import positive_int
+from trainprof.commands.run import non_negative_int, positive_int
 
 
 def _maxbatch(args: argparse.Namespace) -> int:
@@ -16,7 +16,7 @@ def _maxbatch(args: argparse.Namespace) -> int:
     from trainprof.recipe import check_environment
     from trainprof.sweep.launch import check_launchable
     from trainprof.report.plots import require_matplotlib
-    from trainprof.sweep.maxbatch import run_search, write_maxbatch_report
+    from trainprof.sweep.maxbatch import SearchInterrupted, run_search, write_maxbatch_report
     from trainprof.sweep.runner import interrupt_on_sigterm
     from trainprof.sweep.spec import is_sweep_file, load_sweep, make_cell
     from trainprof.sweep.state import SweepState
@@ -36,10 +36,13 @@ def _maxbatch(args: argparse.Namespace) -> int:
         label = " ".join(args.overrides) or Path(args.target).stem
         configs = [(label, args.target, list(args.overrides), args.nproc, 1)]
         name, timeout = recipe.output.name, float(args.timeout or 1800)
+    cuda = torch.cuda.is_available()
     for label, path, overrides, nproc, nnodes in configs:  # the largest try validates and launches too
-        cell, _ = make_cell(path, [*overrides, f"train.micro_batch_size={args.max}"], label=label, nproc=nproc,
-                            nnodes=nnodes)
+        cell, recipe = make_cell(path, [*overrides, f"train.micro_batch_size={args.max}"], label=label, nproc=nproc,
+                                 nnodes=nnodes)
         check_launchable([cell])
+        if not cuda and recipe.train.memory_cap_gb is None and not args.no_cap:
+            raise UserError(_no_cap_message(label if len(configs) > 1 else None, nproc * nnodes, args.max))
     require_matplotlib()
     out = Path(args.out) if args.out else Path("runs") / "maxbatch" / name
     state = SweepState(out / "maxbatch.json", kind="maxbatch", name=name,
@@ -57,6 +60,9 @@ def _maxbatch(args: argparse.Namespace) -> int:
             print(f"trainprof: max batch of '{label}' on {nproc * nnodes} rank(s)", file=sys.stderr)
             rows.append(run_search(path, overrides, label=label, nproc=nproc, nnodes=nnodes, out_dir=out, state=state,
                                    timeout_s=timeout, start=args.start, limit=args.max, steps=args.steps))
+    except SearchInterrupted as stopped:  # the tries that finished still say something: best so far, marked partial
+        rows.append(stopped.row)
+        interrupted = True
     except KeyboardInterrupt:
         interrupted = True
     notes = [
@@ -81,6 +87,18 @@ def _maxbatch(args: argparse.Namespace) -> int:
     return 1 if any(r["status"] == "error" for r in rows) else 0
 
 
+def _no_cap_message(config: str | None, ranks: int, limit: int) -> str:
+    """Why a CPU search without train.memory_cap_gb is refused, with the machine's available memory."""
+    import psutil
+
+    available_gib = psutil.virtual_memory().available / 2**30
+    where = f"config '{config}': " if config else ""
+    return (f"{where}maxbatch on a CPU needs train.memory_cap_gb (GiB per rank): without it the tries grow up to "
+            f"--max {limit} until the kernel's OOM killer stops one, which can kill other processes; this machine has "
+            f"{available_gib:.1f} GiB available for {ranks} rank(s): add train.memory_cap_gb=N, or pass --no-cap to "
+            "search without one")
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("maxbatch", help="find the largest micro batch that fits (doubling, then bisection)",
                        description="Find the largest train.micro_batch_size that runs without running out of memory: "
@@ -92,9 +110,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=positive_int, default=1, help="ranks per try (recipe only; default 1)")
     p.add_argument("--start", type=positive_int, default=1, help="first micro batch tried (default 1)")
     p.add_argument("--max", type=positive_int, default=1024, help="largest micro batch tried (default 1024)")
-    p.add_argument("--steps", type=int, default=2, help="measured steps per try, after 1 warm-up step "
+    p.add_argument("--steps", type=non_negative_int, default=2, help="measured steps per try, after 1 warm-up step "
                    "(default 2; 0 keeps the recipe's steps)")
     p.add_argument("--timeout", type=positive_int, help="seconds per try (default: sweep file's, else 1800)")
     p.add_argument("--out", help="output dir (default runs/maxbatch/<name>); holds maxbatch.json, the state")
+    p.add_argument("--no-cap", action="store_true", help="on a CPU, search without train.memory_cap_gb: the first "
+                   "failure is then the kernel's OOM killer (SIGKILL), which can hit other processes too")
     p.set_defaults(func=_maxbatch)
     return p

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainprof.commands.run import positive_ints
+from trainprof.commands.run import positive_int, positive_ints
 
 
 def _launch_points(args: argparse.Namespace) -> tuple[list[dict], str, Path, bool]:
@@ -16,6 +16,7 @@ def _launch_points(args: argparse.Namespace) -> tuple[list[dict], str, Path, boo
 
     import torch
 
+    from trainprof.errors import UserError
     from trainprof.recipe import check_environment
     from trainprof.sweep.launch import check_launchable
     from trainprof.report.plots import require_matplotlib
@@ -25,9 +26,12 @@ def _launch_points(args: argparse.Namespace) -> tuple[list[dict], str, Path, boo
     from trainprof.sweep.state import SweepState
 
     mode = "strong" if args.strong else "weak"
+    worlds = sorted({(nn * np_, nn, np_) for nn in args.nnodes for np_ in args.nproc})
+    if len({w for w, _, _ in worlds}) < 2:  # before launching anything: one size has nothing to scale against
+        raise UserError(f"scaling needs at least two world sizes; --nproc {','.join(map(str, args.nproc))} --nnodes "
+                        f"{','.join(map(str, args.nnodes))} give only N={worlds[0][0]}; pass e.g. --nproc 1,2")
     _, base = make_cell(args.recipe, args.overrides, label="base")
     check_environment(base, cuda_available=torch.cuda.is_available())
-    worlds = sorted({(nn * np_, nn, np_) for nn in args.nnodes for np_ in args.nproc})
     n_ref = worlds[0][0]
     cells = []
     for world, nnodes, nproc in worlds:
@@ -63,8 +67,10 @@ def _launch_points(args: argparse.Namespace) -> tuple[list[dict], str, Path, boo
 
 def _scale(args: argparse.Namespace) -> int:
     from trainprof.errors import UserError
-    from trainprof.sweep.scaling import analyze, collect_runs, comm_rows, measurement_notes, write_scale_report
+    from trainprof.sweep.scaling import (analyze, collect_runs, comm_rows, measurement_notes, setting_differences,
+                                         write_scale_report)
 
+    differences = []
     if args.runs:
         if args.recipe:
             raise UserError("give either a RECIPE to run or --runs DIR ... to read, not both")
@@ -74,6 +80,15 @@ def _scale(args: argparse.Namespace) -> int:
         if dup:
             raise UserError(f"several runs with world size {dup[0]}: "
                             f"{', '.join(p['run_dir'] for p in points if p['world_size'] == dup[0])}; pass one each")
+        differences = setting_differences(points)
+        if differences and not args.allow_different_settings:
+            raise UserError("the runs differ in settings other than the world size: "
+                            + "; ".join(d.text() for d in differences)
+                            + "; their efficiency would mix those changes with scaling: pass runs of one recipe, or "
+                            "--allow-different-settings to compare them anyway")
+        for d in differences:
+            print(f"trainprof: warning: the runs differ in {d.text()}; compared anyway (--allow-different-settings)",
+                  file=sys.stderr)
         for p in points:
             p["label"] = Path(p["run_dir"]).name
         mode = args.mode_label or "as collected (per-rank batch as each run's recipe says)"
@@ -91,14 +106,15 @@ def _scale(args: argparse.Namespace) -> int:
         return 130 if interrupted else 1
     rows, null_notes = analyze(points)
     comms = comm_rows(points)
-    notes = measurement_notes(points, mode) + null_notes
+    notes = measurement_notes(points, mode, differences) + null_notes
     paths = write_scale_report(out, rows, comms, notes, title=f"trainprof scale: {out.name}")
     if not args.no_project:
         paths += _projected(out, points, args.project_to)
-    for r in rows:
+    for i, r in enumerate(rows):
         eff = "n/a" if r.get("efficiency") is None else f"{100 * r['efficiency']:.1f}%"
         tput = "n/a" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:,.0f}"
-        print(f"  N={r['world_size']}: {tput} tokens/s, efficiency {eff}", file=sys.stderr)
+        baseline = " (the baseline: 100% by definition)" if i == 0 and r.get("efficiency") is not None else ""
+        print(f"  N={r['world_size']}: {tput} tokens/s, efficiency {eff}{baseline}", file=sys.stderr)
     for p in paths:
         print(f"  {p}", file=sys.stderr)
     if interrupted:
@@ -109,17 +125,34 @@ def _scale(args: argparse.Namespace) -> int:
 
 def _projected(out: Path, points: list[dict], extra: list[int]) -> list[Path]:
     """The "projected" table beside the measured one: from the smallest N's run, every size."""
+    import time
+
     from trainprof.projection.views import project_scaling, write_scaling_projection
 
+    base = min(p["world_size"] for p in points)
+    sizes = sorted({p["world_size"] for p in points} | set(extra))
+    # the projection calibrates this machine and re-times every size: a minute or more with no output of its own
+    print(f"trainprof: projecting N={', '.join(map(str, sizes))} from the N={base} run (it calibrates this machine "
+          "where the run has no calibration.json, then models each size: a minute or more; --no-project skips "
+          "it)", file=sys.stderr, flush=True)
+    start = time.monotonic()
     try:
         rows, notes = project_scaling(points, extra)
     except Exception as err:  # a projection problem must not lose the measured report
         print(f"trainprof: projected section not written ({type(err).__name__}: {err})", file=sys.stderr)
         return []
+    print(f"trainprof: projected in {time.monotonic() - start:.0f} s", file=sys.stderr)
+    for r in rows:
+        if r["world_size"] == base:  # the source run projected onto itself: no expected error to claim
+            r["expected_error_pct"] = None
+    notes.append(f"N={base}: the baseline, the run the others are projected from; its projected efficiency is 100% "
+                 "by definition and it claims no expected error (its error % shows how well the step model "
+                 "reproduces its own source)")
     for r in rows:
         got = "n/a" if r.get("predicted_tokens_per_s") is None else f"{r['predicted_tokens_per_s']:,.0f}"
         err = f", error {r['step_error_pct']:+.1f}%" if r.get("step_error_pct") is not None else ""
-        print(f"  N={r['world_size']}: projected {got} tokens/s{err}", file=sys.stderr)
+        baseline = " (the baseline, projected from itself)" if r["world_size"] == base else ""
+        print(f"  N={r['world_size']}: projected {got} tokens/s{err}{baseline}", file=sys.stderr)
     return write_scaling_projection(out, rows, notes, title=f"trainprof scale: {out.name}")
 
 
@@ -139,7 +172,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--runs", nargs="+", metavar="DIR", help="existing run dirs (or dirs holding them), one per "
                    "world size, instead of running the recipe")
     p.add_argument("--mode-label", help="with --runs: how the runs were scaled, for the report (e.g. weak)")
-    p.add_argument("--timeout", type=int, default=1800, help="seconds per world size (default 1800)")
+    p.add_argument("--allow-different-settings", action="store_true", help="with --runs: compare runs whose recipes "
+                   "differ in more than the world size (and, for strong scaling, the per-rank batch); the report "
+                   "lists the differences. Without it such runs are refused")
+    p.add_argument("--timeout", type=positive_int, default=1800, help="seconds per world size (default 1800)")
     p.add_argument("--retry-failed", action="store_true", help="run failed world sizes again")
     p.add_argument("--out", help="output dir (default runs/scale/<recipe>-<weak|strong>)")
     p.add_argument("--project-to", type=positive_ints, default=[], help="also project these world sizes from the "

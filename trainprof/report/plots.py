@@ -116,6 +116,14 @@ def save_figure(fig, path: Path, rect: tuple[float, float, float, float] = (0, 0
     return path
 
 
+def legend_if_labelled(ax, **kwargs) -> None:
+    """A legend only where the axes hold labelled artists (else matplotlib warns "No artists with labels
+    found" on the user's terminal, e.g. a chart whose every try failed)."""
+    handles, _ = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(**kwargs)
+
+
 def png_bytes(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")

@@ -31,7 +31,8 @@ class Launch:
     """How a cell's launcher process ended."""
 
     returncode: int | None  # torchrun's exit code (negative: killed by that signal)
-    elapsed_s: float
+    elapsed_s: float  # from start until the process tree was gone (a timed-out cell's grace period included)
+    timeout_s: float | None = None  # the limit it ran under
     timed_out: bool = False
     interrupted: bool = False  # the sweep itself was interrupted (Ctrl-C / SIGTERM) during this cell
     log: str = ""
@@ -160,7 +161,7 @@ def launch(cmd: list[str], *, log_path: Path, timeout_s: float, env: dict[str, s
                 if now - start > timeout_s:
                     stop_tree(proc, seen, signal.SIGTERM)
                     return Launch(returncode=proc.returncode, elapsed_s=time.monotonic() - start, timed_out=True,
-                                  log=str(log_path))
+                                  timeout_s=timeout_s, log=str(log_path))
                 if root is not None and now - last_scan > 1.0:
                     _remember(root, seen)
                     last_scan = now
@@ -168,11 +169,12 @@ def launch(cmd: list[str], *, log_path: Path, timeout_s: float, env: dict[str, s
         except KeyboardInterrupt:
             stop_tree(proc, seen, signal.SIGINT)
             return Launch(returncode=proc.returncode, elapsed_s=time.monotonic() - start, interrupted=True,
-                          log=str(log_path))
+                          timeout_s=timeout_s, log=str(log_path))
     # torchrun has exited; a rank it lost track of (it was itself killed) must not outlive the cell
     for p in _alive({pid: p for pid, p in seen.items() if pid != proc.pid}):
         try:
             p.kill()
         except psutil.Error:
             pass
-    return Launch(returncode=proc.returncode, elapsed_s=time.monotonic() - start, log=str(log_path))
+    return Launch(returncode=proc.returncode, elapsed_s=time.monotonic() - start, timeout_s=timeout_s,
+                  log=str(log_path))

@@ -18,8 +18,16 @@ from typing import Any, Callable
 from trainprof.sweep.runner import run_cell
 from trainprof.sweep.spec import Cell, make_cell
 from trainprof.sweep.state import SweepState
-from trainprof.report.plots import figure, pyplot, save_figure
+from trainprof.report.plots import figure, legend_if_labelled, pyplot, save_figure
 from trainprof.report.tables import Column, fmt_num, fmt_text, write_tables
+
+
+class SearchInterrupted(KeyboardInterrupt):
+    """The search was interrupted (Ctrl-C, SIGTERM); carries the result row of the tries that finished."""
+
+    def __init__(self, row: dict[str, Any]) -> None:
+        super().__init__("maxbatch interrupted")
+        self.row = row
 
 
 class TryFailed(Exception):
@@ -109,6 +117,8 @@ def run_search(recipe_path: str, overrides: list[str], *, label: str, nproc: int
     row: dict[str, Any] = {"config": label, "world_size": nproc * nnodes, "overrides": " ".join(overrides)}
     try:
         s = search_max_batch(fits, start=start, limit=limit)
+    except KeyboardInterrupt:
+        raise SearchInterrupted(best_so_far(row, tries, state)) from None
     except TryFailed as err:
         f = err.record.get("failure") or {}
         row.update(status="error", max_micro_batch=None, failure_kind=f.get("kind"), failure_message=f.get("message"),
@@ -118,20 +128,45 @@ def run_search(recipe_path: str, overrides: list[str], *, label: str, nproc: int
         return row
     row.update(status="found" if s.bounded and s.max_fit else ("none fits" if s.max_fit is None else "limit"),
                max_micro_batch=s.max_fit, first_fail=s.first_fail, tries=len(s.tried))
-    if s.max_fit is not None:
-        rec = state.get(tries[s.max_fit].key)
-        values = rec.get("values") or {}
-        row.update(tokens_per_s=values.get("tokens_per_s"), step_ms=values.get("step_ms"),
-                   peak_memory_mib=values.get("peak_memory_mib"), run_dir=rec.get("run_dir"))
-    if s.first_fail is not None:
-        f = state.get(tries[s.first_fail].key).get("failure") or {}
-        row.update(failure_kind=f.get("kind") + (f" {f['signal']}" if f.get("signal") else ""),
-                   failure_message=f.get("message"),
-                   failure_memory_mib=None if f.get("peak_memory_bytes") is None else f["peak_memory_bytes"] / 2**20)
+    _add_try_figures(row, state, tries, s.max_fit, s.first_fail)
     if not s.bounded:
         row["note"] = f"every size up to --max {limit} fit; raise --max to find the limit"
     elif s.max_fit is None:
         row["note"] = f"micro batch {start} does not fit"
+    return row
+
+
+def _add_try_figures(row: dict[str, Any], state: SweepState, tries: dict[int, Cell], max_fit: int | None,
+                     first_fail: int | None) -> None:
+    """The figures of the try at the max, and the failure of the first failing try, into the result row."""
+    if max_fit is not None:
+        rec = state.get(tries[max_fit].key)
+        values = rec.get("values") or {}
+        row.update(tokens_per_s=values.get("tokens_per_s"), step_ms=values.get("step_ms"),
+                   peak_memory_mib=values.get("peak_memory_mib"), run_dir=rec.get("run_dir"))
+    if first_fail is not None:
+        f = state.get(tries[first_fail].key).get("failure") or {}
+        row.update(failure_kind=f.get("kind") + (f" {f['signal']}" if f.get("signal") else ""),
+                   failure_message=f.get("message"),
+                   failure_memory_mib=None if f.get("peak_memory_bytes") is None else f["peak_memory_bytes"] / 2**20)
+
+
+def best_so_far(row: dict[str, Any], tries: dict[int, Cell], state: SweepState) -> dict[str, Any]:
+    """The result row of an interrupted search, marked partial: the largest try that fit so far and the
+    smallest above it that ran out of memory (the answer lies between; the search had not closed the gap)."""
+    finished = {b: state.get(c.key) or {} for b, c in tries.items()}
+    fit = [b for b, rec in finished.items() if rec.get("status") == "done"]
+    best = max(fit) if fit else None
+    failed = [b for b, rec in finished.items() if rec.get("status") == "failed" and counts_as_oom(rec)
+              and (best is None or b > best)]
+    first_fail = min(failed) if failed else None
+    done = sum(rec.get("status") in ("done", "failed") for rec in finished.values())
+    row.update(status="interrupted (partial)", max_micro_batch=best, first_fail=first_fail, tries=done)
+    _add_try_figures(row, state, tries, best, first_fail)
+    gap = f"the max lies in [{best}, {first_fail})" if best is not None and first_fail is not None else \
+        "no try fit yet" if best is None else f"{best} fits; larger sizes were not tried yet"
+    row["note"] = f"search interrupted after {done} finished tries: best so far, not the answer ({gap}); " \
+                  "run the same command again to resume"
     return row
 
 
@@ -204,7 +239,7 @@ def _chart(path: Path, rows: list[dict[str, Any]], tries: list[dict[str, Any]], 
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("micro batch size (x = failed try, at the memory it recorded)")
     ax1.set_ylabel("peak memory per rank, MiB")
-    ax1.legend(fontsize=7)
+    legend_if_labelled(ax1, fontsize=7)
     y = list(range(len(rows)))
     ax2.barh(y, [r.get("max_micro_batch") or 0 for r in rows], color="#4c72b0")
     ax2.set_yticks(y)

@@ -23,7 +23,7 @@ from typing import Any
 
 from trainprof.phases import PHASES
 from trainprof.io import dig
-from trainprof.sweep.launch import Launch
+from trainprof.sweep.launch import GRACE_S, Launch
 
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 _ANY_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*exitcode\s*:\s*(-?\d+)")
@@ -180,9 +180,12 @@ def failure_record(launch: Launch, run_dir: Path | None, world_size: int) -> dic
             "ranks_silent": silent, "log": launch.log, "elapsed_s": round(launch.elapsed_s, 1)}
 
     if launch.timed_out:
+        limit = f"its timeout of {launch.timeout_s:g} s" if launch.timeout_s is not None else "its timeout"
+        peaks = [r["peak_memory_bytes"] for r in failures if r.get("peak_memory_bytes") is not None]
         return {**base, "kind": "timeout", "rank": silent[0] if len(silent) == 1 else None, "signal": None,
-                "type": "Timeout", "peak_memory_bytes": None,
-                "message": f"cell ran past its timeout ({launch.elapsed_s:.0f} s); its process tree was killed"}
+                "type": "Timeout", "peak_memory_bytes": max(peaks) if peaks else None,
+                "message": f"cell ran past {limit} and was stopped (SIGTERM, SIGKILL after {GRACE_S:g} s); "
+                           f"{launch.elapsed_s:.0f} s elapsed from its start until its processes were gone"}
     root = _ROOT_CAUSE.search(text)
     if root:
         rank, code = int(root.group(1)), int(root.group(2))

@@ -1,5 +1,5 @@
 """The sweep table (one row per cell: throughput, step time, memory, FLOP/s, MFU, phase split, or how
-the cell failed) and its bar chart."""
+the cell failed, with the figures of the steps it measured before, marked partial) and its bar chart."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ COLUMNS = [
     Column("cell", "cell"),
     Column("world_size", "ranks", fmt_text),
     Column("status", "status"),
+    Column("figures", "figures from", fmt_text),
     Column("tokens_per_s", "tokens/s", fmt_num(0)),
     Column("step_ms", "step ms", fmt_num(1)),
     Column("peak_memory_mib", "peak memory MiB", fmt_num(0)),
@@ -51,6 +52,13 @@ def sweep_rows(sweep: Sweep, records: list[dict[str, Any] | None]) -> list[dict[
                                "status": rec.get("status", "pending"), "overrides": " ".join(cell.overrides),
                                "run_dir": rec.get("run_dir")}
         row.update(rec.get("values") or {})
+        partial = rec.get("partial")
+        if rec.get("status") == "done":
+            row["figures"] = "all steps"
+        elif partial:  # what a failed or stopped cell measured, never its status
+            row.update(partial.get("values") or {})
+            how = "was interrupted" if rec.get("status") == "interrupted" else "failed"
+            row["figures"] = f"partial: {partial['steps']} measured steps before it {how}"
         row["world_size"] = cell.world_size
         f = rec.get("failure")
         if f:
@@ -82,7 +90,12 @@ def measurement_notes(records: list[dict[str, Any] | None], labels: dict[str, st
         which = ", ".join(cells[:3]) + (f" and {len(cells) - 3} more" if len(cells) > 3 else "")
         notes.append(f"{labels.get(key, key)} n/a ({which}): {text}")
     notes.append("memory at failure: the failing rank's peak memory as it recorded it in failure-rank<N>.json "
-                 "(same meter as peak memory); n/a for a rank killed by a signal, which records nothing")
+                 "(same meter as peak memory; for a timeout, the highest any rank recorded when it was stopped); n/a "
+                 "for a rank killed by a signal, which records nothing")
+    if any(rec and rec.get("status") != "done" and rec.get("partial") for rec in records):
+        notes.append("figures from `partial`: a cell that failed or was stopped, measured over the steps it finished "
+                     "(its ranks' profile.rank<N>.partial.json, or their journals, as `trainprof report` reads a "
+                     "partial run); not a finished cell's figures")
     return notes
 
 
@@ -128,6 +141,8 @@ def write_sweep_chart(path: Path, rows: list[dict[str, Any]], notes: list[str]) 
                 text = r.get("failure_kind") or r["status"]
                 if r.get("failed_rank") is not None:
                     text += f" (rank {r['failed_rank']}{', ' + r['signal'] if r.get('signal') else ''})"
+                if r.get("figures"):
+                    text += ", partial"
                 ax.text(v + top * 0.02, yi, text, va="center", fontsize=8, color="#b00000")
             elif v:
                 ax.text(v, yi, f" {v:,.0f}", va="center", fontsize=7)

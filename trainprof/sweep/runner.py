@@ -3,20 +3,22 @@ state file.
 
 A finished cell (done or failed) is never run again; a cell interrupted by Ctrl-C / SIGTERM is marked
 `interrupted` and runs again on the next invocation. Every cell writes under <out>/cells/<cell id>/:
-launch.log (torchrun's or the single rank's output) and the run dir trainprof.run makes there.
+launch.log (torchrun's or the single rank's output) and the run dir trainprof.run makes there. A cell
+run again (resumed, retried) first moves its earlier attempt's dir aside to <cell id>.attempt<N>/: what
+that attempt measured is kept, never deleted. A cell that failed or was stopped after some measured
+steps keeps their figures, marked partial (the state's `partial`), as `trainprof report` reads them.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
 from pathlib import Path
 from typing import Any, Iterable
 
 from trainprof.errors import UserError
-from trainprof.report.rundir import RunDirError, read_profile_file
+from trainprof.report.rundir import RunDirError, load_run, read_profile_file
 from trainprof.sweep.launch import launch, launch_command
 from trainprof.sweep.outcome import failure_record, find_run_dir, metrics_row
 from trainprof.sweep.spec import Cell
@@ -32,9 +34,63 @@ def interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def cell_env() -> dict[str, str]:
-    """The cells' environment: ours, with unbuffered output so launch.log is complete at a kill."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+CELL_TIMEOUT_ENV = "TRAINPROF_CELL_TIMEOUT_S"  # read by trainprof/run.py for its failure message
+
+
+def cell_env(timeout_s: float | None = None) -> dict[str, str]:
+    """The cells' environment: ours, with unbuffered output so launch.log is complete at a kill, and the
+    cell's timeout, so a rank stopped by the launcher can say what stopped it (trainprof/run.py)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if timeout_s is not None:
+        env[CELL_TIMEOUT_ENV] = f"{timeout_s:g}"
+    return env
+
+
+def _say(message: str) -> None:
+    """A line on stderr that does not break a progress bar being drawn there."""
+    from tqdm import tqdm
+
+    tqdm.write(message, file=sys.stderr)
+
+
+def keep_earlier_attempt(out_dir: Path, cell: Cell, previous: dict[str, Any]) -> list[dict[str, Any]]:
+    """Move the dir of the cell's earlier attempt (and of an earlier label of the same configuration) aside
+    to cells/<id>.attempt<N>/ instead of deleting it; returns the state's `earlier_attempts`, this one added."""
+    kept = list(previous.get("earlier_attempts") or [])
+    attempt = previous.get("attempts", 0)
+    for stale in dict.fromkeys(i for i in (cell.id, previous.get("id")) if i):
+        old = out_dir / "cells" / stale
+        if not old.exists():
+            continue
+        new, n = out_dir / "cells" / f"{stale}.attempt{attempt}", 1
+        while new.exists():
+            n += 1
+            new = out_dir / "cells" / f"{stale}.attempt{attempt}-{n}"
+        old.rename(new)
+        partial = previous.get("partial") or {}
+        measured = f", {partial['steps']} measured steps" if partial.get("steps") else ""
+        kept.append({"attempt": attempt, "dir": str(new), "status": previous.get("status"),
+                     "partial": previous.get("partial")})
+        _say(f"trainprof: cell '{cell.label}': attempt {attempt} ({previous.get('status', 'unfinished')}"
+             f"{measured}) kept in {new}")
+    return kept
+
+
+def partial_figures(run_dir: Path | None) -> dict[str, Any] | None:
+    """The figures of the steps a failed or stopped cell measured, read as `trainprof report` reads a
+    partial run (profile.rank*.partial.json, or the killed ranks' journals); None where it measured none."""
+    if run_dir is None:
+        return None
+    try:
+        run = load_run(run_dir)
+    except Exception:  # noqa: BLE001  the failure matters more than what it left half-written
+        return None
+    steps = len(run.measured_steps)
+    if run.profile is None or not steps:
+        return None
+    values, methods, why = metrics_row(run.profile)
+    return {"steps": steps, "reason": run.profile.get("partial_reason"), "source": run.source,
+            "values": values, "methods": methods, "null_reasons": why}
 
 
 def run_cell(cell: Cell, out_dir: Path, state: SweepState, *, timeout_s: float) -> dict[str, Any]:
@@ -45,20 +101,19 @@ def run_cell(cell: Cell, out_dir: Path, state: SweepState, *, timeout_s: float) 
     """
     cell_dir = out_dir / "cells" / cell.id
     previous = state.get(cell.key) or {}
-    for stale in {cell.id, previous.get("id")} - {None}:  # an unfinished or retried attempt (maybe relabeled)
-        if (out_dir / "cells" / stale).exists():
-            shutil.rmtree(out_dir / "cells" / stale)
+    earlier = keep_earlier_attempt(out_dir, cell, previous)  # an unfinished or retried attempt (maybe relabeled)
     state.update(cell.key, {**cell.to_dict(), "status": "running", "started": now(), "finished": None,
                            "attempts": previous.get("attempts", 0) + 1, "run_dir": None, "values": None,
-                           "methods": None, "null_reasons": None, "failure": None})
+                           "methods": None, "null_reasons": None, "failure": None, "partial": None,
+                           "earlier_attempts": earlier or None})
     cmd = launch_command(cell.recipe_path, [*cell.overrides, f"output.dir={cell_dir}"],
                          nproc=cell.nproc, nnodes=cell.nnodes)
-    result = launch(cmd, log_path=cell_dir / "launch.log", timeout_s=timeout_s, env=cell_env())
+    result = launch(cmd, log_path=cell_dir / "launch.log", timeout_s=timeout_s, env=cell_env(timeout_s))
     run_dir = find_run_dir(cell_dir)
     common = {"finished": now(), "elapsed_s": round(result.elapsed_s, 1), "log": result.log,
               "run_dir": str(run_dir) if run_dir else None}
     if result.interrupted:
-        state.update(cell.key, {**common, "status": "interrupted"})
+        state.update(cell.key, {**common, "status": "interrupted", "partial": partial_figures(run_dir)})
         raise KeyboardInterrupt
     profile_path = run_dir / "profile.json" if run_dir else None
     unreadable = None
@@ -74,7 +129,8 @@ def run_cell(cell: Cell, out_dir: Path, state: SweepState, *, timeout_s: float) 
     failure = failure_record(result, run_dir, cell.world_size)
     if result.returncode == 0 and failure["kind"] == "error" and failure["rank"] is None:
         failure["message"] = unreadable or "the launcher exited 0 but the run wrote no profile.json"
-    return state.update(cell.key, {**common, "status": "failed", "failure": failure})
+    return state.update(cell.key, {**common, "status": "failed", "failure": failure,
+                                   "partial": partial_figures(run_dir)})
 
 
 def run_cells(cells: Iterable[Cell], out_dir: Path, state: SweepState, *, timeout_s: float,
@@ -107,8 +163,10 @@ def run_cells(cells: Iterable[Cell], out_dir: Path, state: SweepState, *, timeou
             if rec["status"] == "failed":
                 f = rec["failure"]
                 where = f" rank {f['rank']}" if f.get("rank") is not None else ""
+                kept = f"; its {rec['partial']['steps']} measured steps are kept as partial figures" \
+                    if rec.get("partial") else ""
                 bar.write(f"trainprof: cell '{cell.label}' failed: {f['kind']}{where}: {f['message'][:200]} "
-                          f"(log: {rec['log']})", file=sys.stderr)
+                          f"(log: {rec['log']}){kept}", file=sys.stderr)
             bar.update()
     finally:
         bar.set_postfix_str(f"{counts['done']} done, {counts['failed']} failed", refresh=True)

@@ -27,11 +27,13 @@ whose inputs are missing is null with the reason, and `other` takes its share.
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainprof.analysis.bandwidth import bandwidth_gbps
-from trainprof.report.plots import figure, pyplot, save_figure
+from trainprof.projection.changes import STEP_NEUTRAL_KEYS
+from trainprof.report.plots import figure, legend_if_labelled, pyplot, save_figure
 from trainprof.report.rundir import read_profile_file
 from trainprof.report.tables import Column, fmt_num, fmt_pct, fmt_text, write_tables
 
@@ -57,6 +59,69 @@ def strong_overrides(micro_batch: int, grad_accum: int, n_ref: int, n: int) -> l
     return [f"train.micro_batch_size={mbs}", f"train.grad_accum={per_rank // mbs}"]
 
 
+# recipe keys that may differ between runs of one configuration: those that do not change a step's work (how
+# long a run is, its seed, what the profiler records, where it wrote) and a wrapped run's reasons for a key
+_PER_RUN_PREFIXES = (*STEP_NEUTRAL_KEYS, "unknown.")
+_BATCH_KEYS = ("train.micro_batch_size", "train.grad_accum")
+
+
+@dataclass(slots=True, kw_only=True)
+class SettingDifference:
+    """A recipe setting that is not the same in every run of a scaling report."""
+
+    key: str
+    values: dict[int, Any]  # world size -> the run's value ("not set" where its recipe lacks the key)
+    why: str = ""  # for the batch: what a scaling mode would keep equal and did not
+
+    def text(self) -> str:
+        per_run = ", ".join(f"N={n}: {v}" for n, v in self.values.items())
+        return f"{self.key} ({per_run}){'; ' + self.why if self.why else ''}"
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _settings(profile: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's settings, flat: its resolved recipe, or a wrapped run's workload; None without either."""
+    recipe = profile.get("recipe") or profile.get("workload")
+    if not isinstance(recipe, dict):
+        return None
+    return {k: v for k, v in _flat(recipe).items()
+            if not any(k == p or (p.endswith(".") and k.startswith(p)) for p in _PER_RUN_PREFIXES)}
+
+
+def setting_differences(points: list[dict[str, Any]]) -> list[SettingDifference]:
+    """The recipe settings in which the runs differ, other than what a world-size change itself changes:
+    the output dir, and the per-rank batch where either it (weak scaling) or the global batch (strong
+    scaling: micro batch x grad_accum x N) is the same in every run. Runs without a recipe are left out."""
+    runs = sorted(((p["world_size"], s) for p in points if (s := _settings(p["profile"])) is not None),
+                  key=lambda r: r[0])
+    if len(runs) < 2:
+        return []
+    diffs = []
+    for key in sorted({k for _, s in runs for k in s} - set(_BATCH_KEYS)):
+        values = {n: s.get(key, "not set") for n, s in runs}
+        if len({repr(v) for v in values.values()}) > 1:
+            diffs.append(SettingDifference(key=key, values=values))
+    batch = {n: (s.get("train.micro_batch_size"), s.get("train.grad_accum", 1)) for n, s in runs}
+    if all(isinstance(m, int) and isinstance(a, int) for m, a in batch.values()):
+        per_rank = {n: m * a for n, (m, a) in batch.items()}
+        if len(set(per_rank.values())) > 1 and len({n * b for n, b in per_rank.items()}) > 1:
+            diffs.append(SettingDifference(
+                key=" x ".join(_BATCH_KEYS), values={n: f"{m}x{a}" for n, (m, a) in batch.items()},
+                why="neither the per-rank batch (weak scaling) nor the global batch (strong scaling) is the same"))
+    elif len(set(batch.values())) > 1:
+        diffs.append(SettingDifference(key=" x ".join(_BATCH_KEYS), values={n: f"{m}x{a}" for n, (m, a) in batch.items()}))
+    return diffs
+
+
 def load_run(run_dir: Path) -> dict[str, Any]:
     profile = read_profile_file(run_dir / "profile.json")  # cut short or not a profile: a one-line error
     return {"run_dir": str(run_dir), "profile": profile, "world_size": (profile.get("env") or {}).get("world_size")}
@@ -79,8 +144,12 @@ def collect_runs(paths: list[str]) -> list[dict[str, Any]]:
             raise UserError(f"run dir '{p}' not found")
     runs = [load_run(p) for p in found]
     for r in runs:
-        if not r["world_size"]:
+        n = r["world_size"]
+        if n is None:
             raise UserError(f"'{r['run_dir']}/profile.json' has no env.world_size; is it a trainprof profile?")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise UserError(f"'{r['run_dir']}/profile.json': env.world_size is {n!r} ({type(n).__name__}), not an "
+                            "integer >= 1; fix the profile or pass another run dir")
     return runs
 
 
@@ -200,8 +269,9 @@ def analyze(points: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[st
             comp = ("forward", "backward", "recompute", "optimizer")
             c1, c0 = _group(ph, comp), _group(ph0, comp)
             parts["compute"] = None if c1 is None or c0 is None else c1 - r * c0
-        if n == n0:
+        if n == n0:  # the baseline: 100% against itself by definition, which its label says
             parts = {k: (0.0 if v is not None else None) for k, v in parts.items()}
+            row["label"] += " (baseline)"
         parts["other"] = excess - sum(v for v in parts.values() if v is not None)
         for k in PARTS:
             row[f"{k}_ms"] = parts.get(k)
@@ -255,15 +325,36 @@ COMM_COLUMNS = [
 ]
 
 
-def measurement_notes(points: list[dict[str, Any]], mode: str) -> list[str]:
-    prof = points[0]["profile"] if points else {}
+def cpu_threads_note(points: list[dict[str, Any]]) -> str | None:
+    """A note where the runs' ranks had different numbers of CPU threads (env.cpu_threads, per rank): on a
+    CPU the ranks share the cores, so N ranks each get fewer threads and compute slows for that reason too."""
+    threads = {p["world_size"]: (p["profile"].get("env") or {}).get("cpu_threads") for p in
+               sorted(points, key=lambda p: p["world_size"])}
+    known = {n: t for n, t in threads.items() if isinstance(t, int)}
+    if len(set(known.values())) < 2:
+        return None
+    per_run = ", ".join(f"N={n}: {t}" for n, t in known.items())
+    return (f"CPU threads per rank differ between the runs (env.cpu_threads: {per_run}): the ranks share the "
+            "machine's cores, so part of the compute slowdown is each rank having fewer threads, not scaling overhead")
+
+
+def measurement_notes(points: list[dict[str, Any]], mode: str,
+                      differences: list[SettingDifference] = ()) -> list[str]:
+    prof = min(points, key=lambda p: p["world_size"])["profile"] if points else {}
     s, env, meas = prof.get("summary") or {}, prof.get("env") or {}, prof.get("measurement") or {}
     notes = [EFFICIENCY_FORMULA,
              f"scaling mode: {mode}",
-             "lost efficiency: each part is ms per step over the perfectly scaled step, divided by the step time "
-             "tokens/s implies; parts + efficiency = 100% (see trainprof/sweep/scaling.py for each part's formula)",
-             f"tokens/s: {s.get('tokens_per_s_method') or s.get('tokens_per_s_scope') or 'global tokens per step / median step'}",
-             f"timer: {env.get('timer', '?')}" + (f" ({meas['timer']})" if meas.get("timer") else "")]
+             "baseline: the smallest world size measured; its efficiency is 100% by definition (against itself)"]
+    if differences:
+        notes.append("settings differ between the runs (compared anyway, --allow-different-settings): "
+                     + "; ".join(d.text() for d in differences))
+    threads = cpu_threads_note(points)
+    if threads:
+        notes.append(threads)
+    notes += ["lost efficiency: each part is ms per step over the perfectly scaled step, divided by the step time "
+              "tokens/s implies; parts + efficiency = 100% (see trainprof/sweep/scaling.py for each part's formula)",
+              f"tokens/s: {s.get('tokens_per_s_method') or s.get('tokens_per_s_scope') or 'global tokens per step / median step'}",
+              f"timer: {env.get('timer', '?')}" + (f" ({meas['timer']})" if meas.get("timer") else "")]
     if meas.get("phases"):
         notes.append(f"phases: {meas['phases']}")
     if meas.get("comm_exposed"):
@@ -331,5 +422,5 @@ def _chart(path: Path, rows: list[dict[str, Any]], comms: list[dict[str, Any]], 
         ax.set_xlabel("ranks N")
         ax.set_ylabel("busbw GB/s")
         ax.set_title("achieved bus bandwidth per collective", fontsize=9)
-        ax.legend(fontsize=7)
+        legend_if_labelled(ax, fontsize=7)
     return save_figure(fig, path, rect)

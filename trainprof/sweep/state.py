@@ -5,7 +5,12 @@ atomically whenever a cell changes status, so a crash or Ctrl-C never loses a fi
      cells: {<cell key>: {key, id, label, overrides, nproc, nnodes, world_size, fingerprint,
                          status: running | done | failed | interrupted,
                          started, finished, attempts, run_dir, log, values, methods, null_reasons,
-                         failure: null | {kind, rank, signal, type, message, peak_memory_bytes, ...}}}}
+                         failure: null | {kind, rank, signal, type, message, peak_memory_bytes, ...},
+                         partial: null | {steps, reason, source, values, methods, null_reasons},
+                         earlier_attempts: null | [{attempt, dir, status, partial}]}}}
+
+`values` are a finished cell's figures only; a failed or interrupted cell's measured steps are in
+`partial`, and an earlier attempt's dir is kept (moved aside), never deleted.
 
 A cell is run again when it is missing, was `running` (the sweep died under it) or `interrupted`;
 `failed` only on request (retry_failed); `done` never.
