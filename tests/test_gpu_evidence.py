@@ -667,7 +667,9 @@ def test_a_change_on_its_own_gpu_keeps_the_optimizers_measured_host_part(tmp_pat
     assert own["measured_ms"] == pytest.approx(measured["phases_ms"]["optimizer"], rel=0.05)  # the step model's pick
     assert own["kernels_ms"] < own["measured_ms"] / 3
     (same,) = projection.project(run, probe=False)["predictions"]
-    assert two["step_ms"] >= same["step_ms"]  # host-bound: the step holds, twice the tokens
+    # host-bound: the step holds, twice the tokens (the unchanged row is the measured step, which the step model
+    # reproduces within 0.1%; the re-derived optimizer read micro batch 2 1.9% shorter)
+    assert two["step_ms"] >= 0.995 * same["step_ms"] and same["step_ms"] == measured["step_ms"]["median"]
     # the DeepSpeed ZeRO-3 run's optimizer (46.0 ms measured at micro batch 4 x 256) against the run at
     # 16 x 1024 of the same session (45.5 ms)
     shutil.copytree(PROFILES / "h100-llama1b_zero3_sdpa-hostbound", tmp_path / "zero3")
