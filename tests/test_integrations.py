@@ -20,14 +20,15 @@ STEPS, WARMUP = 5, 1  # the scripts' optimizer steps; trainprof.wrap's default w
 # preempted step does not move it, so these tests share the machine with the other worker's (docs/suite.md).
 
 
-def wrap(tmp_path: Path, script: str, *args: str, nproc: int = 0, timeout: int = 240) -> tuple[subprocess.CompletedProcess, Path]:
+def wrap(tmp_path: Path, script: str, *args: str, nproc: int = 0, timeout: int = 240,
+         options: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / "runs"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRAINPROF_OUTPUT_DIR": str(out),
            "PYTHONPATH": str(REPO)}
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m"] if nproc
                 else [sys.executable, "-m"])
-    proc = subprocess.run([*launcher, "trainprof.wrap", str(SCRIPTS / script), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=tmp_path, env=env)
+    proc = subprocess.run([*launcher, "trainprof.wrap", *options, str(SCRIPTS / script), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=tmp_path, env=env)
     return proc, out
 
 
@@ -123,12 +124,21 @@ def test_wrap_hf_trainer(tmp_path):
 
 
 def test_wrap_leaves_a_script_that_adds_the_callback_itself_to_that_callback(tmp_path):
-    """Two profilers on one Trainer wrote two run dirs of the same steps, each timing the other's hooks."""
+    """Two profilers on one Trainer wrote two run dirs of the same steps, each timing the other's hooks. With
+    no warm-up the FLOP-counting step is measured but left out of the medians, which the closing line says."""
     proc, out = wrap(tmp_path, "hf_trainer.py", str(tmp_path / "hf"), "--steps", "3", "--own-callback")
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir, profile = the_run(out, "own")  # the script's callback's run dir, and no other
     assert "gives its HF Trainer trainprof's callback itself" in proc.stderr
     assert [s for s in profile["steps"] if not s.get("warmup")]
+    (tmp_path / "cold").mkdir()
+    proc, out = wrap(tmp_path / "cold", "hf_trainer.py", str(tmp_path / "hf"), "--steps", "3",
+                     options=("--warmup-steps", "0"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, profile = the_run(out, "hf_trainer")
+    measured = [s for s in profile["steps"] if not s.get("warmup")]
+    assert len(measured) == 3 and sum(bool(s.get("instrumented")) for s in measured) == 1
+    assert "3 measured steps (2 in the medians, 1 instrumented)" in proc.stderr
 
 
 def assert_projectable(run_dir: Path, profile: dict, *, model: dict, train: dict, seq_len: int, engine: str) -> None:

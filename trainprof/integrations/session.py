@@ -165,7 +165,11 @@ class ProfileSession:
         if prof.rank == 0:
             write_run_files(profile, self.run_dir)
             s = profile["summary"]
-            print(f"trainprof: {self.framework} run profiled: {sum(not st.get('warmup') for st in profile['steps'])} measured steps, "
+            measured = [st for st in profile["steps"] if not st.get("warmup")]
+            used = sum(not st.get("instrumented") for st in measured) or len(measured)
+            # a step slowed by FLOP counting or tracing is measured but left out of the medians (summary.md's count)
+            medians = f" ({used} in the medians, {len(measured) - used} instrumented)" if used != len(measured) else ""
+            print(f"trainprof: {self.framework} run profiled: {len(measured)} measured steps{medians}, "
                   f"median step {s['step_ms']['median']:.1f} ms, unattributed "
                   f"{100 * (s.get('unattributed_frac') or 0):.2f}%; run dir {self.run_dir}", file=sys.stderr)
         atomic_write_json(self.run_dir / f"profile.rank{prof.rank}.json", prof.rank_result())
