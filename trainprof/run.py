@@ -240,7 +240,6 @@ def finish_run(recipe: Recipe, ctx, engine, prof, steps: list[dict[str, Any]], r
 
     from trainprof.env import collect_env, memory_meter
     from trainprof.io import atomic_write_json
-    from trainprof.models import count_params
     from trainprof.report.run_report import write_run_files
     from trainprof.report.summary import terminal_summary
 
@@ -254,9 +253,9 @@ def finish_run(recipe: Recipe, ctx, engine, prof, steps: list[dict[str, Any]], r
     }
     rank_extras = gather_to_rank0(extra, ctx)
     env = collect_env(ctx.device, ctx.world_size)
-    profile = prof.result(recipe=recipe.to_dict(), env=env)  # a collective: every rank merges
-    profile.update(partial=False, engine={"kind": engine.name, "config": engine.config},
-                   params=count_params(engine.module))
+    profile = prof.result(recipe=recipe.to_dict(), env=env,  # a collective: every rank merges
+                          engine={"kind": engine.name, "config": engine.config}, params_of=engine.module)
+    profile["partial"] = False
     if ctx.rank == 0:
         profile["summary"]["peak_memory_bytes_max"] = max(e["peak_memory_bytes_max"] for e in rank_extras)
         profile["summary"]["memory_meter"] = extra["memory_meter"]

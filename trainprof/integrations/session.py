@@ -158,9 +158,8 @@ class ProfileSession:
             return None
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.run_dir = shared_run_dir(self.output_dir, self.name)
-        profile = prof.result()
-        profile.update(partial=False, engine={"kind": self.framework, "config": self.engine_config})
-        profile["workload"] = prof.workload(self.framework, self.engine_config)
+        profile = prof.result(engine={"kind": self.framework, "config": self.engine_config})
+        profile["partial"] = False
         profile["summary"]["memory_meter"] = memory_meter(prof.device)
         if prof.rank == 0:
             write_run_files(profile, self.run_dir)

@@ -648,13 +648,18 @@ class Profiler:
         out.update(gpu_busy_fields(out))
         return out
 
-    def result(self, *, recipe: dict[str, Any] | None = None, env: dict[str, Any] | None = None) -> dict[str, Any]:
+    def result(self, *, recipe: dict[str, Any] | None = None, env: dict[str, Any] | None = None,
+               engine: dict[str, Any] | None = None, params_of: torch.nn.Module | None = None) -> dict[str, Any]:
         """The profile.json dict. With several ranks this is a collective: every rank must call it,
         and every rank gets the merged profile.
 
         Args:
             recipe: the resolved recipe (overrides the constructor's).
             env: extra env fields (merged over the profiler's own).
+            engine: what the loop ran under, {"kind": ..., "config": ...} (a runner's or an
+                integration's); the workload of a run without a recipe reads its ZeRO stage and offload.
+            params_of: the module whose parameters the profile counts (default: the profiled model;
+                a pipeline stage's runner counts its whole stage).
         """
         from trainprof.analysis.merge import merge_ranks
 
@@ -669,9 +674,12 @@ class Profiler:
             merged = merge_ranks(gathered)
         else:
             merged = merge_ranks([local])
-        merged["params"] = count_params(self.model)  # a runner that knows better (pipeline stages) sets its own
+        merged["params"] = count_params(params_of if params_of is not None else self.model)
+        if engine is not None:
+            merged["engine"] = engine
         if self.recipe is None:  # a loop of the user's own: what `trainprof project` rebuilds a recipe from
-            merged["workload"] = self.workload()
+            engine = engine or {}
+            merged["workload"] = self.workload(engine.get("kind", "torch"), engine.get("config"))
         return merged
 
     def workload(self, framework: str = "torch", engine_config: dict[str, Any] | None = None) -> dict[str, Any]:
