@@ -72,7 +72,9 @@ cells:
     victim = rank_process(proc.pid, 1)
     victim.send_signal(signal.SIGKILL)
     _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
+    # the killed cell is the sweep's failure; the OOM cell is a result (it does not fit)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "1 cell(s) failed other than out of memory (killed n=2)" in stderr, stderr[-3000:]
 
     df = pd.read_csv(out / "results.csv").set_index("cell")
     assert list(df.index) == ["fine", "oom", "killed n=2", "after"]
@@ -91,7 +93,7 @@ cells:
     # a re-run runs nothing: done and failed cells are finished
     again = start_sweep(sweep, out)
     _, stderr = again.communicate(timeout=120)
-    assert again.returncode == 0, stderr[-2000:]
+    assert again.returncode == 1, stderr[-2000:]
     state2 = json.loads((out / "sweep.json").read_text())
     assert [c["attempts"] for c in state2["cells"].values()] == [1, 1, 1, 1]
     assert "2 done, 2 failed" in stderr

@@ -51,6 +51,14 @@ def _sweep(args: argparse.Namespace) -> int:
         print("trainprof: sweep interrupted; finished cells are kept in "
               f"{state.path}; run the same command again to resume", file=sys.stderr)
         return 130
+    # a cell out of memory is a finding of the table (it does not fit); any other failure is the sweep's
+    broken = [c.label for c, r in zip(sweep.cells, records)
+              if r and r["status"] == "failed" and (r.get("failure") or {}).get("kind") != "oom"]
+    if broken:
+        print(f"trainprof: exit status 1: {len(broken)} cell(s) failed other than out of memory "
+              f"({', '.join(broken)}); see their failure in results.md, --retry-failed runs them again",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -59,7 +67,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        description="Run every cell of a sweep file (a base recipe plus a list and/or matrix of "
                        "overrides, see recipes/sweeps/ and docs/sweeps.md) as its own torchrun process and write "
                        "results.{md,csv,html,png}. Resumable: finished cells (done or failed) are not run again; "
-                       "re-run the same command after an interruption.")
+                       "re-run the same command after an interruption. Exit status 0 when every cell finished or ran out of "
+                       "memory (a result: it does not fit), 1 when a cell failed otherwise (error, killed, timeout), "
+                       "130 when interrupted.")
     p.add_argument("sweep", help="sweep YAML file")
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every cell last, e.g. train.steps=2 "
                    "for a quick pass (they change the cells' keys: such cells are separate from the full ones)")
