@@ -152,6 +152,24 @@ def test_memory_per_phase_and_model_states():
     assert state["optimizer_states"] >= 2 * 4 * n  # AdamW: exp_avg and exp_avg_sq
 
 
+def test_the_states_of_several_optimizers_all_count():
+    """A module trained by two optimizers (a Lightning module's several, handed over as a list) holds the
+    states of both: each AdamW keeps exp_avg and exp_avg_sq of its own parameters."""
+    from trainprof.profiler.memory import model_state_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    first, second = (torch.optim.AdamW(layer.parameters()) for layer in model)
+    model(torch.randn(2, 8)).sum().backward()
+    first.step()
+    second.step()
+    n = [sum(p.numel() for p in layer.parameters()) for layer in model]
+    alone = model_state_bytes(model, first)
+    both = model_state_bytes(model, [first, second])
+    assert alone["optimizer_state_elements"] == 2 * n[0]
+    assert both["optimizer_state_elements"] == 2 * (n[0] + n[1])
+    assert both["optimizer_states"] > alone["optimizer_states"] >= 2 * 4 * n[0]
+
+
 def test_for_recipe_counts_depth_from_the_transformer(tmp_path):
     recipe = _recipe()
     recipe.task.kind = "lora"

@@ -48,7 +48,7 @@ class TrainprofCallback(Callback):
         import torch
 
         optimizers = trainer.optimizers
-        optimizer = optimizers[0] if len(optimizers) == 1 else None
+        optimizer = optimizers[0] if len(optimizers) == 1 else list(optimizers)  # several: states of all
         # optimizer.step(closure) holds forward and backward: its step is not timed, its states are measured
         self.session.attach(profiled_model(pl_module), optimizer, time_optimizer=False)
         ddp = getattr(trainer.strategy, "model", None)

@@ -82,7 +82,8 @@ class Profiler:
             Create the Profiler after deepspeed.initialize so its hooks wrap ZeRO-3's.
         optimizer: a torch optimizer (its step() and zero_grad() are timed as the optimizer phase) or
             any other object (e.g. a DeepSpeed ZeRO optimizer: wrap engine.step() in
-            `prof.phase("optimizer")`); used for model-state bytes.
+            `prof.phase("optimizer")`), or a list of optimizers whose states all count (none timed);
+            used for model-state bytes.
         time_optimizer: time a torch optimizer's step() and zero_grad() as the optimizer phase; False where
             step() holds more than the update (Lightning runs forward and backward inside
             `optimizer.step(closure)`) and the caller marks the phase: its states are still measured.

@@ -145,7 +145,8 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any = None) -> dict[str
 
     Args:
         model: the model.
-        optimizer: a torch optimizer or a DeepSpeed ZeRO optimizer (None: no optimizer states).
+        optimizer: a torch optimizer or a DeepSpeed ZeRO optimizer, or a list of them (a Lightning module's
+            several); None: no optimizer states.
     Returns:
         {params, grads, optimizer_states, master_params, total, optimizer_state_elements,
         optimizer_state_quantized_elements (those held block-quantized, e.g. by torchao), method}.
@@ -170,8 +171,10 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any = None) -> dict[str
             for g in group or ():
                 grads += _tensor_bytes(g, seen)
     states = master = state_elements = quantized_elements = 0
-    inner = _inner_optimizer(optimizer)
-    if inner is not None:
+    for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+        inner = _inner_optimizer(opt)
+        if inner is None:
+            continue
         for group in inner.param_groups:
             for p in group["params"]:
                 stored = _local(p)
@@ -179,7 +182,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any = None) -> dict[str
                     master += _tensor_bytes(stored, seen)
                 grads += _tensor_bytes(p.grad, seen)
         # ZeRO-3 puts its fp32 partitions in the optimizer's groups only during step(): read them here
-        for flat in getattr(optimizer, "fp32_partitioned_groups_flat", None) or ():
+        for flat in getattr(opt, "fp32_partitioned_groups_flat", None) or ():
             if isinstance(flat, torch.Tensor) and flat.numel() and flat.data_ptr() not in model_ptrs:
                 master += _tensor_bytes(flat, seen)
         for state in inner.state.values():
