@@ -46,6 +46,10 @@ def test_maxbatch_finds_the_largest_micro_batch_under_a_cap(tmp_path):
     assert all(s == "done" for b, s in outcome.items() if b <= best)
     assert all(s == "failed" for b, s in outcome.items() if b > best)
     assert set(tries.loc[tries["status"] == "failed", "failure_kind"]) == {"oom"}
+    # each try's tokens/s says how few steps it stands on (--steps 1: one, so no spread to read)
+    done = tries[tries["status"] == "done"]
+    assert set(done["steps_used"]) == {1} and set(done["step_spread"]) == {0}
+    assert "differences within the spread are noise" in (out / "maxbatch_tries.md").read_text()
     # doubling from 1, then bisection: the powers of two up to the first failure, then the halvings
     doubled = [b for b in sorted(outcome) if b & (b - 1) == 0]
     assert doubled == [2**i for i in range(len(doubled))] and doubled[-1] > best

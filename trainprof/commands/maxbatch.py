@@ -74,6 +74,9 @@ def _maxbatch(args: argparse.Namespace) -> int:
         f"search: doubling from {args.start} until a failure (or --max {args.max}), then bisection between the "
         "last fit and the first failure",
         "tokens/s, step ms and peak memory are those of the try at the max; memory meter as in its profile.json",
+        "a try's tokens/s is the median of its few measured steps (maxbatch_tries: how many, and how far apart): "
+        "it finds what fits, not which size is fastest; differences within the spread are noise, and "
+        "`trainprof sweep` over the sizes that fit, with more steps, compares their speed",
     ]
     paths = write_maxbatch_report(out, rows, state, title=f"trainprof maxbatch: {name}", notes=notes)
     for r in rows:

@@ -19,7 +19,7 @@ from trainprof.sweep.runner import run_cell
 from trainprof.sweep.spec import Cell, make_cell
 from trainprof.sweep.state import SweepState
 from trainprof.report.plots import figure, legend_if_labelled, pyplot, save_figure
-from trainprof.report.tables import Column, fmt_num, fmt_text, write_tables
+from trainprof.report.tables import Column, fmt_num, fmt_pct, fmt_text, write_tables
 
 
 class SearchInterrupted(KeyboardInterrupt):
@@ -193,6 +193,8 @@ TRY_COLUMNS = [
     Column("status", "status"),
     Column("failure_kind", "failure", fmt_text),
     Column("tokens_per_s", "tokens/s", fmt_num(0)),
+    Column("steps_used", "measured steps", fmt_text),
+    Column("step_spread", "step spread (max-min)/median", fmt_pct),
     Column("peak_memory_mib", "peak memory MiB", fmt_num(0)),
     Column("failure_memory_mib", "memory at failure MiB", fmt_num(0)),
     Column("failure_message", "failure message", fmt_text),
@@ -211,6 +213,7 @@ def try_rows(state: SweepState) -> list[dict[str, Any]]:
                      "status": rec["status"], "failure_kind": f.get("kind"), "failure_message": f.get("message"),
                      "failure_memory_mib": None if f.get("peak_memory_bytes") is None else f["peak_memory_bytes"] / 2**20,
                      "tokens_per_s": values.get("tokens_per_s"), "peak_memory_mib": values.get("peak_memory_mib"),
+                     "steps_used": values.get("steps_used"), "step_spread": values.get("step_spread"),
                      "cell_id": rec["id"]})
     first_seen = {c: i for i, c in enumerate(dict.fromkeys(r["config"] for r in rows))}
     return sorted(rows, key=lambda r: (first_seen[r["config"]], r["micro_batch_size"]))

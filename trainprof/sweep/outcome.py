@@ -69,6 +69,10 @@ def metrics_row(profile: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
     methods["tokens_per_s"] = s.get("tokens_per_s_method") or s.get("tokens_per_s_scope") or \
         "global tokens per optimizer step / median step wall time"
     values["step_ms"] = dig(s, "step_ms", "median")
+    # how far apart a run's measured steps were: a few steps' median is no firmer than this
+    values["steps_used"] = s.get("steps_used")
+    lo, hi = dig(s, "step_ms", "min"), dig(s, "step_ms", "max")
+    values["step_spread"] = (hi - lo) / values["step_ms"] if None not in (lo, hi) and values["step_ms"] else None
     methods["step_ms"] = (f"median measured step wall time, {env.get('timer', '?')} timer"
                           + (f" ({meas['timer']})" if meas.get("timer") else ""))
     mem, mem_method = _peak_memory(s, env)
