@@ -433,6 +433,30 @@ def test_a_changed_models_optimizer_adds_the_probed_pass_over_its_elements_per_r
                                                        "source_ns": 2.0, "target_ns": 3.0}
 
 
+def test_a_noisy_probe_is_said_beside_the_row():
+    """The probed layers' time is the median of paired rounds (k layers minus none, in one round); its
+    standard error comes from their interquartile range: rounds 9, 10, 10, 11 ms a layer pair (IQR 1.5,
+    statistics.quantiles' default) give 1.2533 * 1.5 / 1.349 / sqrt(4) / 10 = 7.0%, beyond the 5% the row
+    notes; a quiet probe is not noted."""
+    from trainprof.projection.probes import paired_error
+
+    zeros = {"forward": [0.0] * 4, "backward": [0.0] * 4}
+    rounds = {"forward": [3.0, 4.0, 3.0, 4.0], "backward": [6.0, 6.0, 7.0, 7.0]}
+    assert paired_error(rounds, zeros) == pytest.approx(1.2533 * 1.5 / 1.349 / 2 / 10, rel=1e-3)
+    # a slow spell that hits both models of a round cancels: the same diffs, whatever the rest took
+    slow = {"forward": [x + 50.0 for x in rounds["forward"]], "backward": rounds["backward"]}
+    assert paired_error(slow, {"forward": [50.0] * 4, "backward": [0.0] * 4}) == pytest.approx(paired_error(rounds, zeros))
+    assert paired_error({"forward": [1.0] * 3, "backward": [1.0] * 3}, {"forward": [0.0] * 3, "backward": [0.0] * 3}) is None
+    same = {"forward": 1.0, "backward": 1.0}
+    for error, noted in ((0.07, True), (0.02, False), (None, False)):
+        parts = Parts(layer_source=same, layer_target=same, rest_source=same, rest_target=same, layers_probed=2,
+                      error=error)
+        _, notes = predict_phases(_measured(), _change(), Inputs(parts=parts))
+        assert ("probes_noisy" in [a.kind for a in notes]) is noted, error
+    assert _values(predict_phases(_measured(), _change(), Inputs(parts=dataclasses.replace(parts, error=0.07)))[1],
+                   "probes_noisy")["error"] == 0.07
+
+
 def test_grad_accum_and_world_size():
     m = _measured()
     phases, _ = predict_phases(m, _change(grad_accum=2), Inputs())

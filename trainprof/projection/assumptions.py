@@ -134,6 +134,9 @@ TEMPLATES: dict[str, str] = {
                      "collective from NCCL's ring model: {base_us:g} us + {intra_us:g} us per intra-node step + "
                      "{net_us:g} us per inter-node step ({latency_source}); the datasheet bandwidth is taken as bus "
                      "bandwidth (an upper bound)"),
+    "probes_noisy": ("probes: the bare layers' probed time is uncertain by ±{error:.1%} (the standard error of its "
+                     "median over the probe's rounds, above {limit:.0%}): this machine was busy while it probed, and the "
+                     "row can be off by more than its expected error; project again when the machine is quiet"),
     # the rest
     "unattributed": ("unattributed {ms:.2f} ms (the source's {source_ms:.2f} ms, the median step minus the per-phase "
                      "medians, scaled with the phases); other as measured"),

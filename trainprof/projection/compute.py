@@ -29,6 +29,8 @@ from trainprof.projection.measured import COMPUTE_PHASES, Measured
 
 ADAM_BYTES_PER_ELEMENT = 28  # fp32 Adam: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
 HOST_BOUND_BUSY = 0.8  # a GPU source phase whose kernels ran less than this share of it waited for its host
+# the probed layers' relative standard error (probes.paired_error) beyond which a row says the probe was noisy
+PROBE_ERROR_NOTE = 0.05
 ZERO3_COPIES_PER_BYTE = 2.0  # a ZeRO-3 fetch writes the gathered parameter and reads it back into the module
 # operator calls a task adds per adapted linear and pass, for the host's time: peft's LoraLayer.forward runs
 # dropout, lora_A, lora_B, the scaling and the add; bitsandbytes' Linear4bit dequantizes before its matmul
@@ -87,6 +89,7 @@ class Parts:
     layers_probed: int
     threads: tuple[int, int] | None = None  # (source, target) intra-op threads, where they differ
     step_ns: tuple[float, float] | None = None  # (source, target) ns of a mixed-precision AdamW step per element
+    error: float | None = None  # the larger of the two probes' layer_error (a fraction); None: not kept
 
 
 def probed_compute(m: Measured, src: Work, tgt: Work, parts: Parts, memory_gbps: float | None,
@@ -130,6 +133,8 @@ def probed_compute(m: Measured, src: Work, tgt: Work, parts: Parts, memory_gbps:
                     neighbours_text=f", beside {m.world_size - 1} busy copies" if m.world_size > 1 else "",
                     threads_text=(f", the source's shape at {parts.threads[0]} threads and the target's at "
                                   f"{parts.threads[1]}") if parts.threads else "")]
+    if parts.error is not None and parts.error > PROBE_ERROR_NOTE:
+        notes.append(assume("probes_noisy", error=parts.error, limit=PROBE_ERROR_NOTE))
     return out, layers_by_phase["forward"], notes
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import re
 import statistics
@@ -81,6 +82,9 @@ class PartProbe:
     # a mixed-precision AdamW step's ns per parameter element (the k layers' step minus the rest's, over
     # their elements); None where the probe did not time steps
     step_ns_per_element: float | None = None
+    # how firm the layers' time is: the relative standard error of the median over the rounds of the per-round
+    # forward and backward of k layers minus none (paired_error); None: not kept
+    layer_error: float | None = None
 
 
 def layer_params(recipe: Any) -> int:
@@ -174,10 +178,24 @@ def probe_parts(probes: list[Any], *, threads: int | list[int] | None = None, ro
             elements = stepper[(j, k)].elements - stepper[(j, 0)].elements if steps else 0
             out.append(PartProbe(layer_forward_ms=max(fk - f0, 0.0) / k, layer_backward_ms=max(bk - b0, 0.0) / k,
                                  rest_forward_ms=f0, rest_backward_ms=b0, layers_probed=k, threads=threads_of[(j, k)],
-                                 step_ns_per_element=max(sk - s0, 0.0) * 1e6 / elements if elements > 0 else None))
+                                 step_ns_per_element=max(sk - s0, 0.0) * 1e6 / elements if elements > 0 else None,
+                                 layer_error=paired_error(timed[(j, k)], timed[(j, 0)])))
         return out
     finally:
         torch.set_num_threads(before)
+
+
+def paired_error(with_layers: dict[str, list[float]], without: dict[str, list[float]]) -> float | None:
+    """The relative standard error of the median of the layers' forward + backward over a probe's rounds
+    (each round's with-layers minus without, paired: a slow spell hits both): 1.2533 sigma / sqrt(n) over the
+    median, sigma from the interquartile range (IQR / 1.349, robust to a few outliers); None with fewer
+    than 4 rounds or no positive median."""
+    diffs = [fk + bk - f0 - b0 for fk, bk, f0, b0 in zip(with_layers["forward"], with_layers["backward"],
+                                                        without["forward"], without["backward"])]
+    if len(diffs) < 4:
+        return None
+    q1, mid, q3 = statistics.quantiles(diffs, n=4)
+    return 1.2533 * (q3 - q1) / 1.349 / math.sqrt(len(diffs)) / mid if mid > 0 else None
 
 
 def _recipe_file(recipe: Any, path: Path) -> Path:

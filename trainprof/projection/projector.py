@@ -474,6 +474,9 @@ class Projector:
             marks.append(f"{COMM_BOUND_MARK} ({comm / step_ms:.0%} of the step)")
         elif "host_bound_target" in noted:
             marks.append(HOST_BOUND_MARK)
+        noisy = next((a.values["error"] for a in notes if a.kind == "probes_noisy"), None)
+        if noisy is not None:
+            marks.append(f"probed on a busy machine (±{noisy:.0%})")
         uneven = next((a.values for a in notes if a.kind == "ranks_uneven"), None)
         if uneven:
             marks.append(f"source ranks {uneven['spread']:+.0%} apart: slowest kept")
@@ -628,7 +631,9 @@ class Projector:
                                      layers_probed=max(s.layers_probed, t.layers_probed),
                                      threads=(th_s, th_t) if th_s != th_t else None,
                                      step_ns=(s.step_ns_per_element, t.step_ns_per_element)
-                                     if s.step_ns_per_element and t.step_ns_per_element else None)
+                                     if s.step_ns_per_element and t.step_ns_per_element else None,
+                                     error=max((p.layer_error for p in (s, t) if p.layer_error is not None),
+                                               default=None))
         self._used.append(key)
         return self._cache[key]
 
