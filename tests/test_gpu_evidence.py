@@ -373,6 +373,21 @@ def test_a_gpu_run_at_another_world_size_on_its_machine_prices_its_gpus_links(tm
     assert threads["step_ms"] is None and "without --threads" in threads["reasons"]["step_ms"]
 
 
+def test_a_node_template_is_its_gpu_times_its_gpus_per_node(tmp_path):
+    """`hgx-h100` is 8 `h100-sxm` on NVLink 4: the same rows, the GPU's own measured elementwise share
+    included (the template's lookup by its own key fell back to the all-GPU share: 474.7 against 438.4 ms)."""
+    import shutil
+
+    from trainprof.projection.project import project
+
+    run = tmp_path / "run"
+    shutil.copytree(PROFILES / "h100-llama1b_zero3_sdpa-torch-gpubound", run)
+    gpu, node = project(run, targets=["h100-sxm", "hgx-h100"], gpus_per_node=8, probe=False)["predictions"]
+    assert node["step_ms"] == pytest.approx(gpu["step_ms"], rel=1e-9) and node["world_size"] == gpu["world_size"] == 8
+    shares = [next(a["text"] for a in p["assumptions"] if a["kind"] == "device_rerated") for p in (gpu, node)]
+    assert all("of h100-sxm's datasheet bandwidth, measured on" in text for text in shares), shares
+
+
 def test_elementwise_share_recomputed_from_profiles():
     """The share of the datasheet bandwidth the non-GEMM operators reach, fitted on the 2026-11-23 runs'
     operator tables (over both GPUs, and per GPU), is what validation_gpu.json states, and the later runs'

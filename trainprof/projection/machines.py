@@ -34,14 +34,16 @@ def machine_from_calibration(cal: dict[str, Any], label: str, accelerator: str |
                    memory_source=f"{label}: measured copy {bw:.3g} GB/s")
 
 
-def machine_from_target(target: Target, dtype: str, *, source: Target | None = None,
-                        measured: Machine | None = None) -> tuple[Machine, list[Assumption]]:
+def machine_from_target(target: Target, dtype: str, *, source: Target | None = None, measured: Machine | None = None,
+                        accelerator: str | None = None) -> tuple[Machine, list[Assumption]]:
     """The target's rates. With `source` (the catalogued accelerator the run was measured on) and its
     `measured` calibration, like is divided by like: the measured curve x target figure / source figure
     (MAMF over MAMF when both have one, else dense peak over dense peak; datasheet bandwidth over
     bandwidth), so the efficiency measured at the source carries over and a measured rate is never
     compared with a datasheet one. Otherwise the target's own figures: its measured GEMM curve where
-    the catalog has one, else its MAMF (or dense peak) under the roofline of each GEMM's bytes."""
+    the catalog has one, else its MAMF (or dense peak) under the roofline of each GEMM's bytes.
+    `accelerator`: the catalog key of its GPU (a node template's: hgx-h100 -> h100-sxm), whose own measured
+    figures (the elementwise share) then apply as they do to that GPU named alone."""
     bf16 = dtype in ("bf16", "fp16")
     peak_key = "peak_bf16_dense_tflops" if bf16 else "peak_fp32_tflops"
     bw = target.figure("memory_gbps")
@@ -56,6 +58,7 @@ def machine_from_target(target: Target, dtype: str, *, source: Target | None = N
         note = assume("rates_from_source", target=target.key, source=source.key, key=key, target_figure=target.figure(key),
                       source_figure=source.figure(key), target_gbps=bw, source_gbps=source.figure("memory_gbps"))
         return Machine(name=target.key, is_gpu=True, gemm=gemm, memory_gbps=measured.memory_gbps * b,
+                       accelerator=accelerator,
                        matmul_source=f"{measured.matmul_source} x {target.source(key)} / {source.source(key)}",
                        memory_source=f"{measured.memory_source} x {target.source('memory_gbps')} / "
                                      f"{source.source('memory_gbps')}"), [note]
@@ -72,7 +75,7 @@ def machine_from_target(target: Target, dtype: str, *, source: Target | None = N
            f"{'MAMF' if mamf else 'datasheet dense peak'} {rate:g} TFLOP/s "
            f"({target.source('mamf_bf16_tflops' if mamf else peak_key)}) under each GEMM's roofline")
     gemm = {ph: GemmRate(best_tflops=rate, memory_gbps=bw, curve=curve, source=src) for ph in GEMM_PHASES}
-    return Machine(name=target.key, is_gpu=True, gemm=gemm, memory_gbps=bw, matmul_source=src,
+    return Machine(name=target.key, is_gpu=True, gemm=gemm, memory_gbps=bw, accelerator=accelerator, matmul_source=src,
                    memory_source=f"{bw:g} GB/s ({target.source('memory_gbps')})"), notes
 
 

@@ -308,7 +308,8 @@ class Projector:
         inputs.source_machine = machine_from_calibration(cal, "source", accelerator=self.source_gpu)
         inputs.target_machine, more = machine_from_target(
             t.hardware, t.recipe.model.dtype, measured=inputs.source_machine,
-            source=self.catalog.resolve(self.source_gpu) if self.source_gpu else None)
+            source=self.catalog.resolve(self.source_gpu) if self.source_gpu else None,
+            accelerator=self.catalog.accelerator_key(t.hardware))
         notes += more
         if not inputs.target_machine.gemm:
             reasons.setdefault("step_ms", f"{t.machine} lacks a matmul rate or memory bandwidth in the catalog")
