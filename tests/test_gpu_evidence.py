@@ -388,6 +388,23 @@ def test_a_node_template_is_its_gpu_times_its_gpus_per_node(tmp_path):
     assert all("of h100-sxm's datasheet bandwidth, measured on" in text for text in shares), shares
 
 
+def test_a_scaling_efficiency_above_100_percent_says_why_on_the_terminal(tmp_path):
+    """ZeRO-3 on 8 H100s against its 2-GPU baseline passes 100% (each GPU's share of the optimizer step
+    shrinks); the printed table says so under the rows, not only the files' notes."""
+    import shutil
+
+    from trainprof.projection.project import project
+    from trainprof.projection.report import render_short
+
+    run = tmp_path / "run"
+    shutil.copytree(PROFILES / "h100-llama1b_zero3_sdpa-gpubound", run)
+    result = project(run, targets=["h100-sxm"], overrides=["model.name=llama2-7b", "model.recompute=true"],
+                     probe=False)
+    (pred,) = result["predictions"]
+    assert pred["scaling_efficiency"] > 1 and pred["scaling_base_gpus"] == 2
+    assert "scaling eff. above 100%: under ZeRO" in render_short(result)
+
+
 def test_elementwise_share_recomputed_from_profiles():
     """The share of the datasheet bandwidth the non-GEMM operators reach, fitted on the 2026-11-23 runs'
     operator tables (over both GPUs, and per GPU), is what validation_gpu.json states, and the later runs'

@@ -215,6 +215,9 @@ def render_short(result: dict[str, Any]) -> str:
     head = (f"trainprof project: from {src['run_dir']} ({src['device']} x {src['world_size']}, "
             f"measured step {src['step_ms']:.1f} ms)")
     tail = [f"  {n}" for n in notes(result)[1:] if ": step not predicted:" in n or "does not fit" in n]
+    if any((p.get("scaling_efficiency") or 0) > 1 for p in result["predictions"]):
+        tail.append("  scaling eff. above 100%: under ZeRO each GPU's share of the optimizer step (and of its states) "
+                    "shrinks as GPUs are added, which can outweigh what the collectives add; 'vs GPUs' is the baseline")
     return "\n".join([head, *lines, *tail])
 
 
