@@ -1260,17 +1260,19 @@ def test_research_tables_give_each_reason_once_as_a_footnote(tmp_path):
         "table_ix": [],
     }
     text = render_tables(result)
-    assert "4,287, 103.6 GiB, does not fit" in text
-    assert text.count(offload) == 1 and f"[1] {offload}" in text and "[2] micro batch 1 does not fit" in text
-    assert "mb 16, tokens/s n/a [1]" in text and "n/a [2]" in text
-    assert f"mb {MAX_MICRO_BATCH} (the search cap): 33,264" in text and "mb 16: 17,540, host-bound" in text
+    # each figure carries its confidence as a mark, numbered with the reasons in the order cells give them
+    assert "4,287, 103.6 GiB, does not fit [1]" in text and "[1] confidence: unvalidated\n" in text
+    assert "[2] confidence: unvalidated: CPU run -> GPU\n" in text
+    assert text.count(offload) == 1 and f"[3] {offload}" in text and "[4] micro batch 1 does not fit" in text
+    assert "mb 16, tokens/s n/a [3]" in text and "n/a [4]" in text
+    assert f"mb {MAX_MICRO_BATCH} (the search cap): 33,264 [5]" in text and "mb 16: 17,540, host-bound [2]" in text
     assert text.count(", host-bound") == 1  # the cell whose prediction is, and no other
-    assert text.count(", comm-bound") == 1 and "4,287, 103.6 GiB, does not fit, comm-bound" in text
+    assert text.count(", comm-bound") == 1 and "4,287, 103.6 GiB, does not fit, comm-bound [2]" in text
     write_tables_doc(result, tmp_path, command="trainprof project runs/x --table zhang2023")
     md = (tmp_path / "tables.md").read_text()
-    assert md.count(offload) == 1 and "| n/a [1] | n/a [1] |" in md and "mb 16, tokens/s n/a [1]" in md
-    # each kind once, quoted; none for n/a cells; what bounds a cell is said in the cell, and once below
-    assert "confidence of the cells: 'unvalidated', 'unvalidated: CPU run -> GPU'\n" in md, md
+    assert md.count(offload) == 1 and "| n/a [3] | n/a [3] |" in md and "mb 16, tokens/s n/a [3]" in md
+    # each confidence once, as a footnote; what bounds a cell is said in the cell, and once below
+    assert md.count("confidence: unvalidated: CPU run -> GPU") == 1, md
     assert "comm-bound: exposed communication is more than half" in md
 
 

@@ -340,6 +340,8 @@ def _table_cell(cell: dict[str, Any], footnote: Callable[[str], str]) -> str:
         return f"{mb}, tokens/s n/a {why}" if cell.get("micro_batch") is not None else f"n/a {why}"
     said = cell.get("confidence") or ""
     bound = ", host-bound" if HOST_BOUND_MARK in said else ", comm-bound" if COMM_BOUND_MARK in said else ""
+    # each figure's confidence beside it, as a mark whose text is written once under the tables
+    bound += f" {footnote('confidence: ' + (_without_bounds(said) or 'not stated'))}"
     if cell.get("micro_batch") is not None:
         return f"{mb}: {cell['tokens_per_s']:,.0f}{bound}"
     mem = f", {cell['memory_gib']:.1f} GiB" if cell.get("memory_gib") else ""
@@ -380,18 +382,16 @@ def _without_bounds(confidence: str) -> str:
 
 
 def _research_notes(result: dict[str, Any], footnote: _Footnotes) -> list[str]:
-    confidences = sorted({_without_bounds(r[t]["confidence"]) for k in TABLE_TITLES for r in result[k]
-                          for t in result["targets"] if r[t].get("confidence")})
     return [f"predicted from one run ({result['source']['run_dir']}) by trainprof's step model at "
             f"{' '.join(result['defaults'])}; the research measured these on real 8-GPU platforms "
             "(Zhang et al., arXiv 2311.03687): these cells are predictions, not its figures",
-            "confidence of the cells: " + ", ".join(f"'{c}'" for c in confidences),
             "host-bound: the predicted step waits for the host's operator calls (more than the GPU's work), "
             "so a faster GPU does not shorten it",
             "comm-bound: exposed communication is more than half of the predicted step (the collectives outlast "
             "the compute they overlap), so faster links shorten it and a faster GPU does not",
-            "n/a [k]: why the figure is not predicted (a recipe rule refusing the combination, or a change the "
-            "step model does not re-derive, e.g. 4-bit Adam states):", *footnote.lines()]
+            "[k] beside a figure: its confidence (the expected error of that kind of change, or why it is "
+            "unvalidated); n/a [k]: why the figure is not predicted (a recipe rule refusing the combination, or a "
+            "change the step model does not re-derive, e.g. 4-bit Adam states):", *footnote.lines()]
 
 
 RESEARCH_CSV = ["model", "method", "hardware", "gpus", "micro_batch", "micro_batch_capped", "tokens_per_s",
