@@ -405,6 +405,31 @@ def test_a_scaling_efficiency_above_100_percent_says_why_on_the_terminal(tmp_pat
     assert "scaling eff. above 100%: under ZeRO" in render_short(result)
 
 
+def test_offload_says_the_host_memory_it_needs_beside_a_gpu_fit(tmp_path):
+    """Offload's host side is planned (trainprof plan's host total) and said under the table: 'fits' counts
+    GPU memory only, the catalog describing no node's host memory (70B with its optimizer offloaded read
+    'fits: yes' with no word of the ~1.3 TiB a node it needs); without offload no such line."""
+    import shutil
+
+    from trainprof.plan import estimate_plan
+    from trainprof.projection.project import project
+    from trainprof.projection.report import render_short
+    from trainprof.recipe import load_recipe
+
+    run = tmp_path / "run"
+    shutil.copytree(PROFILES / "h100-llama1b_zero3_sdpa-gpubound", run)
+    big = ["model.name=llama2-70b", "model.recompute=true"]
+    result = project(run, targets=["hgx-h100"], nodes=[8], overrides=[*big, "engine.offload=optimizer"], probe=False)
+    (pred,) = result["predictions"]
+    planned = estimate_plan(load_recipe(run / "recipe.yaml", big + ["engine.offload=optimizer"]), 64)
+    assert pred["host_memory_per_rank_bytes"] == planned["gpu_memory"]["host_total"]["cpu_bytes"] > 2**30
+    text = render_short(result)
+    assert "hgx-h100 x 64: needs " in text and "GiB of host memory a GPU (" in text and "a node of 8)" in text
+    plain = project(run, targets=["hgx-h100"], nodes=[8], overrides=big, probe=False)
+    assert plain["predictions"][0]["host_memory_per_rank_bytes"] == 0
+    assert "of host memory" not in render_short(plain)
+
+
 def test_elementwise_share_recomputed_from_profiles():
     """The share of the datasheet bandwidth the non-GEMM operators reach, fitted on the 2026-11-23 runs'
     operator tables (over both GPUs, and per GPU), is what validation_gpu.json states, and the later runs'

@@ -505,6 +505,8 @@ class Projector:
         }
         if fit_note:
             pred["fit_suggestion"] = fit_note
+        if t.hardware is not None:  # offload's host side: the catalog describes no node's host memory to fit it in
+            pred["host_memory_per_rank_bytes"] = _host_bytes(r, t.world)
         if block is not None:
             pred["pipeline"] = block
         self._mfu(t, pred, reasons)
@@ -840,6 +842,13 @@ def _plan_bytes(recipe: Any, world: int, key: str = "gpu_total_per_rank") -> int
     if plan.get("pipeline"):  # per stage: the fullest stage is the one that must fit
         return max(st["gpu_total_bytes"] for st in plan["pipeline"]["stages"])
     return int(plan[key]["value"])
+
+
+def _host_bytes(recipe: Any, world: int) -> int | None:
+    """trainprof plan's host memory per rank (offloaded model states and their pinned buffers); None where
+    the plan gives none (pipeline stages)."""
+    host = (_plan(recipe, world).get("gpu_memory") or {}).get("host_total")
+    return int(host["cpu_bytes"]) if host else None
 
 
 def heap_kept(device_type: str, source: Any, target: Any) -> Assumption | None:

@@ -135,6 +135,13 @@ def notes(result: dict[str, Any]) -> list[str]:
             out.append(f"{p['hardware']} x {p['world_size']}: does not fit ({_fmt_bytes(p['memory_per_rank_bytes'])} "
                        "GiB a GPU, plan), nor with ZeRO-3, recomputation and offload of the optimizer and parameters "
                        "at micro batch 1: more GPUs or a smaller model")
+        host = p.get("host_memory_per_rank_bytes")
+        if host:
+            per_node = f" ({_fmt_bytes(host * p['gpus_per_node'])} GiB a node of {p['gpus_per_node']})" \
+                if p["gpus_per_node"] > 1 else ""
+            out.append(f"{p['hardware']} x {p['world_size']}: needs {_fmt_bytes(host)} GiB of host memory a GPU{per_node} "
+                       "for what it offloads (plan); the catalog describes no node's host memory: 'fits' counts GPU "
+                       "memory only")
         why = (p.get("reasons") or {}).get("step_ms")
         if why:
             out.append(f"{p['hardware']} x {p['world_size']}: step not predicted: {why}")
@@ -214,7 +221,8 @@ def render_short(result: dict[str, Any]) -> str:
     src = result["source"]
     head = (f"trainprof project: from {src['run_dir']} ({src['device']} x {src['world_size']}, "
             f"measured step {src['step_ms']:.1f} ms)")
-    tail = [f"  {n}" for n in notes(result)[1:] if ": step not predicted:" in n or "does not fit" in n]
+    tail = [f"  {n}" for n in notes(result)[1:]
+            if ": step not predicted:" in n or "does not fit" in n or "of host memory a GPU" in n]
     if any((p.get("scaling_efficiency") or 0) > 1 for p in result["predictions"]):
         tail.append("  scaling eff. above 100%: under ZeRO each GPU's share of the optimizer step (and of its states) "
                     "shrinks as GPUs are added, which can outweigh what the collectives add; 'vs GPUs' is the baseline")
