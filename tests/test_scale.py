@@ -50,6 +50,9 @@ def test_scale_one_and_two_ranks(tmp_path):
     # the projected table beside the measured one, from the N=1 run (the calls below skip it: --no-project)
     projected = pd.read_csv(out / "scaling_projected.csv")
     assert list(projected["world_size"]) == [1, 2], projected
+    # the baseline is the source projected onto itself: it claims no expected error, and says so
+    assert projected["expected_error_pct"].isna().tolist()[0], projected
+    assert "N=1: the baseline" in (out / "scaling_projected.md").read_text()
 
     # the same runs read back from their dirs, as when collected from a cluster
     again = scale("--runs", *weak["run_dir"], "--no-project", "--out", str(tmp_path / "collected"), timeout=60)
@@ -80,14 +83,15 @@ def _run_dir(root: Path, n: int, tokens_per_s: float) -> Path:
 
 def test_scale_says_it_is_projecting_and_labels_the_baseline(tmp_path, cli, monkeypatch):
     """The projection takes minutes with no output of its own: a line says it started. The smallest N is the
-    baseline: its efficiency is 100% by definition, said so, and its projection claims no expected error."""
+    baseline: its efficiency is 100% by definition, said so (the projection's own baseline, claiming no
+    expected error, is checked on real runs in test_scale_one_and_two_ranks)."""
     from trainprof.projection import views
 
     def projected(points, extra):
-        return ([{"world_size": 1, "predicted_tokens_per_s": 722.0, "step_error_pct": -0.6, "expected_error_pct": 0.0,
+        return ([{"world_size": 1, "predicted_tokens_per_s": 722.0, "step_error_pct": -0.6, "expected_error_pct": None,
                   "predicted_efficiency": 1.0},
                  {"world_size": 2, "predicted_tokens_per_s": 1300.0, "step_error_pct": 3.0, "expected_error_pct": 2.1,
-                  "predicted_efficiency": 0.9}], ["projected from the N=1 run"])
+                  "predicted_efficiency": 0.9}], ["projected from the N=1 run", "N=1: the baseline, ..."])
 
     monkeypatch.setattr(views, "project_scaling", projected)
     dirs = [_run_dir(tmp_path, 1, 700.0), _run_dir(tmp_path, 2, 1200.0)]
@@ -98,7 +102,6 @@ def test_scale_says_it_is_projecting_and_labels_the_baseline(tmp_path, cli, monk
     assert "N=2: 1,200 tokens/s, efficiency 85.7%\n" in proc.stderr
     assert "N=1: projected 722 tokens/s, error -0.6% (the baseline, projected from itself)" in proc.stderr
     table = pd.read_csv(tmp_path / "out" / "scaling_projected.csv")
-    assert table["expected_error_pct"].isna().tolist() == [True, False]  # no 0.0 claimed for itself
-    assert "N=1: the baseline" in (tmp_path / "out" / "scaling_projected.md").read_text()
+    assert table["expected_error_pct"].isna().tolist() == [True, False]
     measured = pd.read_csv(tmp_path / "out" / "scaling.csv")
     assert measured["label"].tolist() == ["n1 (baseline)", "n2"]

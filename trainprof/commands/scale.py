@@ -143,12 +143,6 @@ def _projected(out: Path, points: list[dict], extra: list[int]) -> list[Path]:
         return []
     print(f"trainprof: projected in {time.monotonic() - start:.0f} s", file=sys.stderr)
     for r in rows:
-        if r["world_size"] == base:  # the source run projected onto itself: no expected error to claim
-            r["expected_error_pct"] = None
-    notes.append(f"N={base}: the baseline, the run the others are projected from; its projected efficiency is 100% "
-                 "by definition and it claims no expected error (its error % shows how well the step model "
-                 "reproduces its own source)")
-    for r in rows:
         got = "n/a" if r.get("predicted_tokens_per_s") is None else f"{r['predicted_tokens_per_s']:,.0f}"
         err = f", error {r['step_error_pct']:+.1f}%" if r.get("step_error_pct") is not None else ""
         baseline = " (the baseline, projected from itself)" if r["world_size"] == base else ""

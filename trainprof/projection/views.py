@@ -47,7 +47,8 @@ def project_scaling(points: list[dict[str, Any]], extra_sizes: list[int] | None 
                 one = (n, pred["tokens_per_s"])
             row: dict[str, Any] = {"world_size": n, "predicted_step_ms": pred["step_ms"],
                                    "predicted_tokens_per_s": pred["tokens_per_s"],
-                                   "expected_error_pct": pred["expected_error_pct"],
+                                   # the source projected onto itself claims no expected error
+                                   "expected_error_pct": None if n == ref["world_size"] else pred["expected_error_pct"],
                                    "reason": (pred.get("reasons") or {}).get("step_ms")}
             if one and one[1] and pred["tokens_per_s"]:
                 row["predicted_efficiency"] = pred["tokens_per_s"] * one[0] / (n * one[1])
@@ -61,6 +62,9 @@ def project_scaling(points: list[dict[str, Any]], extra_sizes: list[int] | None 
             rows.append(row)
     notes = [f"projected from {ref['run_dir']} (N={ref['world_size']}) by trainprof's step model; collectives "
              "re-timed with the α-β fit measured on this machine; error % = (projected - measured) / measured"]
+    notes.append(f"N={ref['world_size']}: the baseline, the run the others are projected from; its projected "
+                 "efficiency is 100% by definition and it claims no expected error (its error % shows how well the "
+                 "step model reproduces its own source)")
     notes += [f"N={r['world_size']}: not projected: {r['reason']}" for r in rows if r.get("reason")]
     return rows, notes
 
