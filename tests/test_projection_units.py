@@ -1312,6 +1312,10 @@ def test_best_prints_each_runner_up_on_its_own_line_as_overrides():
                                 "train.micro_batch_size=16", "(39,590", "tokens/s)"]
     assert lines[5].split() == ["engine.kind=deepspeed", "engine.zero_stage=2", "train.micro_batch_size=8",
                                 "(30,000", "tokens/s)"]
+    # with a price, the cheapest setting's line carries its own confidence too
+    cheap = {**setting(2, 8, 30000.0), "cost_per_million_tokens_usd": 0.055}
+    priced = render_best({**result, "best": [{**result["best"][0], "best_cost": cheap}]}).splitlines()
+    assert priced[3].endswith("$0.055 / M tokens (unvalidated: CPU run -> GPU)"), priced[3]
 
 
 def test_best_searches_deepspeed_from_any_engine_and_says_why_nothing_ranks():

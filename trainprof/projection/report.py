@@ -269,6 +269,7 @@ def best_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
             "cost_setting": (_setting(cheap) if cheap else "n/a" if not top  # the reason is the throughput cell's
                              else "n/a (no price: --price NAME=USD_PER_GPU_HOUR)"),
             "cost_per_million_tokens_usd": cheap and cheap["cost_per_million_tokens_usd"],
+            "cost_confidence_text": cheap and cheap["confidence_text"],
             "runners_up": "; ".join(f"{_setting(r)}: {r['tokens_per_s']:,.0f} tokens/s" for r in b["runners_up_throughput"]),
             "tried": b["tried"]})
     return out
@@ -281,6 +282,7 @@ BEST_COLUMNS = [
     Column("confidence_text", "confidence", fmt_text),
     Column("cost_setting", "lowest $/M tokens: setting", fmt_text),
     Column("cost_per_million_tokens_usd", "$ / M tokens", fmt_num(3)),
+    Column("cost_confidence_text", "its confidence", fmt_text),
     Column("runners_up", "runners-up (tokens/s)", fmt_text), Column("tried", "settings predicted", fmt_text),
 ]
 
@@ -332,6 +334,8 @@ def render_best(result: dict[str, Any]) -> str:
         cost = f"${r['cost_per_million_tokens_usd']:.3f} / M tokens" if r["cost_per_million_tokens_usd"] else ""
         if r["cost_to_train_usd"]:
             cost += f", {_fmt_usd(r['cost_to_train_usd'])} for {tokens:.3g} tokens"
+        if r["cost_confidence_text"]:
+            cost += f" ({r['cost_confidence_text']})"
         lines.append(f"  lowest $/M      {r['cost_setting']}  {cost}".rstrip())
         for i, runner in enumerate(b["runners_up_throughput"]):  # one a line: each setting pastes as overrides
             label = "runners-up" if i == 0 else ""
