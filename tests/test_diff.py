@@ -17,7 +17,7 @@ import pytest
 
 from conftest import QUIET, run_trainprof
 from helpers.checks import NotJudged, retry_on_noise
-from trainprof.analysis.diff import MIN_BAND, NOISE_SAFETY, diff_profiles
+from trainprof.analysis.diff import DEFAULT_BAND, GPU_MIN_BAND, MIN_BAND, NOISE_SAFETY, diff_profiles
 from trainprof.io import read_json
 from trainprof.report.diff_report import build_diff_document, run_diff, write_diff
 from trainprof.report.document import render_markdown
@@ -214,6 +214,89 @@ def test_cli_refuses_a_cut_short_or_foreign_profile_and_a_bad_noise_band(tmp_pat
     assert proc.returncode == 2 and "invalid" not in proc.stderr
     assert proc.stderr.splitlines()[-1].endswith("argument --noise: noise band must be a fraction like 0.15 or 15%, "
                                                  "got 'abc'")
+
+
+def test_two_gpu_runs_are_judged_against_their_own_step_spread_not_the_cpu_default():
+    """The 15% default was measured on CPU runs; two GPU runs whose steps spread by 1% are judged against 1.5x
+    their wider spread (at least 5%), and the band says so: the H200 is faster on the step, forward and backward
+    of the same recipe. A repeat of a GPU-bound run stays within that band on the step and the main phases, and
+    a CPU run keeps the default, which says where it was measured."""
+    recipe = "llama1b_zero3_sdpa-torch-gpubound"
+    d, doc = run_diff(REPO / "profiles" / f"h100-{recipe}", REPO / "profiles" / f"h200-{recipe}")
+    step = d.steps[0]
+    assert d.band_source == "spread" and d.step_spread == {"A": step.spread_a, "B": step.spread_b}
+    assert max(step.spread_a, step.spread_b) < 0.02
+    assert d.band == pytest.approx(max(GPU_MIN_BAND, NOISE_SAFETY * max(step.spread_a, step.spread_b)))
+    assert {r.name: r.verdict for r in [*d.steps, *d.phases] if r.name in ("step", "forward", "backward")} == \
+        {"step": "faster", "forward": "faster", "backward": "faster"}
+    md = render_markdown(doc)
+    assert f"{100 * d.band:.0f}%: 1.5x the wider step-time spread" in md
+    assert "the 15% default was measured on CPU runs" in md
+
+    again, _ = run_diff(REPO / "profiles" / "h100-llama1b_zero3_sdpa-gpubound32",
+                        REPO / "profiles" / "h100-llama1b_zero3_sdpa-gpubound32-v2")
+    assert again.band_source == "spread" and again.band < DEFAULT_BAND["min"]
+    assert {r.verdict for r in [*again.steps, *again.phases]
+            if r.name in ("step", "forward", "backward", "recompute", "optimizer")} == {"within noise"}
+
+    cpu = diff_profiles(PROFILE, _scaled(PROFILE, 0.5), stat="min")
+    assert cpu.band_source == "default" and cpu.band == DEFAULT_BAND["min"] and not cpu.step_spread
+    runs = [RunData.of_profile(p, name) for name, p in (("a", PROFILE), ("b", _scaled(PROFILE, 0.5)))]
+    assert "measured on identical runs of a tiny model on a shared 2-core CPU machine" in \
+        render_markdown(build_diff_document(*runs, cpu))
+    given, _ = run_diff(REPO / "profiles" / f"h100-{recipe}", REPO / "profiles" / f"h200-{recipe}", band=0.2)
+    assert given.band_source == "given" and given.band == 0.2
+
+
+def _inference_run(path: Path, *, prompt_len: int, new_tokens: int, ms: float) -> Path:
+    """A `trainprof infer` run dir holding a hand-made inference.json: batch sizes 1 and 4, every p50 `ms`."""
+    results = [{"batch_size": bs, **{k: {"p50": ms} for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")},
+                "output_tokens_per_s": 1e3 / ms, "modules": [], "peak_memory_bytes": 2**30, "kv_cache_bytes": 2**20}
+               for bs in (1, 4)]
+    path.mkdir(parents=True)
+    (path / "inference.json").write_text(json.dumps({
+        "kind": "inference", "recipe": {"model": {"name": "tiny"}}, "env": {"device": "x86_64", "device_type": "cpu"},
+        "settings": {"batch_sizes": [1, 4], "prompt_len": prompt_len, "new_tokens": new_tokens, "requests": 5},
+        "method": {"timer": "perf_counter"}, "results": results}))
+    return path
+
+
+def test_an_inference_diff_across_settings_warns_and_names_them(tmp_path, cli):
+    """Two inference runs of different prompt lengths and token counts: the latencies compare different work,
+    so a warning names the settings, in the terminal and in diff.md; the same settings give none. --stat, which
+    does not apply to inference runs, is warned about; a training run given as --repeat of one is named so."""
+    a = _inference_run(tmp_path / "a", prompt_len=512, new_tokens=128, ms=100.0)
+    b = _inference_run(tmp_path / "b", prompt_len=32, new_tokens=8, ms=2.0)
+    same = _inference_run(tmp_path / "same", prompt_len=512, new_tokens=128, ms=90.0)
+    out = cli("diff", a, b, "--out", tmp_path / "d", "--stat", "median")
+    assert out.returncode == 0, out.stderr
+    said = "Warning: A and B measured different workloads (prompt_len: 512 -> 32; new_tokens: 128 -> 8)"
+    assert said in out.stdout and said in (tmp_path / "d" / "diff.md").read_text()
+    assert "--stat median does not apply to inference run dirs" in out.stderr
+    plain = cli("diff", a, same)
+    assert plain.returncode == 0 and "different workloads" not in plain.stdout and "warning" not in plain.stderr
+    d, _ = run_diff(a, b)
+    assert d.workload_changes == [("prompt_len", 512, 32), ("new_tokens", 128, 8)]
+    cpu_run = REPO / "profiles" / "cpu-x86_64-quickstart_cpu"
+    mixed = cli("diff", cpu_run, cpu_run, "--repeat", a)
+    assert mixed.returncode == 2 and len(mixed.stderr.strip().splitlines()) == 1
+    assert f"'{a}' (--repeat) an inference one" in mixed.stderr and "diff two of a kind" in mixed.stderr
+
+
+def test_cli_refuses_an_out_file_an_empty_format_and_a_negative_min_ms(tmp_path, cli):
+    """Each is one line on stderr, exit 2, before any output or file is written."""
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "profile.json").write_text(json.dumps(PROFILE))
+    (tmp_path / "f").write_text("")
+    out_file = cli("diff", a, a, "--out", tmp_path / "f")
+    assert out_file.returncode == 2 and out_file.stdout == "" and len(out_file.stderr.splitlines()) == 1
+    assert f"--out {tmp_path / 'f'}: a file is there, not a directory" in out_file.stderr
+    empty = cli("diff", a, a, "--out", tmp_path / "d", "--format", "")
+    assert empty.returncode == 2 and "--format '': choose one or more of md,html,csv" in empty.stderr
+    assert not (tmp_path / "d").exists()
+    negative = cli("diff", a, a, "--min-ms", "-5")
+    assert negative.returncode == 2 and "argument --min-ms: must be a number of ms, 0 or more" in negative.stderr
 
 
 # -- two real runs ---------------------------------------------------------------------------------

@@ -49,6 +49,17 @@ def test_reader_names_what_is_wrong(tmp_path, text, where):
         list(T.iter_trace(path))
 
 
+def test_a_cut_short_or_undecodable_gzip_trace_is_a_format_error(tmp_path):
+    """A .gz cut mid-stream (a copy stopped early) and one that is not gzip at all are TraceFormatErrors naming
+    the file, as a cut-short JSON trace is, not EOFError or OSError."""
+    cut, foreign = tmp_path / "rank0.2.pt.trace.json.gz", tmp_path / "rank0.3.pt.trace.json.gz"
+    cut.write_bytes(TRACES[0].read_bytes()[:3000])
+    foreign.write_text("x")
+    for path in (cut, foreign):
+        with pytest.raises(T.TraceFormatError, match=f"{path}: the gzip stream is cut short or damaged"):
+            list(T.iter_trace(path))
+
+
 def test_each_rank_has_a_trace_in_the_plugin_layout_with_steps_and_distributed_info():
     assert [p.name.split(".")[0] for p in TRACES] == ["rank0", "rank1"]  # worker = rank<N>, span = timestamp
     traced = PROFILE["ops_info"]["trace_steps"]
@@ -189,3 +200,87 @@ def test_kernels_no_operator_launched_get_rows_of_their_own():
     assert by_name["aten::mm"]["self_ms"] == pytest.approx(0.1)
     assert sum(r["self_ms"] for r in rows) == pytest.approx(0.4)  # nothing counted twice
     assert not any(r["name"].startswith(KERNEL_PREFIX) for r in aggregate_events(events, {}, cuda=False))
+
+
+# -- trainprof replay: what it reads, and what it says beside its figures ----------------------------------------
+PROFILES = Path(__file__).resolve().parents[1] / "profiles"
+
+
+def _gpu_trace(name: str) -> Path:
+    return next(PROFILES.joinpath(name).glob("rank0.*.pt.trace.json.gz"))
+
+
+def test_replay_takes_any_trace_file_and_refuses_what_is_not_one_in_one_line(tmp_path, cli):
+    """A trace file given by name is replayed whatever it is called; a file that is not a trace (Markdown, a
+    stray line, a cut-short .gz) is one line naming it, exit 2."""
+    renamed = tmp_path / "mytrace.pt.trace.json.gz"
+    shutil.copy(_gpu_trace("h100-llama7b_lora"), renamed)
+    out = cli("replay", renamed)
+    assert out.returncode == 0 and out.stdout.startswith(f"{renamed}: host gaps x 0.5"), out.stderr
+    stray, cut = tmp_path / "rank0.1.pt.trace.json", tmp_path / "rank0.2.pt.trace.json.gz"
+    stray.write_text("x\n")
+    cut.write_bytes(renamed.read_bytes()[:3000])
+    for path in (PROFILES / "README.md", stray, cut):
+        bad = cli("replay", path)
+        assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.splitlines()) == 1, bad.stderr
+        assert str(path) in bad.stderr and "not a readable Kineto trace" in bad.stderr
+
+
+def test_replay_confidence_is_the_runs_own_case_else_its_pairs_else_unvalidated():
+    """From replay cases as validation_gpu.json keeps them: a run with its own case reads that case's error; a
+    run of a validated pair of GPUs without one reads the pair's errors; any other pair is unvalidated."""
+    from trainprof.analysis.replay import replay_confidence
+
+    cases = [{"source": "h100-x", "target": "h200-x", "hardware": "h200", "predicted_step_ms": 120.0,
+              "measured_step_ms": 100.0, "step_error_pct": 20.0},
+             {"source": "h200-x", "target": "h100-x", "hardware": "h100-sxm", "predicted_step_ms": 90.0,
+              "measured_step_ms": 100.0, "step_error_pct": -10.0},
+             {"source": "h100-y", "target": "h200-y", "hardware": "h200", "predicted_step_ms": 95.0,
+              "measured_step_ms": 100.0, "step_error_pct": -5.0},
+             {"source": "h200-y", "target": "h100-y", "hardware": "h100-sxm", "predicted_step_ms": 100.0,
+              "measured_step_ms": 100.0, "step_error_pct": 0.0}]
+    own = replay_confidence(cases, "h100-x", "h100-sxm", "h200")
+    assert own.label == "measured" and own.errors_pct == (20.0,) and own.measured_run == "h200-x"
+    assert "replay's measured error on this run -> h200: +20.0%" in own.text
+    pair = replay_confidence(cases, "h100-z", "h100-sxm", "h200")
+    assert pair.label == "pair" and pair.errors_pct == (20.0, -5.0)
+    assert "h100-sxm -> h200 measured on 2 other runs: -5.0% to +20.0%, mean |error| 12.5%" in pair.text
+    other = replay_confidence(cases, "h100-x", "h100-sxm", "rtx4090")
+    assert other.label == "unvalidated" and other.errors_pct == ()
+    assert other.text.startswith("unvalidated: h100-sxm -> rtx4090 never validated")
+    assert "h100-sxm and h200" in other.text
+
+
+def test_replay_to_another_gpu_says_its_confidence_on_the_prediction_line(cli):
+    """The LoRA run's own case (+28.8% in docs/projection.md) is on its --to h200 line; an RTX 4090, which no
+    replay case ran on, reads unvalidated, as `trainprof project` does."""
+    from trainprof.projection.validation import GPU_VALIDATION_FILE
+
+    case = next(c for c in json.loads(GPU_VALIDATION_FILE.read_text())["replay_cases"]
+                if c["source"] == "h100-llama7b_lora" and c["hardware"] == "h200")
+    out = cli("replay", PROFILES / "h100-llama7b_lora", "--to", "h200")
+    assert out.returncode == 0, out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("on h200:"))
+    assert f"ms a step; replay's measured error on this run -> h200: {case['step_error_pct']:+.1f}%" in line
+    assert "+28.8%" in line
+    far = cli("replay", PROFILES / "h200-llama1b_zero3_sdpa-torch-gpubound", "--to", "rtx4090")
+    line = next(ln for ln in far.stdout.splitlines() if ln.startswith("on rtx4090:"))
+    assert "unvalidated: h200 -> rtx4090 never validated" in line
+
+
+def test_replay_says_a_faster_gpu_stops_at_the_traced_host_and_how_much_tracing_inflated_it(cli):
+    """H100 ZeRO-3 (traced step +49% on the untraced one): a GPU 10x as fast replays to the traced host's time,
+    and the line says so, with tracing's inflation of that host bounded by the untraced median step."""
+    from trainprof.analysis.replay import load_steps, replay
+    from trainprof.io import profile_file, read_json
+
+    run = PROFILES / "h100-llama1b_zero3_sdpa-gpubound"
+    (step,) = load_steps(_gpu_trace(run.name))
+    floored = replay(step, device_scale=lambda op: 0.1)
+    assert floored.step_ms == floored.host_ms  # the what-if stopped at the host
+    untraced = read_json(profile_file(run))["summary"]["step_ms"]["median"]
+    out = cli("replay", run, "--device-scale", "0.1")
+    assert out.returncode == 0, out.stderr
+    note = next(ln for ln in out.stdout.splitlines() if ln.startswith("'GPU x0.1' stops at the traced host"))
+    assert f"it took {floored.host_ms:.1f} ms (step {step.step})" in note
+    assert f"tracing inflated that host by at least {floored.host_ms / untraced - 1:+.0%}" in note and "+46%" in note

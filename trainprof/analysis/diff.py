@@ -12,8 +12,10 @@ B < A / (1 + band), "slower" when B > A * (1 + band), else "within noise". Rows 
 both runs are "too small" (one preemption is most of them), and so is a model part whose modules are
 each under `min_ms`. The band is measured: from a repeat of run A (`repeat`: an identical run; band =
 NOISE_SAFETY x the largest ratio between A and its repeat over the judged rows), and of run B (`repeat_b`)
-where given, taking the wider: a slow spell of the machine during B's run alone shows only there. Else it is
-the default per statistic (docs/reports.md says how it was measured).
+where given, taking the wider: a slow spell of the machine during B's run alone shows only there. Else, for two
+GPU runs, it is NOISE_SAFETY x the wider of their steps' spreads (at least GPU_MIN_BAND): the defaults were
+measured on identical runs of a tiny model on a shared 2-core CPU machine, not on a GPU. Else it is the default
+per statistic (docs/reports.md says how each was measured).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ DEFAULT_BAND = {"median": 0.25, "min": 0.15}  # measured, see docs/reports.md
 DEFAULT_MIN_MS = 1.0  # rows under 1 ms: a single preemption (~1 ms) is most of them
 NOISE_SAFETY = 1.5  # one repeat pair samples the noise once; 1.5x its largest ratio covers a second draw
 MIN_BAND = 0.10  # the noise of identical runs on a quiet machine (docs/reports.md)
+# two GPU runs without a repeat: their own steps' spread speaks instead of the CPU defaults, at least 5% (what
+# identical GPU runs in profiles/ differed by: docs/reports.md)
+GPU_MIN_BAND = 0.05
 
 
 @dataclass
@@ -75,7 +80,10 @@ class ProfileDiff:
     only_b: list[str] = field(default_factory=list)
     recipe_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    band_source: str = "default"  # "default" | "given" | "repeat"
+    band_source: str = "default"  # "default" | "given" | "repeat" | "spread"
+    step_spread: dict[str, float] = field(default_factory=dict)  # "A"/"B": the step's relative IQR, GPU runs only
+    # inference runs: settings.* keys that change the work measured (prompt_len, new_tokens, ...), A and B values
+    workload_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
     repeat_noise: dict[str, float] = field(default_factory=dict)  # "A"/"B": largest ratio - 1 against its repeat
     # "A"/"B": the recipe keys where a repeat is not its run's recipe (its band then holds that change too)
     repeat_changes: dict[str, list[tuple[str, Any, Any]]] = field(default_factory=dict)
@@ -167,19 +175,38 @@ def _repeat_noise(rows: list[DiffRow]) -> float:
 
 
 def _band_fields(band: float | None, default: float, self_diffs: dict[str, ProfileDiff],
-                 judged: Callable[[ProfileDiff], list[DiffRow]]) -> dict[str, Any]:
-    """ProfileDiff's band, band_source, repeat_noise and repeat_changes: `band` where given; else NOISE_SAFETY x
-    the wider side's repeat noise (at least MIN_BAND), from `self_diffs` (each run diffed against its repeat,
-    "A"/"B") over their `judged` rows; else the default."""
+                 judged: Callable[[ProfileDiff], list[DiffRow]],
+                 step_spread: dict[str, float] | None = None) -> dict[str, Any]:
+    """ProfileDiff's band, band_source, repeat_noise, repeat_changes and step_spread: `band` where given; else
+    NOISE_SAFETY x the wider side's repeat noise (at least MIN_BAND), from `self_diffs` (each run diffed against
+    its repeat, "A"/"B") over their `judged` rows; else NOISE_SAFETY x the wider of `step_spread` (both GPU runs'
+    step spreads, at least GPU_MIN_BAND); else the default."""
     noise = {side: _repeat_noise(judged(d)) for side, d in self_diffs.items()}
+    step_spread = step_spread or {}
     if band is not None:
         source = "given"
     elif noise:
         band, source = max(MIN_BAND, NOISE_SAFETY * max(noise.values())), "repeat"
+    elif step_spread:
+        band, source = max(GPU_MIN_BAND, NOISE_SAFETY * max(step_spread.values())), "spread"
     else:
         band, source = default, "default"
-    return {"band": band, "band_source": source, "repeat_noise": noise,
+    return {"band": band, "band_source": source, "repeat_noise": noise, "step_spread": step_spread,
             "repeat_changes": {side: d.recipe_changes for side, d in self_diffs.items() if d.recipe_changes}}
+
+
+def gpu_step_spread(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+    """{"A": x, "B": y}: each run's step-time spread (relative IQR of its used steps' wall_ms) when both ran on a
+    GPU and both have at least 4 such steps; else {} (a CPU run keeps the default measured on CPU runs)."""
+    spreads = {}
+    for side, profile in (("A", a), ("B", b)):
+        if (profile.get("env") or {}).get("device_type") != "cuda":
+            return {}
+        spread = _spread([s["wall_ms"] for s in used_steps(profile) if s.get("wall_ms") is not None])
+        if spread is None:
+            return {}
+        spreads[side] = spread
+    return spreads
 
 
 @dataclass(slots=True, kw_only=True)
@@ -216,7 +243,7 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
         a, b: profile.json documents (older ones without phases/modules give fewer rows, with a note).
         stat: "median" (the profiles' figures) or "min" (fastest measured step per row).
         band: ratio counted as noise (0.15: within 15% either way); default: measured from `repeat`,
-            else DEFAULT_BAND[stat].
+            else, for two GPU runs, from their steps' spread (`gpu_step_spread`), else DEFAULT_BAND[stat].
         min_ms: rows where both runs are below this many ms per step are "too small".
         repeat: a repeat of run A (same recipe, same machine): the band becomes NOISE_SAFETY x the
             largest ratio between A and the repeat over the judged rows (at least MIN_BAND).
@@ -233,7 +260,7 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
         for side, run, again in (("A", a, repeat), ("B", b, repeat_b)) if again is not None}
     out = ProfileDiff(stat=stat, min_ms=min_ms, recipe_changes=recipe_changes(a.get("recipe"), b.get("recipe")),
                       **_band_fields(band, DEFAULT_BAND[stat], self_diffs,
-                                     lambda d: [r for r in d.rows() if r.kind != "step"]))
+                                     lambda d: [r for r in d.rows() if r.kind != "step"], gpu_step_spread(a, b)))
     sa, sb = _Side.of(a), _Side.of(b)
     _step_and_phase_rows(out, sa, sb, pipeline=bool(a.get("pipeline") or b.get("pipeline")))
     if not sa.mods or not sb.mods:
@@ -324,6 +351,9 @@ INFERENCE_LATENCIES = (("ttft_ms", "TTFT p50"), ("tpot_ms", "TPOT p50"), ("itl_m
 # the latency rows are p50s over requests (and tokens), not one sample each: none is "too small" by default
 DEFAULT_INFER_MIN_MS = 0.0
 DEFAULT_BAND["p50"] = 0.40  # NOISE_SAFETY x the largest ratio between identical runs' latency rows (docs/reports.md)
+# settings that change the work each request does (or which batch sizes were run): a latency diff across them
+# measures the workload, not the model or the machine (requests and warmup only change how many were sampled)
+WORKLOAD_SETTINGS = ("prompt_len", "new_tokens", "batch_sizes", "generate")
 MODULE_NOT_JUDGED = "not judged (one call)"
 MODULES_NOT_JUDGED_WHY = ("Each module row is one hooked generate call per batch size (prefill: one forward; decode "
                           "step: that call's mean), so the rows are shown, not judged: one call is too few to tell "
@@ -340,13 +370,17 @@ def diff_inference(a: dict[str, Any], b: dict[str, Any], *, band: float | None =
     one of B, over the latency rows; else DEFAULT_BAND["p50"]). Each module's prefill and per-decode-step ms
     (matched by name) are "module" rows, shown but not judged: they come from one hooked generate call per
     batch size, and identical runs here differed by up to 177% on them. Batch sizes and modules on one side
-    only are in notes and only_a/only_b; `recipe_changes` includes the changed `settings.*`."""
+    only are in notes and only_a/only_b; `recipe_changes` includes the changed `settings.*`, and
+    `workload_changes` those of WORKLOAD_SETTINGS."""
     self_diffs = {} if band is not None else {
         side: diff_inference(run, again, band=0.0, min_ms=min_ms)
         for side, run, again in (("A", a, repeat), ("B", b, repeat_b)) if again is not None}
     changes = recipe_changes(a.get("recipe"), b.get("recipe"))
     changes += [(f"settings.{k}", va, vb) for k, va, vb in recipe_changes(a.get("settings"), b.get("settings"))]
-    out = ProfileDiff(stat="p50", min_ms=min_ms, recipe_changes=changes,
+    settings_a, settings_b = a.get("settings") or {}, b.get("settings") or {}
+    workload = [(k, settings_a.get(k), settings_b.get(k)) for k in WORKLOAD_SETTINGS
+                if settings_a.get(k) != settings_b.get(k)]
+    out = ProfileDiff(stat="p50", min_ms=min_ms, recipe_changes=changes, workload_changes=workload,
                       **_band_fields(band, DEFAULT_BAND["p50"], self_diffs, lambda d: d.steps))
     by_a = {r["batch_size"]: r for r in a.get("results") or []}
     by_b = {r["batch_size"]: r for r in b.get("results") or []}
@@ -367,7 +401,14 @@ def diff_inference(a: dict[str, Any], b: dict[str, Any], *, band: float | None =
                                  1e3 / rb["output_tokens_per_s"]))
         mods_a = {m["name"]: m for m in ra.get("modules") or []}
         mods_b = {m["name"]: m for m in rb.get("modules") or []}
-        for name in (n for n in mods_a if n in mods_b):
+        both = [n for n in mods_a if n in mods_b]
+        # a module inside a compiled layer (or a container never called) has no time, only a 0 the schema keeps
+        untimed = [n for n in both if mods_a[n].get("not_timed") or mods_b[n].get("not_timed")]
+        timed_once = [n for n in untimed if any(m[n][k] for m in (mods_a, mods_b) for k in ("prefill_ms", "decode_ms"))]
+        if timed_once:  # timed on one side only: a 0 against a time would read as a change
+            out.notes.append(f"{label}: {len(timed_once)} module(s) not timed in A or B (inside a compiled layer, "
+                             f"or never called), left out, e.g. {timed_once[0]}")
+        for name in (n for n in both if n not in untimed):
             for phase, key in (("prefill", "prefill_ms"), ("decode step", "decode_ms")):
                 va, vb = mods_a[name][key], mods_b[name][key]
                 if va or vb:

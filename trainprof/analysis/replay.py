@@ -202,3 +202,53 @@ def cross_device(step: TracedStep, measured_step_ms: float, rates: DeviceRates, 
     (untraced) step, since tracing slows the host and a traced step is longer than a measured one."""
     same, other = replay(step), replay(step, host_scale=host_scale, device_scale=rates)
     return CrossDevice(step_ms=measured_step_ms * other.step_ms / same.step_ms, source=same, target=other, rates=rates)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ReplayConfidence:
+    """How far a --to prediction was found off: this run's own replay case, else the cases of its GPU pair
+    (other runs), else none (`label` "measured", "pair" or "unvalidated"); from validation_gpu.json replay_cases."""
+
+    label: str
+    source_gpu: str
+    target_gpu: str
+    errors_pct: tuple[float, ...] = ()  # step errors of the cases that speak for it: this run's one, or the pair's
+    predicted_ms: float | None = None  # this run's case: the replay's prediction and the target run's measured step
+    measured_ms: float | None = None
+    measured_run: str | None = None
+    validated_gpus: tuple[str, ...] = ()  # the GPUs the cases ran between
+
+    @property
+    def text(self) -> str:
+        where = "validation_gpu.json replay_cases, docs/projection.md"
+        pair = f"{self.source_gpu} -> {self.target_gpu}"
+        if self.label == "measured":
+            return (f"replay's measured error on this run -> {self.target_gpu}: {self.errors_pct[0]:+.1f}% (predicted "
+                    f"{self.predicted_ms:.1f} ms against {self.measured_ms:.1f} ms measured by {self.measured_run}; "
+                    f"{where})")
+        if self.label == "pair":
+            mean = statistics.mean(abs(e) for e in self.errors_pct)
+            return (f"not validated on this run; replay {pair} measured on {len(self.errors_pct)} other runs: "
+                    f"{min(self.errors_pct):+.1f}% to {max(self.errors_pct):+.1f}%, mean |error| {mean:.1f}% ({where})")
+        checked = " and ".join(self.validated_gpus) or "no GPUs"
+        return f"unvalidated: {pair} never validated (replay was checked between {checked} only; {where})"
+
+
+def replay_confidence(cases: list[dict], source_run: str | None, source_gpu: str,
+                      target_gpu: str) -> ReplayConfidence:
+    """The confidence of replaying `source_run` (its profiles/ folder name) from `source_gpu` to `target_gpu`
+    (catalog keys), from replay cases ({source, target, hardware, predicted_step_ms, measured_step_ms,
+    step_error_pct}: validation_gpu.json). A case's source GPU is the hardware of the case run the other way."""
+    hardware_of = {c["source"]: c["hardware"] for c in cases}
+    gpus = tuple(sorted({c["hardware"] for c in cases}))
+    base = {"source_gpu": source_gpu, "target_gpu": target_gpu, "validated_gpus": gpus}
+    own = next((c for c in cases if c["source"] == source_run and c["hardware"] == target_gpu), None)
+    if own is not None:
+        return ReplayConfidence(label="measured", errors_pct=(own["step_error_pct"],),
+                                predicted_ms=own["predicted_step_ms"], measured_ms=own["measured_step_ms"],
+                                measured_run=own["target"], **base)
+    pair = [c["step_error_pct"] for c in cases
+            if c["hardware"] == target_gpu and hardware_of.get(c["target"]) == source_gpu]
+    if pair and source_gpu != target_gpu:
+        return ReplayConfidence(label="pair", errors_pct=tuple(pair), **base)
+    return ReplayConfidence(label="unvalidated", **base)

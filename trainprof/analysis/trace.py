@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -108,8 +109,18 @@ def iter_trace(path: str | Path) -> Iterator[tuple[str, Any]]:
         ("event", event dict) for each element of traceEvents, in file order, and (key, value) for every
         other top-level key, in file order.
     Raises:
-        TraceFormatError: the file is not a JSON object or is cut short.
+        TraceFormatError: the file is not a JSON object, is cut short, or (.gz) is not a complete gzip stream
+            of UTF-8 text.
     """
+    try:
+        yield from _iter_trace(path)
+    except (EOFError, gzip.BadGzipFile, zlib.error):
+        raise TraceFormatError(f"{path}: the gzip stream is cut short or damaged") from None
+    except UnicodeDecodeError as err:
+        raise TraceFormatError(f"{path}: byte {err.start} of the text is not UTF-8") from None
+
+
+def _iter_trace(path: str | Path) -> Iterator[tuple[str, Any]]:
     with open_trace(path) as f:
         s = _Stream(f, str(path))
         s.expect("{")

@@ -18,18 +18,34 @@ def noise_band(text: str) -> float:
     return value
 
 
+def min_ms(text: str) -> float:
+    """--min-ms: a number of ms, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of ms, 0 or more (0 judges every row), got '{text}'")
+    return value
+
+
 def _diff(args: argparse.Namespace) -> int:
     from trainprof.errors import UserError
-    from trainprof.report.diff_report import FORMATS, repeat_warning, run_diff, write_diff
+    from trainprof.report.diff_report import FORMATS, check_out_dir, repeat_warning, run_diff, write_diff
     from trainprof.report.document import Document, render_markdown
 
     formats = tuple(f.strip() for f in args.format.split(",") if f.strip())
     bad = [f for f in formats if f not in FORMATS]
-    if bad:
-        raise UserError(f"--format {','.join(bad)}: choose from {','.join(FORMATS)}")
+    if bad or not formats:
+        raise UserError(f"--format '{args.format}': choose one or more of {','.join(FORMATS)}")
+    if args.out is not None:
+        check_out_dir(args.out)  # before any output
     # a RunDirError is the CLI's one-line error, exit 2
-    d, doc = run_diff(args.run_a, args.run_b, stat=args.stat, band=args.noise, min_ms=args.min_ms, repeat=args.repeat,
-                    repeat_b=args.repeat_b)
+    d, doc = run_diff(args.run_a, args.run_b, stat=args.stat or "min", band=args.noise, min_ms=args.min_ms,
+                      repeat=args.repeat, repeat_b=args.repeat_b)
+    if args.stat is not None and d.stat == "p50":
+        print(f"trainprof diff: warning: --stat {args.stat} does not apply to inference run dirs: their rows are p50s "
+              "over requests (inference.json)", file=sys.stderr)
     for side, changes in d.repeat_changes.items():
         print(f"trainprof diff: warning: {repeat_warning(side, changes)}", file=sys.stderr)
     if args.out is None:
@@ -53,7 +69,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("run_b", metavar="RUN_B", help="run dir compared against the baseline")
     p.add_argument("--out", default=None, help="directory to write diff.md, diff.html, diff.csv into")
     p.add_argument("--format", default="md,html,csv", help="with --out: any of md,html,csv (default all)")
-    p.add_argument("--stat", choices=("min", "median"), default="min",
+    p.add_argument("--stat", choices=("min", "median"), default=None,
                    help="min: each row's fastest measured step (default; time stolen by other processes only "
                         "adds); median: the profiles' own medians (training run dirs; inference ones compare p50s)")
     p.add_argument("--repeat", metavar="RUN_A2", default=None,
@@ -62,8 +78,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="a repeat of RUN_B, measured the same way; with both, the wider band is taken (a slow "
                         "spell of the machine during one run shows only on its side)")
     p.add_argument("--noise", type=noise_band, default=None,
-                   help="ratio counted as noise, e.g. 0.15 or 15%% (default: from --repeat and --repeat-b, else the "
-                        "measured default in docs/reports.md)")
-    p.add_argument("--min-ms", type=float, default=None, help="rows under this many ms in both runs are not judged")
+                   help="ratio counted as noise, e.g. 0.15 or 15%% (default: from --repeat and --repeat-b; else, for "
+                        "two GPU runs, 1.5x the wider of their step-time spreads; else the default measured on CPU "
+                        "runs, docs/reports.md)")
+    p.add_argument("--min-ms", type=min_ms, default=None,
+                   help="rows under this many ms in both runs are not judged (default 1 for training run dirs, 0 for "
+                        "inference ones)")
     p.set_defaults(func=_diff)
     return p

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainprof.analysis.replay import DeviceRates
+    from trainprof.analysis.replay import DeviceRates, Replayed, ReplayConfidence, TracedStep
 
 GIB = 2**30
 
@@ -18,8 +18,8 @@ GIB = 2**30
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="what-if on a traced GPU step: a faster host, a faster GPU",
                        description=__doc__)
-    p.add_argument("path", help="a Kineto trace (*.pt.trace.json[.gz]), a run dir whose tb/ holds rank 0's, or a "
-                                "profiles/ folder")
+    p.add_argument("path", help="a Kineto trace (*.pt.trace.json[.gz], replayed whatever its name), a run dir whose "
+                                "tb/ holds rank 0's, or a profiles/ folder")
     p.add_argument("--host-scale", type=float, default=0.5,
                    help="the host's own work x this (default 0.5: a host twice as fast)")
     p.add_argument("--device-scale", type=float, default=0.5,
@@ -43,36 +43,64 @@ class CrossTarget:
     rates: DeviceRates
     measured_ms: float  # the source run's median untraced step
     capacity_bytes: float | None  # the target GPU's catalog memory_gb
+    confidence: ReplayConfidence  # how far replay was found off on this run or this pair of GPUs
+
+
+def _trace_of(path: Path) -> Path:
+    """The trace to replay: a file as given (whatever its name); in a run dir (tb/<run>/rank0.*) or a profiles/
+    folder (rank0.* beside profile.json), rank 0's."""
+    from trainprof.errors import UserError
+    from trainprof.report.rundir import run_traces
+
+    if not path.exists():
+        raise UserError(f"'{path}' does not exist: give a trace file, a run dir or a profiles/ folder")
+    if path.is_file():
+        return path
+    traces = [t for t in run_traces(path) if t.name.startswith("rank0.")]
+    if not traces:
+        raise UserError(f"'{path}': no rank 0 trace in it or in its tb/; run with profile.ops=true")
+    return traces[0]
+
+
+def _load_steps(trace: Path) -> list[TracedStep]:
+    """The trace's steps with GPU work, or a one-line UserError naming the file."""
+    from trainprof.analysis.replay import load_steps
+    from trainprof.analysis.trace import TraceFormatError
+    from trainprof.errors import UserError
+
+    try:
+        steps = load_steps(trace)
+    except TraceFormatError as e:
+        raise UserError(f"{e}: not a readable Kineto trace (*.pt.trace.json[.gz]); give one a run wrote with "
+                        "profile.ops=true, or copy it again if it was cut short") from None
+    if not steps:
+        raise UserError(f"'{trace}': no ProfilerStep# markers, so not a Kineto trace of training steps; give one a "
+                        "run wrote with profile.ops=true")
+    if not any(s.ops for s in steps):
+        raise UserError(f"'{trace}' has no traced step with GPU work (a CPU run's trace cannot be replayed)")
+    return steps
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainprof.analysis.replay import load_steps, replay
-    from trainprof.analysis.trace import find_traces
+    from trainprof.analysis.replay import replay
     from trainprof.errors import UserError
     from trainprof.io import profile_file, read_json
 
     path = Path(args.path)
-    if not path.exists():
-        raise UserError(f"'{path}' does not exist: give a trace file, a run dir or a profiles/ folder")
-    # a file; a run dir (tb/<run>/rank0.*); a profiles/ folder (rank0.* beside profile.json)
-    found = [path] if path.is_file() else [*sorted(path.glob("rank0.*.pt.trace.json*")), *find_traces(path)]
-    traces = [t for t in found if t.name.startswith("rank0.")]
-    if not traces:
-        raise UserError(f"'{path}': no rank 0 trace in it or in its tb/; run with profile.ops=true")
+    trace = _trace_of(path)
     if args.host_scale <= 0 or args.device_scale <= 0:
         raise UserError("--host-scale and --device-scale must be > 0")
     profile = profile_file(path) or profile_file(path.parent)
     doc = read_json(profile) if profile else None
     target = _cross_target(args.to, path, profile, doc) if args.to else None  # a bad --to fails before any output
-    steps = load_steps(traces[0])
-    if not steps or not any(s.ops for s in steps):
-        raise UserError(f"'{traces[0]}' has no traced step with GPU work (a CPU run's trace cannot be replayed)")
-    print(f"{traces[0]}: host gaps x {args.host_scale:g}, device work x {args.device_scale:g} "
+    steps = _load_steps(trace)
+    print(f"{trace}: host gaps x {args.host_scale:g}, device work x {args.device_scale:g} "
           "(replay of the launch timeline against the kernels; see trainprof/analysis/replay.py)")
     faster_host, faster_gpu = f"host x{args.host_scale:g} ms", f"GPU x{args.device_scale:g} ms"
     width = max(12, len(faster_host), len(faster_gpu))
     print(f"{'step':>5} {'traced ms':>10} {'replayed ms':>11} {'GPU busy':>9} {faster_host:>{width}} {faster_gpu:>{width}}"
           "  bound by")
+    floored = []  # (step, its GPU what-if) where that stopped at the host
     for s in steps:
         same = replay(s)
         host = replay(s, host_scale=args.host_scale)
@@ -80,8 +108,12 @@ def run(args: argparse.Namespace) -> int:
         bound = "host" if host.step_ms < gpu.step_ms else "GPU" if gpu.step_ms < host.step_ms else "both"
         print(f"{s.step:>5} {s.measured_ms:>10.1f} {same.step_ms:>11.1f} {same.device_busy_ms / same.step_ms:>9.0%} "
               f"{host.step_ms:>{width}.1f} {gpu.step_ms:>{width}.1f}  {bound}")
+        if gpu.step_ms <= gpu.host_ms:
+            floored.append((s.step, gpu))
     if doc is not None and (line := traced_against_untraced(doc)):
         print(line)
+    if floored:
+        print(host_floor(floored, faster_gpu.removesuffix(" ms"), untraced_median(doc)))
     if target is not None:
         _print_cross_device(steps, target, doc)
     return 0
@@ -89,9 +121,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _cross_target(to: str, path: Path, profile: Path | None, doc: dict[str, Any] | None) -> CrossTarget:
     """--to resolved against the catalog and the run's profile.json, or a one-line UserError."""
-    from trainprof.analysis.replay import device_rates
+    from trainprof.analysis.replay import device_rates, replay_confidence
     from trainprof.errors import UserError
     from trainprof.hardware import CatalogError, find_accelerator, load_catalog
+    from trainprof.projection.validation import gpu_validation
 
     catalog = load_catalog()
     if to not in catalog.accelerators and to not in catalog.nodes:
@@ -111,9 +144,33 @@ def _cross_target(to: str, path: Path, profile: Path | None, doc: dict[str, Any]
         rates = device_rates(catalog.resolve(source), catalog.resolve(gpu))
     except (CatalogError, ValueError) as e:
         raise UserError(f"--to {to}: {e}") from None
+    # the replay cases name their sources by their profiles/ folder, the one holding profile.json
+    confidence = replay_confidence(gpu_validation().get("replay_cases") or [], profile.parent.name, source, gpu)
     return CrossTarget(name=to, gpu=gpu, gpus_per_node=resolved.gpus_per_node,
                        rates=rates, measured_ms=doc["summary"]["step_ms"]["median"],
-                       capacity_bytes=(resolved.figure("memory_gb") or 0) * 1e9 or None)
+                       capacity_bytes=(resolved.figure("memory_gb") or 0) * 1e9 or None, confidence=confidence)
+
+
+def untraced_median(doc: dict[str, Any] | None) -> float | None:
+    """The run's median untraced step (profile.json summary), None without one."""
+    return (((doc or {}).get("summary") or {}).get("step_ms") or {}).get("median")
+
+
+def host_floor(floored: list[tuple[int, Replayed]], what_if: str, untraced_ms: float | None) -> str:
+    """One line: the GPU what-if stopped at the traced host's time, and how much tracing inflated that host where
+    profile.json says (the untraced step holds all of the untraced host's issuing, so it bounds that host)."""
+    hosts = ", ".join(f"{r.host_ms:.1f} ms (step {n})" for n, r in floored)
+    line = (f"'{what_if}' stops at the traced host: it took {hosts} to issue the step's work, a floor no faster GPU "
+            "goes under in this replay")
+    host_ms = max(r.host_ms for _, r in floored)
+    if untraced_ms is None:
+        return line + "; how much tracing inflated that host is not known (no profile.json beside the trace)"
+    if host_ms <= untraced_ms:
+        return (line + f"; how much tracing inflated that host is not known: the untraced median step, "
+                f"{untraced_ms:.1f} ms (profile.json), is longer than it, so does not bound it")
+    return (line + f"; tracing inflated that host by at least {host_ms / untraced_ms - 1:+.0%}: the untraced median "
+            f"step, {untraced_ms:.1f} ms (profile.json), holds all of the untraced host's issuing, so untraced the "
+            "floor is lower")
 
 
 def traced_against_untraced(doc: dict[str, Any]) -> str | None:
@@ -144,11 +201,11 @@ def _print_cross_device(steps: list, target: CrossTarget, doc: dict[str, Any]) -
         f"{target.name}, taken as its GPU {target.gpu} (a node template of {target.gpus_per_node}; the replay re-times "
         "one GPU's kernels, not the node's links)")
     misfit = does_not_fit(doc, target)
-    print(f"on {where}: {pred.step_ms:.1f} ms a step{', ' + misfit[0] if misfit else ''} (measured here "
-          f"{target.measured_ms:.1f} ms x replay {pred.target.step_ms:.1f} / {pred.source.step_ms:.1f} ms; GPU busy "
-          f"{pred.target.device_busy_ms / pred.target.step_ms:.0%}); kernels x{rates.compute:.3f} "
-          f"(GEMM, attention) and x{rates.memory:.3f} (the rest) from {rates.source}; the host as fast as this one's. "
-          "Measured error: docs/projection.md (replay_cases)")
+    print(f"on {where}: {pred.step_ms:.1f} ms a step{', ' + misfit[0] if misfit else ''}; "
+          f"{target.confidence.text}; measured here {target.measured_ms:.1f} ms x replay {pred.target.step_ms:.1f} / "
+          f"{pred.source.step_ms:.1f} ms (GPU busy {pred.target.device_busy_ms / pred.target.step_ms:.0%}); kernels "
+          f"x{rates.compute:.3f} (GEMM, attention) and x{rates.memory:.3f} (the rest) from {rates.source}; the host as "
+          "fast as this one's")
     if misfit:
         print(misfit[1])
 

@@ -56,7 +56,7 @@ class Confidence:
         return f"{self.label}: {self.why}{err}"
 
 
-def _gpu_validation() -> dict[str, Any]:
+def gpu_validation() -> dict[str, Any]:
     """validation_gpu.json, or {} where the GPU program has not written one."""
     return json.loads(GPU_VALIDATION_FILE.read_text()) if GPU_VALIDATION_FILE.is_file() else {}
 
@@ -65,7 +65,7 @@ def load_validation() -> dict[str, Any] | None:
     """The CPU bench's table (validation.json), its kinds under `by_kind`, with the GPU checks' kinds
     (validation_gpu.json) under `by_kind_gpu`: each vouches only for sources of its own device type."""
     doc = json.loads(VALIDATION_FILE.read_text()) if VALIDATION_FILE.is_file() else None
-    gpu = _gpu_validation()
+    gpu = gpu_validation()
     if gpu:
         kinds = {k: {**v, "file": GPU_VALIDATION_FILE.name, "measured_on": gpu["measured_on"]}
                  for k, v in gpu["by_kind"].items()}
@@ -141,7 +141,7 @@ def confidence(kinds: list[str], validation: dict[str, Any] | None, *, host_boun
 def cpu_to_gpu_task_error(task: str) -> str | None:
     """How far CPU -> GPU predictions of a finetuning task landed from the kept GPU runs of it
     (validation_gpu.json cpu_to_gpu_cases), e.g. "-50..-33% on 4 GPU runs"; None where none was run."""
-    doc = _gpu_validation()
+    doc = gpu_validation()
     errors = [c["step_error_pct"] for c in doc.get("cpu_to_gpu_cases") or []
               if f"task.kind={task}" in c.get("overrides", []) and c.get("step_error_pct") is not None]
     if not errors:
@@ -155,7 +155,7 @@ def elementwise_share(accelerator: str | None = None) -> tuple[float, str]:
     on the lent GPUs (validation_gpu.json `elementwise`, scripts/gpu_validation.py), and its source: the
     accelerator's own where its runs measured it (catalog key), else the share over all of them; 1.0 (the
     roofline, optimistic) where no GPU run has measured it."""
-    doc = _gpu_validation()
+    doc = gpu_validation()
     block = doc.get("elementwise")
     if not block:
         return 1.0, "no GPU run measured it: the roofline (optimistic)"

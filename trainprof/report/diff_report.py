@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainprof.analysis.diff import (DEFAULT_INFER_MIN_MS, DEFAULT_MIN_MS, MODULES_NOT_JUDGED_WHY, NOISE_SAFETY,
-                                    ProfileDiff, diff_inference, diff_profiles)
+from trainprof.analysis.diff import (DEFAULT_BAND, DEFAULT_INFER_MIN_MS, DEFAULT_MIN_MS, GPU_MIN_BAND,
+                                    MODULES_NOT_JUDGED_WHY, NOISE_SAFETY, ProfileDiff, diff_inference, diff_profiles)
+from trainprof.errors import UserError
 from trainprof.analysis.records import module_label
 from trainprof.io import atomic_write_text, dig
 from trainprof.report import plots
@@ -45,9 +46,17 @@ def _band_text(d: ProfileDiff) -> str:
                 + ", ".join(f"{side} {100 * x:.0f}%" for side, x in noise) + ")")
     if d.band_source == "given":
         return f"{100 * d.band:.0f}%, given with --noise"
+    if d.band_source == "spread":
+        spreads = ", ".join(f"{side} {100 * x:.1f}%" for side, x in sorted(d.step_spread.items()))
+        return (f"{100 * d.band:.0f}%: {NOISE_SAFETY}x the wider step-time spread (interquartile range / median) of "
+                f"the two GPU runs ({spreads}), at least {100 * GPU_MIN_BAND:.0f}%; the "
+                f"{100 * DEFAULT_BAND[d.stat]:.0f}% default was measured on CPU runs (docs/reports.md); --repeat "
+                "measures it instead")
+    where = ("identical runs of a tiny model on a shared 2-core CPU machine (docs/reports.md); --repeat measures "
+             "it for these runs")
     if d.stat == "p50":
-        return f"{100 * d.band:.0f}%, the default for inference latencies, measured on identical runs (docs/reports.md)"
-    return f"{100 * d.band:.0f}%, the default for --stat {d.stat}, measured on identical runs (docs/reports.md)"
+        return f"{100 * d.band:.0f}%, the default for inference latencies, measured on {where}"
+    return f"{100 * d.band:.0f}%, the default for --stat {d.stat}, measured on {where}"
 
 
 def repeat_warning(side: str, changes: list[tuple[str, Any, Any]]) -> str:
@@ -99,6 +108,13 @@ def _hardware_note(env_a: dict[str, Any], env_b: dict[str, Any]) -> str | None:
     return None
 
 
+def workload_warning(changes: list[tuple[str, Any, Any]]) -> str:
+    """What inference settings that differ do to the latency verdicts, naming them."""
+    keys = "; ".join(f"{k}: {va} -> {vb}" for k, va, vb in changes)
+    return (f"A and B measured different workloads ({keys}): each latency compares different work per request, so "
+            "faster and slower below say as much about the settings as about the model or the machine.")
+
+
 def _runs_section(doc: Document, paths: tuple[Path | None, ...], d: ProfileDiff, statistic: str,
                   sides: tuple[str, str], envs: tuple[dict[str, Any], dict[str, Any]]) -> None:
     """The compared run dirs (A, B, then the repeats of A and B where given), where A and B ran (`sides`),
@@ -112,6 +128,8 @@ def _runs_section(doc: Document, paths: tuple[Path | None, ...], d: ProfileDiff,
     hardware = _hardware_note(*envs)
     if hardware:
         sec.blocks.append(Para(f"Warning: {hardware}"))
+    if d.workload_changes:
+        sec.blocks.append(Para(f"Warning: {workload_warning(d.workload_changes)}"))
     for side, changes in d.repeat_changes.items():
         sec.blocks.append(Para(f"Warning: {repeat_warning(side, changes)}."))
     if d.recipe_changes:
@@ -246,9 +264,13 @@ def run_diff(path_a: str | Path, path_b: str | Path, *, stat: str = "min", band:
             raise RunDirError(f"run dir '{p}' has no profile.json (nor rank files) and no inference.json; nothing "
                               "to compare")
         runs.append(run)
-    kinds = {("inference" if r.profile is None else "training"): r.path for r in runs if r is not None}
+    # each kind's first run dir, named with the argument that gave it
+    kinds: dict[str, str] = {}
+    for r, role in zip(runs, ("", "", " (--repeat)", " (--repeat-b)")):
+        if r is not None:
+            kinds.setdefault("inference" if r.profile is None else "training", f"'{r.path}'{role}")
     if len(kinds) > 1:
-        raise RunDirError(f"'{kinds['training']}' is a training run dir and '{kinds['inference']}' an inference one "
+        raise RunDirError(f"{kinds['training']} is a training run dir and {kinds['inference']} an inference one "
                           "(trainprof infer): diff two of a kind")
     if "inference" in kinds:
         docs = [r.inference if r is not None else None for r in runs]
@@ -262,11 +284,26 @@ def run_diff(path_a: str | Path, path_b: str | Path, *, stat: str = "min", band:
     return d, build_diff_document(runs[0], runs[1], d, runs[2], runs[3])
 
 
+def check_out_dir(out_dir: str | Path) -> None:
+    """A one-line UserError when --out names something that is there and not a directory."""
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise UserError(f"--out {out_dir}: a file is there, not a directory; give a new or existing directory")
+
+
 def write_diff(d: ProfileDiff, doc: Document, out_dir: str | Path,
                formats: tuple[str, ...] = FORMATS) -> dict[str, Path]:
-    """Write diff.md (+ diff_plots/), diff.html and diff.csv into out_dir."""
+    """Write diff.md (+ diff_plots/), diff.html and diff.csv into out_dir.
+
+    Raises:
+        UserError: out_dir cannot be made a directory (a file is there, or no permission).
+    """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_out_dir(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out_dir}: cannot create the directory ({e.strerror}); give a directory you can "
+                        "write to") from None
     written: dict[str, Path] = {}
     if "md" in formats:
         for fig in doc.figures():
