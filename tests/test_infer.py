@@ -23,6 +23,7 @@ from helpers.checks import logged_by, retry_on_noise
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "quickstart_cpu.yaml"
+COMPILED = ("engine.kind=torch", "engine.zero_stage=0", "model.compile=true")  # the recipe's ZeRO-3 is not compiled
 NEW_TOKENS = 16
 # latencies compared across batch sizes and prompt lengths; one pytest-xdist worker makes the module's run
 pytestmark = [pytest.mark.timed, pytest.mark.xdist_group("infer")]
@@ -75,6 +76,11 @@ def test_terminal_table_says_how_measured(run) -> None:
         assert line.split()[:2] == [str(r["batch_size"]), f"{r['ttft_ms']['p50']:,.2f}"]
     assert lines[4].startswith("p50/p99 over 3 measured generate calls a batch size after 1 warm-up (prompt 32, ")
     assert "vLLM" in lines[4] and "time.perf_counter_ns" in lines[4]
+    one_token = json.loads(json.dumps(doc))  # --new-tokens 1: no TPOT and no ITL, n/a as inference.md says
+    for r in one_token["results"]:
+        r["tpot_ms"] = r["itl_ms"] = None
+    row = stdout_table(one_token).splitlines()[1].split()
+    assert row[2:4] == ["n/a", "n/a"] and "None" not in stdout_table(one_token)
 
 
 def test_metrics_are_consistent(run) -> None:
@@ -111,12 +117,20 @@ def test_kv_cache_and_device_figures(run) -> None:
         expected = 2 * 2 * r["batch_size"] * 4 * 32 * (32 + NEW_TOKENS - 1) * 4
         assert r["kv_cache_bytes"] == expected, cfg
         assert r["peak_memory_bytes"] > 0
+        assert r["compiles_during_measured_calls"] in (0, None)  # eager: nothing compiled, before or while measured
         assert r["prefill"]["flops"] > 0 and r["prefill"]["achieved_tflops"] > 0
         assert r["prefill"]["mfu"] is None and "CPU" in r["prefill"]["mfu_reason"]
         assert r["decode"]["bandwidth_utilization"] is None and "CPU" in r["decode"]["bandwidth_reason"]
         assert r["decode"]["achieved_gbps"] > 0
     flops = [r["prefill"]["flops"] for r in doc["results"]]
     assert flops[1] == pytest.approx(4 * flops[0], rel=0.01)  # prefill FLOPs scale with the batch
+    # on CPU the peak is VmHWM, never reset: the window is the process so far, and the figures only rise
+    peaks = [r["peak_memory_bytes"] for r in doc["results"]]
+    assert peaks == sorted(peaks)
+    method = doc["method"]["peak_memory_bytes"]
+    assert "window: the process lifetime so far, not the batch size" in method and "warm-up and measured" not in method
+    md = (run[0] / "inference.md").read_text()
+    assert "peak RSS MiB (process so far)" in md and "window: the process lifetime so far" in md
 
 
 def test_module_breakdown_prefill_decode_and_closure(run) -> None:
@@ -130,6 +144,9 @@ def test_module_breakdown_prefill_decode_and_closure(run) -> None:
             assert rows["model.layers.0"]["decode_ms"] < rows["model.layers.0"]["prefill_ms"]
         parts = rows["model.layers.0"]["prefill_ms"] + rows["model.layers.1"]["prefill_ms"]
         assert parts <= rows["model"]["prefill_ms"] * 1.001
+        # every module with a window says so; the ModuleList is never called: n/a, not a measured 0
+        assert [m["name"] for m in r["modules"] if m["not_timed"]] == ["model.layers"]
+        assert rows["model.layers"]["not_timed"].startswith("not called")
         c = r["closure"]
         assert c["top_level_modules"] == ["model", "lm_head"]
         assert c["top_level_ms"] + c["unattributed_ms"] == pytest.approx(c["request_ms"])
@@ -193,6 +210,101 @@ def test_cli_help_and_bad_arguments(cli) -> None:
     assert long.returncode == 2
     lines = [ln for ln in long.stderr.splitlines() if ln.startswith("trainprof:")]
     assert len(lines) == 1 and "max_position_embeddings 1024" in lines[0], long.stderr
+    negative = cli("infer", RECIPE, "--warmup", "-1")
+    assert negative.returncode == 2 and "argument --warmup: must be an integer >= 0, got '-1'" in negative.stderr
+    # a compiled model's first call compiles: with no warm-up call it would be timed as latency
+    cold = cli("infer", RECIPE, *COMPILED, "--warmup", "0")
+    assert cold.returncode == 2 and cold.stderr.count("\n") == 1, cold.stderr
+    assert cold.stderr.startswith("trainprof: --warmup 0 with model.compile=true")
+    assert "--warmup 1 or more" in cold.stderr
+
+
+def test_compiled_decoder_layers_are_said_and_timed_per_layer(tmp_path, cli) -> None:
+    """model.compile=true: the settings and the report say the decoder layers ran torch.compile'd, the
+    warm-up call compiled them (nothing compiled while measured), each layer is timed around its compiled
+    call and the modules inside a layer read n/a with why, not 0.00."""
+    from trainprof.inference.breakdown import NOT_TIMED_INSIDE_COMPILED
+
+    out = cli("infer", RECIPE, *COMPILED, "--batch", "1", "--prompt-len", "8", "--new-tokens", "3", "--requests", "2",
+              "--warmup", "1", "--no-ops", "--output-dir", tmp_path)
+    assert out.returncode == 0, out.stderr
+    (run_dir,) = tmp_path.iterdir()
+    doc = json.loads((run_dir / "inference.json").read_text())
+    validate_inference(doc)
+    assert "decoder layers torch.compile'd by model.compile=true (2 compiled region(s)" in doc["settings"]["generate"]
+    assert "eager" not in doc["settings"]["generate"]
+    assert doc["compile"]["compiled"] and doc["compile"]["regions"] == ["model.layers.0", "model.layers.1"]
+    (r,) = doc["results"]
+    assert r["compiles_during_measured_calls"] == 0
+    rows = {m["name"]: m for m in r["modules"]}
+    for layer in ("model.layers.0", "model.layers.1"):
+        assert rows[layer]["not_timed"] is None and rows[layer]["prefill_ms"] > 0 and rows[layer]["decode_ms"] > 0
+        for inner in ("self_attn", "mlp", "input_layernorm"):
+            assert rows[f"{layer}.{inner}"]["not_timed"] == NOT_TIMED_INSIDE_COMPILED
+    md = (run_dir / "inference.md").read_text()
+    assert "**compile**: torch.compile, 2 compiled region(s) (model.layers.0, model.layers.1)" in md
+    assert f"| model.layers.0.self_attn | n/a | n/a | {NOT_TIMED_INSIDE_COMPILED} |" in md
+    assert "compiled decoder layers are timed around their compiled call" in doc["method"]["modules"]
+
+
+def test_an_interrupted_run_keeps_the_batch_sizes_it_finished(run, tmp_path, cli) -> None:
+    """What keep_interrupted writes when batch size 4 of 1,4,16 was interrupted: inference.interrupted.json
+    saying when, the finished batch size as an inference.json marked partial (valid against the schema) and
+    its report naming what is missing; `trainprof report` sends the reader to that report."""
+    from trainprof.inference.interrupt import INTERRUPTED_FILE, StoppedAt, Sigterm, keep_interrupted
+    from trainprof.inference.run import write_run_files
+
+    _, doc = run
+    stopped = StoppedAt.of(Sigterm("SIGTERM"), [1, 4, 16], done=1)
+    partial = {**json.loads(json.dumps(doc)), "results": doc["results"][:1], "ops": None, "partial": True,
+               "partial_reason": stopped.reason}
+    err = keep_interrupted(tmp_path, stopped, lambda: write_run_files(partial, tmp_path))
+    assert err.exit_code == 143 and isinstance(err, KeyboardInterrupt)
+    assert str(err).startswith(f"infer interrupted by SIGTERM during batch size 4 (2 of 3); kept in {tmp_path}: "
+                               "inference.json, inference.md, inference.html (partial: batch sizes 1) and ")
+    record = json.loads((tmp_path / INTERRUPTED_FILE).read_text())
+    assert record["signal"] == "SIGTERM" and record["batch_size"] == 4 and record["batch_sizes_done"] == [1]
+    kept = json.loads((tmp_path / "inference.json").read_text())
+    validate_inference(kept)
+    assert kept["partial"] and [r["batch_size"] for r in kept["results"]] == [1]
+    md = (tmp_path / "inference.md").read_text()
+    assert "PARTIAL: interrupted by SIGTERM during batch size 4 (2 of 3); batch sizes 4, 16 not measured" in md
+    assert "not available: batch sizes 4, 16**" in md and "not available: operator breakdown** — interrupted" in md
+    report = cli("report", tmp_path)
+    assert report.returncode == 2 and report.stderr.count("\n") == 1 and "its report is inference.md" in report.stderr
+
+
+def test_sigterm_exits_143_with_one_line_and_a_record(tmp_path) -> None:
+    """SIGTERM while the first batch size is measured (a scheduler's preemption): exit 143, one line naming
+    what was kept, and inference.interrupted.json in the run dir, which is never left empty."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "trainprof", "infer", str(RECIPE), "model.dtype=fp32", "--batch",
+                             "1,2", "--prompt-len", "8", "--new-tokens", "3", "--requests", "100000", "--warmup", "0",
+                             "--no-ops", "--output-dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("*/recipe.yaml")) and time.monotonic() < deadline:  # measuring begins
+            time.sleep(0.1)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("trainprof")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    (run_dir,) = tmp_path.iterdir()
+    assert lines[0] == (f"trainprof: infer interrupted by SIGTERM during batch size 1 (1 of 2); kept in {run_dir}: "
+                        "inference.interrupted.json")
+    record = json.loads((run_dir / "inference.interrupted.json").read_text())
+    assert record["stopped_during"] == "batch size 1 (1 of 2)" and record["batch_sizes_done"] == []
+    assert not (run_dir / "inference.json").exists()
 
 
 def test_lora_adapters_are_merged() -> None:
@@ -261,6 +373,16 @@ def test_diff_of_two_inference_runs(run, tmp_path, cli) -> None:
     assert d.band_source == "repeat" and d.repeat_noise == {"A": 0.0}
     assert len(d.steps) == 3 * 5 and all(r.verdict == "slower" and r.speedup == pytest.approx(0.5) for r in d.steps)
     assert not d.recipe_changes and not d.notes
+    # a module that was not timed on one side (inside a compiled layer: a 0 the schema keeps) is left out, said
+    untimed = json.loads(json.dumps(doc))
+    first = untimed["results"][0]
+    module = next(m for m in first["modules"] if m["prefill_ms"] > 0)
+    module["not_timed"] = "not timed (inside a compiled layer)"
+    label = f"batch {first['batch_size']}"
+    d = diff_inference(doc, untimed)
+    assert not [r for r in d.modules if r.name == module["name"] and r.phase.endswith(label)]
+    assert [r for r in diff_inference(doc, doc).modules if r.name == module["name"] and r.phase.endswith(label)]
+    assert f"{label}: 1 module(s) not timed in A or B" in " ".join(d.notes)
 
     mixed = cli("diff", REPO / "profiles" / "cpu-x86_64-quickstart_cpu", run_dir)
     assert mixed.returncode == 2 and "is a training run dir" in mixed.stderr and "diff two of a kind" in mixed.stderr

@@ -19,6 +19,7 @@ from conftest import QUICKSTART_2RANK
 from trainprof.report.run_report import write_reports
 
 DATA = Path(__file__).parent / "data"
+REPO = Path(__file__).resolve().parents[1]
 TABLES = ("methods-table", "phases-table", "steps-table", "categories-table", "top-modules-table",
           "module-phase-table", "ops-table", "comm-table", "memory-table", "flops-table", "ranks-table",
           "traces-table")
@@ -137,8 +138,10 @@ def _tree(path: Path) -> list[str]:
 
 def test_a_dir_that_holds_no_run_is_refused_in_one_line_and_nothing_is_written(tmp_path, cli):
     """An empty dir, some other program's JSON, a profile cut short mid-write (plain or gzipped) and a file
-    are refused: one line naming the path, exit 2, nothing written into the dir. What a run leaves without
-    a profile (a failure record, the runner's recipe.yaml, an inference run's inference.json) still reports."""
+    are refused: one line naming the path, exit 2, nothing written into the dir. What a training run leaves
+    without a profile (a failure record, the runner's recipe.yaml) still reports; an inference run dir
+    (inference.json, or an interrupted one's inference.interrupted.json) is refused in one line saying
+    where its report is, as `trainprof diff` refuses mixed kinds."""
     text = (DATA / "zero3_2rank" / "profile.json").read_text()
     cases = {"empty": ({}, "is not a run dir"),
              "foreign": ({"profile.json": '{"foo": 1}'}, "is not a trainprof profile"),
@@ -156,13 +159,50 @@ def test_a_dir_that_holds_no_run_is_refused_in_one_line_and_nothing_is_written(t
         assert _tree(run) == sorted(files), name
     proc = cli("report", tmp_path / "cut" / "profile.json")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "is a file" in proc.stderr
-    killed, infer = tmp_path / "killed", tmp_path / "infer"
-    for run, file in ((killed, "recipe.yaml"), (infer, "inference.json")):
-        run.mkdir()
-        (run / file).write_text("{}\n")
-        assert cli("report", run).returncode == 0
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "recipe.yaml").write_text("{}\n")
+    assert cli("report", killed).returncode == 0
     assert "(the run failed before writing one)" in (killed / "report.md").read_text()
-    assert "inference run (`trainprof infer`): its report is inference.md" in (infer / "report.md").read_text()
+    cases = {"infer": ({"inference.json": "{}", "recipe.yaml": "{}"},
+                       "is an inference run dir: its report is inference.md / inference.html, written by "
+                       "`trainprof infer`"),
+             "infer_stopped": ({"inference.interrupted.json": '{"stopped_during": "batch size 1 (1 of 2)"}',
+                                "recipe.yaml": "{}"},
+                               "interrupted before any batch size finished (batch size 1 (1 of 2))")}
+    for name, (files, said) in cases.items():
+        run = tmp_path / name
+        run.mkdir()
+        for file, content in files.items():
+            (run / file).write_text(content)
+        proc = cli("report", run)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (name, proc.stderr)
+        assert proc.stderr.startswith(f"trainprof: '{run}' ") and said in proc.stderr, (name, proc.stderr)
+        assert _tree(run) == sorted(files), name  # no hollow report.md / report.html
+
+
+def test_traces_beside_profile_json_are_found_where_replay_finds_them(tmp_path):
+    """A folder kept in profiles/ stores rank 0's trace beside profile.json.gz, not under tb/: the report lists
+    and reads it (`trainprof replay` takes it from there too); with no trace anywhere it says where it looked."""
+    from trainprof.report.document import render_html
+    from trainprof.report.run_report import build_run_report
+    from trainprof.report.rundir import load_run
+
+    kept = REPO / "profiles" / "h200-llama1b_zero3_sdpa-torch-gpubound"
+    run = tmp_path / kept.name
+    shutil.copytree(kept, run)
+    (trace,) = run.glob("rank0.*.pt.trace.json.gz")
+
+    def report() -> str:  # the report's text without its plots (the traces section has none)
+        return render_html(build_run_report(load_run(run), plots=False))
+
+    html = report()
+    assert "not available: Kineto traces" not in html
+    table = html[html.index('<table id="traces-table">'):]
+    table = table[:table.index("</table>")]
+    assert f"<td>{trace.name}</td>" in table and "<td>rank0</td>" in table
+    trace.unlink()
+    assert f"not available: Kineto traces</strong> — no *.pt.trace.json[.gz] in {run} or its tb/" in report()
 
 
 def _chromium() -> str:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from trainprof.commands.run import positive_int, positive_ints
+from trainprof.commands.run import non_negative_int, positive_int, positive_ints
 from trainprof.recipe import load_recipe
 
 
 def _infer(args: argparse.Namespace) -> int:
     from trainprof.errors import UserError
+    from trainprof.inference.interrupt import InferInterrupted
     from trainprof.inference.report import stdout_table
     from trainprof.inference.run import InferSettings, infer
 
@@ -27,7 +29,11 @@ def _infer(args: argparse.Namespace) -> int:
                         f"max_position_embeddings {max_len}; shorten them")
     settings = InferSettings(batch_sizes=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                              requests=args.requests, warmup=args.warmup, ops=not args.no_ops)
-    run_dir = infer(recipe, settings)
+    try:
+        run_dir = infer(recipe, settings)
+    except InferInterrupted as stopped:  # what finished is kept; one line says what and where
+        print(f"trainprof: {stopped}", file=sys.stderr)
+        return stopped.exit_code
     import json
 
     print(stdout_table(json.loads((run_dir / "inference.json").read_text())))
@@ -40,7 +46,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        description="Serve the recipe's model with Hugging Face generate (static KV cache, greedy, "
                        "fixed output length) at several batch sizes; report vLLM-defined latency metrics, KV-cache "
                        "bytes, peak memory, prefill MFU, decode bandwidth, and per-module / per-operator prefill and "
-                       "decode times. Writes <output.dir>/<recipe>-infer-<UTC timestamp>/.")
+                       "decode times. Writes <output.dir>/<recipe>-infer-<UTC timestamp>/. Ctrl-C or SIGTERM keeps "
+                       "the batch sizes that finished (inference.json marked partial, inference.interrupted.json) "
+                       "and exits 130 / 143.")
     p.add_argument("recipe", help="recipe YAML file (its model; LoRA adapters are merged)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.dtype=fp32")
     p.add_argument("--batch", type=positive_ints, default=[1, 4, 16], help="batch sizes, comma-separated (default 1,4,16)")
@@ -48,7 +56,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=positive_int, default=128,
                    help="output tokens per request, fixed: eos disabled (default 128; >= 2 for TPOT)")
     p.add_argument("--requests", type=positive_int, default=5, help="measured generate calls per batch size (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured generate calls per batch size first (default 2)")
+    p.add_argument("--warmup", type=non_negative_int, default=2,
+                   help="unmeasured generate calls per batch size first (default 2; >= 1 with model.compile=true, "
+                   "whose first call compiles)")
     p.add_argument("--output-dir", default=None, help="parent of the run dir (default: the recipe's output.dir)")
     p.add_argument("--no-ops", action="store_true", help="skip the operator-level trace (torch.profiler)")
     p.set_defaults(func=_infer)

@@ -8,6 +8,8 @@ step (one token per sequence). Each module window is attributed to the model cal
 Decode figures are per decode step (= per output token after the first). Closure: the request's wall
 time = the top-level modules' windows (the model's children: decoder stack and lm_head) +
 unattributed (generate's own work: logits processing, argmax, cache bookkeeping, the model's glue).
+Decoder layers torch.compile'd (model.compile) are timed around their compiled call; the modules
+inside a layer get no hooks (profiler/compiled.py), so their rows say `not_timed` instead of a time.
 
 Operator level: the hooks also open `trainprof::prefill::<module>` / `trainprof::decode::<module>`
 record_function ranges (switched when the first token exists), the request runs under torch.profiler,
@@ -45,7 +47,8 @@ def module_breakdown(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens
         new_tokens: output tokens per request.
         max_depth: deepest module level timed (0 = the model).
     Returns:
-        {modules: [{name, type, depth, prefill_ms, decode_ms, decode_calls}], closure: {...}, timer}
+        {modules: [{name, type, depth, prefill_ms, decode_ms, decode_calls_per_token, not_timed}], closure: {...},
+        timer}; not_timed is None for a module with a window, else why it has none (its 0 ms are no measurement)
     """
     timer = make_timer(input_ids.device)
     log = StepLog(active=True)
@@ -62,7 +65,7 @@ def module_breakdown(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens
     request_ms = times[-1]
     n = len(hooks.modules)
     prefill, decode = [0.0] * n, [0.0] * n
-    decode_calls = [0] * n
+    decode_calls, calls = [0] * n, [0] * n
     open_at: dict[int, list[float]] = {}
     root_calls = -1  # index of the model call in progress: 0 = prefill, >= 1 decode steps
     for code, mi, t in zip(log.codes, log.subjects, times):
@@ -72,6 +75,7 @@ def module_breakdown(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens
             open_at.setdefault(mi, []).append(t)
         elif code == F_CLOSE and open_at.get(mi):
             span = t - open_at[mi].pop()
+            calls[mi] += 1
             if root_calls == 0:
                 prefill[mi] += span
             else:
@@ -79,7 +83,8 @@ def module_breakdown(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens
                 decode_calls[mi] += 1
     steps = max(root_calls, 1)  # decode steps = model calls after prefill
     rows = [{"name": module_label(m.name), "type": m.type, "depth": m.depth, "prefill_ms": prefill[m.index],
-             "decode_ms": decode[m.index] / steps, "decode_calls_per_token": decode_calls[m.index] / steps}
+             "decode_ms": decode[m.index] / steps, "decode_calls_per_token": decode_calls[m.index] / steps,
+             "not_timed": _not_timed(m.name, calls[m.index], hooks)}
             for m in hooks.modules]
     top = [m.index for m in hooks.modules if m.depth == 1] or [0]
     top_ms = sum(prefill[i] + decode[i] for i in top)
@@ -96,6 +101,18 @@ def module_breakdown(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens
         },
         "timer": timer.kind,
     }
+
+
+NOT_TIMED_INSIDE_COMPILED = "not timed (inside a compiled layer)"
+NOT_TIMED_NOT_CALLED = "not called (a container such as a ModuleList: its children are timed)"
+
+
+def _not_timed(name: str, calls: int, hooks: ModuleHooks) -> str | None:
+    """Why a module has no window in the hooked call, None when it has one: inside a torch.compile'd region
+    it gets no hooks (profiler/compiled.py), and a container that is never called has none to fire."""
+    if name in hooks.compiled.inside_names:
+        return NOT_TIMED_INSIDE_COMPILED
+    return None if calls else NOT_TIMED_NOT_CALLED
 
 
 def operator_breakdown(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, max_depth: int,

@@ -11,6 +11,7 @@ from trainprof.layout import tb_run_dir
 from trainprof.report.document import (Document, Facts, Figure, Missing, Para, Table, render_csv, render_html,
                                       render_markdown)
 from trainprof.report.plots import png_bytes, pyplot
+from trainprof.report.sections import compile_text
 
 MIB = 2**20
 TOP_OPS = 20
@@ -46,8 +47,10 @@ def throughput_latency_plot(results: list[dict[str, Any]]) -> bytes:
 
 
 def summary_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    # on CPU the peak is the process's high-water mark so far, not the batch size's own (run.peak_memory_window)
+    peak = "peak MiB" if doc["env"]["device_type"] == "cuda" else "peak RSS MiB (process so far)"
     cols = ["batch", "TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms", "ITL p99 ms", "E2EL p50 ms", "output tok/s",
-            "req/s", "KV cache MiB", "peak MiB", "prefill TFLOP/s", "prefill MFU", "decode GB/s", "decode BW util"]
+            "req/s", "KV cache MiB", peak, "prefill TFLOP/s", "prefill MFU", "decode GB/s", "decode BW util"]
     rows = []
     for r in doc["results"]:
         rows.append([r["batch_size"], r["ttft_ms"]["p50"], (r["tpot_ms"] or {}).get("p50"),
@@ -65,19 +68,57 @@ def stdout_table(doc: dict[str, Any]) -> str:
     cols, rows = summary_rows(doc)
     keep = ["batch", "TTFT p50 ms", "TPOT p50 ms", "ITL p99 ms", "E2EL p50 ms", "output tok/s", "req/s", "KV cache MiB"]
     frame = pd.DataFrame(rows, columns=cols)[keep]
+    frame[keep[1:]] = frame[keep[1:]].astype(float)  # None (no TPOT or ITL with one new token) -> NaN -> n/a
     s = doc["settings"]
     how = (f"p50/p99 over {s['requests']} measured generate calls a batch size after {s['warmup']} warm-up "
            f"(prompt {s['prompt_len']}, {s['new_tokens']} new tokens), as vLLM's benchmark_serving defines them; "
            f"timer: {doc['method']['timer'].split(';')[0]}; KV cache: the StaticCache's key/value bytes")
-    return frame.to_string(index=False, float_format=lambda v: f"{v:,.2f}") + "\n" + how
+    return frame.to_string(index=False, float_format=lambda v: f"{v:,.2f}", na_rep="n/a") + "\n" + how
+
+
+def _compile_fact(doc: dict[str, Any]) -> str:
+    """Whether the decoder layers ran torch.compile'd (inference.json's `compile`, profile.json's block)."""
+    if "compile" not in doc:  # written before inference.json said
+        return f"not recorded (recipe model.compile {doc['recipe'].get('model', {}).get('compile', False)})"
+    return compile_text(doc)
+
+
+def _compiled_while_measured(results: list[dict[str, Any]]) -> list[str]:
+    """Batch sizes whose measured calls dynamo compiled frames in, as 'batch B: N frame(s)'."""
+    return [f"batch {r['batch_size']}: {r['compiles_during_measured_calls']} frame(s)" for r in results
+            if r.get("compiles_during_measured_calls")]
+
+
+def module_rows(modules: list[dict[str, Any]], new_tokens: int) -> tuple[list[str], list[list[Any]]]:
+    """The module table: a module with no window (inside a compiled layer, or a container never called)
+    reads n/a with the reason, not a measured 0; so does decode when one new token left no decode step."""
+    reasons = any(m.get("not_timed") for m in modules)
+    cols = ["module", "prefill ms", "decode ms per token"] + (["not timed because"] if reasons else [])
+    rows = []
+    for m in modules:
+        why = m.get("not_timed")
+        row = [m["name"], None, None] if why else [m["name"], m["prefill_ms"], m["decode_ms"] if new_tokens > 1
+                                                   else None]
+        rows.append(row + ([why or ""] if reasons else []))
+    return cols, rows
 
 
 def build_document(doc: dict[str, Any], run_name: str) -> Document:
     s, env, method = doc["settings"], doc["env"], doc["method"]
-    d = Document(f"Inference profile: {run_name}",
-                 f"{env['device']} ({env['device_type']}), prompt {s['prompt_len']} tokens, {s['new_tokens']} new "
-                 f"tokens, {s['requests']} measured calls per batch size after {s['warmup']} warm-up")
+    subtitle = (f"{env['device']} ({env['device_type']}), prompt {s['prompt_len']} tokens, {s['new_tokens']} new "
+                f"tokens, {s['requests']} measured calls per batch size after {s['warmup']} warm-up")
+    if doc.get("partial"):
+        subtitle += f"; PARTIAL: {doc.get('partial_reason')}"
+    d = Document(f"Inference profile: {run_name}", subtitle)
     sec = d.section("Serving metrics", id="metrics")
+    measured = {r["batch_size"] for r in doc["results"]}
+    unmeasured = [b for b in s["batch_sizes"] if b not in measured]
+    if unmeasured:
+        sec.blocks.append(Missing(f"batch sizes {', '.join(map(str, unmeasured))}",
+                                  doc.get("partial_reason") or "not in the results"))
+    if compiled := _compiled_while_measured(doc["results"]):
+        sec.blocks.append(Para(f"Warning: dynamo compiled during the measured calls ({'; '.join(compiled)}): those "
+                               "latencies include compilation; run with more --warmup."))
     cols, rows = summary_rows(doc)
     sec.blocks.append(Table(cols, rows, method=method["metrics"] + " Timer: " + method["timer"], id="tbl-metrics"))
     sec.blocks.append(Figure(throughput_latency_plot(doc["results"]),
@@ -88,7 +129,8 @@ def build_document(doc: dict[str, Any], run_name: str) -> Document:
         sec.blocks.append(Missing("prefill MFU", first["prefill"]["mfu_reason"]))
     if first["decode"]["bandwidth_utilization"] is None:
         sec.blocks.append(Missing("decode bandwidth utilization", first["decode"]["bandwidth_reason"]))
-    sec.blocks.append(Facts([("KV cache", method["kv_cache_bytes"]), ("peak memory", method["peak_memory_bytes"]),
+    sec.blocks.append(Facts([("generate", s.get("generate", "not recorded")), ("compile", _compile_fact(doc)),
+                             ("KV cache", method["kv_cache_bytes"]), ("peak memory", method["peak_memory_bytes"]),
                              ("prefill MFU", method["prefill_mfu"]), ("decode bandwidth", method["decode_bandwidth"])]))
 
     sec = d.section("Prefill and decode per module", id="modules")
@@ -98,14 +140,15 @@ def build_document(doc: dict[str, Any], run_name: str) -> Document:
     sec.blocks.append(Table(["batch", "request ms", "top-level modules ms", "unattributed ms", "unattributed frac"],
                             crows, method=first["closure"]["note"], id="tbl-closure"))
     last = doc["results"][-1]
-    mrows = [[m["name"], m["prefill_ms"], m["decode_ms"]] for m in last["modules"]]
-    sec.blocks.append(Table(["module", "prefill ms", "decode ms per token"], mrows,
-                            method=f"batch size {last['batch_size']}; windows include children", id="tbl-modules"))
+    mcols, mrows = module_rows(last["modules"], s["new_tokens"])
+    sec.blocks.append(Table(mcols, mrows, method=f"batch size {last['batch_size']}; windows include children",
+                            id="tbl-modules", numeric=[False, True, True, False][:len(mcols)]))
 
     sec = d.section("Operators", id="ops")
     ops = doc.get("ops")
     if not ops:
-        sec.blocks.append(Missing("operator breakdown", "run without --no-ops to trace one request"))
+        why = doc.get("partial_reason") if doc.get("partial") else "run without --no-ops to trace one request"
+        sec.blocks.append(Missing("operator breakdown", why))
     else:
         orows = [[o["name"], o["module"], o["phase"], o["calls"], o["self_ms"], o["self_ms_per_token"]]
                  for o in ops["rows"][:TOP_OPS]]
@@ -151,6 +194,9 @@ def write_reports(doc: dict[str, Any], run_dir: str | Path) -> None:
         atomic_write_text(run_dir / "ops.csv", render_csv(Table(
             ["name", "module", "phase", "calls", "self_ms", "self_ms_per_token"],
             [[r["name"], r["module"], r["phase"], r["calls"], r["self_ms"], r["self_ms_per_token"]] for r in o])))
-    rows = [[r["batch_size"], m["name"], m["prefill_ms"], m["decode_ms"]] for r in doc["results"] for m in r["modules"]]
-    atomic_write_text(run_dir / "modules.csv", render_csv(Table(["batch_size", "name", "prefill_ms", "decode_ms"], rows)))
+    rows = [[r["batch_size"], m["name"], None if m.get("not_timed") else m["prefill_ms"],
+             None if m.get("not_timed") else m["decode_ms"], m.get("not_timed")]
+            for r in doc["results"] for m in r["modules"]]  # a module not timed: empty cells and why
+    atomic_write_text(run_dir / "modules.csv", render_csv(Table(
+        ["batch_size", "name", "prefill_ms", "decode_ms", "not_timed"], rows)))
     write_tensorboard(doc, run_dir)

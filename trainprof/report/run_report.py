@@ -156,8 +156,8 @@ def traces_section(doc: Document, run: RunData, scan_bytes: int = TRACE_SCAN_BYT
     info = p.get("ops_info") or {}
     sec = doc.section("Traces and TensorBoard", id="traces")
     if not run.traces:
-        sec.blocks.append(Missing("Kineto traces", "no *.pt.trace.json[.gz] under tb/ (recipe profile.ops was off, "
-                                  "or the run predates tracing)"))
+        sec.blocks.append(Missing("Kineto traces", f"no *.pt.trace.json[.gz] in {run.path} or its tb/ (recipe "
+                                  "profile.ops was off, or the run predates tracing)"))
     else:
         traced = info.get("trace_steps") or info.get("steps") or []
         per_worker: dict[str, int] = {}
@@ -225,10 +225,8 @@ def build_run_report(run: RunData, *, trace_scan_bytes: int = TRACE_SCAN_BYTES, 
     doc = Document(f"trainprof report: {name}", subtitle=subtitle, plots=plots)
     if run.profile is None:
         sec = doc.section("Run facts", id="facts")
-        why = ("an inference run (`trainprof infer`): its report is inference.md and inference.html"
-               if run.inference is not None else "the run failed before writing one")
         sec.blocks.append(Missing("profile", f"no profile.json, profile.rank*.json or rank*.json in {run.path} "
-                                  f"({why})"))
+                                  "(the run failed before writing one)"))
         for f in run.failures:
             sec.blocks.append(Para(f"rank {f.get('rank')} failed: {f.get('kind')}: {f.get('message')}"))
         traces_section(doc, run, trace_scan_bytes)
@@ -241,6 +239,16 @@ def build_run_report(run: RunData, *, trace_scan_bytes: int = TRACE_SCAN_BYTES, 
     if not plots and run.measured_steps:
         doc.sections[0].blocks.insert(0, Missing("plots", f"matplotlib is not installed; {INSTALL_HINT}"))
     return doc
+
+
+def inference_run_dir_text(run: RunData) -> str:
+    """One line: the dir is a `trainprof infer` run dir, and where its report is."""
+    if run.inference is not None:
+        return (f"'{run.path}' is an inference run dir: its report is inference.md / inference.html, written by "
+                "`trainprof infer`; `trainprof report` reports training run dirs")
+    return (f"'{run.path}' is an inference run dir that was interrupted before any batch size finished "
+            f"({run.inference_interrupted.get('stopped_during', 'see inference.interrupted.json')}): it has no report; "
+            "run `trainprof infer` again")
 
 
 def write_reports(run_dir: str | Path, *, scalars: bool = True,
@@ -256,7 +264,7 @@ def write_reports(run_dir: str | Path, *, scalars: bool = True,
     Returns:
         name -> path of what was written.
     Raises:
-        RunDirError: the path is not a run dir (nothing is written into it).
+        RunDirError: the path is not a run dir, or is an inference run dir (nothing is written into it).
         ReportIncomplete: after writing the rest, when a part could not be made (names the package).
     """
     from trainprof.report.summary import write_summary
@@ -266,6 +274,8 @@ def write_reports(run_dir: str | Path, *, scalars: bool = True,
         raise RunDirError(f"'{run.path}' is not a run dir: no profile.json, profile.rank*.json, rank*.json, "
                           f"inference.json, failure-rank*.json or recipe.yaml in it; pass a run dir written by "
                           f"{WRITERS} (runs/<run>/)")
+    if run.is_inference:
+        raise RunDirError(inference_run_dir_text(run))
     out: dict[str, Path] = {}
     missing: list[NotWritten] = []
     if run.profile is not None and "modules" in run.profile:  # written by the step profiler

@@ -1,6 +1,6 @@
 """Reading a run dir for reports: profile.json (or its rank files), recipe.yaml, failures and the
-trace files under tb/, tolerating run dirs written by older versions (parts they lack are named, not
-crashed on). No torch import.
+trace files (beside profile.json and under tb/), tolerating run dirs written by older versions (parts
+they lack are named, not crashed on). No torch import.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.analysis import records
-from trainprof.analysis.trace import find_traces
+from trainprof.analysis.trace import find_traces, is_trace_file
 from trainprof.io import profile_file, read_json
 from trainprof.phases import PHASES, PIPELINE_PHASES
 
@@ -33,6 +33,7 @@ class RunDirError(ValueError):
 # is some other program's
 PROFILE_FIELDS = ("steps", "summary", "env")
 WRITERS = "`trainprof run`, `trainprof wrap` or a trainprof callback"
+INFERENCE_INTERRUPTED = "inference.interrupted.json"  # an interrupted `trainprof infer` run (inference/interrupt.py)
 
 
 def existing_run_dir(path: str | Path) -> Path:
@@ -76,6 +77,7 @@ class RunData:
         traces: trace files under tb/.
         scalars: TensorBoard event files under tb/.
         inference: inference.json of a `trainprof infer` run dir (None in a training run dir).
+        inference_interrupted: inference.interrupted.json of an interrupted `trainprof infer` run dir.
     """
 
     path: Path
@@ -86,6 +88,7 @@ class RunData:
     traces: list[TraceFile] = field(default_factory=list)
     scalars: list[Path] = field(default_factory=list)
     inference: dict[str, Any] | None = None
+    inference_interrupted: dict[str, Any] | None = None
 
     @classmethod
     def of_profile(cls, profile: dict[str, Any], path: str | Path) -> RunData:
@@ -97,10 +100,15 @@ class RunData:
         return self.path.name
 
     @property
+    def is_inference(self) -> bool:
+        """Whether `trainprof infer` wrote the dir (its report is inference.md, not report.md)."""
+        return self.profile is None and (self.inference is not None or self.inference_interrupted is not None)
+
+    @property
     def is_run(self) -> bool:
         """Whether the dir holds anything a run writes: a profile of any version, inference.json, a
         rank's failure record, or recipe.yaml (the runner's first file; all a killed run may leave)."""
-        return (self.profile is not None or self.inference is not None or bool(self.failures)
+        return (self.profile is not None or self.is_inference or bool(self.failures)
                 or self.recipe_text is not None)
 
     @property
@@ -120,6 +128,14 @@ def _worker(name: str) -> str:
     stem = name.split(".pt.trace.json")[0]
     head, _, tail = stem.rpartition(".")
     return head if head and tail.isdigit() else stem
+
+
+def run_traces(path: str | Path) -> list[Path]:
+    """The trace files of a run dir, where `trainprof replay` looks too: beside profile.json (a folder kept
+    in profiles/ stores its rank 0 trace there) and under tb/ (find_traces)."""
+    path = Path(path)
+    beside = sorted(p for p in path.iterdir() if p.is_file() and is_trace_file(p)) if path.is_dir() else []
+    return [*beside, *find_traces(path)]
 
 
 def _old_rank_files(path: Path) -> dict[str, Any] | None:
@@ -172,7 +188,7 @@ def load_run(path: str | Path) -> RunData:
         if old is not None:
             profile, source = old, "rank<N>.json (step times only)"
     recipe = path / "recipe.yaml"
-    traces = [TraceFile(p, p.stat().st_size, _worker(p.name)) for p in find_traces(path)]
+    traces = [TraceFile(p, p.stat().st_size, _worker(p.name)) for p in run_traces(path)]
     tb = path / "tb"
     scalars = sorted([*tb.glob("events.out.tfevents.*"), *tb.glob("*/events.out.tfevents.*")]) if tb.is_dir() else []
     return RunData(
@@ -181,6 +197,7 @@ def load_run(path: str | Path) -> RunData:
         failures=[read_json(f) for f in sorted(path.glob("failure-rank*.json"))],
         traces=traces, scalars=scalars,
         inference=read_json(infer) if (infer := path / "inference.json").is_file() else None,
+        inference_interrupted=read_json(stop) if (stop := path / INFERENCE_INTERRUPTED).is_file() else None,
     )
 
 
