@@ -119,6 +119,22 @@ def test_a_cpu_side_names_its_host_and_the_slowest_rank():
     assert "A and B ran on different rank counts (1 vs 2)" in md and "different machines" not in md
 
 
+def test_a_side_with_too_few_measured_steps_is_warned_about():
+    """Three measured steps (the kept profile) give the band something to stand on; one does not (a 4-step
+    run's single measured step judged sdpa's optimizer 1.35x faster): the Runs section says so, unless a
+    repeat measured the band on these runs."""
+    one = copy.deepcopy(PROFILE)
+    one["steps"] = [s for s in one["steps"] if s.get("warmup") or not s.get("instrumented")][:2]  # warm-up + 1
+
+    def runs_md(a, b, **kw) -> str:
+        runs = [RunData.of_profile(p, name) for name, p in (("a", a), ("b", b))]
+        return render_markdown(build_diff_document(*runs, diff_profiles(a, b, stat="min", **kw)))
+
+    assert "Warning: B 1 measured step: each verdict stands on so few samples" in runs_md(PROFILE, one)
+    assert "each verdict stands on so few samples" not in runs_md(PROFILE, PROFILE)
+    assert "each verdict stands on so few samples" not in runs_md(PROFILE, one, repeat=PROFILE)
+
+
 def test_modules_on_one_side_only_are_listed():
     b = copy.deepcopy(PROFILE)
     b["modules"] = [m for m in b["modules"] if m["name"] != "lm_head"]

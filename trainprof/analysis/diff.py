@@ -82,6 +82,7 @@ class ProfileDiff:
     notes: list[str] = field(default_factory=list)
     band_source: str = "default"  # "default" | "given" | "repeat" | "spread"
     step_spread: dict[str, float] = field(default_factory=dict)  # "A"/"B": the step's relative IQR, GPU runs only
+    used: dict[str, int] = field(default_factory=dict)  # "A"/"B": the measured steps each side's figures stand on
     # inference runs: settings.* keys that change the work measured (prompt_len, new_tokens, ...), A and B values
     workload_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
     repeat_noise: dict[str, float] = field(default_factory=dict)  # "A"/"B": largest ratio - 1 against its repeat
@@ -262,6 +263,7 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
                       **_band_fields(band, DEFAULT_BAND[stat], self_diffs,
                                      lambda d: [r for r in d.rows() if r.kind != "step"], gpu_step_spread(a, b)))
     sa, sb = _Side.of(a), _Side.of(b)
+    out.used = {"A": len(sa.steps), "B": len(sb.steps)}
     _step_and_phase_rows(out, sa, sb, pipeline=bool(a.get("pipeline") or b.get("pipeline")))
     if not sa.mods or not sb.mods:
         out.notes.append("modules: at least one run has no module times (an older run dir, or the profiler off)")

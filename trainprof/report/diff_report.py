@@ -108,6 +108,9 @@ def _hardware_note(env_a: dict[str, Any], env_b: dict[str, Any]) -> str | None:
     return None
 
 
+FEW_STEPS = 3  # fewer measured steps than this: no spread to tell a change from one slow step
+
+
 def workload_warning(changes: list[tuple[str, Any, Any]]) -> str:
     """What inference settings that differ do to the latency verdicts, naming them."""
     keys = "; ".join(f"{k}: {va} -> {vb}" for k, va, vb in changes)
@@ -130,6 +133,12 @@ def _runs_section(doc: Document, paths: tuple[Path | None, ...], d: ProfileDiff,
         sec.blocks.append(Para(f"Warning: {hardware}"))
     if d.workload_changes:
         sec.blocks.append(Para(f"Warning: {workload_warning(d.workload_changes)}"))
+    few = {side: n for side, n in d.used.items() if n < FEW_STEPS}
+    if few and d.band_source not in ("repeat", "given"):
+        sides = " and ".join(f"{side} {n} measured step{'s' * (n != 1)}" for side, n in few.items())
+        sec.blocks.append(Para(f"Warning: {sides}: each verdict stands on so few samples that the band, not measured "
+                               "on these runs, cannot tell a change from a slow spell; run more steps (train.steps) "
+                               "or give --repeat."))
     for side, changes in d.repeat_changes.items():
         sec.blocks.append(Para(f"Warning: {repeat_warning(side, changes)}."))
     if d.recipe_changes:
