@@ -212,6 +212,7 @@ def test_cli_takes_overrides_after_options(cli):
     proc = cli("plan", QUICKSTART, "--nproc", "2", "--json", "train.micro_batch_size=3")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["tokens_per_step"]["value"] == 3 * 256 * 2
+    assert "on the meta device to count its parameters" in proc.stderr  # said before the import's silence
 
 
 @pytest.mark.parametrize("command", ["plan", "run", "sweep", "maxbatch", "scale", "infer"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from trainprof.commands.run import positive_int
 from trainprof.recipe import check_world_size, load_recipe
@@ -16,6 +17,9 @@ def _plan(args: argparse.Namespace) -> int:
     stages = recipe.engine.pipeline_stages
     nproc = args.nproc if args.nproc is not None else (stages if stages > 1 else 8)
     check_world_size(recipe, nproc)
+    # building the model imports transformers (and peft, bitsandbytes for QLoRA): seconds of silence otherwise
+    print(f"trainprof plan: building {recipe.model.name} on the meta device to count its parameters ...",
+          file=sys.stderr, flush=True)
     plan = estimate_plan(recipe, world_size=nproc)
     print(json.dumps(plan, indent=2) if args.json else render_plan(plan))
     return 0
