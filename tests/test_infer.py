@@ -147,6 +147,7 @@ def test_module_breakdown_prefill_decode_and_closure(run) -> None:
         # every module with a window says so; the ModuleList is never called: n/a, not a measured 0
         assert [m["name"] for m in r["modules"] if m["not_timed"]] == ["model.layers"]
         assert rows["model.layers"]["not_timed"].startswith("not called")
+        assert rows["model.layers"]["prefill_ms"] is None and rows["model.layers"]["decode_ms"] is None
         c = r["closure"]
         assert c["top_level_modules"] == ["model", "lm_head"]
         assert c["top_level_ms"] + c["unattributed_ms"] == pytest.approx(c["request_ms"])
@@ -241,6 +242,7 @@ def test_compiled_decoder_layers_are_said_and_timed_per_layer(tmp_path, cli) -> 
         assert rows[layer]["not_timed"] is None and rows[layer]["prefill_ms"] > 0 and rows[layer]["decode_ms"] > 0
         for inner in ("self_attn", "mlp", "input_layernorm"):
             assert rows[f"{layer}.{inner}"]["not_timed"] == NOT_TIMED_INSIDE_COMPILED
+            assert rows[f"{layer}.{inner}"]["prefill_ms"] is None  # no time: null, not a 0
     md = (run_dir / "inference.md").read_text()
     assert "**compile**: torch.compile, 2 compiled region(s) (model.layers.0, model.layers.1)" in md
     assert f"| model.layers.0.self_attn | n/a | n/a | {NOT_TIMED_INSIDE_COMPILED} |" in md
@@ -373,11 +375,11 @@ def test_diff_of_two_inference_runs(run, tmp_path, cli) -> None:
     assert d.band_source == "repeat" and d.repeat_noise == {"A": 0.0}
     assert len(d.steps) == 3 * 5 and all(r.verdict == "slower" and r.speedup == pytest.approx(0.5) for r in d.steps)
     assert not d.recipe_changes and not d.notes
-    # a module that was not timed on one side (inside a compiled layer: a 0 the schema keeps) is left out, said
+    # a module that was not timed on one side (inside a compiled layer) is left out, and said
     untimed = json.loads(json.dumps(doc))
     first = untimed["results"][0]
     module = next(m for m in first["modules"] if m["prefill_ms"] > 0)
-    module["not_timed"] = "not timed (inside a compiled layer)"
+    module.update(not_timed="not timed (inside a compiled layer)", prefill_ms=None, decode_ms=None)
     label = f"batch {first['batch_size']}"
     d = diff_inference(doc, untimed)
     assert not [r for r in d.modules if r.name == module["name"] and r.phase.endswith(label)]

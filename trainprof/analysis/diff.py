@@ -404,7 +404,7 @@ def diff_inference(a: dict[str, Any], b: dict[str, Any], *, band: float | None =
         mods_a = {m["name"]: m for m in ra.get("modules") or []}
         mods_b = {m["name"]: m for m in rb.get("modules") or []}
         both = [n for n in mods_a if n in mods_b]
-        # a module inside a compiled layer (or a container never called) has no time, only a 0 the schema keeps
+        # a module inside a compiled layer (or a container never called) has no time (null; 0 in older runs)
         untimed = [n for n in both if mods_a[n].get("not_timed") or mods_b[n].get("not_timed")]
         timed_once = [n for n in untimed if any(m[n][k] for m in (mods_a, mods_b) for k in ("prefill_ms", "decode_ms"))]
         if timed_once:  # timed on one side only: a 0 against a time would read as a change

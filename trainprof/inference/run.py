@@ -198,8 +198,10 @@ def measure_batch(model: torch.nn.Module, recipe: Recipe, settings: InferSetting
     return {
         "batch_size": batch_size,
         **metrics,
-        "modules": [{"name": m["name"], "prefill_ms": m["prefill_ms"], "decode_ms": m["decode_ms"],
-                     "not_timed": m["not_timed"]} for m in breakdown["modules"]],
+        # a module with no window has no time: null, with not_timed saying why
+        "modules": [{"name": m["name"], "prefill_ms": None if m["not_timed"] else m["prefill_ms"],
+                     "decode_ms": None if m["not_timed"] else m["decode_ms"], "not_timed": m["not_timed"]}
+                    for m in breakdown["modules"]],
         "closure": breakdown["closure"],
         # frames dynamo compiled (or recompiled) during the measured calls: > 0 puts compilation in the
         # latencies; None when dynamo was never loaded in this process
