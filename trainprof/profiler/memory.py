@@ -162,16 +162,17 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any = None) -> dict[str
     for p in model.parameters():
         grads += _tensor_bytes(p.grad, seen)
         grads += _tensor_bytes(getattr(p, "main_grad", None), seen)  # Megatron: views of its fp32 grad buffer
+    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
     # DeepSpeed keeps reduced gradient partitions in its own buffers
-    for attr in ("grad_partitions_flat_buffer",):
-        grads += _tensor_bytes(getattr(optimizer, attr, None), seen)
-    averaged = getattr(optimizer, "averaged_gradients", None)
-    if isinstance(averaged, dict):
-        for group in averaged.values():
-            for g in group or ():
-                grads += _tensor_bytes(g, seen)
+    for opt in optimizers:
+        grads += _tensor_bytes(getattr(opt, "grad_partitions_flat_buffer", None), seen)
+        averaged = getattr(opt, "averaged_gradients", None)
+        if isinstance(averaged, dict):
+            for group in averaged.values():
+                for g in group or ():
+                    grads += _tensor_bytes(g, seen)
     states = master = state_elements = quantized_elements = 0
-    for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+    for opt in optimizers:
         inner = _inner_optimizer(opt)
         if inner is None:
             continue
