@@ -734,3 +734,24 @@ def test_a_change_on_its_own_gpu_keeps_the_optimizers_measured_host_part(tmp_pat
     (big,) = projection.project(tmp_path / "zero3", overrides=["train.micro_batch_size=16", "data.seq_len=1024"],
                                 probe=False)["predictions"]
     assert big["phases_ms"]["optimizer"] == pytest.approx(target, rel=0.05)
+
+
+def test_a_gpu_bound_run_projected_to_its_own_gpu_kind_keeps_its_hosts_pace(tmp_path):
+    """The H100 ZeRO-3 run at micro batch 16 x 1024 (GPU busy 89%, its forward 82%) projected to `h100-sxm`
+    from the catalog: a device-bound phase's host took at most the phase over its calls (33.1 µs a forward
+    call), below the catalog's 38.1 µs reference, so the unchanged row is the measured step, not the +6% the
+    reference read, and is not called host-bound (the GPU busy under 80% of the phases is what marks it)."""
+    import shutil
+
+    from trainprof.projection.project import project
+
+    run = tmp_path / "run"
+    shutil.copytree(PROFILES / "h100-llama1b_zero3_sdpa-gpubound", run)
+    measured = load(run)["summary"]["step_ms"]["median"]
+    own, other = project(run, targets=["h100-sxm", "h200"], gpus_per_node=1, probe=False)["predictions"]
+    assert own["step_ms"] == pytest.approx(measured, rel=0.02), (own["step_ms"], measured)
+    ceiling = next(a for a in own["assumptions"] if a["kind"] == "host_ceiling")
+    assert ceiling["values"]["phases"].startswith("forward 33.1"), ceiling
+    assert "host-bound" not in own["confidence_text"] and "host_bound_target" not in {a["kind"] for a in own["assumptions"]}
+    # another GPU kind has another host: the catalog's reference per call, no ceiling from this one
+    assert "host_ceiling" not in {a["kind"] for a in other["assumptions"]}

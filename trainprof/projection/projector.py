@@ -318,7 +318,8 @@ class Projector:
         cpu_source = src.measured.device_type == "cpu"
         path_change = self._host_path_change(t.recipe.engine.kind, t.recipe.engine.zero_stage)
         engine = t.recipe.engine if cpu_source or path_change else src.recipe.engine
-        inputs.host_us_per_op = self._gpu_host(notes, engine.kind, engine.zero_stage)
+        own_gpu = self.source_gpu is not None and self.source_gpu == self.catalog.accelerator_key(t.hardware)
+        inputs.host_us_per_op = self._gpu_host(notes, engine.kind, engine.zero_stage, own_gpu=own_gpu)
         if inputs.host_us_per_op is not None and (cpu_source or path_change):
             calls, calls_source = gpu_ops_per_layer(self.catalog, engine.kind, engine.zero_stage)
             if calls:
@@ -367,9 +368,11 @@ class Projector:
         src = self.source.recipe.engine
         return host_key(src.kind, src.zero_stage) != host_key(engine, zero_stage)
 
-    def _gpu_host(self, notes: list[Assumption], engine: str, zero_stage: int) -> dict[str, float] | None:
+    def _gpu_host(self, notes: list[Assumption], engine: str, zero_stage: int, *, own_gpu: bool = False
+                  ) -> dict[str, float] | None:
         """Host µs per operator call on the target: a GPU source's own (where its phase was host-bound,
-        else the catalog's reference for `engine`); on another host path, the catalog's reference for the
+        else the catalog's reference for `engine`, on the source's own GPU kind at most what its device-bound
+        phase leaves: hostref.host_us_ceiling); on another host path, the catalog's reference for the
         target's `engine` x the source host's pace against the reference for its own path; a CPU source's
         from the catalog's GPU references for `engine` (the target's)."""
         m = self.source.measured
@@ -384,12 +387,18 @@ class Projector:
             notes.append(assume("host_stand_in", why=stand_in))
         values = dict(ref)
         if m.device_type == "cuda":
-            from trainprof.projection.hostref import host_us_per_op
+            from trainprof.projection.hostref import host_us_ceiling, host_us_per_op
 
             own = {ph: us for ph, us in host_us_per_op(self.source.profile).items() if us is not None}
-            if self._host_path_change(engine, zero_stage):  # the target's calls at this host's pace (own / reference)
-                src_engine = self.source.recipe.engine
-                src_ref, _, _ = gpu_host(self.catalog, src_engine.kind, src_engine.zero_stage)
+            src_engine, path_change = self.source.recipe.engine, self._host_path_change(engine, zero_stage)
+            src_ref = gpu_host(self.catalog, src_engine.kind, src_engine.zero_stage)[0] if path_change else ref
+            if own_gpu:  # the source's own host: a device-bound phase's calls took it no longer than the phase
+                capped = {ph: us for ph, us in host_us_ceiling(self.source.profile).items()
+                          if src_ref.get(ph) and us < src_ref[ph]}
+                own.update(capped)
+                if capped:
+                    notes.append(assume("host_ceiling", phases=", ".join(f"{ph} {us:.1f}" for ph, us in capped.items())))
+            if path_change:  # the target's calls at this host's pace (own / reference)
                 pace = {ph: us / src_ref[ph] for ph, us in own.items() if src_ref.get(ph)}
                 own = {ph: values[ph] * f for ph, f in pace.items() if ph in values}
                 if own:

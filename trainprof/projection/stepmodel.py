@@ -30,9 +30,9 @@ import dataclasses
 
 from trainprof.projection.assumptions import Assumption, assume
 from trainprof.projection.comm import CommTarget, Link, exposed_comm
-from trainprof.projection.compute import (ADAM_BYTES_PER_ELEMENT, EngineProbe, Machine, Parts, StepProbe, combine,
-                                          elementwise, engine_scaled, optimizer_ms, per_micro_batch, probed_compute,
-                                          rerated_phase)
+from trainprof.projection.compute import (ADAM_BYTES_PER_ELEMENT, HOST_BOUND_BUSY, EngineProbe, Machine, Parts,
+                                          StepProbe, combine, elementwise, engine_scaled, optimizer_ms, per_micro_batch,
+                                          probed_compute, rerated_phase)
 from trainprof.projection.gemm import Work
 from trainprof.projection.measured import PHASES, Measured
 
@@ -133,9 +133,9 @@ def _rerated(m: Measured, change: Change, inputs: Inputs, notes: list[Assumption
             mb[ph] = combine(r, dst_m.is_gpu)
             if dst_m.is_gpu and r.host_ms is not None:
                 host_ms, device_ms = host_ms + r.host_ms, device_ms + r.device_ms
-    if host_ms > device_ms:
+    if device_ms < HOST_BOUND_BUSY * host_ms:  # the bar a source phase is called host-bound by (hostref)
         notes.append(assume("host_bound_target", target=dst_m.name, host_ms=host_ms * m.grad_accum,
-                            device_ms=device_ms * m.grad_accum))
+                            device_ms=device_ms * m.grad_accum, busy=device_ms / host_ms, bar=HOST_BOUND_BUSY))
     recompute_t = None
     if layers_f and m.phases_ms["forward"] > 0:
         # the layers' share of the forward, re-rated as the forward was
