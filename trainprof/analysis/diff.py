@@ -15,7 +15,12 @@ NOISE_SAFETY x the largest ratio between A and its repeat over the judged rows),
 where given, taking the wider: a slow spell of the machine during B's run alone shows only there. Else, for two
 GPU runs, it is NOISE_SAFETY x the wider of their steps' spreads (at least GPU_MIN_BAND): the defaults were
 measured on identical runs of a tiny model on a shared 2-core CPU machine, not on a GPU. Else it is the default
-per statistic (docs/reports.md says how each was measured).
+per statistic (docs/reports.md says how each was measured), widened to NOISE_SAFETY x the wider step spread
+where the runs' own steps are more uneven than the machine the default was measured on.
+
+What each run was set up to do is compared too: the recipes (`trainprof run`), or the workloads that runs of
+`trainprof wrap`, the callbacks and `trainprof.Profiler` record instead (the recipe keys they could read), and
+the tokens per step, since step times over different work are not a speed-up.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any, Callable
 
 from trainprof.io import dig
 from trainprof.phases import MODULE_PHASES, PHASES, PIPELINE_PHASES
+from trainprof.shapes import DIM_KEYS, SHAPES
 
 STATS = ("median", "min")
 DEFAULT_BAND = {"median": 0.25, "min": 0.15}  # measured, see docs/reports.md
@@ -80,11 +86,16 @@ class ProfileDiff:
     only_b: list[str] = field(default_factory=list)
     recipe_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    band_source: str = "default"  # "default" | "given" | "repeat" | "spread"
-    step_spread: dict[str, float] = field(default_factory=dict)  # "A"/"B": the step's relative IQR, GPU runs only
+    band_source: str = "default"  # "default" | "given" | "repeat" | "spread" (GPU) | "widened" (CPU default)
+    step_spread: dict[str, float] = field(default_factory=dict)  # "A"/"B": the step's relative IQR (>= 4 steps)
     used: dict[str, int] = field(default_factory=dict)  # "A"/"B": the measured steps each side's figures stand on
-    # inference runs: settings.* keys that change the work measured (prompt_len, new_tokens, ...), A and B values
+    # what differs in the work measured, A and B values: inference runs' settings.* keys (prompt_len, new_tokens,
+    # ...); training runs' tokens_per_step (the summary's, else the recipe keys that set it)
     workload_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
+    # "A"/"B": where the compared settings come from ("recipe", "workload" or "none"), and which keys were compared
+    settings_from: dict[str, str] = field(default_factory=lambda: {"A": "recipe", "B": "recipe"})
+    settings_compared: list[str] = field(default_factory=list)
+    settings_unknown: dict[str, dict[str, str]] = field(default_factory=dict)  # "A"/"B": a workload's `unknown`
     repeat_noise: dict[str, float] = field(default_factory=dict)  # "A"/"B": largest ratio - 1 against its repeat
     # "A"/"B": the recipe keys where a repeat is not its run's recipe (its band then holds that change too)
     repeat_changes: dict[str, list[tuple[str, Any, Any]]] = field(default_factory=dict)
@@ -107,6 +118,60 @@ def recipe_changes(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[t
     fa, fb = _flatten(a or {}), _flatten(b or {})
     keys = sorted(set(fa) | set(fb))
     return [(k, fa.get(k), fb.get(k)) for k in keys if fa.get(k) != fb.get(k) and not k.startswith("output.")]
+
+
+@dataclass(slots=True, kw_only=True)
+class RunSettings:
+    """How a run was set up, as its profile records it: the resolved recipe (`trainprof run`), else the
+    workload (wrap, the callbacks, Profiler: the recipe keys it could read), else nothing."""
+
+    source: str  # "recipe" | "workload" | "none"
+    keys: dict[str, Any]  # dotted recipe keys
+    unknown: dict[str, str]  # workload keys it could not read, or assumed, and why
+
+    @classmethod
+    def of(cls, profile: dict[str, Any]) -> RunSettings:
+        if profile.get("recipe"):
+            return cls(source="recipe", keys=_flatten(profile["recipe"]), unknown={})
+        workload = dict(profile.get("workload") or {})
+        unknown = dict(workload.pop("unknown", None) or {})
+        return cls(source="workload" if workload else "none", keys=_flatten(workload) if workload else {},
+                   unknown=unknown)
+
+    def comparable(self) -> dict[str, Any]:
+        """Keys with a value; a recipe's named shape spelled out as dims, as a workload records it."""
+        keys = {k: v for k, v in self.keys.items() if v is not None and k != "model.name"}
+        shape = SHAPES.get(self.keys.get("model.name")) if self.source == "recipe" else None
+        if shape is not None:
+            keys.update({f"model.{k}": getattr(shape, k) for k in DIM_KEYS if keys.get(f"model.{k}") is None})
+        return keys
+
+
+def settings_changes(a: RunSettings, b: RunSettings) -> tuple[list[tuple[str, Any, Any]], list[str]]:
+    """The keys that differ, and the keys compared. Two recipes: every key either has (output.* left out). A
+    workload on either side: the keys both record with a value (a workload holds only what it could read, and
+    its model is always named custom, so a recipe's named shape is compared by its dims). Nothing recorded on a
+    side: nothing compared."""
+    if a.source == b.source == "recipe":
+        return recipe_changes(a.keys, b.keys), sorted(k for k in a.keys.keys() | b.keys.keys()
+                                                      if not k.startswith("output."))
+    if "none" in (a.source, b.source):
+        return [], []
+    ka, kb = a.comparable(), b.comparable()
+    keys = sorted(k for k in ka.keys() & kb.keys() if not k.startswith("output."))
+    return [(k, ka[k], kb[k]) for k in keys if ka[k] != kb[k]], keys
+
+
+WORK_KEYS = ("train.micro_batch_size", "train.grad_accum", "data.seq_len")  # what sets the tokens of a step
+
+
+def work_changes(a: dict[str, Any], b: dict[str, Any],
+                 changes: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]:
+    """tokens_per_step (the summaries') where it differs; where a side lacks it, the changed keys that set it."""
+    ta, tb = dig(a, "summary", "tokens_per_step"), dig(b, "summary", "tokens_per_step")
+    if ta is not None and tb is not None:
+        return [] if ta == tb else [("tokens_per_step", ta, tb)]
+    return [c for c in changes if c[0] in WORK_KEYS]
 
 
 def used_steps(profile: dict[str, Any]) -> list[dict[str, Any]]:
@@ -177,32 +242,38 @@ def _repeat_noise(rows: list[DiffRow]) -> float:
 
 def _band_fields(band: float | None, default: float, self_diffs: dict[str, ProfileDiff],
                  judged: Callable[[ProfileDiff], list[DiffRow]],
-                 step_spread: dict[str, float] | None = None) -> dict[str, Any]:
+                 step_spread: dict[str, float] | None = None, gpu: bool = False) -> dict[str, Any]:
     """ProfileDiff's band, band_source, repeat_noise, repeat_changes and step_spread: `band` where given; else
     NOISE_SAFETY x the wider side's repeat noise (at least MIN_BAND), from `self_diffs` (each run diffed against
-    its repeat, "A"/"B") over their `judged` rows; else NOISE_SAFETY x the wider of `step_spread` (both GPU runs'
-    step spreads, at least GPU_MIN_BAND); else the default."""
+    its repeat, "A"/"B") over their `judged` rows; else NOISE_SAFETY x the wider of `step_spread` (the runs' step
+    spreads), at least GPU_MIN_BAND for two GPU runs and at least the default otherwise (a CPU default measured on
+    steadier runs than these cannot tell their change from noise); else the default."""
     noise = {side: _repeat_noise(judged(d)) for side, d in self_diffs.items()}
     step_spread = step_spread or {}
+    spread_band = NOISE_SAFETY * max(step_spread.values(), default=0.0)
     if band is not None:
         source = "given"
     elif noise:
         band, source = max(MIN_BAND, NOISE_SAFETY * max(noise.values())), "repeat"
-    elif step_spread:
-        band, source = max(GPU_MIN_BAND, NOISE_SAFETY * max(step_spread.values())), "spread"
+    elif step_spread and gpu:
+        band, source = max(GPU_MIN_BAND, spread_band), "spread"
+    elif spread_band > default:
+        band, source = spread_band, "widened"
     else:
         band, source = default, "default"
     return {"band": band, "band_source": source, "repeat_noise": noise, "step_spread": step_spread,
             "repeat_changes": {side: d.recipe_changes for side, d in self_diffs.items() if d.recipe_changes}}
 
 
-def gpu_step_spread(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
-    """{"A": x, "B": y}: each run's step-time spread (relative IQR of its used steps' wall_ms) when both ran on a
-    GPU and both have at least 4 such steps; else {} (a CPU run keeps the default measured on CPU runs)."""
+def both_gpu(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all((p.get("env") or {}).get("device_type") == "cuda" for p in (a, b))
+
+
+def step_spreads(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+    """{"A": x, "B": y}: each run's step-time spread (relative IQR of its used steps' wall_ms) when both have at
+    least 4 such steps; else {}."""
     spreads = {}
     for side, profile in (("A", a), ("B", b)):
-        if (profile.get("env") or {}).get("device_type") != "cuda":
-            return {}
         spread = _spread([s["wall_ms"] for s in used_steps(profile) if s.get("wall_ms") is not None])
         if spread is None:
             return {}
@@ -244,7 +315,8 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
         a, b: profile.json documents (older ones without phases/modules give fewer rows, with a note).
         stat: "median" (the profiles' figures) or "min" (fastest measured step per row).
         band: ratio counted as noise (0.15: within 15% either way); default: measured from `repeat`,
-            else, for two GPU runs, from their steps' spread (`gpu_step_spread`), else DEFAULT_BAND[stat].
+            else, for two GPU runs, from their steps' spread (`step_spreads`), else DEFAULT_BAND[stat] widened
+            to NOISE_SAFETY x that spread where it is wider.
         min_ms: rows where both runs are below this many ms per step are "too small".
         repeat: a repeat of run A (same recipe, same machine): the band becomes NOISE_SAFETY x the
             largest ratio between A and the repeat over the judged rows (at least MIN_BAND).
@@ -259,9 +331,15 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
     self_diffs = {} if band is not None else {
         side: diff_profiles(run, again, stat=stat, band=0.0, min_ms=min_ms, parts=parts)
         for side, run, again in (("A", a, repeat), ("B", b, repeat_b)) if again is not None}
-    out = ProfileDiff(stat=stat, min_ms=min_ms, recipe_changes=recipe_changes(a.get("recipe"), b.get("recipe")),
+    settings = {"A": RunSettings.of(a), "B": RunSettings.of(b)}
+    changes, compared = settings_changes(settings["A"], settings["B"])
+    out = ProfileDiff(stat=stat, min_ms=min_ms, recipe_changes=changes, settings_compared=compared,
+                      settings_from={side: s.source for side, s in settings.items()},
+                      workload_changes=work_changes(a, b, changes),
                       **_band_fields(band, DEFAULT_BAND[stat], self_diffs,
-                                     lambda d: [r for r in d.rows() if r.kind != "step"], gpu_step_spread(a, b)))
+                                     lambda d: [r for r in d.rows() if r.kind != "step"], step_spreads(a, b),
+                                     gpu=both_gpu(a, b)))
+    out.settings_unknown = {side: s.unknown for side, s in settings.items() if s.unknown and compared}
     sa, sb = _Side.of(a), _Side.of(b)
     out.used = {"A": len(sa.steps), "B": len(sb.steps)}
     _step_and_phase_rows(out, sa, sb, pipeline=bool(a.get("pipeline") or b.get("pipeline")))

@@ -40,9 +40,11 @@ def _diff(args: argparse.Namespace) -> int:
         raise UserError(f"--format '{args.format}': choose one or more of {','.join(FORMATS)}")
     if args.out is not None:
         check_out_dir(args.out)  # before any output
+    # without --out (or with csv alone) no file holds a plot, so none is made or linked
+    plots = args.out is not None and bool({"md", "html"} & set(formats))
     # a RunDirError is the CLI's one-line error, exit 2
     d, doc = run_diff(args.run_a, args.run_b, stat=args.stat or "min", band=args.noise, min_ms=args.min_ms,
-                      repeat=args.repeat, repeat_b=args.repeat_b)
+                      repeat=args.repeat, repeat_b=args.repeat_b, plots=plots)
     if args.stat is not None and d.stat == "p50":
         print(f"trainprof diff: warning: --stat {args.stat} does not apply to inference run dirs: their rows are p50s "
               "over requests (inference.json)", file=sys.stderr)
@@ -80,7 +82,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--noise", type=noise_band, default=None,
                    help="ratio counted as noise, e.g. 0.15 or 15%% (default: from --repeat and --repeat-b; else, for "
                         "two GPU runs, 1.5x the wider of their step-time spreads; else the default measured on CPU "
-                        "runs, docs/reports.md)")
+                        "runs, docs/reports.md, widened to 1.5x the wider step-time spread where that is more)")
     p.add_argument("--min-ms", type=min_ms, default=None,
                    help="rows under this many ms in both runs are not judged (default 1 for training run dirs, 0 for "
                         "inference ones)")

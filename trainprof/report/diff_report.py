@@ -56,7 +56,14 @@ def _band_text(d: ProfileDiff) -> str:
              "it for these runs")
     if d.stat == "p50":
         return f"{100 * d.band:.0f}%, the default for inference latencies, measured on {where}"
-    return f"{100 * d.band:.0f}%, the default for --stat {d.stat}, measured on {where}"
+    spreads = ", ".join(f"{side} {100 * x:.0f}%" for side, x in sorted(d.step_spread.items()))
+    if d.band_source == "widened":
+        return (f"{100 * d.band:.0f}%: the {100 * DEFAULT_BAND[d.stat]:.0f}% default for --stat {d.stat} widened to "
+                f"{NOISE_SAFETY}x the wider step-time spread (interquartile range / median) of these runs ({spreads}): "
+                f"their steps vary more than the identical runs the default was measured on (docs/reports.md), so a "
+                "change inside that is not told from noise; --repeat measures the band instead")
+    within = f" (the runs' step-time spreads, {spreads}, x{NOISE_SAFETY} fit inside it)" if spreads else ""
+    return f"{100 * d.band:.0f}%, the default for --stat {d.stat}, measured on {where}{within}"
 
 
 def repeat_warning(side: str, changes: list[tuple[str, Any, Any]]) -> str:
@@ -111,11 +118,67 @@ def _hardware_note(env_a: dict[str, Any], env_b: dict[str, Any]) -> str | None:
 FEW_STEPS = 3  # fewer measured steps than this: no spread to tell a change from one slow step
 
 
-def workload_warning(changes: list[tuple[str, Any, Any]]) -> str:
-    """What inference settings that differ do to the latency verdicts, naming them."""
-    keys = "; ".join(f"{k}: {va} -> {vb}" for k, va, vb in changes)
+def _value(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def workload_warning(changes: list[tuple[str, Any, Any]], training: bool = False) -> str:
+    """What settings that change the work measured do to the verdicts, naming them: inference settings (work per
+    request), or a training run's tokens per step (work per step)."""
+    keys = "; ".join(f"{k}: {_value(va)} -> {_value(vb)}" for k, va, vb in changes)
+    if training:
+        return (f"A and B do different work per step ({keys}): each step and phase time covers different work, so "
+                "faster and slower below say as much about that as about the code or the machine; compare their "
+                "tokens/s above.")
     return (f"A and B measured different workloads ({keys}): each latency compares different work per request, so "
             "faster and slower below say as much about the settings as about the model or the machine.")
+
+
+WORKLOAD_WHAT = ("the recipe keys that trainprof wrap, the callbacks and trainprof.Profiler read from the model and "
+                 "the training loop")
+SETTINGS_WHAT = {"recipe": "its recipe", "workload": f"its workload ({WORKLOAD_WHAT})",
+                 "none": "neither a recipe nor a workload (an older run dir)"}
+
+
+def _settings_origin(a: str, b: str) -> str:
+    """Where the compared settings come from when it is not two recipes."""
+    if a == b == "workload":
+        return f"A and B record workloads ({WORKLOAD_WHAT}), not recipes"
+    if a == b == "none":
+        return "Neither A nor B records a recipe or a workload (older run dirs)"
+    return f"A records {SETTINGS_WHAT[a]}, B {SETTINGS_WHAT[b]}"
+
+
+def _settings_blocks(d: ProfileDiff, hardware: str | None) -> list[Any]:
+    """The settings that differ (a table), or that they are the same, or that the runs do not record enough
+    to say; where they came from when it was not two recipes."""
+    origin = d.settings_from
+    both_recipes = origin["A"] == origin["B"] == "recipe"
+    blocks: list[Any] = []
+    if not both_recipes:
+        if not d.settings_compared:
+            return [Para(f"{_settings_origin(origin['A'], origin['B'])}: whether they were set up alike is not "
+                         "known, so any difference below may come from a setting as well as noise or the machine.")]
+        blocks.append(Para(f"{_settings_origin(origin['A'], origin['B'])}: compared on the "
+                           f"{len(d.settings_compared)} keys both record ({_key_groups(d.settings_compared)})."))
+        for side, unknown in sorted(d.settings_unknown.items()):
+            blocks.append(Para(f"{side}'s workload could not read, or took a guess at: "
+                               + "; ".join(f"{k} ({why})" for k, why in sorted(unknown.items())) + "."))
+    if d.recipe_changes:
+        blocks.append(Table(["recipe key", "A", "B"], [[k, str(va), str(vb)] for k, va, vb in d.recipe_changes],
+                            id="recipe-changes", numeric=[False, False, False]))
+        return blocks
+    same = "The two recipes are the same (apart from output.*)" if both_recipes else "These keys are the same"
+    blocks.append(Para(f"{same}: differences are " + ("what the warning above names, and noise." if hardware else
+                                                        "noise or the machine.")))
+    return blocks
+
+
+def _key_groups(keys: list[str]) -> str:
+    groups: dict[str, None] = {}
+    for k in keys:
+        groups.setdefault(k.split(".")[0] + ".*" if "." in k else k)
+    return ", ".join(groups)
 
 
 def _runs_section(doc: Document, paths: tuple[Path | None, ...], d: ProfileDiff, statistic: str,
@@ -132,7 +195,7 @@ def _runs_section(doc: Document, paths: tuple[Path | None, ...], d: ProfileDiff,
     if hardware:
         sec.blocks.append(Para(f"Warning: {hardware}"))
     if d.workload_changes:
-        sec.blocks.append(Para(f"Warning: {workload_warning(d.workload_changes)}"))
+        sec.blocks.append(Para(f"Warning: {workload_warning(d.workload_changes, training=d.stat != 'p50')}"))
     few = {side: n for side, n in d.used.items() if n < FEW_STEPS}
     if few and d.band_source not in ("repeat", "given"):
         sides = " and ".join(f"{side} {n} measured step{'s' * (n != 1)}" for side, n in few.items())
@@ -141,27 +204,23 @@ def _runs_section(doc: Document, paths: tuple[Path | None, ...], d: ProfileDiff,
                                "or give --repeat."))
     for side, changes in d.repeat_changes.items():
         sec.blocks.append(Para(f"Warning: {repeat_warning(side, changes)}."))
-    if d.recipe_changes:
-        sec.blocks.append(Table(["recipe key", "A", "B"], [[k, str(va), str(vb)] for k, va, vb in d.recipe_changes],
-                                id="recipe-changes", numeric=[False, False, False]))
-    elif hardware:
-        sec.blocks.append(Para("The two recipes are the same (apart from output.*): differences are what the "
-                               "warning above names, and noise."))
-    else:
-        sec.blocks.append(Para("The two recipes are the same (apart from output.*): differences are noise or the "
-                               "machine."))
+    sec.blocks.extend(_settings_blocks(d, hardware))
     for note in d.notes:
         sec.blocks.append(Missing(note.split(":")[0], note.split(":", 1)[1].strip()))
 
 
-def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff, *repeats: RunData | None) -> Document:
-    """The diff of two training run dirs; `repeats`: the repeats of A and of B (None where not given)."""
+def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff, *repeats: RunData | None,
+                        plots: bool = True) -> Document:
+    """The diff of two training run dirs; `repeats`: the repeats of A and of B (None where not given); `plots`
+    False leaves the figure out (no file will hold it)."""
     a, b = run_a.profile or {}, run_b.profile or {}
-    doc = Document("trainprof diff", subtitle=f"A = {run_a.path.name}, B = {run_b.path.name}")
+    doc = Document("trainprof diff", subtitle=f"A = {run_a.path.name}, B = {run_b.path.name}", plots=plots)
     _runs_section(doc, (run_a.path, run_b.path, *(r.path if r else None for r in repeats)), d, d.stat,
                   (_training_side(run_a), _training_side(run_b)), (a.get("env") or {}, b.get("env") or {}))
     method = _method(d, a, b)
     sec = doc.section("Step and phases", id="phases")
+    if d.phases and d.steps:
+        sec.blocks.append(Para(_phases_sum_text(d)))
     sec.blocks.append(_table([*d.steps, *d.phases], method, "phase-diff", "figure"))
     regions = (_compiled_regions(a), _compiled_regions(b))
     if d.parts:
@@ -176,6 +235,15 @@ def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff, *repeats
         sec.blocks.append(_table(d.parts, parts_method, "part-diff", "part"))
     _modules_section(doc, d, method, regions=regions)
     return doc
+
+
+def _phases_sum_text(d: ProfileDiff) -> str:
+    """Why the phase rows need not add up to the step row: each row takes its own statistic over the steps."""
+    each = "its own fastest measured step" if d.stat == "min" else "its own median over the measured steps"
+    step = d.steps[0]
+    sums = "; ".join(f"{side}: phases {fmt(sum(getattr(r, attr) or 0.0 for r in d.phases))} ms, step "
+                     f"{fmt(getattr(step, attr))} ms" for side, attr in (("A", "a_ms"), ("B", "b_ms")))
+    return f"Each row is {each}, not one step split into phases, so the phases need not add up to the step ({sums})."
 
 
 def _compiled_regions(profile: dict[str, Any]) -> list[str]:
@@ -200,7 +268,7 @@ def _modules_section(doc: Document, d: ProfileDiff, method: str, intro: str | No
         judged = [r for r in d.modules if r.change is not None and r.verdict != "too small"]
         judged.sort(key=lambda r: -max(r.a_ms or 0, r.b_ms or 0))
         shown = judged[:25]
-        if shown:
+        if shown and doc.plots:
             sec.blocks.append(Figure(plots.speedup_bars([f"{module_label(r.name)} {r.phase}" for r in shown],
                                                         [r.change for r in shown], d.band),
                                      f"Time change of the {len(shown)} largest module rows (B vs A)",
@@ -217,10 +285,10 @@ def _modules_section(doc: Document, d: ProfileDiff, method: str, intro: str | No
 
 
 def build_inference_diff_document(paths: tuple[Path | None, ...], d: ProfileDiff, a: dict[str, Any],
-                                  b: dict[str, Any]) -> Document:
+                                  b: dict[str, Any], plots: bool = True) -> Document:
     """The diff of two `trainprof infer` run dirs: latencies and throughput per batch size, the modules'
-    prefill and decode-step time, and memory."""
-    doc = Document("trainprof diff (inference)", subtitle=f"A = {paths[0].name}, B = {paths[1].name}")
+    prefill and decode-step time, and memory; `plots` False leaves the figure out."""
+    doc = Document("trainprof diff (inference)", subtitle=f"A = {paths[0].name}, B = {paths[1].name}", plots=plots)
     envs = (a.get("env") or {}, b.get("env") or {})
     _runs_section(doc, paths, d, "p50 over the requests of each batch size (inference.json)",
                   tuple(f"{hardware_text(env)} ({env.get('timer', 'timer not recorded')} timer); latencies and "
@@ -258,9 +326,9 @@ def diff_csv(d: ProfileDiff) -> str:
 
 def run_diff(path_a: str | Path, path_b: str | Path, *, stat: str = "min", band: float | None = None,
              min_ms: float | None = None, repeat: str | Path | None = None,
-             repeat_b: str | Path | None = None) -> tuple[ProfileDiff, Document]:
+             repeat_b: str | Path | None = None, plots: bool = True) -> tuple[ProfileDiff, Document]:
     """Load two run dirs (and optionally repeats of A and of B, to measure the noise band) and diff them;
-    model parts are the summary's Llama2 categories."""
+    model parts are the summary's Llama2 categories. `plots` False: no figure (nothing will be written)."""
     from trainprof.report.sections import CATEGORIES
 
     runs = []
@@ -285,12 +353,13 @@ def run_diff(path_a: str | Path, path_b: str | Path, *, stat: str = "min", band:
         docs = [r.inference if r is not None else None for r in runs]
         d = diff_inference(docs[0], docs[1], band=band, min_ms=DEFAULT_INFER_MIN_MS if min_ms is None else min_ms,
                            repeat=docs[2], repeat_b=docs[3])
-        return d, build_inference_diff_document(tuple(r.path if r else None for r in runs), d, docs[0], docs[1])
+        return d, build_inference_diff_document(tuple(r.path if r else None for r in runs), d, docs[0], docs[1],
+                                                plots=plots)
     profiles = [r.profile if r is not None else None for r in runs]
     d = diff_profiles(profiles[0], profiles[1], stat=stat, band=band,
                       min_ms=DEFAULT_MIN_MS if min_ms is None else min_ms, parts=CATEGORIES,
                       repeat=profiles[2], repeat_b=profiles[3])
-    return d, build_diff_document(runs[0], runs[1], d, runs[2], runs[3])
+    return d, build_diff_document(runs[0], runs[1], d, runs[2], runs[3], plots=plots)
 
 
 def check_out_dir(out_dir: str | Path) -> None:

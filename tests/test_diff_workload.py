@@ -1,0 +1,168 @@
+"""`trainprof diff` on runs that record a workload instead of a recipe (wrap, the callbacks, Profiler), on CPU
+runs whose steps vary more than the default noise band, and what the printed diff links and adds up.
+Profiles are the kept 2-rank run (tests/data/zero3_2rank) reshaped as such runs would record them."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from trainprof.analysis.diff import DEFAULT_BAND, NOISE_SAFETY, diff_profiles, used_steps
+from trainprof.report.diff_report import build_diff_document
+from trainprof.report.document import render_markdown
+from trainprof.report.rundir import RunData
+from trainprof.report.sections import CATEGORIES
+from trainprof.shapes import DIM_KEYS, SHAPES
+
+DATA = Path(__file__).parent / "data"
+PROFILE = json.loads((DATA / "zero3_2rank" / "profile.json").read_text())
+
+
+def _wrapped(profile: dict, **changes) -> dict:
+    """`profile` as `trainprof wrap` records it: no recipe, a workload of the keys it reads from the model and the
+    loop (model named custom, its dims spelled out); `changes`: dotted keys set in the workload."""
+    out = copy.deepcopy(profile)
+    recipe = out.pop("recipe")
+    shape = SHAPES[recipe["model"]["name"]]
+    model = {"name": "custom", **{k: getattr(shape, k) for k in DIM_KEYS},
+             **{k: recipe["model"][k] for k in ("dtype", "attention", "recompute")}, "compile": False}
+    out["workload"] = {"engine": {k: recipe["engine"][k] for k in ("kind", "zero_stage", "offload")},
+                       "task": {"kind": recipe["task"]["kind"]}, "model": model,
+                       "train": {k: recipe["train"][k] for k in ("micro_batch_size", "grad_accum")},
+                       "data": {"seq_len": recipe["data"]["seq_len"]}, "unknown": {}}
+    for key, value in changes.items():
+        group, name = key.split("__")
+        out["workload"][group][name] = value
+    return out
+
+
+def _md(a: dict, b: dict, **kw) -> str:
+    runs = [RunData.of_profile(p, name) for name, p in (("a", a), ("b", b))]
+    return render_markdown(build_diff_document(*runs, diff_profiles(a, b, stat="min", **kw)))
+
+
+def test_two_wrapped_runs_are_compared_on_their_workloads():
+    """Two wrapped runs record no recipe: their workloads are compared, the changed key named, and two alike
+    workloads are said to be alike on the keys compared, never "the two recipes are the same"."""
+    a, b = _wrapped(PROFILE), _wrapped(PROFILE, model__attention="eager")
+    d = diff_profiles(a, b, stat="min")
+    assert d.settings_from == {"A": "workload", "B": "workload"}
+    assert d.recipe_changes == [("model.attention", "sdpa", "eager")]
+    assert {"model.attention", "model.hidden_size", "train.grad_accum", "engine.zero_stage"} <= set(d.settings_compared)
+    md = _md(a, b)
+    assert "A and B record workloads" in md and "| model.attention | sdpa | eager |" in md
+    assert "recipes are the same" not in md and "These keys are the same" not in md
+    same = _md(a, _wrapped(PROFILE))
+    assert "These keys are the same: differences are noise or the machine." in same
+
+
+def test_a_recipe_run_against_a_wrapped_run_compares_what_both_record():
+    """A recipe names its shape (llama2-tiny, dims unset); a wrapped run spells out the dims and calls it custom:
+    the same setup is no change; a grad_accum of 2 is, and since the step then covers twice the tokens, the
+    Runs section warns that step times cover different work."""
+    same = diff_profiles(PROFILE, _wrapped(PROFILE), stat="min")
+    assert same.settings_from == {"A": "recipe", "B": "workload"}
+    assert same.recipe_changes == [] and "model.hidden_size" in same.settings_compared
+    assert "optimizer.lr" not in same.settings_compared  # a workload does not record it
+    assert not same.workload_changes
+
+    b = _wrapped(PROFILE, train__grad_accum=2)
+    tokens = PROFILE["summary"]["tokens_per_step"]
+    b["summary"]["tokens_per_step"] = 2 * tokens
+    d = diff_profiles(PROFILE, b, stat="min")
+    assert d.recipe_changes == [("train.grad_accum", 1, 2)]
+    assert d.workload_changes == [("tokens_per_step", tokens, 2 * tokens)]
+    md = _md(PROFILE, b)
+    assert f"Warning: A and B do different work per step (tokens_per_step: {tokens:g} -> {2 * tokens:g})" in md
+    assert "A records its recipe, B its workload" in md
+
+    # without tokens per step in the summaries, the keys that set it say so
+    for p in (a := copy.deepcopy(PROFILE), b):
+        p["summary"].pop("tokens_per_step")
+    assert diff_profiles(a, b, stat="min").workload_changes == [("train.grad_accum", 1, 2)]
+
+
+def test_runs_that_record_neither_are_not_called_the_same_and_a_workload_s_guesses_are_named():
+    bare = copy.deepcopy(PROFILE)
+    bare.pop("recipe")
+    d = diff_profiles(bare, _wrapped(PROFILE), stat="min")
+    assert d.settings_from == {"A": "none", "B": "workload"} and not d.settings_compared
+    md = _md(bare, _wrapped(PROFILE))
+    assert "whether they were set up alike is not known" in md and "the same" not in md
+
+    guessed = _wrapped(PROFILE)
+    guessed["workload"]["unknown"] = {"train.grad_accum": "no optimizer step finished while the forward was "
+                                                          "watched; 1 assumed"}
+    d = diff_profiles(_wrapped(PROFILE), guessed, stat="min")
+    assert d.settings_unknown == {"B": guessed["workload"]["unknown"]}
+    assert "B's workload could not read, or took a guess at: train.grad_accum (no optimizer step finished" in \
+        _md(_wrapped(PROFILE), guessed)
+
+
+def _steps(profile: dict, walls: list[float]) -> dict:
+    """`profile` with one measured step per wall time (each a copy of its first used step: same phases and
+    modules), after its warm-up."""
+    out = copy.deepcopy(profile)
+    template = used_steps(profile)[0]
+    out["steps"] = [s for s in out["steps"] if s.get("warmup")] + [
+        {**copy.deepcopy(template), "step": i, "wall_ms": w} for i, w in enumerate(walls)]
+    return out
+
+
+def _attention_scaled(profile: dict, factor: float) -> dict:
+    out = copy.deepcopy(profile)
+    for m in out["modules"]:
+        if m["name"].endswith("self_attn"):
+            for k in ("forward_ms", "backward_ms", "recompute_ms"):
+                m[k] *= factor
+    for s in out["steps"]:
+        for name, values in (s.get("modules_ms") or {}).items():
+            if name.endswith("self_attn"):
+                s["modules_ms"][name] = [v * factor for v in values]
+    return out
+
+
+def test_cpu_runs_whose_steps_vary_widen_the_default_band_and_say_why():
+    """CPU runs whose steps spread by 100% (interquartile range / median) cannot tell attention made 2x faster
+    from noise: the band is 1.5x that spread, not the 15% default, and says so. Steady runs keep the default,
+    which says their spreads fit inside it."""
+    noisy = _steps(PROFILE, [100, 100, 150, 200, 250, 300, 300, 300])
+    d = diff_profiles(noisy, _attention_scaled(noisy, 0.5), stat="min", parts=CATEGORIES)
+    wider = max(d.step_spread.values())
+    assert d.band_source == "widened" and wider > DEFAULT_BAND["min"] / NOISE_SAFETY
+    assert d.band == pytest.approx(NOISE_SAFETY * wider)
+    attention = [r for r in d.modules if r.name.endswith("self_attn") and r.phase == "forward"]
+    assert attention and {r.verdict for r in attention} == {"within noise"}
+    md = _md(noisy, _attention_scaled(noisy, 0.5))
+    assert f"{100 * d.band:.0f}%: the 15% default for --stat min widened to 1.5x the wider step-time spread" in md
+
+    steady = _steps(PROFILE, [100, 101, 102, 103, 104, 105])
+    d = diff_profiles(steady, _attention_scaled(steady, 0.5), stat="min")
+    assert d.band_source == "default" and d.band == DEFAULT_BAND["min"]
+    assert {r.verdict for r in d.modules if r.name.endswith("self_attn") and r.phase == "forward"} == {"faster"}
+    assert "x1.5 fit inside it" in _md(steady, _attention_scaled(steady, 0.5))
+    # a band given or measured from a repeat is not widened
+    assert diff_profiles(noisy, noisy, stat="min", band=0.1).band == 0.1
+    assert diff_profiles(noisy, noisy, stat="min", repeat=noisy).band_source == "repeat"
+
+
+def test_the_printed_diff_links_no_plot_and_says_why_phases_do_not_add_up(tmp_path, cli):
+    """Without --out no plot is written, so none is linked; with --out diff.md links the one it wrote. The
+    phases table says each row is its own fastest step, with each side's phase sum beside its step."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for path, profile in ((a, PROFILE), (b, _attention_scaled(PROFILE, 0.5))):
+        path.mkdir()
+        (path / "profile.json").write_text(json.dumps(profile))
+    printed = cli("diff", a, b)
+    assert printed.returncode == 0 and "![" not in printed.stdout and "diff_plots" not in printed.stdout
+    d = diff_profiles(PROFILE, _attention_scaled(PROFILE, 0.5), stat="min")
+    phases = sum(r.a_ms for r in d.phases)
+    assert (f"Each row is its own fastest measured step, not one step split into phases, so the phases need not add "
+            f"up to the step (A: phases {phases:,.2f} ms, step {d.steps[0].a_ms:,.2f} ms;") in printed.stdout
+    written = cli("diff", a, b, "--out", tmp_path / "d")
+    md = (tmp_path / "d" / "diff.md").read_text()
+    assert written.returncode == 0 and "](diff_plots/modules.png)" in md
+    assert (tmp_path / "d" / "diff_plots" / "modules.png").is_file()
