@@ -1407,3 +1407,21 @@ def test_a_world_size_change_here_computes_at_the_threads_a_launched_run_gets(mo
     assert threads_when_launched(2, one_process=2) == (3, "OMP_NUM_THREADS=3")
     monkeypatch.setenv("OMP_NUM_THREADS", "")
     assert threads_when_launched(4, one_process=2)[0] == 1
+
+
+def test_a_scaling_efficiency_above_100_percent_names_the_phases_that_shrank_per_rank():
+    """Past 100% a rank must spend less time somewhere than at the baseline: each such phase, with what
+    shortens it, and the row's own confidence marks (a CPU 2-rank projection read 152% from a probe that timed
+    1 thread faster than 2 on a busy machine, under a note that blamed ZeRO's optimizer share)."""
+    from trainprof.projection.project import above_linear
+
+    base = {"phases_ms": {"forward": 322.7, "backward": 600.0, "optimizer": 12.0}, "confidence_marks": []}
+    row = {"phases_ms": {"forward": 77.8, "backward": 600.0, "optimizer": 6.0, "comm_exposed": 40.0},
+           "confidence_marks": ["probed on a busy machine (±12%)"]}
+    assert above_linear(row, base) == (
+        "forward 322.7 -> 77.8 ms (a rank's compute predicted faster: the probe timed it so at the threads a rank "
+        "gets); optimizer 12.0 -> 6.0 ms (each rank steps its ZeRO share of the states); "
+        "probed on a busy machine (±12%)")
+    # a mark the baseline carries too is not this row's; a row with no phase shorter says so
+    same = {**base, "confidence_marks": ["probed on a busy machine (±12%)"]}
+    assert above_linear(same, {**base, "confidence_marks": same["confidence_marks"]}) == "no phase shorter per rank"

@@ -53,6 +53,10 @@ def test_scale_one_and_two_ranks(tmp_path):
     # the baseline is the source projected onto itself: it claims no expected error, and says so
     assert projected["expected_error_pct"].isna().tolist()[0], projected
     assert "N=1: the baseline" in (out / "scaling_projected.md").read_text()
+    assert "marks" in projected.columns  # the rows' own confidence marks (a noisy probe), where the reader looks
+    above = projected[projected["predicted_efficiency"] > 1]["world_size"].tolist()
+    assert all(f"N={n}: projected efficiency above 100%: per rank " in (out / "scaling_projected.md").read_text()
+               for n in above), above
 
     # the same runs read back from their dirs, as when collected from a cluster
     again = scale("--runs", *weak["run_dir"], "--no-project", "--out", str(tmp_path / "collected"), timeout=60)

@@ -184,6 +184,28 @@ def scaling_efficiency(projector: Projector, recipe: Any, predictions: list[dict
         elif at(machine, settings, base)["tokens_per_s"]:
             p["scaling_efficiency"] = p["tokens_per_s"] * base / (n * at(machine, settings, base)["tokens_per_s"])
             p["scaling_base_gpus"] = base
+            if p["scaling_efficiency"] > 1:
+                p["above_linear"] = above_linear(p, at(machine, settings, base))
+
+
+COMPUTE_PHASES = ("forward", "backward", "recompute")
+
+
+def above_linear(p: dict[str, Any], base: dict[str, Any]) -> str:
+    """Why a prediction scales past 100% of its baseline: the phases a rank spends less time in at its world
+    size, each with what shortens it (ZeRO's share of the optimizer step; for compute, the thread count a
+    rank gets here and the probe that timed it, whose own marks say how far to trust it)."""
+    ours, theirs = p["phases_ms"] or {}, base["phases_ms"] or {}
+    parts = []
+    for ph in PHASES:
+        now, was = ours.get(ph) or 0.0, theirs.get(ph) or 0.0
+        if now < 0.99 * was:
+            why = ("each rank steps its ZeRO share of the states" if ph == "optimizer" else
+                   "a rank's compute predicted faster: the probe timed it so at the threads a rank gets"
+                   if ph in COMPUTE_PHASES else "as predicted")
+            parts.append(f"{ph} {was:.1f} -> {now:.1f} ms ({why})")
+    marks = [m for m in p.get("confidence_marks") or [] if m not in (base.get("confidence_marks") or [])]
+    return "; ".join(parts or ["no phase shorter per rank"]) + (f"; {', '.join(marks)}" if marks else "")
 
 
 def order_by_value(predictions: list[dict[str, Any]]) -> None:

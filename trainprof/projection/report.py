@@ -105,8 +105,8 @@ def notes(result: dict[str, Any]) -> list[str]:
         f"MFU: {MFU_CONVENTION}",
         "scaling eff.: predicted tokens/s at N GPUs over N/N0 x the predicted tokens/s at N0 GPUs of the same kind "
         "and settings (the 'vs' column): N0 = 1, or where the settings do not fit one GPU the fewest (a power of two) "
-        "they fit; with ZeRO each of the N0 does a larger share of the optimizer step, so it can pass 100%; n/a on a "
-        "one-GPU row (the baseline)",
+        "they fit; with ZeRO each of the N0 does a larger share of the optimizer step, so it can pass 100% (a row "
+        "that does says which phases shrank per rank); n/a on a one-GPU row (the baseline)",
         "memory/GPU: trainprof plan's formulas for the target (plus what the source measured beyond them on the "
         "same machine); fits: under the catalog's memory capacity (on the source's machine: under "
         "train.memory_cap_gb, else its GPU's capacity less the CUDA context and allocator reserve plan counts)",
@@ -223,9 +223,10 @@ def render_short(result: dict[str, Any]) -> str:
             f"measured step {src['step_ms']:.1f} ms)")
     tail = [f"  {n}" for n in notes(result)[1:]
             if ": step not predicted:" in n or "does not fit" in n or "of host memory a GPU" in n]
-    if any((p.get("scaling_efficiency") or 0) > 1 for p in result["predictions"]):
-        tail.append("  scaling eff. above 100%: under ZeRO each GPU's share of the optimizer step (and of its states) "
-                    "shrinks as GPUs are added, which can outweigh what the collectives add; 'vs GPUs' is the baseline")
+    for p in result["predictions"]:
+        if p.get("above_linear"):
+            tail.append(f"  scaling eff. {p['scaling_efficiency']:.1%} on {p['hardware']} x {p['world_size']} against "
+                        f"{p['scaling_base_gpus']} ('vs GPUs'): per rank {p['above_linear']}")
     return "\n".join([head, *lines, *tail])
 
 

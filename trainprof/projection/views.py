@@ -17,6 +17,7 @@ SCALE_PROJECTED_COLUMNS = [
     Column("predicted_tokens_per_s", "projected tokens/s", fmt_num(0)),
     Column("predicted_efficiency", "projected efficiency", fmt_pct),
     Column("expected_error_pct", "expected error %", fmt_num(1)),
+    Column("marks", "confidence marks", fmt_text),
 ]
 
 
@@ -29,6 +30,7 @@ def project_scaling(points: list[dict[str, Any]], extra_sizes: list[int] | None 
     """
     from trainprof.hardware import load_catalog
     from trainprof.projection.measured import measured_from_profile
+    from trainprof.projection.project import above_linear
     from trainprof.projection.projector import Projector
     from trainprof.projection.source import load_source
     from trainprof.projection.validation import load_validation
@@ -44,14 +46,17 @@ def project_scaling(points: list[dict[str, Any]], extra_sizes: list[int] | None 
         for n in sizes:
             pred = projector.predict(recipe, world=n)
             if n == 1 or one is None and n == sizes[0]:
-                one = (n, pred["tokens_per_s"])
+                one = (n, pred["tokens_per_s"], pred)
             row: dict[str, Any] = {"world_size": n, "predicted_step_ms": pred["step_ms"],
                                    "predicted_tokens_per_s": pred["tokens_per_s"],
                                    # the source projected onto itself claims no expected error
                                    "expected_error_pct": None if n == ref["world_size"] else pred["expected_error_pct"],
+                                   "marks": "; ".join(pred.get("confidence_marks") or []) or None,
                                    "reason": (pred.get("reasons") or {}).get("step_ms")}
             if one and one[1] and pred["tokens_per_s"]:
                 row["predicted_efficiency"] = pred["tokens_per_s"] * one[0] / (n * one[1])
+                if row["predicted_efficiency"] > 1:
+                    row["above_linear"] = above_linear(pred, one[2])
             if n in measured:
                 prof = measured[n]["profile"]
                 m = measured_from_profile(prof)
@@ -66,6 +71,8 @@ def project_scaling(points: list[dict[str, Any]], extra_sizes: list[int] | None 
                  "efficiency is 100% by definition and it claims no expected error (its error % shows how well the "
                  "step model reproduces its own source)")
     notes += [f"N={r['world_size']}: not projected: {r['reason']}" for r in rows if r.get("reason")]
+    notes += [f"N={r['world_size']}: projected efficiency above 100%: per rank {r['above_linear']}"
+              for r in rows if r.get("above_linear")]
     return rows, notes
 
 
