@@ -61,6 +61,9 @@ TEMPLATES: dict[str, str] = {
     "comm_bound": ("predicted comm-bound: exposed communication is {share:.0%} of the step ({ms:.1f} ms), the "
                    "collectives' time beyond the compute they overlap: faster links shorten it and more tokens a step "
                    "hide more of it behind compute; a faster GPU or host does not shorten it"),
+    "carried_as_measured": ("{ms:.1f} ms of the step ({share:.0%}) is the CPU source's time outside its phases and its "
+                            "data wait, carried to the GPU as measured: whatever the script did there (gradient "
+                            "clipping, logging, a scheduler) is not re-rated for the GPU"),
     "host_ceiling": ("host on the source's own GPU kind: a device-bound phase's operator calls took its host at most "
                      "the phase over its calls ({phases} µs a call), below the catalog's reference, so at most that"),
     "host_time": ("host: {ops_per_step:,.0f} operator calls a step at {us_per_op:.1f} us each ({us_source}); a phase takes "

@@ -26,8 +26,8 @@ from trainprof.projection.machines import (by_host_path, catalog_link, gpu_host,
 from trainprof.projection.prices import price_for
 from trainprof.projection.source import PROBES_FILE, Source, ensure_calibration, kept_probe, same_machine_as_source
 from trainprof.projection.stepmodel import Change, Inputs, predict_phases, residual_ms
-from trainprof.projection.validation import (COMM_BOUND_MARK, COMM_BOUND_SHARE, HOST_BOUND_MARK, confidence,
-                                             cpu_to_gpu_task_error)
+from trainprof.projection.validation import (CARRIED_SHARE, COMM_BOUND_MARK, COMM_BOUND_SHARE, HOST_BOUND_MARK,
+                                             confidence, cpu_to_gpu_task_error)
 from trainprof.recipe import shape_label
 from trainprof.shapes import DTYPE_BYTES
 
@@ -484,6 +484,11 @@ class Projector:
             marks.append(f"{COMM_BOUND_MARK} ({comm / step_ms:.0%} of the step)")
         elif "host_bound_target" in noted:
             marks.append(HOST_BOUND_MARK)
+        carried = sum((phases or {}).get(ph) or 0.0 for ph in ("other", "data_wait"))
+        if step_ms and t.hardware is not None and src.measured.device_type == "cpu" and \
+                carried > CARRIED_SHARE * step_ms:
+            notes.append(assume("carried_as_measured", ms=carried, share=carried / step_ms))
+            marks.append(f"{carried / step_ms:.0%} of the step is the CPU run's time outside its phases, as measured")
         noisy = next((a.values["error"] for a in notes if a.kind == "probes_noisy"), None)
         if noisy is not None:
             marks.append(f"probed on a busy machine (±{noisy:.0%})")

@@ -18,6 +18,9 @@ GPU_VALIDATION_FILE = Path(__file__).with_name("validation_gpu.json")
 HOST_BOUND_MARK = "predicted host-bound"  # a GPU target's host calls outlast its device work (stepmodel)
 COMM_BOUND_MARK = "predicted comm-bound"  # exposed communication is most of the predicted step
 COMM_BOUND_SHARE = 0.5
+# a CPU source's time outside the phases (and its data wait) carried to a GPU as measured: past this share of
+# the predicted step the row says so, since nothing re-rates it for the GPU
+CARRIED_SHARE = 0.1
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
