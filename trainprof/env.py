@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import logging
+import math
 import os
 import platform
 import re
@@ -297,16 +298,71 @@ def apply_memory_cap(device: torch.device, cap_gb: float | None) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gb * 2**30 / total), device)
 
 
-def check_memory_cap(device: torch.device, cap_gb: float | None) -> None:
-    """On CPU, raise MemoryError once this process's peak RSS passes `cap_gb` (checked between steps,
-    so a step can overshoot before it is caught)."""
+class MemoryCapExceeded(MemoryError):
+    """The CPU cap train.memory_cap_gb was passed. Carries the peak that passed it: the failure is recorded
+    after the profiler has closed, by when the peak window may have been reset (profiler/memory.py)."""
+
+    def __init__(self, message: str, *, peak_bytes: int) -> None:
+        super().__init__(message)
+        self.peak_bytes = peak_bytes
+
+
+def check_memory_cap(device: torch.device, cap_gb: float | None, *, before_steps: bool = False) -> None:
+    """On CPU, raise MemoryCapExceeded once this process's peak RSS passes `cap_gb` (checked between
+    steps, so a step can overshoot before it is caught). `before_steps`: the check once the model is
+    built, whose overshoot is the process's own baseline, which no smaller batch lowers."""
     if cap_gb is None or device.type == "cuda":
         return
     peak = peak_memory_bytes(device)
     over = peak - cap_gb * 2**30
-    if over > 0:  # MiB, and by how much: two figures rounded alike can print the same
-        by = f"{over / 2**20:,.1f} MiB" if over >= 2**20 / 10 else f"{over / 2**10:,.0f} KiB"
-        raise MemoryError(
-            f"out of memory: peak RSS {peak / 2**20:,.1f} MiB exceeds train.memory_cap_gb={cap_gb} "
-            f"({cap_gb * 1024:,.1f} MiB) by {by} (CPU cap, checked after each step)"
-        )
+    if over <= 0:
+        return
+    cap = f"train.memory_cap_gb={cap_gb} ({cap_gb * 1024:,.1f} MiB)"
+    if before_steps:
+        raise MemoryCapExceeded(
+            f"out of memory before the first step: this rank's peak RSS once the model is built is already "
+            f"{peak / 2**20:,.1f} MiB (Python, libraries, model and optimizer), over {cap}; raise "
+            f"train.memory_cap_gb above {math.ceil(peak / 2**30 * 10) / 10:.1f} plus what a step needs",
+            peak_bytes=peak)
+    # MiB, and by how much: two figures rounded alike can print the same
+    by = f"{over / 2**20:,.1f} MiB" if over >= 2**20 / 10 else f"{over / 2**10:,.0f} KiB"
+    raise MemoryCapExceeded(
+        f"out of memory: peak RSS {peak / 2**20:,.1f} MiB exceeds {cap} by {by} (CPU cap, checked after each step)",
+        peak_bytes=peak)
+
+
+def cpu_slots() -> dict[str, Any]:
+    """What this rank may run on: its host, torch's intra-op threads and the cores it is allowed (affinity)."""
+    import socket
+
+    import torch
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return {"host": socket.gethostname(), "threads": torch.get_num_threads(), "cores": cores}
+
+
+def cpu_oversubscription(slots: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first host whose ranks run more threads than the cores they may use (cpu_slots of every rank),
+    as {host, ranks, threads, cores}; None when every host has a core per thread. Oversubscribed ranks
+    wait for a core inside their compute, which then reads as slow collectives and stragglers."""
+    by_host: dict[str, list[dict[str, Any]]] = {}
+    for s in slots:
+        by_host.setdefault(s["host"], []).append(s)
+    for host, mine in by_host.items():
+        threads = sum(s["threads"] for s in mine)
+        cores = len(set().union(*(s["cores"] for s in mine)))
+        if threads > cores:
+            return {"host": host, "ranks": len(mine), "threads": threads, "cores": cores,
+                    "how": "ranks on the host x torch intra-op threads per rank, against the cores in the "
+                           "union of their CPU affinity (os.sched_getaffinity)"}
+    return None
+
+
+def oversubscription_warning(ranks: int, threads_per_rank: int, cores: int) -> str | None:
+    """The one-line launch warning where `ranks` x `threads_per_rank` exceed `cores`, else None."""
+    if ranks * threads_per_rank <= cores:
+        return None
+    return (f"trainprof: warning: {ranks} rank(s) x {threads_per_rank} thread(s) each need "
+            f"{ranks * threads_per_rank} cores but this process may use {cores}: ranks will wait for cores and "
+            f"step times will read as communication and stragglers; use --nproc {max(1, cores // threads_per_rank)}"
+            " or fewer (recorded in profile.json env.oversubscribed)")

@@ -25,3 +25,8 @@ def tb_run_dir(run_dir: str | Path) -> Path:
     <run_dir>/tb` lists the run by its name (files directly in tb/ would be listed as `tb`)."""
     run_dir = Path(run_dir)
     return run_dir / "tb" / run_dir.name
+
+
+# every way a run gets operator traces, for the messages that find none
+TRACES_HOW = ("profile.ops=true in a recipe, `trainprof wrap --ops`, ops=True on the HF/Lightning callbacks, or "
+              "Profiler(ops=True, trace_dir=...)")

@@ -96,7 +96,7 @@ def record_failure(run_dir: Path, ctx):
     from trainprof.env import peak_memory_bytes
     from trainprof.io import atomic_write_json
 
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)  # torchrun stops survivors with SIGTERM
+    previous = signal.signal(signal.SIGTERM, raise_terminated)  # torchrun stops survivors with SIGTERM
     try:
         yield
     except BaseException as err:
@@ -108,7 +108,8 @@ def record_failure(run_dir: Path, ctx):
             "type": type(err).__name__,
             "signal": "SIGTERM" if isinstance(err, Terminated) else ("SIGINT" if isinstance(err, KeyboardInterrupt) else None),
             "message": str(err).strip().splitlines()[0][:500] if str(err).strip() else type(err).__name__,
-            "peak_memory_bytes": peak_memory_bytes(ctx.device),
+            # the cap's own figure: the peak window may have been reset since (profiler phases, write_partial)
+            "peak_memory_bytes": getattr(err, "peak_bytes", None) or peak_memory_bytes(ctx.device),
         })
         raise
     finally:
@@ -119,7 +120,7 @@ class Terminated(BaseException):
     """SIGTERM, raised in the main thread so record_failure can write the rank's failure file."""
 
 
-def _raise_terminated(signum: int, frame: Any) -> None:
+def raise_terminated(signum: int, frame: Any) -> None:
     raise Terminated(f"terminated by SIGTERM ({_who_sent_sigterm()})")
 
 
@@ -167,7 +168,7 @@ def build_run(recipe: Recipe, ctx, run_dir: Path):
     seed_everything(recipe.train.seed)
     apply_memory_cap(ctx.device, recipe.train.memory_cap_gb)
     engine = build_engine(recipe, ctx)
-    check_memory_cap(ctx.device, recipe.train.memory_cap_gb)
+    check_memory_cap(ctx.device, recipe.train.memory_cap_gb, before_steps=True)
     pipeline = engine.name == "pipeline"
     data_rank, data_ranks = data_split(engine, ctx)  # pipeline stages and model-parallel ranks share samples
     loader = build_loader(recipe, vocab_size=resolve_shape(recipe.model).vocab_size, rank=data_rank,
@@ -238,8 +239,9 @@ def finish_run(recipe: Recipe, ctx, engine, prof, steps: list[dict[str, Any]], r
     rank 0 also writes the run dir's files and prints the summary."""
     import torch
 
-    from trainprof.env import collect_env, memory_meter
+    from trainprof.env import collect_env, cpu_oversubscription, cpu_slots, memory_meter
     from trainprof.io import atomic_write_json
+    from trainprof.models import count_params
     from trainprof.report.run_report import write_run_files
     from trainprof.report.summary import terminal_summary
 
@@ -250,6 +252,8 @@ def finish_run(recipe: Recipe, ctx, engine, prof, steps: list[dict[str, Any]], r
     extra = {
         "peak_memory_bytes_max": max(s["peak_memory_bytes"] for s in measured),
         "memory_meter": memory_meter(ctx.device),
+        "cpu_slots": cpu_slots(),
+        "params": count_params(engine.module),
     }
     rank_extras = gather_to_rank0(extra, ctx)
     env = collect_env(ctx.device, ctx.world_size)
@@ -259,6 +263,10 @@ def finish_run(recipe: Recipe, ctx, engine, prof, steps: list[dict[str, Any]], r
     if ctx.rank == 0:
         profile["summary"]["peak_memory_bytes_max"] = max(e["peak_memory_bytes_max"] for e in rank_extras)
         profile["summary"]["memory_meter"] = extra["memory_meter"]
+        if ctx.device.type == "cpu":
+            profile["env"]["oversubscribed"] = cpu_oversubscription([e["cpu_slots"] for e in rank_extras])
+        if engine.name == "pipeline":  # each stage holds its own layers: the model is their sum
+            profile["params"] = {k: sum(e["params"][k] for e in rank_extras) for k in ("total", "trainable")}
         write_run_files(profile, run_dir)
         print(terminal_summary(profile, run_dir), file=sys.stderr)
     atomic_write_json(run_dir / f"profile.rank{ctx.rank}.json", prof.rank_result())
@@ -302,8 +310,28 @@ def main(argv: list[str] | None = None) -> int:
         check_world_size(recipe, int(os.environ.get("WORLD_SIZE", 1)))
     except RecipeError as err:
         return user_error(err)
-    train(recipe)
+    from trainprof.env import MemoryCapExceeded
+
+    try:
+        train(recipe)
+    except MemoryCapExceeded as err:  # the user's own cap: its line says all (record_failure wrote the file)
+        line = f"trainprof: rank {os.environ.get('RANK', 0)}: {err}"
+        print(line, file=sys.stderr, flush=True)
+        write_error_file(err, line)
+        return 1
     return 0
+
+
+def write_error_file(err: Exception, line: str) -> None:
+    """Under torchrun, this rank's TORCHELASTIC_ERROR_FILE (the format torch.distributed.elastic's @record
+    writes), so torchrun's failure report names `line` as the root cause instead of a link to its docs."""
+    import json
+
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": f"{type(err).__name__}: {err}",
+                                   "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
 
 
 def user_error(err: Exception) -> int:
@@ -319,32 +347,22 @@ def user_error(err: Exception) -> int:
     rendezvous store). A waiting rank writes its error file when it exits, stopped by torchrun or at the end of
     its wait: torchrun names the failure with the earliest timestamp (whole seconds) its root cause, and one written
     before rank 0's named a rank torchrun had stopped (exit code -15)."""
-    import json
-
     line = f"trainprof: {err}"
     rank = int(os.environ.get("RANK", 0))
     first_of_another_node = int(os.environ.get("GROUP_RANK", 0)) > 0 and int(os.environ.get("LOCAL_RANK", 0)) == 0
     says_it = rank == 0 or first_of_another_node
     if says_it:
         print(line, file=sys.stderr, flush=True)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-
-    def write_error_file() -> None:
-        if error_file:
-            with open(error_file, "w") as f:
-                json.dump({"message": {"message": f"{type(err).__name__}: {err}",
-                                       "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
-
     if not says_it:
         def stopped(*_: Any) -> None:
-            write_error_file()
+            write_error_file(err, line)
             os._exit(2)
 
         signal.signal(signal.SIGTERM, stopped)
         time.sleep(RANK0_WAIT_S)
-        write_error_file()
+        write_error_file(err, line)
         return 2
-    write_error_file()
+    write_error_file(err, line)
     if int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1:
         time.sleep(NODES_GRACE_S)
     return 2

@@ -12,13 +12,15 @@ import functools
 import importlib.abc
 import importlib.util
 import runpy
+import signal
 import sys
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 from trainprof.commands.run import non_negative_int
-from trainprof.integrations.session import DEFAULT_MODULE_DEPTH, DEFAULT_WARMUP_STEPS, ProfileSession, default_output_dir
+from trainprof.integrations.session import (DEFAULT_MODULE_DEPTH, DEFAULT_WARMUP_STEPS, ProfileSession,
+                                           default_output_dir, output_dir_problem)
 
 
 # what the wrapper attaches to, for both `--help`s
@@ -32,8 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"optimizer steps not measured (default {DEFAULT_WARMUP_STEPS})")
     parser.add_argument("--module-depth", type=non_negative_int, default=DEFAULT_MODULE_DEPTH,
                         help=f"deepest module level timed, 0 = the model (default {DEFAULT_MODULE_DEPTH})")
+    parser.add_argument("--ops", action="store_true", help="trace operators on the first measured step: ops.csv and "
+                        "a trace in the run dir's tb/ for `trainprof tb`")
     parser.add_argument("script", help="the training script, run as __main__")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments, passed through")
+    # REMAINDER positionals count as required, so argparse would name `args` missing beside `script`
+    rest = parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments, passed through")
+    rest.required = False
     return parser
 
 
@@ -119,15 +125,15 @@ def _wrap_init(cls: type, before: Callable[[dict], None] | None = None,
 class Wrapper:
     """The patches one wrapped script gets, and the sessions they create."""
 
-    def __init__(self, name: str, output_dir: str, warmup_steps: int, module_depth: int) -> None:
+    def __init__(self, name: str, output_dir: str, warmup_steps: int, module_depth: int, ops: bool = False) -> None:
         self.name, self.output_dir = name, output_dir
-        self.warmup_steps, self.module_depth = warmup_steps, module_depth
+        self.warmup_steps, self.module_depth, self.ops = warmup_steps, module_depth, ops
         self.sessions: list[ProfileSession] = []
 
     def new_session(self, framework: str) -> ProfileSession:
         session = ProfileSession(self.output_dir, name=self.name, warmup_steps=self.warmup_steps,
                                  module_depth=self.module_depth, framework=framework,
-                                 loop_code_as_other=framework != "deepspeed")
+                                 loop_code_as_other=framework != "deepspeed", ops=self.ops)
         self.sessions.append(session)
         return session
 
@@ -196,13 +202,11 @@ class Wrapper:
 
         module.destroy_process_group = destroy_process_group
 
-    def finish(self) -> None:
+    def finish(self, partial_reason: str | None = None) -> None:
+        """Write each session's run dir; `partial_reason`: why the script stopped early (its profiles
+        are marked partial). The script's outcome stands whatever happens here."""
         for session in self.sessions:
-            try:
-                session.finish()
-            except Exception:  # the script's outcome stands; say why no profile was written
-                print(f"trainprof: profile not written for the {session.framework} run:", file=sys.stderr)
-                traceback.print_exc()
+            session.finish_at_end(partial_reason=partial_reason)
 
 
 def exit_code(err: SystemExit) -> int:
@@ -216,24 +220,36 @@ def exit_code(err: SystemExit) -> int:
 
 
 def run_script(script: str, args: list[str], wrapper: Wrapper) -> int:
-    """Run `script` as __main__ with sys.argv = [script, *args]; finish the profile; its exit code."""
+    """Run `script` as __main__ with sys.argv = [script, *args]; finish the profile; its exit code (a
+    script stopped by SIGINT or SIGTERM exits 130 or 143, as the signal would have made it)."""
+    from trainprof.run import raise_terminated
+
     path = Path(script)
     if not path.is_file():
         print(f"trainprof: script '{script}' not found; pass the path of a Python training script", file=sys.stderr)
+        return 2
+    problem = output_dir_problem(wrapper.output_dir)
+    if problem is not None:
+        print(f"trainprof: cannot write run dirs to '{wrapper.output_dir}' ($TRAINPROF_OUTPUT_DIR or runs/): "
+              f"{problem}; set TRAINPROF_OUTPUT_DIR to a writable directory", file=sys.stderr)
         return 2
     finder = _AfterImport(wrapper.patches())
     sys.meta_path.insert(0, finder)
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
-    failed = False
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # stopped by SIGTERM, the steps so far are still written
+        signal.signal(signal.SIGTERM, raise_terminated)
+    failed, partial = False, None
     try:
         runpy.run_path(str(path), run_name="__main__")
         code = 0
     except SystemExit as err:
         code = exit_code(err)
-    except BaseException:
+        partial = f"the script exited with code {code}" if code else None
+    except BaseException as err:
         traceback.print_exc()
-        code, failed = 1, True
+        failed, partial = True, stopped_because(err)
+        code = exit_code_of(err)
     finally:
         if finder in sys.meta_path:
             sys.meta_path.remove(finder)
@@ -241,7 +257,7 @@ def run_script(script: str, args: list[str], wrapper: Wrapper) -> int:
 
     dist = "torch.distributed" in sys.modules and torch.distributed.is_initialized()
     if not failed or not dist:  # after an exception another rank may never join the collective
-        wrapper.finish()
+        wrapper.finish(partial)
         quiet_rank = dist and torch.distributed.get_rank() != 0
         if code == 0 and not quiet_rank and not any(s.prof is not None for s in wrapper.sessions):
             print(f"trainprof wrap: nothing profiled: {script} trained through none of deepspeed.initialize, "
@@ -253,9 +269,30 @@ def run_script(script: str, args: list[str], wrapper: Wrapper) -> int:
     return code
 
 
+def exit_code_of(err: BaseException) -> int:
+    """A shell's exit code for a script that stopped with `err`: 128 + the signal that raised it, else 1."""
+    from trainprof.run import Terminated
+
+    if isinstance(err, KeyboardInterrupt):
+        return 128 + signal.SIGINT
+    return 128 + signal.SIGTERM if isinstance(err, Terminated) else 1
+
+
+def stopped_because(err: BaseException) -> str:
+    """profile.json's `partial_reason` for a script that stopped with `err` (one line)."""
+    from trainprof.run import Terminated
+
+    if isinstance(err, KeyboardInterrupt):
+        return "the script was interrupted by SIGINT (Ctrl-C)"
+    if isinstance(err, Terminated):
+        return f"the script was stopped: {err}"
+    text = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+    return f"the script raised {type(err).__name__}" + (f": {text}" if text else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    wrapper = Wrapper(Path(args.script).stem, default_output_dir(), args.warmup_steps, args.module_depth)
+    wrapper = Wrapper(Path(args.script).stem, default_output_dir(), args.warmup_steps, args.module_depth, args.ops)
     return run_script(args.script, args.args, wrapper)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.analysis.trace import STEP_MARKER, iter_events, op_name
+from trainprof.layout import TRACES_HOW
 
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # Kineto's device-side activity categories
@@ -73,8 +74,8 @@ def phase_busy(profile: dict[str, Any]) -> tuple[list[PhaseBusy] | None, str | N
                       "host time there, not kernel time, so the GPU's busy share is not defined")
     info = profile.get("ops_info") or {}
     if not profile.get("ops") or not info.get("steps"):
-        return None, ("no operator trace (recipe profile.ops false, or no traced step): the GPU's kernel time per "
-                      "phase comes from the traced step; set profile.ops=true")
+        return None, ("no operator trace (tracing off, or no traced step): the GPU's kernel time per phase comes "
+                      f"from the traced step; trace one with {TRACES_HOW}")
     step_ms = (s.get("step_ms") or {}).get("median")
     phases = s.get("phases_ms") or {}
     if not step_ms or not phases:

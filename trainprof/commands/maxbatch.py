@@ -87,7 +87,8 @@ def _maxbatch(args: argparse.Namespace) -> int:
         print(f"trainprof: maxbatch interrupted; tries so far are kept in {state.path}; run the same command again "
               "to resume", file=sys.stderr)
         return 130
-    return 1 if any(r["status"] == "error" for r in rows) else 0
+    # a configuration where not even micro batch 1 fits has no answer: a failure, as a launch error is
+    return 1 if any(r["status"] in ("error", "none fits") for r in rows) else 0
 
 
 def _no_cap_message(config: str | None, ranks: int, limit: int) -> str:

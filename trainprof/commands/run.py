@@ -48,8 +48,26 @@ def _run(args: argparse.Namespace) -> int:
     check_environment(recipe, cuda_available=torch.cuda.is_available())
     check_world_size(recipe, args.nproc)
     cmd = launch_command(args.recipe, args.overrides, nproc=args.nproc)
+    if not torch.cuda.is_available():
+        warn_oversubscribed(args.nproc, torch.get_num_threads())
     print("+ " + " ".join(cmd), file=sys.stderr)
     return subprocess.call(cmd)
+
+
+def warn_oversubscribed(nproc: int, one_process_threads: int) -> None:
+    """One line on stderr where the ranks' threads outnumber the cores this launch may use: the run then
+    measures the machine's contention, not the recipe."""
+    import os
+
+    from trainprof.env import oversubscription_warning
+
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    # torchrun sets OMP_NUM_THREADS=1 for each rank where it is unset; one rank runs without torchrun
+    threads = int(given) if given.isdigit() and int(given) > 0 else (1 if nproc > 1 else one_process_threads)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    line = oversubscription_warning(nproc, threads, cores)
+    if line:
+        print(line, file=sys.stderr)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

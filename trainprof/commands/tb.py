@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from trainprof.distributed import free_port
+from trainprof.layout import TRACES_HOW
 
 HOST = "127.0.0.1"  # loopback only: traces name hosts, paths and code; do not serve them to the network
 START_TIMEOUT_S = 90
@@ -29,8 +30,16 @@ def tb_dir(path: str | Path) -> Path:
         return path / "tb"
     if path.is_dir() and (_files_at_top(path) or any(path.glob("*/events.out.tfevents.*"))):
         return path
-    raise UserError(f"'{path}' has no tb/ dir with traces or scalars; run with profile.ops=true, or "
-                    f"`trainprof report {path}` to write its scalars")
+    raise UserError(f"'{path}' has no tb/ dir with traces or scalars; `trainprof report {path}` writes its "
+                    f"scalars, and {TRACES_FROM} traces")
+
+
+TRACES_FROM = f"{TRACES_HOW} write operator"
+
+
+def has_traces(run_dirs: list[str | Path]) -> bool:
+    """Whether any of the runs holds a Kineto trace (the PyTorch Profiler tab is empty otherwise)."""
+    return any(next(tb_dir(p).rglob("*.pt.trace.json*"), None) is not None for p in run_dirs)
 
 
 def _files_at_top(d: Path) -> bool:
@@ -135,8 +144,13 @@ def _tb(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         proc, url = start_tensorboard(logdir, args.port, quiet=not args.verbose)
-        print(f"TensorBoard: {url}/#pytorch_profiler (traces)  {url}/#timeseries (scalars)  logdir {logdir}",
-              flush=True)
+        if has_traces(args.run_dirs):
+            print(f"TensorBoard: {url}/#pytorch_profiler (traces)  {url}/#timeseries (scalars)  logdir {logdir}",
+                  flush=True)
+        else:
+            print(f"TensorBoard: {url}/#timeseries (scalars)  logdir {logdir}", flush=True)
+            print(f"trainprof: no operator traces in {'these runs' if len(args.run_dirs) > 1 else 'this run'}: "
+                  f"{TRACES_FROM} traces", file=sys.stderr, flush=True)
         print("Ctrl-C stops it.", file=sys.stderr, flush=True)
         if args.no_wait:
             proc = None  # leave it running

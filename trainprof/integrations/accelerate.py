@@ -73,6 +73,7 @@ class AccelerateRun:
 
     def _on_update(self, *args: Any) -> None:
         self.stepped = True
+        self.session.open_step_updated = True  # a step still open when the script ends is a whole one
 
     def _step_over(self) -> None:
         """End the step whose update ran (the loop has gone on to the next batch)."""

@@ -27,14 +27,15 @@ class TrainprofCallback(TrainerCallback):
         name: run name (default "hf-trainer").
         warmup_steps: leading optimizer steps not measured.
         module_depth: deepest module level timed (0 = the Trainer's model).
+        ops: trace operators on the first measured step (ops.csv, and a trace for `trainprof tb`).
         session: an existing session to drive (what `trainprof.wrap` passes).
     """
 
     def __init__(self, output_dir: str | Path | None = None, *, name: str = "hf-trainer",
                  warmup_steps: int = DEFAULT_WARMUP_STEPS, module_depth: int = DEFAULT_MODULE_DEPTH,
-                 session: ProfileSession | None = None) -> None:
+                 ops: bool = False, session: ProfileSession | None = None) -> None:
         self.session = session or ProfileSession(output_dir, name=name, warmup_steps=warmup_steps,
-                                                 module_depth=module_depth, framework="hf")
+                                                 module_depth=module_depth, framework="hf", ops=ops)
         self.run_dir: Path | None = None
         self._hook = None
 
@@ -79,4 +80,4 @@ class TrainprofCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        self.run_dir = self.session.finish()
+        self.run_dir = self.session.finish_at_end()

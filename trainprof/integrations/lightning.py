@@ -31,14 +31,15 @@ class TrainprofCallback(Callback):
         name: run name (default "lightning").
         warmup_steps: leading optimizer steps not measured.
         module_depth: deepest module level timed (0 = `profiled_model(pl_module)`).
+        ops: trace operators on the first measured step (ops.csv, and a trace for `trainprof tb`).
         session: an existing session to drive (what `trainprof.wrap` passes).
     """
 
     def __init__(self, output_dir: str | Path | None = None, *, name: str = "lightning",
                  warmup_steps: int = DEFAULT_WARMUP_STEPS, module_depth: int = DEFAULT_MODULE_DEPTH,
-                 session: ProfileSession | None = None) -> None:
+                 ops: bool = False, session: ProfileSession | None = None) -> None:
         self.session = session or ProfileSession(output_dir, name=name, warmup_steps=warmup_steps,
-                                                 module_depth=module_depth, framework="lightning")
+                                                 module_depth=module_depth, framework="lightning", ops=ops)
         self.run_dir: Path | None = None
         self._optimizer_phase = None
         self._stepped = False
@@ -90,7 +91,7 @@ class TrainprofCallback(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._close_optimizer_phase()
-        self.run_dir = self.session.finish()
+        self.run_dir = self.session.finish_at_end()
 
     def _close_optimizer_phase(self) -> None:
         if self._optimizer_phase is not None:

@@ -29,17 +29,21 @@ class ProfileSession:
         loop_code_as_other: mark the whole step as an "other" region under the model phases, so the
             framework's own code between them (gradient clipping, LR scheduler, callbacks, logging) is
             the "other" phase rather than unattributed.
+        ops: trace operators (torch.profiler) on the first measured step: ops.csv, and a Kineto trace in
+            the run dir's tb/<run name>/ for TensorBoard's PyTorch Profiler tab (`trainprof tb RUN_DIR`).
     """
 
     def __init__(self, output_dir: str | Path | None = None, *, name: str = "run",
                  warmup_steps: int = DEFAULT_WARMUP_STEPS, module_depth: int = DEFAULT_MODULE_DEPTH,
-                 framework: str = "custom", loop_code_as_other: bool = True) -> None:
+                 framework: str = "custom", loop_code_as_other: bool = True, ops: bool = False) -> None:
         self.output_dir = Path(output_dir if output_dir is not None else default_output_dir())
         self.name = name
         self.warmup_steps = warmup_steps
         self.module_depth = module_depth
         self.framework = framework
         self.loop_code_as_other = loop_code_as_other
+        self.ops = ops
+        self._trace_staging: Path | None = None  # traces are written before the run dir exists (made at the end)
         self.prof = None
         self.model = None
         self.engine_config: dict[str, Any] | None = None
@@ -47,6 +51,8 @@ class ProfileSession:
         self._step_cm = None
         self._other_cm = None
         self._last_end = None  # timer stamp of the previous step's end: the next step's data wait starts there
+        self.updates = 0  # optimizer steps whose update ran (end_step calls)
+        self.open_step_updated = False  # set by an integration that ends a step only when the loop goes on
         self.finished = False
 
     # -- attaching and steps -----------------------------------------------------------------------
@@ -72,6 +78,11 @@ class ProfileSession:
         wrapper_levels += 2 if hasattr(inner, "get_base_model") else 0  # peft
         kwargs: dict[str, Any] = dict(module_depth=self.module_depth + wrapper_levels,
                                       warmup_steps=self.warmup_steps)
+        if self.ops:
+            import tempfile
+
+            self._trace_staging = Path(tempfile.mkdtemp(prefix="trainprof-traces-"))
+            kwargs.update(ops=True, trace_dir=self._trace_staging)
         kwargs.update(profiler_kwargs)
         self.model = model
         self.prof = Profiler(model, optimizer, time_optimizer=time_optimizer, **kwargs)
@@ -94,13 +105,18 @@ class ProfileSession:
             self._other_cm.__enter__()
 
     def end_step(self) -> None:
-        """The optimizer step (all its micro batches) is over."""
+        """The optimizer step (all its micro batches) is over: its update ran."""
         if self._step_cm is None:
             return
+        self.updates += 1
+        self._close_step()
+
+    def _close_step(self) -> None:
         if self._other_cm is not None:
             self._other_cm.__exit__(None, None, None)
             self._other_cm = None
         cm, self._step_cm = self._step_cm, None
+        self.open_step_updated = False
         cm.__exit__(None, None, None)
         self._last_end = self.prof.timer.now()  # a CUDA event recorded after release() lives until the next step
 
@@ -134,45 +150,139 @@ class ProfileSession:
 
     # -- the run dir -------------------------------------------------------------------------------
 
-    def finish(self) -> Path | None:
+    def finish(self, *, partial_reason: str | None = None) -> Path | None:
         """Close the profiler and write the run dir. A collective when torch.distributed is
         initialized: call it on every rank while the process group is alive. Returns the run dir
-        (None when nothing was attached or it already ran)."""
+        (None when nothing was attached, it already ran or nothing could be written).
+
+        Args:
+            partial_reason: why the run stopped before the loop ended (the script raised, a signal);
+                the profile is then marked partial, as `trainprof run` marks a rank that stopped early.
+        """
+        if self.prof is None or self.finished:
+            return None
+        prof = self.prof
+        open_updated = self.in_step and self.open_step_updated  # a step its integration ends lazily (Accelerate)
+        updates = self.updates + open_updated
+        cut_short = self.in_step and not open_updated and partial_reason is not None
+        recorded = len(prof.steps)
+        if self.in_step:
+            self._close_step()
+        if cut_short and len(prof.steps) > recorded:
+            prof.discard_last_step()  # stopped inside a step, before its update: not a step
+        self.finished = True
+        prof.close()
+        try:
+            return self._write(prof, updates, partial_reason)
+        finally:
+            if self._trace_staging is not None:
+                import shutil
+
+                shutil.rmtree(self._trace_staging, ignore_errors=True)
+
+    def _write(self, prof: Any, updates: int, partial_reason: str | None) -> Path | None:
         import torch
 
-        from trainprof.distributed import shared_run_dir
-        from trainprof.env import memory_meter
         from trainprof.io import atomic_write_json
         from trainprof.report.run_report import write_run_files
 
-        if self.prof is None or self.finished:
-            return None
-        self.end_step()
-        self.finished = True
-        prof = self.prof
-        prof.close()
-        if not any(not s.warmup for s in prof.steps):
+        if updates == 0 or not any(not s.warmup for s in prof.steps):
             if prof.rank == 0:
-                print(f"trainprof: no measured step ({len(prof.steps)} optimizer steps seen, "
-                      f"{self.warmup_steps} warm-up): no run dir written", file=sys.stderr)
+                print(f"trainprof: no run dir written: {no_measured_step(updates, self.warmup_steps)}",
+                      file=sys.stderr)
             return None
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
-        self.run_dir = shared_run_dir(self.output_dir, self.name)
-        profile = prof.result(engine={"kind": self.framework, "config": self.engine_config})
-        profile["partial"] = False
-        profile["summary"]["memory_meter"] = memory_meter(prof.device)
-        if prof.rank == 0:
-            write_run_files(profile, self.run_dir)
-            s = profile["summary"]
-            measured = [st for st in profile["steps"] if not st.get("warmup")]
-            used = sum(not st.get("instrumented") for st in measured) or len(measured)
-            # a step slowed by FLOP counting or tracing is measured but left out of the medians (summary.md's count)
-            medians = f" ({used} in the medians, {len(measured) - used} instrumented)" if used != len(measured) else ""
-            print(f"trainprof: {self.framework} run profiled: {len(measured)} measured steps{medians}, "
-                  f"median step {s['step_ms']['median']:.1f} ms, unattributed "
-                  f"{100 * (s.get('unattributed_frac') or 0):.2f}%; run dir {self.run_dir}", file=sys.stderr)
-        atomic_write_json(self.run_dir / f"profile.rank{prof.rank}.json", prof.rank_result())
-        if dist:
-            torch.distributed.barrier()
+        self.run_dir = self._new_run_dir(dist, prof.rank)
+        profile = prof.result(engine={"kind": self.framework, "config": self.engine_config})  # a collective
+        if self.run_dir is None:
+            return None
+        profile["partial"] = partial_reason is not None
+        if partial_reason is not None:
+            profile["partial_reason"] = partial_reason
+        try:
+            self._move_traces()
+            if prof.rank == 0:
+                write_run_files(profile, self.run_dir)
+                print(self._done_line(profile), file=sys.stderr)
+            atomic_write_json(self.run_dir / f"profile.rank{prof.rank}.json", prof.rank_result())
+        finally:
+            if dist:
+                torch.distributed.barrier()
         return self.run_dir
 
+    def _move_traces(self) -> None:
+        """This rank's traces into the run dir's tb/<run name>/ (where TensorBoard lists them by run)."""
+        import shutil
+
+        from trainprof.layout import tb_run_dir
+
+        if self._trace_staging is None or not self._trace_staging.is_dir():
+            return
+        target = tb_run_dir(self.run_dir)
+        target.mkdir(parents=True, exist_ok=True)
+        for f in self._trace_staging.iterdir():
+            if not (target / f.name).exists():  # kineto.log: the first rank's is kept
+                shutil.move(str(f), target / f.name)
+
+    def _new_run_dir(self, dist: bool, rank: int) -> Path | None:
+        """<output_dir>/<name>-<UTC timestamp>/, made on rank 0 and broadcast; None on every rank (and one
+        line on rank 0) when it cannot be made, so no rank waits for a rank that gave up."""
+        from trainprof.layout import new_run_dir
+
+        box: list[Any] = [None]
+        if rank == 0:
+            try:
+                box[0] = str(new_run_dir(self.output_dir, self.name))
+            except OSError as err:
+                print(f"trainprof: profile not saved: cannot create a run dir in '{self.output_dir}' "
+                      f"({err.strerror or err}); set TRAINPROF_OUTPUT_DIR (or output_dir=) to a writable "
+                      "directory", file=sys.stderr)
+        if dist:
+            import torch
+
+            torch.distributed.broadcast_object_list(box, src=0)
+        return Path(box[0]) if box[0] is not None else None
+
+    def _done_line(self, profile: dict[str, Any]) -> str:
+        s = profile["summary"]
+        measured = [st for st in profile["steps"] if not st.get("warmup")]
+        used = sum(not st.get("instrumented") for st in measured) or len(measured)
+        # a step slowed by FLOP counting or tracing is measured but left out of the medians (summary.md's count)
+        medians = f" ({used} in the medians, {len(measured) - used} instrumented)" if used != len(measured) else ""
+        partial = f" PARTIAL ({profile['partial_reason']})" if profile.get("partial") else ""
+        return (f"trainprof: {self.framework} run profiled{partial}: {len(measured)} measured steps{medians}, "
+                f"median step {s['step_ms']['median']:.1f} ms, unattributed "
+                f"{100 * (s.get('unattributed_frac') or 0):.2f}%; run dir {self.run_dir}")
+
+    def finish_at_end(self, *, partial_reason: str | None = None) -> Path | None:
+        """`finish` for the end of someone else's training: a profile that cannot be saved is one line on
+        stderr, never an exception out of the user's `train()` or script."""
+        try:
+            return self.finish(partial_reason=partial_reason)
+        except Exception as err:  # noqa: BLE001  the training finished; its profile is what failed
+            print(f"trainprof: profile not saved for the {self.framework} run ({type(err).__name__}: {err}); "
+                  "the training itself is unaffected", file=sys.stderr)
+            return None
+
+
+def no_measured_step(updates: int, warmup_steps: int) -> str:
+    """Why a session measured no step, in words."""
+    if updates == 0:
+        return ("the optimizer was never stepped (trainprof profiles optimizer steps: call optimizer.step() in "
+                "the loop)")
+    return (f"no measured step: {updates} optimizer step(s) seen, all of them warm-up (warm-up {warmup_steps}: "
+            "train longer or lower warmup_steps / --warmup-steps)")
+
+
+def output_dir_problem(output_dir: str | Path) -> str | None:
+    """Why run dirs cannot be created under `output_dir` (None when they can): checked before a wrapped
+    script runs, so an unusable dir is not found only after training. Creates nothing."""
+    path = Path(output_dir).absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"'{existing}' is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"'{existing}' is not writable"
+    return None

@@ -31,7 +31,7 @@ from trainprof.models import count_params
 from trainprof.phases import REGION_PHASES
 from trainprof.profiler.comm import CommTracer, comm_total_ms
 from trainprof.profiler.compiled import DynamoWatch, compile_block
-from trainprof.profiler.flops import FlopCounter, analytic_flops
+from trainprof.profiler.flops import FlopCounter, analytic_flops, note_missing_analytic
 from trainprof.profiler.fsdp import owned as fsdp_owned, param_groups as fsdp_param_groups, watch as watch_fsdp
 from trainprof.profiler.hooks import ModuleHooks
 from trainprof.profiler.journal import JOURNAL_INTERVAL_S, Journal, journal_path
@@ -90,7 +90,9 @@ class Profiler:
         module_depth: deepest module level timed (0 = the model itself; 4 = a Llama's attention, MLP and
             norms, as recipes and `trainprof wrap` time them).
         enabled: False installs nothing and records only step wall times.
-        warmup_steps: leading `step()`s that are not measured (the last one counts FLOPs).
+        warmup_steps: leading `step()`s that are not measured (the last one counts FLOPs). 0 measures the
+            first step too (compilation, optimizer-state allocation); a compiled model's recompilations
+            are then counted from the second step.
         active_steps: measured steps after warm-up (None: every step).
         flops: count FLOPs on one step (the last warm-up step, else the first step, then flagged).
         ops: trace aten operators with torch.profiler on `ops_steps` measured steps.
@@ -166,6 +168,7 @@ class Profiler:
         self._origin_unix_ns: int | None = None
         self._undo: list[Any] = []  # callables that remove the call wrappers
         self._closed = False
+        self._saved_to: set[Path] = set()  # run dirs this Profiler saved to: saving again there updates its own files
         self.memory = PhaseMemory(self.device) if (memory and enabled) else None
         self.hooks: ModuleHooks | None = None
         self.dynamo: DynamoWatch | None = None  # a compiled model: dynamo's counters (profiler/compiled.py)
@@ -262,6 +265,13 @@ class Profiler:
         if not self._steps or self.last_timeline is None:
             return None
         return self._steps[-1], self.last_timeline
+
+    def discard_last_step(self) -> None:
+        """Forget the newest recorded step: one the loop never finished (cut short by an exception or a
+        signal before its update), whose partial times would read as a step's."""
+        if self._steps:
+            record = self._steps.pop()
+            self._unanalysed = [(r, t) for r, t in self._unanalysed if r is not record]
 
     def _analyse_waiting(self) -> None:
         if self._unanalysed:
@@ -364,8 +374,8 @@ class Profiler:
                 if self.batch_shape is not None:
                     self.batch_shape.step_ended()
             return
-        if measured and self.dynamo is not None:
-            self.dynamo.mark("measured")
+        if measured and self.dynamo is not None and (self.warmup_steps or index > 0):
+            self.dynamo.mark("measured")  # with no warm-up, from the second step: the first one compiles
         ops_phase = None
         if self.ops and measured and not flops_step and self.hooks is not None:
             ops_phase = self._op_tracer.begin_step(index - self.warmup_steps, self._range_names,
@@ -643,6 +653,10 @@ class Profiler:
     def rank_result(self) -> dict[str, Any]:
         """This rank's profile (what profile.rank<r>.json holds); no collective."""
         out = rank_profile(self)
+        dynamo = (out.get("compile") or {}).get("dynamo")
+        if dynamo and not self.warmup_steps:
+            dynamo["source"] += ("; with no warm-up step, during_measured_steps counts from the second measured step "
+                                 "(the first one compiles)")
         if self.ops:
             out["ops_info"].update(self._op_tracer.info())
         out.update(telemetry_fields(self.telemetry, self.telemetry_reason))
@@ -676,6 +690,7 @@ class Profiler:
         else:
             merged = merge_ranks([local])
         merged["params"] = count_params(params_of if params_of is not None else self.model)
+        note_missing_analytic(merged.setdefault("summary", {}), self.model, self._seq_len)
         if engine is not None:
             merged["engine"] = engine
         if self.recipe is None:  # a loop of the user's own: what `trainprof project` rebuilds a recipe from
@@ -700,10 +715,17 @@ class Profiler:
         Returns:
             The merged profile.
         """
+        from trainprof.errors import UserError
         from trainprof.io import atomic_write_json
 
         run_dir = Path(run_dir)
+        # another run's profile.json there would be replaced and its projections, calibration and traces
+        # left beside this one: `trainprof report` would mix the two runs
+        if (run_dir / "profile.json").exists() and run_dir.resolve() not in self._saved_to:
+            raise UserError(f"'{run_dir}' already holds another run's profile.json; save to a new dir "
+                            "(trainprof.layout.new_run_dir(parent, name) makes a timestamped one) or remove it first")
         run_dir.mkdir(parents=True, exist_ok=True)
+        self._saved_to.add(run_dir.resolve())
         merged = self.result(recipe=recipe, env=env)
         atomic_write_json(run_dir / f"profile.rank{self.rank}.json", self.rank_result())
         self.discard_journal()

@@ -160,6 +160,51 @@ class FlopCounter(TorchDispatchMode):
                 self.uncounted[f"{namespace}::{name}"] += 1
 
 
+# wrappers that hold the model in an attribute: DDP, FSDP1 and DeepSpeed's engine (`module`), torch.compile
+# (`_orig_mod`); FSDP2's fully_shard changes the model in place and keeps its config
+_WRAPPED_IN = ("_orig_mod", "module")
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model under DDP / FSDP / DeepSpeed / torch.compile wrappers: the first one whose config has a layer
+    count (the model itself where none does)."""
+    seen = set()  # DeepSpeed's engine has a `config` of its own (its JSON): look for the model's shape
+    while getattr(getattr(model, "config", None), "num_hidden_layers", None) is None and id(model) not in seen:
+        seen.add(id(model))
+        inner = next((getattr(model, a) for a in _WRAPPED_IN if isinstance(getattr(model, a, None), torch.nn.Module)),
+                     None)
+        if inner is None:
+            break
+        model = inner
+    return model
+
+
+def _shape(model: torch.nn.Module) -> tuple[Any, int | None, int | None, int | None]:
+    cfg = getattr(unwrap_model(model), "config", None)
+    return (cfg, getattr(cfg, "num_hidden_layers", None), getattr(cfg, "num_attention_heads", None),
+            getattr(cfg, "hidden_size", None))
+
+
+def analytic_missing_reason(model: torch.nn.Module, seq_len: int | None) -> str | None:
+    """Why analytic_flops has no estimate for `model` (None when it has one)."""
+    cfg, layers, heads, hidden = _shape(model)
+    if cfg is None:
+        return (f"no analytic FLOPs: the model ({type(unwrap_model(model)).__name__}) has no Hugging Face-style "
+                "`config` (under .module / ._orig_mod wrappers included)")
+    missing = [k for k, v in (("num_hidden_layers", layers), ("num_attention_heads", heads),
+                              ("hidden_size", hidden)) if not v]
+    if missing:
+        return f"no analytic FLOPs: the model's config has no {', '.join(missing)}"
+    return None if seq_len else "no analytic FLOPs: the sequence length was not seen (no batch with input_ids)"
+
+
+def note_missing_analytic(summary: dict[str, Any], model: torch.nn.Module, seq_len: int | None) -> None:
+    """FLOPs counted without the PaLM cross-check: summary.analytic_reason says why it is null."""
+    if summary.get("flops_per_step") and summary.get("analytic") is None:
+        summary["analytic_reason"] = analytic_missing_reason(model, seq_len) or \
+            "no analytic FLOPs: no step's tokens were counted"
+
+
 def analytic_flops(model: torch.nn.Module, seq_len: int | None) -> dict[str, Any] | None:
     """PaLM appendix B estimate of training FLOPs per token: 6N + 12*L*H*Q*T.
 
@@ -167,16 +212,16 @@ def analytic_flops(model: torch.nn.Module, seq_len: int | None) -> dict[str, Any
     (LoRA base) count 4N instead of 6N (forward 2N + input gradient 2N, no weight gradient).
 
     Args:
-        model: a model with a Hugging Face config (num_hidden_layers, num_attention_heads, hidden_size).
+        model: a model with a Hugging Face config (num_hidden_layers, num_attention_heads, hidden_size),
+            or a DDP / FSDP / DeepSpeed / torch.compile wrapper of one.
         seq_len: T, tokens per sequence.
     Returns:
         {flops_per_token, n_params_matmul, n_trainable, n_frozen, layers, heads, head_dim, seq_len,
-        formula}, or None when the model has no such config or seq_len is unknown.
+        formula}, or None when the model has no such config or seq_len is unknown
+        (analytic_missing_reason says which).
     """
-    cfg = getattr(model, "config", None)
-    layers = getattr(cfg, "num_hidden_layers", None)
-    heads = getattr(cfg, "num_attention_heads", None)
-    hidden = getattr(cfg, "hidden_size", None)
+    model = unwrap_model(model)
+    cfg, layers, heads, hidden = _shape(model)
     if not (layers and heads and hidden and seq_len):
         return None
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads

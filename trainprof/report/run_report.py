@@ -17,6 +17,7 @@ from trainprof.analysis.records import ROOT_LABEL
 from trainprof.analysis.trace import TraceFormatError, summarize_trace
 from trainprof.errors import UserError
 from trainprof.io import atomic_write_text, dig
+from trainprof.layout import TRACES_HOW
 from trainprof.report.document import Details, Document, Facts, Missing, Para, Table
 from trainprof.report.document import render_html, render_markdown
 from trainprof.report.gpu import gpu_section
@@ -110,9 +111,6 @@ def facts_section(doc: Document, run: RunData) -> None:
          or "not recorded"),
         ("timer", f"{env.get('timer', 'n/a')}: {env.get('timer_description', 'not recorded')}"),
     ]
-    if p.get("partial"):
-        reason = f" ({p['partial_reason']})" if p.get("partial_reason") else ""
-        items.append(("status", f"partial: the run did not finish every step{reason}"))
     for f in run.failures:
         items.append((f"failure on rank {f.get('rank')}", f"{f.get('kind')}: {f.get('message')}"))
     sec.blocks.append(Facts(items))
@@ -156,8 +154,8 @@ def traces_section(doc: Document, run: RunData, scan_bytes: int = TRACE_SCAN_BYT
     info = p.get("ops_info") or {}
     sec = doc.section("Traces and TensorBoard", id="traces")
     if not run.traces:
-        sec.blocks.append(Missing("Kineto traces", f"no *.pt.trace.json[.gz] in {run.path} or its tb/ (recipe "
-                                  "profile.ops was off, or the run predates tracing)"))
+        sec.blocks.append(Missing("Kineto traces", f"no *.pt.trace.json[.gz] in {run.path} or its tb/ (tracing was "
+                                  f"off, or the run predates it; {TRACES_HOW} traces)"))
     else:
         traced = info.get("trace_steps") or info.get("steps") or []
         per_worker: dict[str, int] = {}

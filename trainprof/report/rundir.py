@@ -12,6 +12,7 @@ from typing import Any
 from trainprof.analysis import records
 from trainprof.analysis.trace import find_traces, is_trace_file
 from trainprof.io import profile_file, read_json
+from trainprof.layout import TRACES_HOW
 from trainprof.phases import PHASES, PIPELINE_PHASES
 
 
@@ -258,7 +259,7 @@ def trace_size_text(profile: dict[str, Any]) -> str:
     """One line for a run summary: the Kineto trace size per traced step, or why there is none."""
     info = profile.get("ops_info") or {}
     if not info.get("enabled"):
-        return "no operator trace (profile.ops false)"
+        return f"no operator trace (tracing off; {TRACES_HOW} traces)"
     per_step = info.get("trace_bytes_per_step")
     if not per_step:
         return "operator trace not written"

@@ -132,7 +132,9 @@ def run_search(recipe_path: str, overrides: list[str], *, label: str, nproc: int
     if not s.bounded:
         row["note"] = f"every size up to --max {limit} fit; raise --max to find the limit"
     elif s.max_fit is None:
-        row["note"] = f"micro batch {start} does not fit"
+        why = row.get("failure_message") or "see maxbatch_tries"
+        row["note"] = f"micro batch {start} does not fit: {why}"
+        print(f"  none fits: {row['note']}", file=sys.stderr)
     return row
 
 
