@@ -21,5 +21,5 @@ def run(args: argparse.Namespace) -> int:
 
     from trainprof.wrap import Wrapper, default_output_dir, run_script
 
-    wrapper = Wrapper(Path(args.script).stem, default_output_dir(), args.warmup_steps, args.module_depth)
+    wrapper = Wrapper(Path(args.script).stem, default_output_dir(), args.warmup_steps, args.module_depth, args.ops)
     return run_script(args.script, args.args, wrapper)

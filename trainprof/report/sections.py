@@ -10,10 +10,11 @@ from typing import Any, Callable
 
 from trainprof.analysis import records
 from trainprof.report import plots
-from trainprof.report.advisor import advise, bottleneck, checks_text, overrides_text
+from trainprof.report.advisor import RunFigures, advise, bottleneck, checks_text, overrides_text
 from trainprof.report.document import Document, Figure, Missing, Para, Table, fmt
 from trainprof.report.pipeline import bubble_text
 from trainprof.io import dig
+from trainprof.layout import TRACES_HOW
 from trainprof.report.rundir import (RunData, module_label, module_time, report_phases, step_peak_memory,
                                      top_modules, trace_size_text)
 
@@ -21,6 +22,9 @@ TOP_MODULES = 15
 TOP_OPS = 25
 MiB = 2**20
 ADVICE_FILE = ("projections", "advice.json")  # `trainprof project RUN --advice`: predicted gains of the advice
+# DeepSpeed's default stage3_param_persistence_threshold (deepspeed/runtime/zero/config.py): ZeRO-3 keeps a
+# parameter of at most this many elements whole on every rank
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
 
 # Zhang et al.'s (arXiv 2311.03687) Llama2-7B rows: (label, which modules belong to it)
 CATEGORIES: list[tuple[str, Callable[[dict[str, Any]], bool]]] = [
@@ -75,9 +79,42 @@ def compile_text(profile: dict[str, Any]) -> str:
     return text
 
 
+def built_in_zero_init(profile: dict[str, Any]) -> bool:
+    """Whether trainprof's DeepSpeed engine built the model inside deepspeed.zero.Init (a recipe run at ZeRO-3);
+    a wrapped script's own ZeRO-3 may or may not have, so it is not claimed there."""
+    engine = dig(profile, "recipe", "engine") or {}
+    return engine.get("kind") == "deepspeed" and engine.get("zero_stage") == 3
+
+
 def _loss_text(run: RunData) -> str:
     losses = [s["loss"] for s in run.measured_steps if s.get("loss") is not None]  # a partial run may lack some
-    return f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "n/a"
+    if not losses:
+        return "n/a"
+    text = f"{losses[0]:.4f} -> {losses[-1]:.4f}"
+    if built_in_zero_init(run.profile or {}):
+        text += (" (ZeRO-3 builds the model inside deepspeed.zero.Init, whose initial weights differ from other "
+                 "engines' at the same seed: compare losses only between ZeRO-3 runs)")
+    return text
+
+
+def zero3_persistence_text(profile: dict[str, Any]) -> str | None:
+    """Why a ZeRO-3 run's comm table shows few parameter all-gathers: small parameters stay whole on every
+    rank (stage3_param_persistence_threshold); None for other runs."""
+    figures = RunFigures(profile)
+    if figures.zero_stage != 3:  # only DeepSpeed has a stage 3 (FSDP2 runs record zero_stage 0)
+        return None
+    key = "stage3_param_persistence_threshold"
+    threshold = dig(figures.config, "zero_optimization", key)
+    source = f"{key} in the engine's config"
+    if threshold is None:
+        threshold = dig(figures.recipe, "deepspeed", "zero_optimization", key)
+        source = f"the recipe's deepspeed.zero_optimization.{key}"
+    if threshold is None:
+        threshold, source = ZERO3_PERSISTENCE_THRESHOLD, f"DeepSpeed's default {key}; the run set none"
+    return (f"ZeRO-3 keeps every parameter of at most {int(threshold):,} elements ({source}) whole on every rank: "
+            "those are not all-gathered before each use, only once after each optimizer step, so a model whose layers "
+            "are small (as the quickstart's tiny model's are) shows few forward and backward all-gathers; "
+            "docs/memory.md has what else the threshold changes.")
 
 
 def _flops_text(s: dict[str, Any]) -> str:
@@ -95,6 +132,8 @@ def _flops_text(s: dict[str, Any]) -> str:
     text = f"{s['achieved_tflops']:.4g} per rank ({s['flops_per_step']:.3e} FLOPs per step as executed); {mfu}"
     if s.get("measured_over_analytic") is not None:
         text += f"; measured / analytic (PaLM 6N+12LHQT) {s['measured_over_analytic']:.3f}"
+    elif s.get("analytic_reason"):
+        text += f"; {s['analytic_reason']}"
     return text
 
 
@@ -151,6 +190,9 @@ def headline_facts(run: RunData) -> list[tuple[str, str]]:
         ("loss first -> last", _loss_text(run)),
         ("peak memory", _peak_memory_text(s)),
     ]
+    if p.get("partial"):  # first: every figure after it stands on the steps that finished
+        reason = f" ({p['partial_reason']})" if p.get("partial_reason") else ""
+        facts.insert(0, ("status", f"partial: the run did not finish every step{reason}"))
     if s.get("activation_bytes") is not None:
         facts.append((f"activations (rank {p.get('steps_rank', 0)})",
                       f"{_mib_text(s['activation_bytes'])} saved for backward per micro batch"))
@@ -379,12 +421,29 @@ def tracing_cost_text(cost: float, step_ms: dict[str, float | None]) -> str:
     return f"{text}, within the untraced steps' own spread ({spread}): noise, no cost of tracing shows."
 
 
+def calls_cell(calls: float | None) -> int | str | None:
+    """Calls per traced step: an integer as one, a mean over traced steps that is not one to one decimal."""
+    if calls is None:
+        return None
+    return int(calls) if float(calls).is_integer() else f"{calls:.1f}"
+
+
+def flops_note(profile: dict[str, Any]) -> str:
+    """What the GFLOPs column holds, and how to fill it where shapes were not recorded (FLOPs need them)."""
+    text = "GFLOPs are torch.profiler's with_flops estimates (matmul/conv only, n/a for other operators)"
+    if (profile.get("ops_info") or {}).get("record_shapes") is False:
+        knob = "profile.record_shapes=true" if profile.get("recipe") else "record_shapes=True on the profiler"
+        text = (f"GFLOPs are n/a: operator shapes were not recorded, and torch.profiler's with_flops estimates "
+                f"(matmul/conv only) need them; set {knob} to get them")
+    return text
+
+
 def ops_section(doc: Document, run: RunData) -> None:
     p = run.profile or {}
     ops, info = p.get("ops") or [], p.get("ops_info") or {}
     sec = doc.section("Operators", id="operators")
     if not ops:
-        why = ("operator tracing was off (recipe profile.ops: false); turn it on to get operators and traces"
+        why = (f"operator tracing was off; turn it on to get operators and traces: {TRACES_HOW}"
                if not info.get("enabled") else "operator tracing was on but recorded no operators")
         sec.blocks.append(Missing("operator table", why if p.get("modules") is not None else
                                   "this run dir predates the operator tracer"))
@@ -398,12 +457,12 @@ def ops_section(doc: Document, run: RunData) -> None:
     sec.blocks.append(Table(
         ["operator", "module", "phase", "calls", "self ms", "GFLOPs"],
         [[o["name"], "-" if o.get("module") is None else records.module_label(o["module"]), o.get("phase"),
-          o.get("calls"), o.get("self_ms"), None if o.get("flops") is None else o["flops"] / 1e9]
+          calls_cell(o.get("calls")), o.get("self_ms"), None if o.get("flops") is None else o["flops"] / 1e9]
          for o in ops[:TOP_OPS]],
-        method=(info.get("mechanism", "torch.profiler") + "; self time excludes child operators and is "
-                + ("CUDA kernel time" if cuda else "host time (CPU ops run synchronously)")
-                + "; GFLOPs are torch.profiler's with_flops estimates (matmul/conv only, n/a where it has none)"),
-        id="ops-table"))
+        method=(info.get("mechanism", "torch.profiler") + "; calls and self time are per traced step (a mean over "
+                "the traced steps); self time excludes child operators and is "
+                + ("CUDA kernel time" if cuda else "host time (CPU ops run synchronously)") + "; " + flops_note(p)),
+        id="ops-table", numeric=[False, False, False, True, True, True]))
 
 
 ISSUE_TO_COMPLETION = ("issue-to-completion: from the call that issued the collective until it completed, "
@@ -427,8 +486,9 @@ def comm_section(doc: Document, run: RunData) -> None:
     exposed = dig(p, "summary", "phases_ms", "comm_exposed")
     meas = p.get("measurement") or {}
     ddp = f" {meas['comm_exposed_ddp']}." if meas.get("comm_exposed_ddp") else ""
+    persistence = zero3_persistence_text(p)
     sec.blocks.append(Para(f"Exposed communication: {fmt(exposed)} ms per step "
-                           f"({_pct(exposed, step_ms)} of the step).{ddp}"))
+                           f"({_pct(exposed, step_ms)} of the step).{ddp}" + (f" {persistence}" if persistence else "")))
     sec.blocks.append(Table(
         ["op", "phase", "group", "calls", "exposed ms", "share of step", "MiB", "issue-to-completion ms",
          "algbw GB/s", "busbw GB/s"],
