@@ -38,8 +38,8 @@ def fired(profile: dict) -> dict[str, dict]:
 def test_nothing_fires_on_a_quiet_run_and_says_which_checks_ran():
     result = advise(quiet_profile())
     assert result["advice"] == []
-    assert {c["rule"] for c in result["checks"]} == {"data_wait", "comm_exposed", "small_batch", "optimizer_offload",
-                                                     "straggler", "memory_headroom"}
+    assert {c["rule"] for c in result["checks"]} == {"oversubscribed", "data_wait", "comm_exposed", "small_batch",
+                                                     "optimizer_offload", "straggler", "memory_headroom"}
     (line,) = advice_lines(result)
     assert line.startswith("Nothing triggered.") and "data_wait (phases_ms.data_wait / step_ms = 1.0%" in line
 
@@ -173,3 +173,46 @@ def test_small_batch_reads_the_gpus_idle_share_on_a_gpu_run():
     assert a["trigger"]["figure"] == "gpu_busy.step.idle_frac"
     assert a["trigger"]["value"] == pytest.approx(profile["gpu_busy"]["step"]["idle_frac"]) and a["trigger"]["value"] > 0.9
     assert a["overrides"] == {"train.micro_batch_size": 2} and "recompute" not in a["action"]
+
+
+def test_checks_whose_condition_is_false_say_they_do_not_apply():
+    """Micro batch 4 and offload off: small_batch and optimizer_offload show no figure computed for micro
+    batch 1 or for offload, but say why they do not apply."""
+    result = advise(quiet_profile())
+    checks = {c["rule"]: c for c in result["checks"]}
+    assert not checks["small_batch"]["applies"] and checks["small_batch"]["value"] is None
+    assert not checks["optimizer_offload"]["applies"] and checks["optimizer_offload"]["value"] is None
+    (line,) = advice_lines(result)
+    assert "small_batch (does not apply: micro batch 4, not 1)" in line
+    assert "optimizer_offload (does not apply: offload is off)" in line
+    assert "at micro batch 1 =" not in line and "with offload =" not in line
+    on = {c["rule"]: c for c in advise(_with(recipe__train__micro_batch_size=1, recipe__engine__offload="optimizer")
+                                       )["checks"]}
+    assert on["small_batch"]["applies"] and on["small_batch"]["value"] == pytest.approx(0.02)
+    assert on["optimizer_offload"]["applies"] and on["optimizer_offload"]["value"] == pytest.approx(0.10)
+
+
+def test_oversubscription_comes_first_and_qualifies_comm_and_straggler():
+    """A CPU run whose ranks' threads outnumbered its cores: that advice comes first, with no gain bound it
+    cannot measure, and the exposed communication and straggler it can cause say so; absent, it is not known."""
+    p = _with(summary__phases_ms__comm_exposed=30.0, summary__phases_ms__data_wait=12.0,
+              straggler={"rank": 1, "slower_by_frac": 0.25, "metric": "busy_ms_median"})
+    assert "oversubscribed" not in fired(p)
+    check = {c["rule"]: c for c in advise(p)["checks"]}["oversubscribed"]
+    assert check["value"] is None and "not known" in check["note"] and not check["triggered"]
+    p["env"]["oversubscribed"] = {"ranks": 4, "threads": 8, "cores": 2}  # as env.cpu_oversubscription records
+    advice = advise(p)["advice"]
+    assert [a["rule"] for a in advice][0] == "oversubscribed"
+    over = advice[0]
+    assert over["trigger"]["value"] == pytest.approx(4.0) and over["gain"]["upper_bound_step_frac"] is None
+    assert "4 ranks running 8 threads on 2 cores" in over["trigger"]["text"]
+    assert "at most 2 ranks" in over["action"] and over["overrides"] == {}
+    by_rule = {a["rule"]: a for a in advice}
+    for rule in ("comm_exposed", "straggler"):
+        assert "the CPU was oversubscribed (4 ranks running 8 threads on 2 cores" in by_rule[rule]["trigger"]["text"]
+    assert "oversubscribed" not in by_rule["data_wait"]["trigger"]["text"]
+    assert advice_lines(advise(p))[0].startswith("The CPU was oversubscribed")
+    p["env"]["oversubscribed"] = {"ranks": 2, "threads": 4, "cores": 2}
+    assert "OMP_NUM_THREADS=1 per rank" in fired(p)["oversubscribed"]["action"]
+    p["env"]["oversubscribed"] = None  # recorded: not oversubscribed
+    assert "oversubscribed" not in fired(p)

@@ -75,6 +75,10 @@ def _write(tmp_path: Path, text: str) -> Path:
 # (overrides on the quickstart recipe, text the one-line error must contain)
 BAD_OVERRIDES = [
     (["engine.zero_stag=2"], "did you mean 'engine.zero_stage'"),
+    (["micro_batch_sze=2"], "did you mean 'train.micro_batch_size'"),
+    (["train.zero_stage=2"], "did you mean 'engine.zero_stage'"),
+    (["foo.bar=1"], "; the top-level sections are data, deepspeed, engine, model, optimizer, output, profile, task, train"),
+    (["train.foo=1"], "; keys of section 'train': train.cpu_allocator, train.grad_accum,"),
     (["zero_stage=5"], "'engine.zero_stage': 5 is out of range"),
     (["zero_stage=two"], "'engine.zero_stage': expected int"),
     (["lr=abc"], "'optimizer.lr': expected float"),
@@ -133,6 +137,21 @@ def test_bad_files(tmp_path):
         load_recipe(_write(tmp_path, "modle:\n  name: llama2-tiny\n"))
     with pytest.raises(RecipeError, match="section 'train.' must be a mapping"):
         load_recipe(_write(tmp_path, "train: 3\n"))
+
+
+def test_unknown_key_names_the_full_key_or_only_its_sections_keys(tmp_path):
+    """A typo inside a YAML section is suggested as the dotted key to write; with no near miss, the error
+    lists the keys of the section named (or the top-level sections), not every recipe key."""
+    with pytest.raises(RecipeError, match=r"unknown recipe key 'train.micro_batch_sze'; did you mean "
+                                          r"'train.micro_batch_size'\?$"):
+        load_recipe(_write(tmp_path, "train:\n  micro_batch_sze: 4\n"))
+    with pytest.raises(RecipeError) as info:
+        load_recipe(_write(tmp_path, "task:\n  lora:\n    xyzzy: 1\n"))
+    assert str(info.value).endswith("keys of section 'task.lora': task.lora.alpha, task.lora.dropout, task.lora.r, "
+                                    "task.lora.target_modules")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(QUICKSTART, ["foo.bar=1"])
+    assert "micro_batch_size" not in str(info.value) and len(str(info.value)) < 200
 
 
 def test_file_data_rules(tmp_path):

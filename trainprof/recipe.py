@@ -179,6 +179,35 @@ def did_you_mean(key: str, options: typing.Iterable[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(sorted(options))}"
 
 
+def _section_of(key: str) -> tuple[type, str]:
+    """The deepest recipe section a dotted key names (Recipe itself where its first part is no section),
+    with that section's dotted prefix."""
+    cls, prefix = Recipe, ""
+    for part in key.split(".")[:-1]:
+        tp = _type_hints(cls).get(part)
+        if not dataclasses.is_dataclass(tp):
+            break
+        cls, prefix = tp, f"{prefix}{part}."
+    return cls, prefix
+
+
+def recipe_key_hint(key: str) -> str:
+    """What to write instead of an unknown dotted recipe key: the nearest full dotted key (within the
+    section it names, else a leaf of that name elsewhere), else only the keys of the section it names (the
+    top-level sections where it names none), not every key."""
+    cls, prefix = _section_of(key)
+    rest = key[len(prefix):]
+    own = [f.name for f in dataclasses.fields(cls)] + list(_leaf_keys(cls, ""))
+    close = [prefix + c for c in difflib.get_close_matches(rest, own, n=1, cutoff=0.6)]
+    if not close:  # a leaf in the wrong section, or a bare leaf (micro_batch_sze): the leaf's full key
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in _leaf_keys(Recipe, "")}
+        close = [by_leaf[c] for c in difflib.get_close_matches(rest.rsplit(".", 1)[-1], by_leaf, n=1, cutoff=0.8)]
+    if close:
+        return f"; did you mean '{close[0]}'?"
+    keys = ", ".join(sorted(f"{prefix}{f.name}" for f in dataclasses.fields(cls)))
+    return f"; keys of section '{prefix[:-1]}': {keys}" if prefix else f"; the top-level sections are {keys}"
+
+
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
@@ -260,7 +289,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     for key, value in data.items():
         full = f"{prefix}{key}"
         if key not in names:
-            raise RecipeError(f"unknown recipe key '{full}'{did_you_mean(str(key), names)}")
+            raise RecipeError(f"unknown recipe key '{full}'{recipe_key_hint(full)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value if value is not None else {}, f"{full}.")
@@ -298,7 +327,7 @@ def _resolve_override_key(key: str) -> str:
             return matches[0]
         if len(matches) > 1:
             raise RecipeError(f"override '{key}' is ambiguous: write one of {', '.join(matches)}")
-    raise RecipeError(f"unknown recipe key '{key}' in override{did_you_mean(key, leaves)}")
+    raise RecipeError(f"unknown recipe key '{key}' in override{recipe_key_hint(key)}")
 
 
 def override_key(item: str) -> str:

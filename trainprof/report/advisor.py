@@ -3,7 +3,8 @@ has a measured trigger (the figure, its value and the threshold it crossed), an 
 bound on what the action can gain derived from the measured figure, and the recipe overrides that
 would implement it; `trainprof project RUN --advice` projects those overrides and `advise(profile,
 predicted)` attaches the predicted gain (null with the reason where the step model cannot).
-No trigger, no advice; every check is listed with its figure whether it fired or not.
+No trigger, no advice; every check is listed with its figure whether it fired or not, and a check
+whose condition this run does not meet (micro batch 1, offload on) says so instead of a figure.
 
     from trainprof.report.advisor import advise
     result = advise(profile)        # {"advice": [...], "checks": [...]}
@@ -28,6 +29,7 @@ MEMORY_HEADROOM_FRAC = 0.5  # peak memory at most this share of the known capaci
 PIPELINE_BUBBLE_FRAC = 0.15  # the pace-setting stage's bubble over its schedule (GPipe: p=2 at m<=5 is above)
 STAGE_IMBALANCE_FRAC = 0.10  # the busiest stage over the mean stage, minus 1
 NO_PROJECTION = "not projected yet"
+OVERSUBSCRIPTION_INFLATES = ("comm_exposed", "straggler")  # ranks waiting on a descheduled peer
 
 
 def _pct(x: float) -> str:
@@ -111,9 +113,53 @@ Check = dict[str, Any]
 Rule = Callable[[RunFigures], tuple[Check, "dict[str, Any] | None"]]
 
 
-def _check(rule: str, figure: str, value: Any, threshold: str, triggered: bool, note: str = "") -> Check:
-    return {"rule": rule, "figure": figure, "value": value, "threshold": threshold, "triggered": triggered,
-            "note": note}
+def _check(rule: str, figure: str, value: Any, threshold: str, triggered: bool, note: str = "",
+           applies: bool = True) -> Check:
+    """One check's row; `applies` False (with `note` saying why) where the run does not meet the rule's
+    condition, so no figure is shown for a condition that is false."""
+    return {"rule": rule, "figure": figure, "value": value if applies else None, "threshold": threshold,
+            "triggered": triggered and applies, "note": note, "applies": applies}
+
+
+def _not_applicable(rule: str, figure: str, threshold: str, why: str) -> Check:
+    return _check(rule, figure, None, threshold, False, why, applies=False)
+
+
+def oversubscription(profile: dict[str, Any]) -> dict[str, Any] | None:
+    """env.oversubscribed of a CPU run ({ranks, threads, cores}: the host's ranks' threads together over its
+    cores, env.cpu_oversubscription), or None where the run was not oversubscribed or did not record it
+    (absent means not known, not "no")."""
+    over = (profile.get("env") or {}).get("oversubscribed")
+    if isinstance(over, dict):
+        return over
+    return {} if over is True else None
+
+
+def rule_oversubscribed(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
+    figure, threshold = "env.oversubscribed: the ranks' threads / cores", "> 100.0%"
+    env = f.profile.get("env") or {}
+    if "oversubscribed" not in env:
+        if env.get("device_type") == "cuda":  # recorded for CPU runs, whose ranks share the host's cores
+            return _not_applicable("oversubscribed", figure, threshold, "a GPU run"), None
+        return _check("oversubscribed", figure, None, threshold, False, "not recorded in env (not known)"), None
+    over = oversubscription(f.profile)
+    ranks, threads, cores = (over or {}).get("ranks"), (over or {}).get("threads"), (over or {}).get("cores")
+    ratio = threads / cores if ranks and threads and cores else None  # threads: all the host's ranks' together
+    check = _check("oversubscribed", figure, ratio, threshold, over is not None)
+    if over is None:
+        return check, None
+    if ratio is not None:
+        trigger = f"{ranks} ranks running {threads} threads on {cores} cores"
+        fix = (f"keep ranks x threads <= {cores}: OMP_NUM_THREADS={max(1, cores // ranks)} per rank, or fewer ranks"
+               if ranks <= cores else f"run at most {cores} ranks (one thread each) on this machine")
+    else:
+        trigger, fix = "the run's threads outnumbered its cores", "keep ranks x threads at or under the cores"
+    return check, _advice(
+        "oversubscribed", "The CPU was oversubscribed: fix that before reading communication or stragglers",
+        figure, ratio, threshold, trigger,
+        f"{fix}, then measure again; threads that take turns on a core stall their rank, which shows as exposed "
+        "communication (the other ranks wait in collectives) and as a straggler",
+        None, "not bounded by this run: time-slicing slows every phase by an amount it did not measure", {})
 
 
 def rule_data_wait(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
@@ -172,6 +218,10 @@ def rule_comm_exposed(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
 
 def rule_small_batch(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
     mb = f.micro_batch
+    threshold = f"micro batch 1 and (idle > {_pct(IDLE_FRAC_SMALL_BATCH)} or MFU < {_pct(MFU_SMALL_BATCH)})"
+    if mb != 1:
+        why = "micro batch size not recorded" if mb is None else f"micro batch {mb}, not 1"
+        return _not_applicable("small_batch", "idle share at micro batch 1", threshold, why), None
     # on a GPU, the share of the step its kernels left it idle (the research's Figure 5); elsewhere the
     # step's time outside every phase
     gpu_idle = dig(f.profile, "gpu_busy", "step", "idle_frac")
@@ -182,10 +232,8 @@ def rule_small_batch(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
         idle = idle_ms / f.step_ms if f.step_ms else None
         figure, what = "(phases_ms.other + unattributed_ms) / step_ms", "idle (other + unattributed)"
     low_mfu = f.mfu is not None and f.mfu < MFU_SMALL_BATCH
-    threshold = f"micro batch 1 and (idle > {_pct(IDLE_FRAC_SMALL_BATCH)} or MFU < {_pct(MFU_SMALL_BATCH)})"
-    fired = mb == 1 and idle is not None and (idle > IDLE_FRAC_SMALL_BATCH or low_mfu)
-    note = "" if mb is not None else "micro batch size not recorded"
-    check = _check("small_batch", f"{figure} at micro batch 1", idle, threshold, fired, note)
+    fired = idle is not None and (idle > IDLE_FRAC_SMALL_BATCH or low_mfu)
+    check = _check("small_batch", f"{figure} at micro batch 1", idle, threshold, fired)
     if not fired:
         return check, None
     why = f"{what} is {_pct(idle)} of the step at micro batch 1"
@@ -208,10 +256,11 @@ def rule_small_batch(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
 def rule_optimizer_offload(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
     frac = f.frac("optimizer")
     offload = f.offload
-    fired = bool(offload) and offload != "none" and frac is not None and frac > OPTIMIZER_FRAC_OFFLOAD
-    check = _check("optimizer_offload", "phases_ms.optimizer / step_ms with offload", frac,
-                   f"offload on and > {_pct(OPTIMIZER_FRAC_OFFLOAD)}", fired,
-                   "" if offload and offload != "none" else "no optimizer offload in this run")
+    figure, threshold = "phases_ms.optimizer / step_ms with offload", f"offload on and > {_pct(OPTIMIZER_FRAC_OFFLOAD)}"
+    if not offload or offload == "none":
+        return _not_applicable("optimizer_offload", figure, threshold, "offload is off"), None
+    fired = frac is not None and frac > OPTIMIZER_FRAC_OFFLOAD
+    check = _check("optimizer_offload", figure, frac, threshold, fired)
     if not fired:
         return check, None
     return check, _advice(
@@ -317,7 +366,7 @@ def rule_stage_imbalance(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
         "not bounded: no whole-layer move lowers the busiest stage", overrides)
 
 
-RULES: tuple[Rule, ...] = (rule_data_wait, rule_comm_exposed, rule_small_batch, rule_optimizer_offload,
+RULES: tuple[Rule, ...] = (rule_oversubscribed, rule_data_wait, rule_comm_exposed, rule_small_batch, rule_optimizer_offload,
                            rule_straggler, rule_memory_headroom)
 PIPELINE_RULES: tuple[Rule, ...] = (rule_pipeline_bubble, rule_stage_imbalance)  # pipeline runs only
 
@@ -339,9 +388,14 @@ def advise(profile: dict[str, Any], predicted: list[dict[str, Any]] | None = Non
         checks.append(check)
         if item is not None:
             advice.append(item)
+    over = next((a for a in advice if a["rule"] == "oversubscribed"), None)
     for item in advice:
         _attach_prediction(item, predicted)
-    advice.sort(key=lambda a: -(a["gain"]["upper_bound_step_frac"] or 0.0))
+        if over is not None and item["rule"] in OVERSUBSCRIPTION_INFLATES:
+            item["trigger"]["text"] += (f"; the CPU was oversubscribed ({over['trigger']['text']}), which alone can "
+                                        "cause this: fix that first")
+    # oversubscription first: it can cause the communication and straggler figures below it
+    advice.sort(key=lambda a: (a["rule"] != "oversubscribed", -(a["gain"]["upper_bound_step_frac"] or 0.0)))
     return {"advice": advice, "checks": checks}
 
 
@@ -375,11 +429,16 @@ def bottleneck(profile: dict[str, Any]) -> tuple[str, float] | None:
 
 
 def checks_text(checks: list[Check]) -> str:
-    """One line listing the checks that ran (for "nothing triggered")."""
+    """One line listing the checks that ran (for "nothing triggered"); a check whose condition the run
+    does not meet says why it does not apply, with no figure."""
     parts = []
     for c in checks:
+        if not c.get("applies", True):
+            parts.append(f"{c['rule']} (does not apply: {c['note']})")
+            continue
         value = "n/a" if c["value"] is None else (_pct(c["value"]) if isinstance(c["value"], float) else str(c["value"]))
-        parts.append(f"{c['rule']} ({c['figure']} = {value}, fires at {c['threshold']})")
+        why = f": {c['note']}" if c["value"] is None and c.get("note") else ""
+        parts.append(f"{c['rule']} ({c['figure']} = {value}{why}, fires at {c['threshold']})")
     return "; ".join(parts)
 
 

@@ -11,6 +11,13 @@ from trainprof.sweep.spec import Sweep
 from trainprof.report.plots import figure, pyplot, save_figure
 from trainprof.report.tables import Column, fmt_num, fmt_pct, fmt_text, write_tables
 
+# what a column counts, where its measurement note (the profile's method) is shared with another column
+METRIC_COUNTS = {
+    "model_states_mib": "params, grads, optimizer states and fp32 master copies together",
+    "optimizer_states_mib": ("the optimizer's state tensors alone (AdamW's exp_avg and exp_avg_sq; quantized states "
+                             "as their codes, scales and code books): a part of model states, not grads, params or "
+                             "fp32 master copies"),
+}
 METRIC_LABELS = {"tokens_per_s": "tokens/s", "step_ms": "step ms", "peak_memory_mib": "peak memory",
                  "achieved_tflops": "achieved TFLOP/s", "mfu": "MFU", "phases_ms": "phase split"}
 
@@ -85,6 +92,11 @@ def measurement_notes(records: list[dict[str, Any] | None], labels: dict[str, st
     notes = []
     for key, texts in methods.items():
         for text in texts:
+            counts = METRIC_COUNTS.get(key)
+            if counts and key != "model_states_mib" and text in methods.get("model_states_mib", []):
+                text = f"{counts}; counted as model_states_mib is"
+            elif counts:
+                text = f"{counts}; {text}"
             notes.append(f"{labels.get(key, key)}: {text}")
     for (key, text), cells in reasons.items():
         which = ", ".join(cells[:3]) + (f" and {len(cells) - 3} more" if len(cells) > 3 else "")
@@ -154,10 +166,13 @@ def write_sweep_chart(path: Path, rows: list[dict[str, Any]], notes: list[str]) 
         colors = plt.get_cmap("tab10")
         for i, p in enumerate(PHASES):
             vals = [r.get(f"{p}_ms") or 0 for r in rows]
+            if not any(vals):  # a phase no cell spent time in would only lengthen the legend
+                continue
             ax.barh(y, vals, left=left, color=colors(i), label=p)
             left = [a + b for a, b in zip(left, vals)]
         ax.set_title("phase split of a step, ms (median)", fontsize=9)
-        ax.legend(fontsize=7, loc="lower right")
+        # beside the axes, not over the longest bars; the layout (save_figure) makes room for it
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
     axes[0].set_yticks(y)
     axes[0].set_yticklabels(labels, fontsize=8)
     axes[0].invert_yaxis()

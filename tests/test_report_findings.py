@@ -1,0 +1,101 @@
+"""Report wording that depends on the run's settings, on the recorded 2-rank ZeRO-3 run (tests/data/zero3_2rank)
+and on copies of it with one setting changed: the operator table's calls and GFLOPs note, the ZeRO-3
+persistence note beside the comm table, and the loss line of a run whose model was built in zero.Init."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from trainprof.report.sections import calls_cell
+from trainprof.report.summary import render_summary
+
+PROFILE = json.loads((Path(__file__).parent / "data" / "zero3_2rank" / "profile.json").read_text())
+
+
+def _summary(tmp_path: Path, change=None) -> str:
+    p = copy.deepcopy(PROFILE)
+    if change:
+        change(p)
+    return render_summary(p, tmp_path)
+
+
+def _line(md: str, start: str) -> str:
+    return next(line for line in md.splitlines() if line.startswith(start))
+
+
+@pytest.mark.parametrize("calls,cell", [(2.0, 2), (3, 3), (2.5, "2.5"), (1.333, "1.3"), (None, None)])
+def test_calls_print_integers_as_integers_and_means_to_one_decimal(calls, cell):
+    assert calls_cell(calls) == cell
+
+
+def test_ops_table_says_how_to_get_gflops_and_prints_whole_calls(tmp_path):
+    """The recorded run traced without shapes: the GFLOPs note says to set profile.record_shapes=true, not
+    that aten::mm "has none"; a mean of 2.0 calls prints as 2."""
+    md = _summary(tmp_path)
+    method = _line(md.split("## Operators")[1], "*How measured")
+    assert "operator shapes were not recorded" in method and "set profile.record_shapes=true" in method
+    assert "n/a where it has none" not in method
+    rows = [line for line in md.split("## Operators")[1].splitlines() if line.startswith("| aten::")]
+    assert rows and not any(".00 |" in row.split("|")[4] for row in rows)  # the calls column
+
+    def with_shapes(p):
+        p["ops_info"]["record_shapes"] = True
+        p["ops"][0]["calls"] = 2.5
+
+    md = _summary(tmp_path, with_shapes)
+    method = _line(md.split("## Operators")[1], "*How measured")
+    assert "record_shapes" not in method and "n/a for other operators" in method
+    assert "| 2.5 |" in _line(md.split("## Operators")[1], f"| {PROFILE['ops'][0]['name']} |")
+
+
+def test_zero3_comm_table_names_the_persistence_threshold(tmp_path):
+    """Beside a ZeRO-3 run's comm table: DeepSpeed's default threshold, named as such, or the engine config's
+    own value; no such note for ZeRO-2."""
+    para = _line(_summary(tmp_path).split("## Communication")[1], "Exposed communication")
+    assert "at most 100,000 elements (DeepSpeed's default stage3_param_persistence_threshold" in para
+
+    def own_threshold(p):
+        p["engine"]["config"]["zero_optimization"]["stage3_param_persistence_threshold"] = 1000
+
+    para = _line(_summary(tmp_path, own_threshold).split("## Communication")[1], "Exposed communication")
+    assert "at most 1,000 elements (stage3_param_persistence_threshold in the engine's config)" in para
+
+    def zero2(p):
+        p["recipe"]["engine"]["zero_stage"] = 2
+        p["engine"]["config"]["zero_optimization"]["stage"] = 2
+
+    assert "persistence" not in _summary(tmp_path, zero2).split("## Communication")[1].split("##")[0]
+
+
+def test_zero3_loss_line_says_its_initial_weights_differ(tmp_path):
+    """A recipe run at ZeRO-3 built its model in deepspeed.zero.Init: its loss line says its losses are not
+    comparable with other engines'; a ZeRO-2 run's loss line is the bare figures."""
+    line = _line(_summary(tmp_path), "- **loss first -> last**")
+    assert "deepspeed.zero.Init" in line and "compare losses only between ZeRO-3 runs" in line
+
+    def zero2(p):
+        p["recipe"]["engine"]["zero_stage"] = 2
+
+    line = _line(_summary(tmp_path, zero2), "- **loss first -> last**")
+    assert line.count("->") == 2 and "zero.Init" not in line
+
+
+def test_the_flops_line_says_why_the_palm_cross_check_is_missing():
+    """FLOPs counted on a model with no Hugging Face config (or under wrappers that hide it): the summary's
+    FLOPs line says why there is no measured / analytic ratio instead of leaving it out silently."""
+    import torch
+
+    from trainprof.profiler.flops import note_missing_analytic
+    from trainprof.report.sections import _flops_text
+
+    s = {"flops_per_step": 1e9, "analytic": None, "achieved_tflops": 0.1, "mfu": None, "mfu_reason": "no peak"}
+    note_missing_analytic(s, torch.nn.Linear(2, 2), 16)
+    assert s["analytic_reason"].startswith("no analytic FLOPs: the model (Linear) has no Hugging Face-style")
+    assert _flops_text(s).endswith(f"; {s['analytic_reason']}")
+    counted = {"flops_per_step": 1e9, "analytic": {"flops_per_token": 6.0}}
+    note_missing_analytic(counted, torch.nn.Linear(2, 2), 16)
+    assert "analytic_reason" not in counted  # a cross-check was made: nothing to explain
