@@ -43,6 +43,24 @@ def test_scalar_series_per_measured_step():
         statistics.median(v for _, v in series["step/tokens_per_s"]), rel=0.1)
 
 
+def test_scalar_events_carry_the_steps_own_wall_times(tmp_path):
+    """TensorBoard's relative axis reads the time the steps took: each step's event one wall_ms after the
+    previous step's (every event carried the report's writing time, so the axis was flat)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    shutil.copytree(RUN, tmp_path / "run")
+    path = write_tensorboard_scalars(PROFILE, tmp_path / "run")
+    acc = EventAccumulator(str(path.parent))
+    acc.Reload()
+    events = {e.step: e.wall_time for e in acc.Scalars("step/wall_ms")}
+    walls = {s["step"]: s["wall_ms"] for s in PROFILE["steps"]}
+    steps = sorted(events)
+    assert len(steps) > 2
+    for before, after in zip(steps, steps[1:]):
+        gap = sum(walls[n] for n in walls if before < n <= after) / 1e3
+        assert events[after] - events[before] == pytest.approx(gap, abs=1e-3), (before, after)
+
+
 def test_scalars_of_a_run_dir_without_phases(tmp_path):
     shutil.copytree(DATA / "pre_profiler_run", tmp_path / "old")
     profile = json.loads((tmp_path / "old" / "profile.json").read_text())

@@ -94,7 +94,9 @@ def _summary_text(profile: dict[str, Any], run_name: str) -> str:
     """Markdown shown in TensorBoard's Text tab: how the scalars were measured."""
     meas = profile.get("measurement") or {}
     s = profile.get("summary") or {}
-    lines = [f"**trainprof run {run_name}**", ""]
+    lines = [f"**trainprof run {run_name}**", "",
+             "- wall time (TensorBoard's relative axis): each step at its end on a clock of the steps' own wall_ms, "
+             "warm-up included; the time between steps is not in it, the report's writing time ends the last"]
     for key in ("timer", "phases", "comm_exposed", "memory", "steps_used"):
         if key in meas:
             lines.append(f"- {key}: {meas[key]}")
@@ -113,6 +115,19 @@ def _summary_text(profile: dict[str, Any], run_name: str) -> str:
         lines += [f"| {module_label(m['name'])} | {m.get('forward_ms', 0):.3f} | {m.get('backward_ms', 0):.3f} | "
                   f"{m.get('recompute_ms', 0):.3f} |" for m in mods]
     return "\n".join(lines)
+
+
+def step_end_times(profile: dict[str, Any], last_end: float) -> dict[int, float]:
+    """Step -> the wall time its event carries: its end on a clock of the steps' own wall_ms (warm-up
+    included), the last ending at `last_end`, so that TensorBoard's relative axis reads the time training took
+    (the profile keeps no clock times of its steps; time between them, outside any step, is not in it)."""
+    steps = [s for s in profile.get("steps") or [] if isinstance(s.get("wall_ms"), (int, float))]
+    total = sum(s["wall_ms"] for s in steps) / 1e3
+    out, elapsed = {}, 0.0
+    for s in steps:
+        elapsed += s["wall_ms"] / 1e3
+        out[int(s["step"])] = last_end - total + elapsed
+    return out
 
 
 def write_tensorboard_scalars(profile: dict[str, Any], run_dir: str | Path) -> Path:
@@ -141,12 +156,14 @@ def write_tensorboard_scalars(profile: dict[str, Any], run_dir: str | Path) -> P
         old.unlink()
     writer = EventFileWriter(str(logdir), filename_suffix=SCALARS_SUFFIX)
     wall = time.time()
+    ends = step_end_times(profile, wall)
     by_step: dict[int, list[Any]] = {}
     for tag, points in scalar_series(profile).items():
         for step, value in points:
             by_step.setdefault(step, []).append(summary_pb2.Summary.Value(tag=tag, simple_value=value))
     for step in sorted(by_step):
-        writer.add_event(event_pb2.Event(wall_time=wall, step=step, summary=summary_pb2.Summary(value=by_step[step])))
+        writer.add_event(event_pb2.Event(wall_time=ends.get(step, wall), step=step,
+                                         summary=summary_pb2.Summary(value=by_step[step])))
     text = _summary_text(profile, Path(run_dir).name).encode("utf-8")
     meta = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
     tensor = TensorProto(dtype=7, string_val=[text], tensor_shape=TensorShapeProto())  # 7 = DT_STRING
