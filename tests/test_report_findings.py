@@ -99,3 +99,20 @@ def test_the_flops_line_says_why_the_palm_cross_check_is_missing():
     counted = {"flops_per_step": 1e9, "analytic": {"flops_per_token": 6.0}}
     note_missing_analytic(counted, torch.nn.Linear(2, 2), 16)
     assert "analytic_reason" not in counted  # a cross-check was made: nothing to explain
+
+
+def test_the_model_part_table_says_its_nested_rows_are_not_meant_to_add_up():
+    """Attention, MLP and norms are rows of their own and also inside the decoder layers' row: the shares of a
+    2-rank ZeRO-3 run add up past 100%, and the table says why beside it."""
+    import json
+    from pathlib import Path
+
+    from trainprof.report.sections import category_rows
+    from trainprof.report.summary import render_summary
+
+    run = Path(__file__).parent / "data" / "zero3_2rank"
+    profile = json.loads((run / "profile.json").read_text())
+    rows = {r["label"]: r for r in category_rows(profile)}
+    inner = sum(rows[k]["forward_ms"] or 0.0 for k in ("attention", "MLP"))
+    assert 0 < inner <= rows["decoder layers"]["forward_ms"]  # nested: inside the layers' time
+    assert "attention, MLP and norms are inside the decoder layers" in render_summary(profile, run)

@@ -353,7 +353,9 @@ def categories_section(doc: Document, run: RunData) -> None:
         return
     sec.blocks.append(Para("By part of the model (Zhang et al.'s Llama2-7B table, arXiv 2311.03687), ms per step, median"
                            + (" (summed over the pipeline stages, which run side by side: shares can add up past "
-                              "100%)" if p.get("pipeline") else "") + ":"))
+                              "100%)" if p.get("pipeline") else "")
+                           + "; attention, MLP and norms are inside the decoder layers (the final norm aside), so "
+                             "their rows are part of that row's and the shares are not meant to add up:"))
     sec.blocks.append(Table(["part", "modules", "forward ms", "backward ms", "recompute ms", "optimizer ms",
                              "share of step"], rows, method=dig(p, "measurement", "module_times"),
                             id="categories-table"))
