@@ -177,6 +177,19 @@ def test_environment_rules():
     check_environment(load_recipe(QUICKSTART), cuda_available=False)  # the quickstart itself is fine
 
 
+def test_an_output_dir_that_cannot_be_written_is_refused_before_training(tmp_path, cli):
+    """A file (or a dir without write permission) as output.dir: one line naming the key before any rank
+    trains, where it was found only when the finished run was written. A dir still to be made is fine."""
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    r = load_recipe(QUICKSTART, [f"output.dir={a_file}/runs"])
+    with pytest.raises(RecipeError, match=r"recipe key 'output.dir': cannot write run dirs to .*afile' is a file"):
+        check_environment(r, cuda_available=False)
+    check_environment(load_recipe(QUICKSTART, [f"output.dir={tmp_path}/new/runs"]), cuda_available=False)
+    proc = cli("run", QUICKSTART, f"output.dir={a_file}", "--nproc", "2")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "output.dir" in proc.stderr, proc.stderr
+
+
 def test_flash2_without_package_suggests_sdpa():
     import importlib.util
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 from pathlib import Path
 
 
@@ -30,3 +31,17 @@ def tb_run_dir(run_dir: str | Path) -> Path:
 # every way a run gets operator traces, for the messages that find none
 TRACES_HOW = ("profile.ops=true in a recipe, `trainprof wrap --ops`, ops=True on the HF/Lightning callbacks, or "
               "Profiler(ops=True, trace_dir=...)")
+
+
+def output_dir_problem(output_dir: str | Path) -> str | None:
+    """Why run dirs cannot be created under `output_dir` (None when they can): checked before a run or a
+    wrapped script starts, so an unusable dir is not found only after training. Creates nothing."""
+    path = Path(output_dir).absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"'{existing}' is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"'{existing}' is not writable"
+    return None

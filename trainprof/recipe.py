@@ -889,7 +889,13 @@ QLORA_ZERO_STAGES = frozenset({0, 1, 2})
 
 
 def check_environment(recipe: Recipe, *, cuda_available: bool) -> None:
-    """Rules that need the machine: CUDA, installed packages. Raises RecipeError."""
+    """Rules that need the machine: CUDA, installed packages, a writable output dir. Raises RecipeError."""
+    from trainprof.layout import output_dir_problem
+
+    problem = output_dir_problem(recipe.output.dir)
+    if problem is not None:  # found before training, not when the finished run is written
+        raise RecipeError(f"recipe key 'output.dir': cannot write run dirs to '{recipe.output.dir}': {problem}; "
+                          "pass output.dir=<a writable directory>")
     _check_megatron_environment(recipe, cuda_available=cuda_available)
     m = recipe.model
     if m.attention == "flash2":

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainprof.commands.run import non_negative_int
-from trainprof.integrations.session import (DEFAULT_MODULE_DEPTH, DEFAULT_WARMUP_STEPS, ProfileSession,
-                                           default_output_dir, output_dir_problem)
+from trainprof.integrations.session import DEFAULT_MODULE_DEPTH, DEFAULT_WARMUP_STEPS, ProfileSession, default_output_dir
+from trainprof.layout import output_dir_problem
 
 
 # what the wrapper attaches to, for both `--help`s

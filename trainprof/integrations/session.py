@@ -272,17 +272,3 @@ def no_measured_step(updates: int, warmup_steps: int) -> str:
                 "the loop)")
     return (f"no measured step: {updates} optimizer step(s) seen, all of them warm-up (warm-up {warmup_steps}: "
             "train longer or lower warmup_steps / --warmup-steps)")
-
-
-def output_dir_problem(output_dir: str | Path) -> str | None:
-    """Why run dirs cannot be created under `output_dir` (None when they can): checked before a wrapped
-    script runs, so an unusable dir is not found only after training. Creates nothing."""
-    path = Path(output_dir).absolute()
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"'{existing}' is a file, not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"'{existing}' is not writable"
-    return None
