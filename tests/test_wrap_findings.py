@@ -88,6 +88,8 @@ def test_a_stopped_script_keeps_its_steps_marked_partial_and_exits_as_it_would(s
     for name in ("report.md", "summary.md"):  # where the reader looks first: the answer's first fact
         assert f"partial: the run did not finish every step ({reason}" in (run_dir / name).read_text(), name
     assert "PARTIAL" in proc.stderr
+    # a signal is news in one line; a script's own exception keeps its traceback
+    assert ("Traceback" in proc.stderr) == (mode != "sigterm"), proc.stderr[-2000:]
 
 
 def test_wrapped_runs_describe_the_memory_they_measured(stopped_runs):

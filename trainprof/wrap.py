@@ -247,7 +247,12 @@ def run_script(script: str, args: list[str], wrapper: Wrapper) -> int:
         code = exit_code(err)
         partial = f"the script exited with code {code}" if code else None
     except BaseException as err:
-        traceback.print_exc()
+        from trainprof.run import Terminated
+
+        if isinstance(err, Terminated):  # a signal, not a bug: where the script was is not the news
+            print(f"trainprof wrap: {script} {err}", file=sys.stderr)
+        else:
+            traceback.print_exc()
         failed, partial = True, stopped_because(err)
         code = exit_code_of(err)
     finally:
