@@ -253,3 +253,7 @@ def test_real_run_with_operator_tracing_writes_traces_that_report(shared_run):
         assert "trainprof::forward::model.layers.0.self_attn" in s.ranges_ms
     written = write_reports(run_dir)
     assert "not available" not in written["html"].read_text()
+    # the machine's load while it ran, against its cores, in the run's facts
+    load = profile["env"]["machine_load"]
+    assert load["busy"] == (max(load["start"], load["end"]) > load["cores"]) and load["cores"] >= 1, load
+    assert f"1-minute load average {load['start']:g} at start" in written["md"].read_text()

@@ -116,3 +116,33 @@ def test_the_model_part_table_says_its_nested_rows_are_not_meant_to_add_up():
     inner = sum(rows[k]["forward_ms"] or 0.0 for k in ("attention", "MLP"))
     assert 0 < inner <= rows["decoder layers"]["forward_ms"]  # nested: inside the layers' time
     assert "attention, MLP and norms are inside the decoder layers" in render_summary(profile, run)
+
+
+def test_a_busy_machine_is_said_beside_the_figures_and_in_a_diff():
+    """env.machine_load: the load average at the profiler's attach and at the profile, against the cores; a run
+    on a machine with more runnable threads than cores says so among its answer's facts, and a diff of it warns
+    (an offload run read forward 326 ms against 659 ms on a loaded machine: offload does not touch the forward)."""
+    import json
+    from pathlib import Path
+
+    from trainprof.env import machine_load
+    from trainprof.report.diff_report import _hardware_note
+    from trainprof.report.rundir import RunData
+    from trainprof.report.sections import headline_facts, machine_load_text
+
+    load = machine_load(0.5)
+    assert load is not None and load["start"] == 0.5 and load["busy"] == (max(0.5, load["end"]) > load["cores"])
+    assert machine_load(None) is None
+    run = Path(__file__).parent / "data" / "zero3_2rank"
+    profile = json.loads((run / "profile.json").read_text())
+    busy = {"start": 5.2, "end": 3.1, "cores": 2, "busy": True, "how": "test"}
+    quiet = {**busy, "start": 0.4, "end": 0.9, "busy": False}
+    text = machine_load_text(busy)
+    assert text.startswith("1-minute load average 5.2 at start, 3.1 at end, on 2 cores; more runnable threads")
+    facts = dict(headline_facts(RunData.of_profile({**profile, "env": {**profile["env"], "machine_load": busy}}, run)))
+    assert facts["machine load"] == text
+    assert "machine load" not in dict(headline_facts(RunData.of_profile(
+        {**profile, "env": {**profile["env"], "machine_load": quiet}}, run)))
+    note = _hardware_note({**profile["env"], "machine_load": quiet}, {**profile["env"], "machine_load": busy})
+    assert note.startswith("B ran on a machine with more runnable threads than cores") and "A: 1-minute" in note
+    assert _hardware_note({**profile["env"], "machine_load": quiet}, {**profile["env"], "machine_load": quiet}) is None

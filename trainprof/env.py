@@ -366,3 +366,23 @@ def oversubscription_warning(ranks: int, threads_per_rank: int, cores: int) -> s
             f"{ranks * threads_per_rank} cores but this process may use {cores}: ranks will wait for cores and "
             f"step times will read as communication and stragglers; use --nproc {max(1, cores // threads_per_rank)}"
             " or fewer (recorded in profile.json env.oversubscribed)")
+
+
+def load_average() -> float | None:
+    """The host's 1-minute load average (os.getloadavg; None where the platform has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def machine_load(at_start: float | None) -> dict[str, Any] | None:
+    """env.machine_load: the load average when the profiler attached and now, against the host's cores. Over
+    the cores, runnable threads waited for a CPU: this run's times include other work's share of the machine."""
+    end = load_average()
+    if at_start is None or end is None:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return {"start": at_start, "end": end, "cores": cores, "busy": max(at_start, end) > cores,
+            "how": "the host's 1-minute load average (os.getloadavg) when the profiler attached and when the "
+                   "profile was made, against the cores this process may use; this run's own ranks count in it"}

@@ -26,6 +26,7 @@ from trainprof.analysis.aggregate import StepRecord, StepTimeline, complete_step
 from trainprof.analysis.breakdown import CommEvent
 from trainprof.analysis.gpu_busy import gpu_busy_fields
 from trainprof.analysis.pipeline import PipelineInfo
+from trainprof.env import load_average
 from trainprof.layout import tb_run_dir
 from trainprof.models import count_params
 from trainprof.phases import REGION_PHASES
@@ -145,6 +146,7 @@ class Profiler:
         self.world_size = dist_world if world_size is None else world_size
         self.recipe = recipe
         self.extra_env = dict(env or {})
+        self.load_at_start = load_average()  # env.machine_load: was the machine busy while this ran
         self.timer = make_timer(self.device)
         self.log = StepLog()
         self._steps: list[StepRecord] = []

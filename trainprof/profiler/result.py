@@ -20,7 +20,7 @@ from trainprof.analysis.aggregate import (
     summarize,
 )
 from trainprof.analysis.pipeline import BUBBLE_METHOD, rank_block
-from trainprof.env import collect_env
+from trainprof.env import collect_env, machine_load
 from trainprof.profiler.compiled import compile_block
 from trainprof.profiler.flops import FLOPS_CONVENTION
 from trainprof.profiler.memory import ACTIVATION_METHOD, model_state_bytes
@@ -80,6 +80,7 @@ def profile_env(prof: Recorded) -> dict[str, Any]:
     env.update(prof.extra_env)
     env["timer"] = prof.timer.kind
     env["timer_description"] = prof.timer.description
+    env["machine_load"] = machine_load(getattr(prof, "load_at_start", None))
     return env
 
 

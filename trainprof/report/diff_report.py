@@ -14,7 +14,7 @@ from trainprof.report import plots
 from trainprof.report.document import Document, Facts, Figure, Missing, Para, Table, fmt, render_csv, render_html
 from trainprof.report.document import render_markdown
 from trainprof.report.rundir import RunData, RunDirError, load_run
-from trainprof.report.sections import cpu_model, hardware_text, throughput_text
+from trainprof.report.sections import cpu_model, hardware_text, machine_load_text, throughput_text
 
 FORMATS = ("md", "html", "csv")
 CSV_COLUMNS = ["kind", "name", "phase", "a_ms", "b_ms", "change", "faster_by", "speedup", "verdict", "spread_a",
@@ -109,6 +109,12 @@ def _hardware_note(env_a: dict[str, Any], env_b: dict[str, Any]) -> str | None:
     if _machine(env_a) != _machine(env_b):
         return (f"A and B ran on different machines ({_machine(env_a)} vs {_machine(env_b)}): each change below "
                 "mixes the hardware with any difference in settings.")
+    busy = [side for side, env in (("A", env_a), ("B", env_b)) if (env.get("machine_load") or {}).get("busy")]
+    if busy:
+        loads = "; ".join(f"{side}: {machine_load_text(env.get('machine_load'))}" for side, env in
+                          (("A", env_a), ("B", env_b)) if env.get("machine_load"))
+        return (f"{' and '.join(busy)} ran on a machine with more runnable threads than cores ({loads}): a change "
+                "below can be the machine's load rather than the settings; repeat on a quiet machine or with --repeat.")
     if env_a.get("world_size") != env_b.get("world_size"):
         return (f"A and B ran on different rank counts ({env_a.get('world_size', '?')} vs "
                 f"{env_b.get('world_size', '?')}): each change below holds that as well as any recipe change.")

@@ -26,9 +26,9 @@ from trainprof.report.plots import INSTALL_HINT
 from trainprof.report.projections import how_to_project, projections_section
 from trainprof.report.rundir import WRITERS, RunData, RunDirError, load_run, recipe_of
 from trainprof.report.sections import (MiB, advice_section, categories_section, comm_section, compile_text,
-                                       hardware_text, headline_facts, memory_section, methods_section,
-                                       module_phase_section, ops_section, phases_section, ranks_section,
-                                       top_modules_section)
+                                       hardware_text, headline_facts, machine_load_text, memory_section,
+                                       methods_section, module_phase_section, ops_section, phases_section,
+                                       ranks_section, top_modules_section)
 
 TRACE_SCAN_BYTES = 32 * MiB  # traces larger than this (on disk) are listed, not read, unless asked
 
@@ -107,6 +107,7 @@ def facts_section(doc: Document, run: RunData) -> None:
                   f"{s.get('steps_used', len(run.measured_steps))} used for medians "
                   f"({s.get('steps_used_description', 'all measured steps')})"),
         ("hardware", hardware_text(env)),
+        ("machine load", machine_load_text(env.get("machine_load")) or "not recorded"),
         ("versions", ", ".join(f"{k} {env[k]}" for k in ("torch", "deepspeed", "transformers") if env.get(k))
          or "not recorded"),
         ("timer", f"{env.get('timer', 'n/a')}: {env.get('timer_description', 'not recorded')}"),

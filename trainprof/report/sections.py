@@ -152,6 +152,17 @@ def cpu_model(env: dict[str, Any]) -> str | None:
     return env.get("host_cpu") if env.get("device_type") == "cpu" else None
 
 
+def machine_load_text(load: dict[str, Any] | None) -> str | None:
+    """One line on a run's machine load; None when not recorded."""
+    if not load:
+        return None
+    text = f"1-minute load average {load['start']:g} at start, {load['end']:g} at end, on {load['cores']} cores"
+    if load.get("busy"):
+        text += ("; more runnable threads than cores (other work, or this run's own ranks): its times hold the "
+                 "machine's contention")
+    return text
+
+
 def hardware_text(env: dict[str, Any]) -> str:
     """The device a run used: name (type) x ranks, with a CPU's model beside its architecture."""
     host = f", {cpu_model(env)}" if cpu_model(env) else ""
@@ -190,6 +201,9 @@ def headline_facts(run: RunData) -> list[tuple[str, str]]:
         ("loss first -> last", _loss_text(run)),
         ("peak memory", _peak_memory_text(s)),
     ]
+    load = env.get("machine_load") or {}
+    if load.get("busy"):  # beside the figures it slowed
+        facts.append(("machine load", machine_load_text(load)))
     if p.get("partial"):  # first: every figure after it stands on the steps that finished
         reason = f" ({p['partial_reason']})" if p.get("partial_reason") else ""
         facts.insert(0, ("status", f"partial: the run did not finish every step{reason}"))
