@@ -1398,7 +1398,7 @@ def test_time_and_cost_to_train_read_at_their_size():
 def test_a_world_size_change_here_computes_at_the_threads_a_launched_run_gets(monkeypatch):
     """A 1-rank source ran at torch's default threads (2 on a 2-core machine); its 2-rank target, launched by
     torchrun, runs each rank at 1 unless OMP_NUM_THREADS says otherwise: the prediction probes that."""
-    from trainprof.projection.projector import threads_when_launched
+    from trainprof.env import threads_when_launched
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert threads_when_launched(2, one_process=2)[0] == 1 and "torchrun" in threads_when_launched(2, 2)[1]

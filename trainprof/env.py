@@ -331,14 +331,29 @@ def check_memory_cap(device: torch.device, cap_gb: float | None, *, before_steps
         peak_bytes=peak)
 
 
+def threads_when_launched(ranks: int, one_process: int) -> tuple[int, str]:
+    """(intra-op threads, why) of each rank of `trainprof run --nproc N` on this machine: OMP_NUM_THREADS where
+    set; else torchrun's default of 1 where it starts several ranks; else torch's default in one process."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given), f"OMP_NUM_THREADS={given}"
+    if ranks > 1:
+        return 1, f"torchrun sets OMP_NUM_THREADS=1 for each of its {ranks} processes where it is unset"
+    return one_process, "one process without torchrun: torch's default"
+
+
+def allowed_cores() -> list[int]:
+    """The CPU cores this process may run on (its affinity; every core where the platform has none)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def cpu_slots() -> dict[str, Any]:
     """What this rank may run on: its host, torch's intra-op threads and the cores it is allowed (affinity)."""
     import socket
 
     import torch
 
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    return {"host": socket.gethostname(), "threads": torch.get_num_threads(), "cores": cores}
+    return {"host": socket.gethostname(), "threads": torch.get_num_threads(), "cores": allowed_cores()}
 
 
 def cpu_oversubscription(slots: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -382,7 +397,7 @@ def machine_load(at_start: float | None) -> dict[str, Any] | None:
     end = load_average()
     if at_start is None or end is None:
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = len(allowed_cores())
     return {"start": at_start, "end": end, "cores": cores, "busy": max(at_start, end) > cores,
             "how": "the host's 1-minute load average (os.getloadavg) when the profiler attached and when the "
                    "profile was made, against the cores this process may use; this run's own ranks count in it"}

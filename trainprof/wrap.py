@@ -222,7 +222,7 @@ def exit_code(err: SystemExit) -> int:
 def run_script(script: str, args: list[str], wrapper: Wrapper) -> int:
     """Run `script` as __main__ with sys.argv = [script, *args]; finish the profile; its exit code (a
     script stopped by SIGINT or SIGTERM exits 130 or 143, as the signal would have made it)."""
-    from trainprof.run import raise_terminated
+    from trainprof.run import Terminated, raise_terminated
 
     path = Path(script)
     if not path.is_file():
@@ -247,8 +247,6 @@ def run_script(script: str, args: list[str], wrapper: Wrapper) -> int:
         code = exit_code(err)
         partial = f"the script exited with code {code}" if code else None
     except BaseException as err:
-        from trainprof.run import Terminated
-
         if isinstance(err, Terminated):  # a signal, not a bug: where the script was is not the news
             print(f"trainprof wrap: {script} {err}", file=sys.stderr)
         else:

@@ -57,15 +57,10 @@ def _run(args: argparse.Namespace) -> int:
 def warn_oversubscribed(nproc: int, one_process_threads: int) -> None:
     """One line on stderr where the ranks' threads outnumber the cores this launch may use: the run then
     measures the machine's contention, not the recipe."""
-    import os
+    from trainprof.env import allowed_cores, oversubscription_warning, threads_when_launched
 
-    from trainprof.env import oversubscription_warning
-
-    given = os.environ.get("OMP_NUM_THREADS", "")
-    # torchrun sets OMP_NUM_THREADS=1 for each rank where it is unset; one rank runs without torchrun
-    threads = int(given) if given.isdigit() and int(given) > 0 else (1 if nproc > 1 else one_process_threads)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    line = oversubscription_warning(nproc, threads, cores)
+    threads, _ = threads_when_launched(nproc, one_process_threads)
+    line = oversubscription_warning(nproc, threads, len(allowed_cores()))
     if line:
         print(line, file=sys.stderr)
 

@@ -180,16 +180,18 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _shape(model: torch.nn.Module) -> tuple[Any, int | None, int | None, int | None]:
-    cfg = getattr(unwrap_model(model), "config", None)
+    """(config, layers, heads, hidden) of an unwrapped model (unwrap_model)."""
+    cfg = getattr(model, "config", None)
     return (cfg, getattr(cfg, "num_hidden_layers", None), getattr(cfg, "num_attention_heads", None),
             getattr(cfg, "hidden_size", None))
 
 
 def analytic_missing_reason(model: torch.nn.Module, seq_len: int | None) -> str | None:
     """Why analytic_flops has no estimate for `model` (None when it has one)."""
+    model = unwrap_model(model)
     cfg, layers, heads, hidden = _shape(model)
     if cfg is None:
-        return (f"no analytic FLOPs: the model ({type(unwrap_model(model)).__name__}) has no Hugging Face-style "
+        return (f"no analytic FLOPs: the model ({type(model).__name__}) has no Hugging Face-style "
                 "`config` (under .module / ._orig_mod wrappers included)")
     missing = [k for k, v in (("num_hidden_layers", layers), ("num_attention_heads", heads),
                               ("hidden_size", hidden)) if not v]

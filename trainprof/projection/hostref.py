@@ -4,7 +4,7 @@ and the bytes the optimizer's kernels move per trainable parameter.
 
 A phase whose kernels ran less than HOST_BOUND_BUSY of its time waited for its host: its time over its
 operator calls is the host's time per call. A device-bound phase hides its host time and gives only a
-ceiling (`host_us_ceiling`): its calls took the host at most the phase.
+ceiling (`host_us_and_ceiling`): its calls took the host at most the phase.
 The optimizer's kernels (device self time of the traced step) at the machine's measured copy bandwidth
 (calibration.json) give the bytes an engine's Adam moves per trainable parameter on a GPU: fused, multi-
 tensor and per-op implementations differ several-fold from the 28 B of one ideal pass.
@@ -28,31 +28,28 @@ def host_us_per_op(profile: dict[str, Any]) -> dict[str, float | None]:
     """Per phase, µs of host time per operator call of a GPU profile with an operator trace (None where
     the phase was device-bound or the profile has no trace)."""
     out: dict[str, float | None] = {ph: None for ph in HOST_PHASES}
-    out.update({ph: us for ph, (us, host_bound) in _phase_per_call(profile).items() if host_bound})
+    out.update(host_us_and_ceiling(profile)[0])
     return out
 
 
-def host_us_ceiling(profile: dict[str, Any]) -> dict[str, float]:
-    """Per device-bound phase of a GPU profile with an operator trace, the most µs of host time one of its
-    operator calls can have taken: the phase over its calls, which the host issued within it. Only a bound:
-    the kernels hid the host's time."""
-    return {ph: us for ph, (us, host_bound) in _phase_per_call(profile).items() if not host_bound}
-
-
-def _phase_per_call(profile: dict[str, Any]) -> dict[str, tuple[float, bool]]:
-    """Per phase of a GPU profile with an operator trace: its time over its operator calls (µs) and whether its
-    kernels ran less than HOST_BOUND_BUSY of it (host-bound)."""
+def host_us_and_ceiling(profile: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per phase of a GPU profile with an operator trace, its time over its operator calls (µs): for a host-bound
+    phase the host's time per call (first dict); for a device-bound one the most host time a call can have
+    taken, the host having issued them all within the phase (second dict: only a bound, the kernels hid the
+    host's time)."""
     m = measured_from_profile(profile)
+    own: dict[str, float] = {}
+    ceiling: dict[str, float] = {}
     if m.device_type != "cuda" or not m.ops:
-        return {}
-    out: dict[str, tuple[float, bool]] = {}
+        return own, ceiling
     for ph in HOST_PHASES:
         ops = m.ops.get(ph)
         phase = m.phases_ms.get(ph, 0.0)
         if ops is None or not ops.calls or phase <= 0:
             continue
-        out[ph] = phase / ops.calls * 1e3, ops.matmul_ms + ops.other_ms < HOST_BOUND_BUSY * phase
-    return out
+        host_bound = ops.matmul_ms + ops.other_ms < HOST_BOUND_BUSY * phase
+        (own if host_bound else ceiling)[ph] = phase / ops.calls * 1e3
+    return own, ceiling
 
 
 def optimizer_host(profile: dict[str, Any]) -> tuple[float, float] | None:

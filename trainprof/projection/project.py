@@ -21,6 +21,7 @@ from typing import Any
 from trainprof.env import progress_interval
 from trainprof.hardware import Catalog, CatalogError, find_accelerator, load_catalog
 from trainprof.projection.changes import THIS, counts_ranks, recipe_kinds
+from trainprof.phases import MODULE_PHASES
 from trainprof.projection.measured import PHASES
 from trainprof.projection.projector import PROJECTION_VERSION, Projector, with_overrides
 from trainprof.projection.source import ProjectionError, Source, load_source, same_machine_as_source
@@ -188,9 +189,6 @@ def scaling_efficiency(projector: Projector, recipe: Any, predictions: list[dict
                 p["above_linear"] = above_linear(p, at(machine, settings, base))
 
 
-COMPUTE_PHASES = ("forward", "backward", "recompute")
-
-
 def above_linear(p: dict[str, Any], base: dict[str, Any]) -> str:
     """Why a prediction scales past 100% of its baseline: the phases a rank spends less time in at its world
     size, each with what shortens it (ZeRO's share of the optimizer step; for compute, the thread count a
@@ -202,7 +200,7 @@ def above_linear(p: dict[str, Any], base: dict[str, Any]) -> str:
         if now < 0.99 * was:
             why = ("each rank steps its ZeRO share of the states" if ph == "optimizer" else
                    "a rank's compute predicted faster: the probe timed it so at the threads a rank gets"
-                   if ph in COMPUTE_PHASES else "as predicted")
+                   if ph in MODULE_PHASES else "as predicted")
             parts.append(f"{ph} {was:.1f} -> {now:.1f} ms ({why})")
     marks = [m for m in p.get("confidence_marks") or [] if m not in (base.get("confidence_marks") or [])]
     return "; ".join(parts or ["no phase shorter per rank"]) + (f"; {', '.join(marks)}" if marks else "")

@@ -9,9 +9,9 @@ import dataclasses
 import functools
 import json
 import math
-import os
 from typing import Any
 
+from trainprof.env import threads_when_launched
 from trainprof.hardware import Catalog, Target, find_accelerator
 from trainprof.projection import pipeline
 from trainprof.projection.assumptions import Assumption, assume
@@ -56,17 +56,6 @@ class ResidentProbe:
     source_bytes: int
     target_bytes: int
     layers: int | None  # the decoder layers both were built with; None: the source's model, two engines
-
-
-def threads_when_launched(ranks: int, one_process: int) -> tuple[int, str]:
-    """(intra-op threads, why) of each rank of `trainprof run --nproc N` on this machine: OMP_NUM_THREADS where
-    set; else torchrun's default of 1 where it starts several ranks; else torch's default in one process."""
-    given = os.environ.get("OMP_NUM_THREADS", "")
-    if given.isdigit() and int(given) > 0:
-        return int(given), f"OMP_NUM_THREADS={given}"
-    if ranks > 1:
-        return 1, f"torchrun sets OMP_NUM_THREADS=1 for each of its {ranks} processes where it is unset"
-    return one_process, "one process without torchrun: torch's default"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -372,7 +361,7 @@ class Projector:
                   ) -> dict[str, float] | None:
         """Host µs per operator call on the target: a GPU source's own (where its phase was host-bound,
         else the catalog's reference for `engine`, on the source's own GPU kind at most what its device-bound
-        phase leaves: hostref.host_us_ceiling); on another host path, the catalog's reference for the
+        phase leaves: hostref.host_us_and_ceiling); on another host path, the catalog's reference for the
         target's `engine` x the source host's pace against the reference for its own path; a CPU source's
         from the catalog's GPU references for `engine` (the target's)."""
         m = self.source.measured
@@ -387,14 +376,13 @@ class Projector:
             notes.append(assume("host_stand_in", why=stand_in))
         values = dict(ref)
         if m.device_type == "cuda":
-            from trainprof.projection.hostref import host_us_ceiling, host_us_per_op
+            from trainprof.projection.hostref import host_us_and_ceiling
 
-            own = {ph: us for ph, us in host_us_per_op(self.source.profile).items() if us is not None}
+            own, ceilings = host_us_and_ceiling(self.source.profile)
             src_engine, path_change = self.source.recipe.engine, self._host_path_change(engine, zero_stage)
             src_ref = gpu_host(self.catalog, src_engine.kind, src_engine.zero_stage)[0] if path_change else ref
             if own_gpu:  # the source's own host: a device-bound phase's calls took it no longer than the phase
-                capped = {ph: us for ph, us in host_us_ceiling(self.source.profile).items()
-                          if src_ref.get(ph) and us < src_ref[ph]}
+                capped = {ph: us for ph, us in ceilings.items() if src_ref.get(ph) and us < src_ref[ph]}
                 own.update(capped)
                 if capped:
                     notes.append(assume("host_ceiling", phases=", ".join(f"{ph} {us:.1f}" for ph, us in capped.items())))

@@ -46,17 +46,17 @@ def project_scaling(points: list[dict[str, Any]], extra_sizes: list[int] | None 
         for n in sizes:
             pred = projector.predict(recipe, world=n)
             if n == 1 or one is None and n == sizes[0]:
-                one = (n, pred["tokens_per_s"], pred)
+                one = (n, pred)
             row: dict[str, Any] = {"world_size": n, "predicted_step_ms": pred["step_ms"],
                                    "predicted_tokens_per_s": pred["tokens_per_s"],
                                    # the source projected onto itself claims no expected error
                                    "expected_error_pct": None if n == ref["world_size"] else pred["expected_error_pct"],
                                    "marks": "; ".join(pred.get("confidence_marks") or []) or None,
                                    "reason": (pred.get("reasons") or {}).get("step_ms")}
-            if one and one[1] and pred["tokens_per_s"]:
-                row["predicted_efficiency"] = pred["tokens_per_s"] * one[0] / (n * one[1])
+            if one and one[1]["tokens_per_s"] and pred["tokens_per_s"]:
+                row["predicted_efficiency"] = pred["tokens_per_s"] * one[0] / (n * one[1]["tokens_per_s"])
                 if row["predicted_efficiency"] > 1:
-                    row["above_linear"] = above_linear(pred, one[2])
+                    row["above_linear"] = above_linear(pred, one[1])
             if n in measured:
                 prof = measured[n]["profile"]
                 m = measured_from_profile(prof)

@@ -125,35 +125,24 @@ def _not_applicable(rule: str, figure: str, threshold: str, why: str) -> Check:
     return _check(rule, figure, None, threshold, False, why, applies=False)
 
 
-def oversubscription(profile: dict[str, Any]) -> dict[str, Any] | None:
-    """env.oversubscribed of a CPU run ({ranks, threads, cores}: the host's ranks' threads together over its
-    cores, env.cpu_oversubscription), or None where the run was not oversubscribed or did not record it
-    (absent means not known, not "no")."""
-    over = (profile.get("env") or {}).get("oversubscribed")
-    if isinstance(over, dict):
-        return over
-    return {} if over is True else None
-
-
 def rule_oversubscribed(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
+    """env.oversubscribed, recorded on CPU runs (env.cpu_oversubscription): {host, ranks, threads, cores} of the
+    first host whose ranks' threads together outnumber its cores, or null; absent means not known, not "no"."""
     figure, threshold = "env.oversubscribed: the ranks' threads / cores", "> 100.0%"
     env = f.profile.get("env") or {}
     if "oversubscribed" not in env:
         if env.get("device_type") == "cuda":  # recorded for CPU runs, whose ranks share the host's cores
             return _not_applicable("oversubscribed", figure, threshold, "a GPU run"), None
         return _check("oversubscribed", figure, None, threshold, False, "not recorded in env (not known)"), None
-    over = oversubscription(f.profile)
-    ranks, threads, cores = (over or {}).get("ranks"), (over or {}).get("threads"), (over or {}).get("cores")
-    ratio = threads / cores if ranks and threads and cores else None  # threads: all the host's ranks' together
-    check = _check("oversubscribed", figure, ratio, threshold, over is not None)
+    over = env["oversubscribed"]
     if over is None:
-        return check, None
-    if ratio is not None:
-        trigger = f"{ranks} ranks running {threads} threads on {cores} cores"
-        fix = (f"keep ranks x threads <= {cores}: OMP_NUM_THREADS={max(1, cores // ranks)} per rank, or fewer ranks"
-               if ranks <= cores else f"run at most {cores} ranks (one thread each) on this machine")
-    else:
-        trigger, fix = "the run's threads outnumbered its cores", "keep ranks x threads at or under the cores"
+        return _check("oversubscribed", figure, None, threshold, False, "not oversubscribed"), None
+    ranks, threads, cores = over["ranks"], over["threads"], over["cores"]
+    ratio = threads / cores
+    check = _check("oversubscribed", figure, ratio, threshold, True)
+    trigger = f"{ranks} ranks running {threads} threads on {cores} cores"
+    fix = (f"keep ranks x threads <= {cores}: OMP_NUM_THREADS={max(1, cores // ranks)} per rank, or fewer ranks"
+           if ranks <= cores else f"run at most {cores} ranks (one thread each) on this machine")
     return check, _advice(
         "oversubscribed", "The CPU was oversubscribed: fix that before reading communication or stragglers",
         figure, ratio, threshold, trigger,
