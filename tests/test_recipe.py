@@ -285,3 +285,14 @@ def test_explicit_empty_mapping_means_all_defaults(tmp_path):
     defaults.output.name = "defaults"  # load_recipe names the run after the file
     assert r == defaults
     assert r.data.seq_len == 350 and r.output.name == "defaults"
+
+
+def test_deepspeed_zero_defaults_are_deepspeeds():
+    """The report and the projection read these instead of importing DeepSpeed: they must be its defaults."""
+    from trainprof.plan_memory import quiet_deepspeed
+    from trainprof.recipe import DEEPSPEED_ZERO_DEFAULTS
+
+    with quiet_deepspeed():
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    fields = DeepSpeedZeroConfig().model_dump(by_alias=True)
+    assert {key: fields[key] for key in DEEPSPEED_ZERO_DEFAULTS} == DEEPSPEED_ZERO_DEFAULTS

@@ -152,6 +152,18 @@ class Recipe:
         return dataclasses.asdict(self)
 
 
+# DeepSpeed's ZeRO defaults (deepspeed/runtime/zero/config.py; tests/test_recipe.py checks them against the
+# installed DeepSpeed) for readers that must not import DeepSpeed: a parameter of at most
+# stage3_param_persistence_threshold elements stays whole on every rank (gathered once after each step); one
+# fetched in forward is kept while it is reused within stage3_max_reuse_distance parameters; gradients are
+# reduced in buckets of reduce_bucket_size elements.
+DEEPSPEED_ZERO_DEFAULTS: dict[str, int] = {
+    "stage3_param_persistence_threshold": 100_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "reduce_bucket_size": 500_000_000,
+}
+
+
 # DeepSpeed config keys that trainprof derives from recipe keys: setting one in `deepspeed:` too is
 # ambiguous, so it is an error naming both.
 DEEPSPEED_KEYS_FROM_RECIPE: dict[str, str] = {

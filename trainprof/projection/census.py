@@ -9,13 +9,9 @@ import dataclasses
 import math
 from typing import Any
 
-# DeepSpeed's ZeRO-3 defaults (deepspeed/runtime/zero/config.py): a parameter of at most this many
-# elements is persistent (never partitioned: gathered once after each step); a parameter fetched in
-# forward is not released while it will be reused within this many parameters (so a model smaller
-# than it gathers each parameter once a step); gradients are reduced in buckets of this many elements
-ZERO3_PERSISTENCE_THRESHOLD = 100_000
-ZERO3_MAX_REUSE_DISTANCE = 1_000_000_000
-ZERO_REDUCE_BUCKET = 500_000_000
+from trainprof.recipe import DEEPSPEED_ZERO_DEFAULTS
+
+ZERO3_PERSISTENCE_THRESHOLD = DEEPSPEED_ZERO_DEFAULTS["stage3_param_persistence_threshold"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,11 +74,11 @@ def trainable_tensors(c: Census) -> int:
 
 def zero3_settings(recipe: Any) -> dict[str, int]:
     """The recipe's ZeRO-3 settings that decide its collectives (DeepSpeed's defaults where unset)."""
-    zero = (recipe.deepspeed or {}).get("zero_optimization") or {}
+    zero = {**DEEPSPEED_ZERO_DEFAULTS, **((recipe.deepspeed or {}).get("zero_optimization") or {})}
     return {
-        "persistence_threshold": int(zero.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)),
-        "max_reuse_distance": int(zero.get("stage3_max_reuse_distance", ZERO3_MAX_REUSE_DISTANCE)),
-        "reduce_bucket": int(zero.get("reduce_bucket_size", ZERO_REDUCE_BUCKET)),
+        "persistence_threshold": int(zero["stage3_param_persistence_threshold"]),
+        "max_reuse_distance": int(zero["stage3_max_reuse_distance"]),
+        "reduce_bucket": int(zero["reduce_bucket_size"]),
     }
 
 

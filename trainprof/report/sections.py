@@ -15,6 +15,7 @@ from trainprof.report.document import Document, Figure, Missing, Para, Table, fm
 from trainprof.report.pipeline import bubble_text
 from trainprof.io import dig
 from trainprof.layout import TRACES_HOW
+from trainprof.recipe import DEEPSPEED_ZERO_DEFAULTS
 from trainprof.report.rundir import (RunData, module_label, module_time, report_phases, step_peak_memory,
                                      top_modules, trace_size_text)
 
@@ -22,9 +23,6 @@ TOP_MODULES = 15
 TOP_OPS = 25
 MiB = 2**20
 ADVICE_FILE = ("projections", "advice.json")  # `trainprof project RUN --advice`: predicted gains of the advice
-# DeepSpeed's default stage3_param_persistence_threshold (deepspeed/runtime/zero/config.py): ZeRO-3 keeps a
-# parameter of at most this many elements whole on every rank
-ZERO3_PERSISTENCE_THRESHOLD = 100_000
 
 # Zhang et al.'s (arXiv 2311.03687) Llama2-7B rows: (label, which modules belong to it)
 CATEGORIES: list[tuple[str, Callable[[dict[str, Any]], bool]]] = [
@@ -110,7 +108,7 @@ def zero3_persistence_text(profile: dict[str, Any]) -> str | None:
         threshold = dig(figures.recipe, "deepspeed", "zero_optimization", key)
         source = f"the recipe's deepspeed.zero_optimization.{key}"
     if threshold is None:
-        threshold, source = ZERO3_PERSISTENCE_THRESHOLD, f"DeepSpeed's default {key}; the run set none"
+        threshold, source = DEEPSPEED_ZERO_DEFAULTS[key], f"DeepSpeed's default {key}; the run set none"
     return (f"ZeRO-3 keeps every parameter of at most {int(threshold):,} elements ({source}) whole on every rank: "
             "those are not all-gathered before each use, only once after each optimizer step, so a model whose layers "
             "are small (as the quickstart's tiny model's are) shows few forward and backward all-gathers; "
