@@ -108,6 +108,10 @@ def test_bubble_measured_beside_analytic_and_shrinks_with_micro_batches(runs):
     assert six["bubble_frac_measured"] < two["bubble_frac_measured"], (two["stages"], six["stages"])
     summary = (runs["gpipe2"][0] / "summary.md").read_text()
     assert "vs analytic GPipe 33.3%" in summary and "which sets the pace" in summary
+    # rank 0's FLOPs are stage 0's layers only (three of four): said where the FLOPs are printed
+    merged, first = runs["gpipe2"][1]["summary"], rank_file(runs["gpipe2"][0], 0)["summary"]
+    assert merged["flops_per_step"] == first["flops_per_step"] and merged["analytic"]["layers"] == 3
+    assert "FLOPs per step as executed by pipeline stage 0 of 2" in summary
     from trainprof.report.advisor import advise
 
     fired = {a["rule"]: a for a in advise(runs["gpipe2"][1])["advice"]}  # 33% analytic at m=2: it fires
@@ -257,6 +261,14 @@ def test_ranks_must_equal_stages_one_line_exit_2():
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("trainprof:")]
     assert len(lines) == 1 and "engine.pipeline_stages" in lines[0] and "--nproc_per_node 2" in lines[0]
+
+
+def test_trainprof_run_launches_one_rank_per_stage_by_default():
+    from trainprof.commands.run import launch_ranks
+
+    assert launch_ranks(load_recipe(QUICK, PIPE), None) == 2
+    assert launch_ranks(load_recipe(QUICK, PIPE), 4) == 4  # then refused by check_world_size, naming the key
+    assert launch_ranks(load_recipe(QUICK), None) == 1
 
 
 def test_a_stage_runs_on_transformers_current_api_without_deprecation_warnings(recwarn):

@@ -128,6 +128,9 @@ def _merge_summary(merged: dict[str, Any], profiles: list[dict[str, Any]], ranks
     if step_s > 0 and all(f for f in flops):
         summary["achieved_tflops_all_ranks"] = sum(flops) / step_s / 1e12
     summary["achieved_tflops_scope"] = "per rank (rank 0's FLOPs over its median step)"
+    if pipeline:  # rank 0 runs stage 0's layers only: its FLOPs (and their PaLM cross-check) are that stage's
+        summary["flops_scope"] = f"by pipeline stage 0 of {len(profiles)} (rank 0; the stages together: see all ranks)"
+        summary["achieved_tflops_scope"] = "per rank (pipeline stage 0's FLOPs, rank 0, over its median step)"
 
 
 def _merge_pipeline_stages(merged: dict[str, Any], profiles: list[dict[str, Any]], pipeline: dict[str, Any]) -> None:

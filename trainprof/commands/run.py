@@ -46,12 +46,18 @@ def _run(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)
     check_environment(recipe, cuda_available=torch.cuda.is_available())
-    check_world_size(recipe, args.nproc)
-    cmd = launch_command(args.recipe, args.overrides, nproc=args.nproc)
+    nproc = launch_ranks(recipe, args.nproc)
+    check_world_size(recipe, nproc)
+    cmd = launch_command(args.recipe, args.overrides, nproc=nproc)
     if not torch.cuda.is_available():
-        warn_oversubscribed(args.nproc, torch.get_num_threads())
+        warn_oversubscribed(nproc, torch.get_num_threads())
     print("+ " + " ".join(cmd), file=sys.stderr)
     return subprocess.call(cmd)
+
+
+def launch_ranks(recipe, nproc: int | None) -> int:
+    """--nproc, else what the recipe needs: one rank per pipeline stage, or one."""
+    return nproc if nproc is not None else max(1, recipe.engine.pipeline_stages)
 
 
 def warn_oversubscribed(nproc: int, one_process_threads: int) -> None:
@@ -71,6 +77,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        "(one rank: python -m trainprof.run, without torchrun).")
     p.add_argument("recipe", help="recipe YAML file")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. engine.zero_stage=2")
-    p.add_argument("--nproc", type=positive_int, default=1, help="ranks on this node (default 1)")
+    p.add_argument("--nproc", type=positive_int, default=None,
+                   help="ranks on this node (default 1; engine.pipeline_stages with pipelines: one stage per rank)")
     p.set_defaults(func=_run)
     return p

@@ -127,7 +127,8 @@ def _flops_text(s: dict[str, Any]) -> str:
         kind = str(peak.get("key", "")).removeprefix("peak_").removesuffix("_tflops").replace("_", " ")
         mfu = (f"MFU {100 * s['mfu']:.1f}% ({model} / the {kind} peak {peak.get('tflops', 'n/a')} TFLOP/s: "
                f"{peak.get('source')})")
-    text = f"{s['achieved_tflops']:.4g} per rank ({s['flops_per_step']:.3e} FLOPs per step as executed); {mfu}"
+    scope = f" {s['flops_scope']}" if s.get("flops_scope") else ""
+    text = f"{s['achieved_tflops']:.4g} per rank ({s['flops_per_step']:.3e} FLOPs per step as executed{scope}); {mfu}"
     if s.get("measured_over_analytic") is not None:
         text += f"; measured / analytic (PaLM 6N+12LHQT) {s['measured_over_analytic']:.3f}"
     elif s.get("analytic_reason"):
