@@ -339,7 +339,7 @@ def hardware_kinds(cases: list[dict], size: list[dict]) -> dict[str, dict]:
     H200 pairs whose source kept its GPU busy, and the model-size rows from one GPU kind to the other), which
     a GPU-bound source's label cites; `hardware_gpu_host_bound` over the rest, which a host-bound source's
     cites. Pairs without a predicted step (a source without calibration.json) are left out."""
-    from trainprof.projection.compute import HOST_BOUND_BUSY
+    from trainprof.analysis.gpu_busy import HOST_BOUND_BUSY
 
     bound = {"hardware_gpu": [], "hardware_gpu_host_bound": []}
     for c in predicted(cases):

@@ -598,10 +598,20 @@ def test_replay_command_names_the_side_that_bounds_a_step(cli, tmp_path):
     assert "host x0.5 ms" in lora.stdout and "GPU x0.5 ms" in lora.stdout  # the columns name their what-if
     dense = cli("replay", PROFILES / "h200-llama1b_zero3_sdpa-torch-gpubound")
     assert dense.returncode == 0 and _rows(dense.stdout)[-1].endswith("GPU"), dense.stdout
+    # the verdict is the traced step's busy share, not whichever what-if came out faster: a host-bound step (18%
+    # busy) stays host-bound when both sides are made 2x slower (the GPU's what-if is then the faster one)
+    slower = cli("replay", PROFILES / "h100-llama1b_zero3_sdpa-hostbound", "--host-scale", "2", "--device-scale", "2")
+    row = _rows(slower.stdout)[-1].split()
+    assert slower.returncode == 0 and row[-1] == "host" and float(row[-2]) < float(row[-3]), slower.stdout
+    assert "stops at the traced host" not in slower.stdout  # no 'no faster GPU' floor for a slower GPU
     missing = cli("replay", tmp_path / "nope")
     assert missing.returncode == 2 and "does not exist" in missing.stderr and len(missing.stderr.splitlines()) == 1
     cpu = cli("replay", PROFILES / "cpu-x86_64-quickstart_cpu")
     assert cpu.returncode == 2 and "no rank 0 trace" in cpu.stderr
+    (tmp_path / "infer").mkdir()
+    (tmp_path / "infer" / "inference.json").write_text("{}")
+    infer = cli("replay", tmp_path / "infer")
+    assert infer.returncode == 2 and "is a `trainprof infer` run" in infer.stderr and len(infer.stderr.splitlines()) == 1
 
 
 @pytest.mark.parametrize("case", VALIDATION.get("replay_cases") or [], ids=lambda c: f"{c['source']}->{c['hardware']}")
@@ -681,9 +691,12 @@ def test_replay_says_its_verdict_is_the_traced_steps(cli):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     note = next(ln for ln in lines if ln.startswith("'bound by' is the traced step's"))
-    assert lines.index(note) == lines.index(_rows(out.stdout)[-1]) + 1  # right under the table's rows
+    legend = lines[lines.index(_rows(out.stdout)[-1]) + 1]  # right under the table's rows, then the note
+    assert legend.startswith("traced ms: the trace's ProfilerStep span; bound by: GPU where") and "80%" in legend
+    assert lines.index(note) == lines.index(legend) + 1
     assert f"{traced:.1f} ms, +49% on the untraced median {untraced:.1f} ms of 8 measured steps" in note
     assert f"GPU is busy {busy:.1%}" in note and "89.0%" in note and "tracing slows the host" in note
+    assert _rows(out.stdout)[-1].endswith("host") and note.endswith("GPU-bound")  # traced 61% busy, untraced 89%
 
 
 @pytest.mark.parametrize("name", ["h100-llama7b_qlora", "h100-llama7b_lora"])

@@ -21,6 +21,8 @@ from trainprof.analysis.trace import STEP_MARKER, iter_events, op_name
 from trainprof.layout import TRACES_HOW
 
 
+# below this share of a step (or phase) kept busy by its kernels, the GPU waited for its host: host-bound
+HOST_BOUND_BUSY = 0.8
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # Kineto's device-side activity categories
 HOST_OPS = ("cpu_op", "user_annotation")  # what launches device work (the runtime calls share their External id)
 METHOD = ("busy = device self time of the traced step's operators in the phase (profile.json ops, torch.profiler/"

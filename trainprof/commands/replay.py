@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trainprof.analysis.replay import DeviceRates, Replayed, ReplayConfidence, TracedStep
 
+from trainprof.analysis.gpu_busy import HOST_BOUND_BUSY
+
 GIB = 2**30
 
 
@@ -56,6 +58,9 @@ def _trace_of(path: Path) -> Path:
         raise UserError(f"'{path}' does not exist: give a trace file, a run dir or a profiles/ folder")
     if path.is_file():
         return path
+    if (path / "inference.json").is_file():
+        raise UserError(f"'{path}' is a `trainprof infer` run: replay rebuilds a training step from a GPU training "
+                        "run's trace (profile.ops=true); open an inference trace with `trainprof tb`")
     traces = [t for t in run_traces(path) if t.name.startswith("rank0.")]
     if not traces:
         raise UserError(f"'{path}': no rank 0 trace in it or in its tb/; run with profile.ops=true")
@@ -105,11 +110,13 @@ def run(args: argparse.Namespace) -> int:
         same = replay(s)
         host = replay(s, host_scale=args.host_scale)
         gpu = replay(s, device_scale=lambda op: args.device_scale)
-        bound = "host" if host.step_ms < gpu.step_ms else "GPU" if gpu.step_ms < host.step_ms else "both"
-        print(f"{s.step:>5} {s.measured_ms:>10.1f} {same.step_ms:>11.1f} {same.device_busy_ms / same.step_ms:>9.0%} "
-              f"{host.step_ms:>{width}.1f} {gpu.step_ms:>{width}.1f}  {bound}")
-        if gpu.step_ms <= gpu.host_ms:
+        busy = same.device_busy_ms / same.step_ms
+        print(f"{s.step:>5} {s.measured_ms:>10.1f} {same.step_ms:>11.1f} {busy:>9.0%} "
+              f"{host.step_ms:>{width}.1f} {gpu.step_ms:>{width}.1f}  {bound_by(busy)}")
+        if args.device_scale < 1 and gpu.step_ms <= gpu.host_ms:
             floored.append((s.step, gpu))
+    print(f"traced ms: the trace's ProfilerStep span; bound by: GPU where the replayed step keeps it busy "
+          f"{HOST_BOUND_BUSY:.0%} or more, else host (the what-if columns do not decide it)")
     if doc is not None and (line := traced_against_untraced(doc)):
         print(line)
     if floored:
@@ -151,6 +158,13 @@ def _cross_target(to: str, path: Path, profile: Path | None, doc: dict[str, Any]
                        capacity_bytes=(resolved.figure("memory_gb") or 0) * 1e9 or None, confidence=confidence)
 
 
+def bound_by(busy: float | None) -> str:
+    """Which side a step waits on, by the share of it its GPU was busy (the bar the projection uses too)."""
+    if busy is None:
+        return "n/a"
+    return "GPU" if busy >= HOST_BOUND_BUSY else "host"
+
+
 def untraced_median(doc: dict[str, Any] | None) -> float | None:
     """The run's median untraced step (profile.json summary), None without one."""
     return (((doc or {}).get("summary") or {}).get("step_ms") or {}).get("median")
@@ -184,8 +198,9 @@ def traced_against_untraced(doc: dict[str, Any]) -> str | None:
         return None
     traced_ms = statistics.median(traced)
     busy = ((doc.get("gpu_busy") or {}).get("step") or {}).get("busy_frac")
-    busy_text = f"; untraced, the GPU is busy {busy:.1%} (gpu_busy.step)" if busy is not None else ""
-    return (f"'bound by' is the traced step's: profile.json times it at {traced_ms:.1f} ms, "
+    busy_text = (f"; untraced, the GPU is busy {busy:.1%} (gpu_busy.step): {bound_by(busy)}-bound"
+                 if busy is not None else "")
+    return (f"'bound by' is the traced step's: profile.json's timer gives it {traced_ms:.1f} ms, "
             f"{traced_ms / untraced - 1:+.0%} on the untraced median {untraced:.1f} ms of "
             f"{summary.get('steps_used', '?')} measured steps (tracing slows the host){busy_text}")
 

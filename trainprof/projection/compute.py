@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from trainprof.analysis.gpu_busy import HOST_BOUND_BUSY
 from trainprof.projection.assumptions import Assumption, assume
 from trainprof.projection.gemm import GemmRate, Work
 from trainprof.projection.measured import COMPUTE_PHASES, Measured
 
 ADAM_BYTES_PER_ELEMENT = 28  # fp32 Adam: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
-HOST_BOUND_BUSY = 0.8  # a GPU source phase whose kernels ran less than this share of it waited for its host
 # the probed layers' relative standard error (probes.paired_error) beyond which a row says the probe was noisy
 PROBE_ERROR_NOTE = 0.05
 ZERO3_COPIES_PER_BYTE = 2.0  # a ZeRO-3 fetch writes the gathered parameter and reads it back into the module

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainprof.projection.compute import HOST_BOUND_BUSY
+from trainprof.analysis.gpu_busy import HOST_BOUND_BUSY
 from trainprof.projection.measured import measured_from_profile
 
 HOST_PHASES = ("forward", "backward", "optimizer")

@@ -13,13 +13,14 @@ from typing import Any
 
 from trainprof.env import threads_when_launched
 from trainprof.hardware import Catalog, Target, find_accelerator
+from trainprof.analysis.gpu_busy import HOST_BOUND_BUSY
 from trainprof.projection import pipeline
 from trainprof.projection.assumptions import Assumption, assume
 from trainprof.projection.census import census, trainable_tensors, zero3_settings, zero3_traffic
 from trainprof.projection.changes import (KINDS, THIS, change_kinds, engine_key, model_shape, offload_of,
                                           task_key, unmodelled_changes, zero_stage_of)
 from trainprof.projection.comm import CommTarget, Link
-from trainprof.projection.compute import HOST_BOUND_BUSY, EngineProbe, Parts, StepProbe
+from trainprof.projection.compute import EngineProbe, Parts, StepProbe
 from trainprof.projection.gemm import Work
 from trainprof.projection.machines import (by_host_path, catalog_link, gpu_host, gpu_ops_per_layer, host_key,
                                            machine_from_calibration, machine_from_target, measured_link)

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from trainprof.analysis.gpu_busy import HOST_BOUND_BUSY
 from trainprof.projection.assumptions import Assumption, assume
 from trainprof.projection.comm import CommTarget, Link, exposed_comm
-from trainprof.projection.compute import (ADAM_BYTES_PER_ELEMENT, HOST_BOUND_BUSY, EngineProbe, Machine, Parts,
+from trainprof.projection.compute import (ADAM_BYTES_PER_ELEMENT, EngineProbe, Machine, Parts,
                                           StepProbe, combine, elementwise, engine_scaled, optimizer_ms, per_micro_batch,
                                           probed_compute, rerated_phase)
 from trainprof.projection.gemm import Work
