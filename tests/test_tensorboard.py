@@ -181,3 +181,41 @@ def test_tensorboard_lists_a_fresh_run_by_its_name(tmp_path):
         assert "phase/forward_ms" in tags[run_dir.name]
     finally:
         stop_tensorboard(proc)
+
+
+@pytest.mark.slow
+def test_no_wait_leaves_tensorboard_running_and_says_how_to_stop_it(tmp_path, cli):
+    run = tmp_path / "zero3_2rank"
+    shutil.copytree(RUN, run)
+    out = cli("tb", "--no-wait", run)
+    assert out.returncode == 0 and "Ctrl-C" not in out.stderr, out.stderr
+    pid = int(out.stderr.split("keeps running as process ")[1].split(":")[0])
+    assert f"`kill {pid}` stops it; then remove its link dir " in out.stderr  # traces directly in tb/: linked
+    base = out.stdout.split()[1].split("/#")[0]
+    port = int(urllib.parse.urlsplit(base).port)
+    try:
+        assert _wait_for_runs(base) == ["zero3_2rank"]
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        shutil.rmtree(out.stderr.split("then remove its link dir ")[1].split()[0], ignore_errors=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) != 0:
+                break
+        time.sleep(0.3)
+    else:
+        raise AssertionError("TensorBoard still listening after `kill PID`")
+
+
+def test_tb_names_a_missing_dir_and_infers_own_trace_switch(tmp_path, cli):
+    from trainprof.commands.tb import traces_from
+
+    missing = cli("tb", tmp_path / "nope")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and len(missing.stderr.splitlines()) == 1
+    (tmp_path / "infer").mkdir()
+    (tmp_path / "infer" / "inference.json").write_text("{}")
+    assert traces_from([tmp_path / "infer"]).startswith("`trainprof infer` without --no-ops writes")
+    assert "profile.ops=true" in traces_from([tmp_path])
+    empty = cli("tb", tmp_path / "infer")
+    assert empty.returncode == 2 and "`trainprof infer` without --no-ops" in empty.stderr

@@ -26,15 +26,23 @@ def tb_dir(path: str | Path) -> Path:
     from trainprof.errors import UserError
 
     path = Path(path)
+    if not path.exists():
+        raise UserError(f"'{path}' does not exist: give a run dir (or its tb/ dir)")
     if (path / "tb").is_dir():
         return path / "tb"
     if path.is_dir() and (_files_at_top(path) or any(path.glob("*/events.out.tfevents.*"))):
         return path
     raise UserError(f"'{path}' has no tb/ dir with traces or scalars; `trainprof report {path}` writes its "
-                    f"scalars, and {TRACES_FROM} traces")
+                    f"scalars, and {traces_from([path])} traces")
 
 
-TRACES_FROM = f"{TRACES_HOW} write operator"
+def traces_from(run_dirs: list[str | Path]) -> str:
+    """What writes operator traces for these runs: infer's own switch for `trainprof infer` runs."""
+    if not any((Path(p) / "inference.json").is_file() for p in run_dirs):
+        return f"{TRACES_HOW} write operator"
+    if len(run_dirs) == 1:
+        return "`trainprof infer` without --no-ops writes operator"
+    return f"{TRACES_HOW} (`trainprof infer`: without --no-ops) write operator"
 
 
 def has_traces(run_dirs: list[str | Path]) -> bool:
@@ -150,11 +158,14 @@ def _tb(args: argparse.Namespace) -> int:
         else:
             print(f"TensorBoard: {url}/#timeseries (scalars)  logdir {logdir}", flush=True)
             print(f"trainprof: no operator traces in {'these runs' if len(args.run_dirs) > 1 else 'this run'}: "
-                  f"{TRACES_FROM} traces", file=sys.stderr, flush=True)
-        print("Ctrl-C stops it.", file=sys.stderr, flush=True)
+                  f"{traces_from(args.run_dirs)} traces", file=sys.stderr, flush=True)
         if args.no_wait:
+            links = f"; then remove its link dir {tmp}" if tmp is not None else ""
+            print(f"TensorBoard keeps running as process {proc.pid}: `kill {proc.pid}` stops it{links}",
+                  file=sys.stderr, flush=True)
             proc = None  # leave it running
             return 0
+        print("Ctrl-C stops it.", file=sys.stderr, flush=True)
         return proc.wait()
     except KeyboardInterrupt:
         return 0
