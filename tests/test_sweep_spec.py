@@ -565,3 +565,10 @@ def test_a_catalog_entry_without_a_required_key_is_a_one_line_error(tmp_path, cl
     cat.write_text("accelerators: {g: {name: G, peak_bf16_dense_tflops: 5}}\n")
     proc = cli("hardware", "--catalog", cat)
     assert proc.returncode == 2 and f"catalog file '{cat}': accelerators.g.peak_bf16_dense_tflops" in proc.stderr
+
+
+def test_an_unknown_option_gets_its_commands_usage(cli):
+    for args in (("infer", QUICKSTART, "--bogus"), ("diff", "a", "b", "--bogus"), ("run", QUICKSTART, "--bogus")):
+        proc = cli(*args)
+        assert proc.returncode == 2 and f"usage: trainprof {args[0]} " in proc.stderr, proc.stderr
+        assert proc.stderr.rstrip().endswith(f"trainprof {args[0]}: error: unrecognized arguments: --bogus")

@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(name).add_parser(sub)
+    parser.set_defaults(command_parsers=sub.choices)  # name -> its parser, for errors with its own usage
     return parser
 
 
@@ -37,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     # argparse cannot take positionals after an option (`run R.yaml --nproc 2 k=v`): collect them here
     if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides = [*args.overrides, *extra]
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    elif extra:  # with the command's usage line, not trainprof's
+        args.command_parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     from trainprof.env import quiet_library_noise
 
     quiet_library_noise()
