@@ -216,3 +216,17 @@ def test_oversubscription_comes_first_and_qualifies_comm_and_straggler():
     assert "OMP_NUM_THREADS=1 per rank" in fired(p)["oversubscribed"]["action"]
     p["env"]["oversubscribed"] = None  # recorded: not oversubscribed
     assert "oversubscribed" not in fired(p)
+
+
+def test_a_busy_machine_qualifies_comm_and_straggler_when_the_ranks_did_not_oversubscribe_it():
+    """Other work's load (env.machine_load over the cores) can make a rank look like a straggler as well."""
+    p = _with(summary__phases_ms__comm_exposed=30.0, straggler={"rank": 0, "slower_by_frac": 0.077,
+                                                                 "metric": "busy_ms_median"})
+    p["env"]["oversubscribed"] = None
+    p["env"]["machine_load"] = {"start": 2.1, "end": 3.47, "cores": 2, "busy": True}
+    by_rule = fired(p)
+    for rule in ("comm_exposed", "straggler"):
+        assert ("the machine was busy while it ran (1-minute load average up to 3.47 on 2 cores, env.machine_load), "
+                "which alone can cause this" in by_rule[rule]["trigger"]["text"]), by_rule[rule]
+    p["env"]["machine_load"]["busy"] = False
+    assert "machine was busy" not in fired(p)["straggler"]["trigger"]["text"]

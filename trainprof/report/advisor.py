@@ -378,14 +378,25 @@ def advise(profile: dict[str, Any], predicted: list[dict[str, Any]] | None = Non
         if item is not None:
             advice.append(item)
     over = next((a for a in advice if a["rule"] == "oversubscribed"), None)
+    contention = _contention_text(over, (profile.get("env") or {}).get("machine_load"))
     for item in advice:
         _attach_prediction(item, predicted)
-        if over is not None and item["rule"] in OVERSUBSCRIPTION_INFLATES:
-            item["trigger"]["text"] += (f"; the CPU was oversubscribed ({over['trigger']['text']}), which alone can "
-                                        "cause this: fix that first")
+        if contention and item["rule"] in OVERSUBSCRIPTION_INFLATES:
+            item["trigger"]["text"] += f"; {contention}, which alone can cause this: fix that first"
     # oversubscription first: it can cause the communication and straggler figures below it
     advice.sort(key=lambda a: (a["rule"] != "oversubscribed", -(a["gain"]["upper_bound_step_frac"] or 0.0)))
     return {"advice": advice, "checks": checks}
+
+
+def _contention_text(over: dict[str, Any] | None, load: dict[str, Any] | None) -> str | None:
+    """Why ranks may have waited on each other for want of a CPU: this run's own ranks oversubscribed it, else
+    the machine's load average exceeded its cores while the run ran (other work, env.machine_load)."""
+    if over is not None:
+        return f"the CPU was oversubscribed ({over['trigger']['text']})"
+    if load and load.get("busy"):
+        return (f"the machine was busy while it ran (1-minute load average up to {max(load['start'], load['end']):.2f} "
+                f"on {load['cores']} cores, env.machine_load)")
+    return None
 
 
 def _attach_prediction(item: dict[str, Any], predicted: list[dict[str, Any]] | None) -> None:
