@@ -127,3 +127,15 @@ def test_the_model_state_table_holds_bytes_only():
     state = run.profile["model_state_bytes"]
     assert [row[0] for row in table.rows] == ["params", "grads", "optimizer_states", "master_params", "total"]
     assert table.rows[-1][1] == pytest.approx(state["total"] / 2**20)
+
+
+def test_the_trace_fact_says_where_the_traces_are():
+    """A folder kept in profiles/ holds its rank 0 trace beside profile.json; a run dir writes them under tb/."""
+    from trainprof.report.rundir import load_run
+    from trainprof.report.sections import headline_facts
+
+    def trace_fact(path) -> str:
+        return dict(headline_facts(load_run(path)))["trace per step"]
+
+    assert trace_fact(REPO / "profiles" / "h100-llama1b_zero3_sdpa-gpubound").endswith("on rank 0; beside profile.json)")
+    assert trace_fact(REPO / "tests" / "data" / "zero3_2rank").endswith("on rank 0; tb/)")

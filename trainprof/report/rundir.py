@@ -255,8 +255,9 @@ def top_modules(profile: dict[str, Any], n: int) -> list[dict[str, Any]]:
     return sorted(mods, key=lambda m: -module_time(m, self_time=True))[:n]
 
 
-def trace_size_text(profile: dict[str, Any]) -> str:
-    """One line for a run summary: the Kineto trace size per traced step, or why there is none."""
+def trace_size_text(profile: dict[str, Any], run_dir: Path | None = None) -> str:
+    """One line for a run summary: the Kineto trace size per traced step and where the traces are (tb/, or
+    beside profile.json in a folder kept in profiles/), or why there is none."""
     info = profile.get("ops_info") or {}
     if not info.get("enabled"):
         return f"no operator trace (tracing off; {TRACES_HOW} traces)"
@@ -265,4 +266,9 @@ def trace_size_text(profile: dict[str, Any]) -> str:
         return "operator trace not written"
     gz = "gzip, " if info.get("trace_gzip") else ""
     return (f"{per_step / 2**20:,.2f} MiB per traced step per rank ({gz}steps {info.get('trace_steps')}, "
-            f"{(info.get('trace_bytes') or 0) / 2**20:,.2f} MiB on rank 0; tb/)")
+            f"{(info.get('trace_bytes') or 0) / 2**20:,.2f} MiB on rank 0; {_traces_where(run_dir)})")
+
+
+def _traces_where(run_dir: Path | None) -> str:
+    beside = run_dir is not None and run_dir.is_dir() and any(is_trace_file(f) for f in run_dir.iterdir())
+    return "beside profile.json" if beside else "tb/"

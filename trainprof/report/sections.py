@@ -220,7 +220,7 @@ def headline_facts(run: RunData) -> list[tuple[str, str]]:
     if dig(p, "compile", "compiled"):
         facts.append(("compiled", compile_text(p)))
     if p.get("ops_info"):
-        facts.append(("trace per step", trace_size_text(p)))
+        facts.append(("trace per step", trace_size_text(p, run.path)))
     pl = p.get("pipeline")
     if pl and "stages" in pl:
         bal = pl.get("balance") or {}
