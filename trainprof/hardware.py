@@ -54,6 +54,12 @@ class Target:
         """The value of one accelerator figure (e.g. "memory_gbps"), None when the catalog lacks it."""
         return figure_value(self.accelerator, name)
 
+    def memory_bytes(self) -> float | None:
+        """memory_gb in bytes. A GPU datasheet's GB of memory are binary: the H200 (141 GB) lent to this project
+        offers about 139 GiB to CUDA, more than 141e9 bytes (131 GiB); an 80 GB A100 has 81,920 MiB."""
+        gb = self.figure("memory_gb")
+        return gb * 2**30 if gb else None
+
     def source(self, name: str) -> str | None:
         fig = self.accelerator.get(name)
         return fig.get("source") if isinstance(fig, dict) else None

@@ -155,7 +155,7 @@ def _cross_target(to: str, path: Path, profile: Path | None, doc: dict[str, Any]
     confidence = replay_confidence(gpu_validation().get("replay_cases") or [], profile.parent.name, source, gpu)
     return CrossTarget(name=to, gpu=gpu, gpus_per_node=resolved.gpus_per_node,
                        rates=rates, measured_ms=doc["summary"]["step_ms"]["median"],
-                       capacity_bytes=(resolved.figure("memory_gb") or 0) * 1e9 or None, confidence=confidence)
+                       capacity_bytes=resolved.memory_bytes(), confidence=confidence)
 
 
 def bound_by(busy: float | None) -> str:
@@ -238,5 +238,5 @@ def does_not_fit(doc: dict[str, Any], target: CrossTarget) -> tuple[str, str] | 
     meter = summary.get("memory_meter") if summary.get("peak_memory_bytes_max") else summary.get("peak_memory_method")
     return (f"does not fit: measured peak {peak / GIB:.1f} GiB > {target.capacity_bytes / GIB:.1f} GiB",
             f"memory: the run as traced would not fit {target.gpu}: its measured peak per rank "
-            f"({meter or 'meter not recorded'}) against {target.gpu}'s {target.capacity_bytes / 1e9:g} GB "
-            "(catalog memory_gb); the peak is compared as measured, not re-planned for the target")
+            f"({meter or 'meter not recorded'}) against {target.gpu}'s {target.capacity_bytes / GIB:g} GiB "
+            "(catalog memory_gb, binary); the peak is compared as measured, not re-planned for the target")

@@ -262,7 +262,7 @@ def best(run_dir: str | Path, *, targets: list[str] | None = None, nodes: list[i
                 bar.update()
                 return pred
 
-            capacity_bytes = capacity * (2**30 if same else 1e9) if capacity else None
+            capacity_bytes = capacity * 2**30 if capacity else None  # a cap's GB and a GPU's are binary
             dtype_given = any(override_key(o) == "model.dtype" for o in overrides or [])
             found = search.search(predict, capacity_bytes, [], search.settings(target_recipe, same_machine=same,
                                                                                 dtype_given=dtype_given))

@@ -569,10 +569,10 @@ class Projector:
                          + (fixed.target_bytes - fixed.source_bytes if fixed else 0))
             return memory, self._fits_here(recipe, world, memory), None
         planned = _plan_bytes(recipe, world)
-        capacity = target.figure("memory_gb")
+        capacity = target.memory_bytes()
         if capacity is None:
             return planned, None, None
-        if planned <= capacity * 1e9:
+        if planned <= capacity:
             return planned, True, None
         deepspeed = [] if recipe.engine.kind == "deepspeed" else ["engine.kind=deepspeed"]
         for extra in FIT_SUGGESTIONS:  # the target recipe (the run's, with the user's overrides) plus these
@@ -581,7 +581,7 @@ class Projector:
                 candidate = with_overrides(src, [*overrides, *extra])
             except Exception:  # noqa: BLE001  a suggestion the recipe rules refuse is skipped
                 continue
-            if _plan_bytes(candidate, world) <= capacity * 1e9:
+            if _plan_bytes(candidate, world) <= capacity:
                 return planned, False, extra
         return planned, False, None
 
@@ -592,11 +592,11 @@ class Projector:
         None on a CPU without a cap."""
         if recipe.train.memory_cap_gb is not None:
             return memory <= recipe.train.memory_cap_gb * 2**30
-        capacity = self.catalog.resolve(self.source_gpu).figure("memory_gb") if self.source_gpu else None
+        capacity = self.catalog.resolve(self.source_gpu).memory_bytes() if self.source_gpu else None
         if self.source.measured.device_type != "cuda" or not capacity:
             return None
         beyond = _plan_bytes(recipe, world) - _plan_bytes(recipe, world, "gpu_allocated_per_rank")
-        return memory + beyond <= capacity * 1e9
+        return memory + beyond <= capacity
 
     # -- probes and measurements, cached -------------------------------------------------------------
 

@@ -95,7 +95,7 @@ def _largest(predict: Predict, overrides: list[str], target: str, capacity_gb: f
     mb = 1
     while mb <= MAX_MICRO_BATCH:
         pred = predict([*overrides, f"train.micro_batch_size={mb}"], target)
-        if pred is None or pred["memory_per_rank_bytes"] is None or pred["memory_per_rank_bytes"] > HEADROOM * capacity_gb * 1e9:
+        if pred is None or pred["memory_per_rank_bytes"] is None or pred["memory_per_rank_bytes"] > HEADROOM * capacity_gb * 2**30:
             break
         best = {"micro_batch": mb, "tokens_per_s": pred["tokens_per_s"], "confidence": pred.get("confidence_text"),
                 "memory_gib": pred["memory_per_rank_bytes"] / 2**30,
