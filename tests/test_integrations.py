@@ -65,10 +65,12 @@ def test_wrap_passes_output_and_exit_code(tmp_path):
     assert proc.returncode == 1
     assert "raises is about to fail" in proc.stdout and "RuntimeError: boom from the wrapped script" in proc.stderr
     assert "nothing profiled" not in proc.stderr  # the traceback is the news
-    # a loop of its own that succeeds: nothing wrap patches ran, and the user is told where to look
+    # a loop of its own: its model and optimizer are found at the first step, profiled from the next
     proc, out = wrap(tmp_path, "plain_loop.py")
-    assert proc.returncode == 0 and "plain loop done" in proc.stdout and not out.exists()
-    assert "nothing profiled" in proc.stderr and "trainprof.Profiler" in proc.stderr
+    assert proc.returncode == 0 and "plain loop done" in proc.stdout, proc.stderr
+    assert "torch run profiled" in proc.stderr and "nothing profiled" not in proc.stderr
+    run_dir, profile = the_run(out, "plain_loop")
+    assert profile["engine"]["kind"] == "torch" and len(profile["steps"]) == 2  # 3 optimizer steps, the first unprofiled
 
 
 def test_wrap_options_are_checked_and_both_entries_say_the_same(cli, capsys):

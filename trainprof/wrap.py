@@ -1,7 +1,9 @@
 """`python -m trainprof.wrap SCRIPT [ARGS...]` (also `torchrun ... -m trainprof.wrap SCRIPT ARGS`):
 run an unmodified training script with trainprof attached to what it builds: engines returned by
 `deepspeed.initialize`, HF `transformers.Trainer` (and its DeepSpeed integration), what HF Accelerate's
-`Accelerator.prepare` returns (DDP, its DeepSpeed plugin) and Lightning `Trainer`. The script's output and exit code pass through; the run dir
+`Accelerator.prepare` returns (DDP, its DeepSpeed plugin), Lightning `Trainer`, and otherwise a plain
+PyTorch loop: the module it calls whose parameters its torch.optim optimizer steps (found at the first
+optimizer step: integrations/plain.py). The script's output and exit code pass through; the run dir
 ($TRAINPROF_OUTPUT_DIR or runs/)/<script stem>-<UTC timestamp>/ is written when the script ends (or
 when it calls torch.distributed.destroy_process_group, while the process group is still alive)."""
 
@@ -25,13 +27,15 @@ from trainprof.layout import output_dir_problem
 
 # what the wrapper attaches to, for both `--help`s
 ATTACHES_TO = ("DeepSpeed engines, HF Trainer (and its DeepSpeed integration), what HF Accelerate's "
-               "Accelerator.prepare returns, and Lightning Trainer")
+               "Accelerator.prepare returns and Lightning Trainer, and otherwise to a plain PyTorch loop's model "
+               "and torch.optim optimizer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The wrapper's options (`python -m trainprof.wrap` and `trainprof wrap` alike)."""
     parser.add_argument("--warmup-steps", type=non_negative_int, default=DEFAULT_WARMUP_STEPS,
-                        help=f"optimizer steps not measured (default {DEFAULT_WARMUP_STEPS})")
+                        help=f"optimizer steps not measured (default {DEFAULT_WARMUP_STEPS}; in a plain loop, "
+                        "after the first step, which finds the loop)")
     parser.add_argument("--module-depth", type=non_negative_int, default=DEFAULT_MODULE_DEPTH,
                         help=f"deepest module level timed, 0 = the model (default {DEFAULT_MODULE_DEPTH})")
     parser.add_argument("--ops", action="store_true", help="trace operators on the first measured step: ops.csv and "
@@ -44,8 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def description(entry: str) -> str:
-    return (f"Run SCRIPT as __main__ with trainprof attached to the {ATTACHES_TO} it builds (a plain loop: "
-            "use trainprof.Profiler in it); the run dir goes to $TRAINPROF_OUTPUT_DIR (default runs/). Its output "
+    return (f"Run SCRIPT as __main__ with trainprof attached to the {ATTACHES_TO}. A plain loop is found at its "
+            "first optimizer step, which is not profiled: its model is the module the loop calls that holds most of "
+            "the stepped parameters (to choose the steps and modules yourself, use trainprof.Profiler in the loop). "
+            "The run dir goes to $TRAINPROF_OUTPUT_DIR (default runs/). Its output "
             f"and exit code pass through. Several ranks: `torchrun --nproc_per_node N -m trainprof.wrap SCRIPT ARGS`"
             + (f" (`{entry}` runs one process)" if entry != "python -m trainprof.wrap" else "") + ".")
 
@@ -129,6 +135,8 @@ class Wrapper:
         self.name, self.output_dir = name, output_dir
         self.warmup_steps, self.module_depth, self.ops = warmup_steps, module_depth, ops
         self.sessions: list[ProfileSession] = []
+        self.closers: list[Callable[[], None]] = []  # patches to undo once the profiles are written
+        self.left_alone = False  # see leave_alone
 
     def new_session(self, framework: str) -> ProfileSession:
         session = ProfileSession(self.output_dir, name=self.name, warmup_steps=self.warmup_steps,
@@ -145,6 +153,7 @@ class Wrapper:
             "pytorch_lightning.trainer.trainer": self.patch_lightning,
             "accelerate.accelerator": self.patch_accelerate,
             "torch.distributed": self.patch_destroy,
+            "torch": self.watch_plain_loop,
         }
 
     def patch_deepspeed(self, module: Any) -> None:
@@ -162,6 +171,7 @@ class Wrapper:
                 setattr(accelerator, OWNED_MARK, "hf")
             if any(isinstance(c, TrainprofCallback) for c in trainer.callback_handler.callbacks):
                 _leave_to_the_scripts_callback("HF Trainer")  # two profilers would write two run dirs
+                self.leave_alone()
                 return
             trainer.add_callback(TrainprofCallback(session=self.new_session("hf")))
 
@@ -182,15 +192,30 @@ class Wrapper:
                 print(f"trainprof: this {package} Trainer is not profiled: trainprof's callback is a "
                       f"{lightning.Callback.__module__.split('.')[0]} Callback; add it by hand or use lightning.pytorch",
                       file=sys.stderr)
+                self.leave_alone()
                 return
             callbacks = kwargs.get("callbacks")
             callbacks = [callbacks] if callbacks is not None and not isinstance(callbacks, list) else list(callbacks or [])
             if any(isinstance(c, lightning.TrainprofCallback) for c in callbacks):
                 _leave_to_the_scripts_callback("Lightning Trainer")
+                self.leave_alone()
                 return
             kwargs["callbacks"] = callbacks + [lightning.TrainprofCallback(session=self.new_session("lightning"))]
 
         _wrap_init(module.Trainer, before=add_callback)
+
+    def watch_plain_loop(self, module: Any) -> None:
+        """A loop none of the above drives: found at its first optimizer step, unless by then one of them
+        profiles the script or wrap left its Trainer alone (the script's own callback profiles it)."""
+        from trainprof.integrations.plain import watch_plain_loop
+
+        claimed = lambda: bool(self.sessions) or self.left_alone  # noqa: E731
+        self.closers.append(watch_plain_loop(lambda: self.new_session("torch"), claimed, self.leave_alone))
+
+    def leave_alone(self) -> None:
+        """The script's loop is left to its own trainprof callback or Profiler (or refused), as a line on
+        stderr has said: no plain-loop session, and no "nothing profiled"."""
+        self.left_alone = True
 
     def patch_destroy(self, module: Any) -> None:
         original = module.destroy_process_group
@@ -207,6 +232,8 @@ class Wrapper:
         are marked partial). The script's outcome stands whatever happens here."""
         for session in self.sessions:
             session.finish_at_end(partial_reason=partial_reason)
+        for close in self.closers:
+            close()
 
 
 def exit_code(err: SystemExit) -> int:
@@ -262,10 +289,13 @@ def run_script(script: str, args: list[str], wrapper: Wrapper) -> int:
     if not failed or not dist:  # after an exception another rank may never join the collective
         wrapper.finish(partial)
         quiet_rank = dist and torch.distributed.get_rank() != 0
-        if code == 0 and not quiet_rank and not any(s.prof is not None for s in wrapper.sessions):
+        # a loop left to the script's own callback or Profiler has had its line already
+        accounted_for = wrapper.left_alone or any(s.prof is not None for s in wrapper.sessions)
+        if code == 0 and not quiet_rank and not accounted_for:
             print(f"trainprof wrap: nothing profiled: {script} trained through none of deepspeed.initialize, "
-                  "the HF Trainer, a Lightning Trainer or an Accelerator; in your own loop, use trainprof.Profiler "
-                  "(README: 'In your own training loop')", file=sys.stderr)
+                  "the HF Trainer, a Lightning Trainer or an Accelerator, and no torch.optim optimizer step updated "
+                  "a module it called; in your own loop, use trainprof.Profiler (README: 'In your own training "
+                  "loop')", file=sys.stderr)
     elif any(s.prof is not None and not s.finished for s in wrapper.sessions):
         print("trainprof: the script failed; no merged profile written (other ranks may not reach the merge)",
               file=sys.stderr)

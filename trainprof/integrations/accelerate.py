@@ -2,13 +2,11 @@
 that the model and optimizer it returns are profiled, one optimizer step (all its `accumulate` micro
 batches) being one profiled step.
 
-What marks a step: the inner torch optimizer's step (a step post hook: AcceleratedOptimizer skips it
-on accumulating micro batches) says the step's update ran; the step then ends where the loop goes on:
-at the next batch fetched from a prepared DataLoader (so `scheduler.step()` and `zero_grad()` after
-the update stay in the step), or at the next forward when the loop feeds its own batches, or when the
-script ends. The next forward begins the next step; the time between (the batch fetch) is data wait, and
-a later micro batch's fetch inside a step is data wait too. Accelerate's own code inside a step is the
-"other" phase. DDP's gradient all-reduce is recorded (the Profiler's `watch_ddp`).
+Steps are marked as in any loop trainprof does not drive (integrations/loop.py, `LoopRun`): the inner
+torch optimizer's step says the update ran (AcceleratedOptimizer skips it on accumulating micro batches),
+and the step ends at the next batch fetched from a prepared DataLoader, else at the next forward, else
+when the script ends. Accelerate's own code inside a step is the "other" phase; DDP's gradient
+all-reduce is recorded.
 
 DeepSpeed plugin: Accelerate builds the engine with `deepspeed.initialize`, which `trainprof.wrap`
 instruments (integrations/deepspeed.py: forward, backward and the engine's step are phases, the engine
@@ -24,21 +22,19 @@ from typing import Any, Callable
 
 import torch
 
-from trainprof.integrations.deepspeed import _loss_of, engine_session_for
+from trainprof.integrations.deepspeed import engine_session_for
+from trainprof.integrations.loop import LoopRun, patch_method
 from trainprof.integrations.session import ProfileSession
 
 OWNED_MARK = "_trainprof_owner"  # set on an Accelerator that another integration (the HF Trainer) profiles
 
 
-class AccelerateRun:
-    """The profiled training of one Accelerator: collects what `prepare` returned and drives a session."""
+class AccelerateRun(LoopRun):
+    """The profiled training of one Accelerator: collects what `prepare` returned and drives a session
+    (integrations/loop.py)."""
 
     def __init__(self, session: ProfileSession) -> None:
-        self.session = session
-        self.model: torch.nn.Module | None = None
-        self.optimizer: Any = None
-        self.stepped = False  # the current step's optimizer update ran
-        self.fetch: tuple[Any, Any] | None = None  # (start, end) stamps of the last batch fetch
+        super().__init__(session)
         self.config: dict[str, Any] = {}
 
     def prepared(self, accelerator: Any, objects: list[Any]) -> None:
@@ -52,59 +48,12 @@ class AccelerateRun:
             elif isinstance(obj, torch.utils.data.DataLoader):
                 obj._trainprof_run = self  # its class's __iter__, patched by patch_prepare, times its fetches
         if self.model is not None and self.optimizer is not None and self.session.prof is None:
-            self._attach()
-
-    def _attach(self) -> None:
-        engine = engine_session_for(self.model, keep_driving=True)
-        if engine is not None:  # the DeepSpeed plugin: the engine's own session profiles it
-            engine.name, engine.framework = self.session.name, "accelerate+deepspeed"
-            engine.loop_code_as_other = True  # Accelerate's code around the engine's calls is "other"
-            return
-        self.session.attach(self.model, self.optimizer)
-        prof = self.session.prof
-        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) and prof.hooks is not None:
-            prof.watch_ddp(self.model)
-        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # AcceleratedOptimizer wraps the torch one
-        inner.register_step_post_hook(self._on_update)
-        self.model.register_forward_pre_hook(self._on_forward, prepend=True)
-        self.model.register_forward_hook(self._on_output)
-        self.session.engine_config = {**self.config, "model": type(self.model).__name__,
-                                      "optimizer": type(self.optimizer).__name__}
-
-    def _on_update(self, *args: Any) -> None:
-        self.stepped = True
-        self.session.open_step_updated = True  # a step still open when the script ends is a whole one
-
-    def _step_over(self) -> None:
-        """End the step whose update ran (the loop has gone on to the next batch)."""
-        if self.stepped:
-            self.stepped = False
-            self.session.end_step()
-
-    def _on_forward(self, module: Any, args: Any) -> None:
-        self._step_over()
-        if not self.session.in_step:
-            self.session.begin_step()
-        elif self.fetch is not None:  # a later micro batch of the step: its fetch was data wait
-            self.session.mark_data_wait(self.fetch[0])
-        self.fetch = None
-
-    def _on_output(self, module: Any, args: Any, output: Any) -> None:
-        self.session.record(loss=_loss_of(output))
-
-    def timed_batches(self, batches: Any) -> Any:
-        """Yield a prepared DataLoader's batches, stamping each fetch (see `patch_prepare`)."""
-        it = iter(batches)
-        while True:
-            if self.session.prof is not None:
-                self._step_over()  # the loop went on to its next batch: the step whose update ran is over
-            start = self.session.now()
-            try:
-                batch = next(it)
-            except StopIteration:
+            engine = engine_session_for(self.model, keep_driving=True)
+            if engine is not None:  # the DeepSpeed plugin: the engine's own session profiles it
+                engine.name, engine.framework = self.session.name, "accelerate+deepspeed"
+                engine.loop_code_as_other = True  # Accelerate's code around the engine's calls is "other"
                 return
-            self.fetch = (start, self.session.now()) if start is not None else None
-            yield batch
+            self.attach(self.model, self.optimizer, self.config)
 
 
 def accelerator_config(accelerator: Any) -> dict[str, Any]:
@@ -132,9 +81,9 @@ def patch_prepare(accelerate: Any, make_run: Callable[[], AccelerateRun]) -> Cal
     """
     from accelerate import data_loader
 
-    undo = [_patch(accelerate.Accelerator, "prepare", lambda original: _reporting_prepare(original, make_run))]
+    undo = [patch_method(accelerate.Accelerator, "prepare", lambda original: _reporting_prepare(original, make_run))]
     for cls in (data_loader.DataLoaderShard, data_loader.DataLoaderDispatcher):
-        undo.append(_patch(cls, "__iter__", _timed_iter))
+        undo.append(patch_method(cls, "__iter__", _timed_iter))
     return lambda: [u() for u in reversed(undo)]
 
 
@@ -159,15 +108,3 @@ def _timed_iter(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(self) if run is None else run.timed_batches(original(self))
 
     return __iter__
-
-
-def _patch(owner: type, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
-    original = owner.__dict__[name]
-    wrapped = wrap(original)
-    setattr(owner, name, wrapped)
-
-    def undo() -> None:
-        if owner.__dict__.get(name) is wrapped:
-            setattr(owner, name, original)
-
-    return undo

@@ -1,5 +1,5 @@
-"""A training loop of its own (no DeepSpeed, Trainer, Lightning or Accelerate): `trainprof.wrap` runs it and
-says that it profiled nothing."""
+"""A training loop of its own (no DeepSpeed, Trainer, Lightning or Accelerate): `trainprof.wrap` finds its
+model and optimizer at the first step and profiles the next two."""
 import torch
 
 model = torch.nn.Linear(8, 1)
