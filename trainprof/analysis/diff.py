@@ -440,6 +440,12 @@ MODULES_NOT_JUDGED_WHY = ("Each module row is one hooked generate call per batch
                           "a change from noise (docs/reports.md says how far identical runs differ on them).")
 
 
+def _sample_spread(result: dict[str, Any], key: str) -> float | None:
+    """Relative IQR of an inference result's samples of `key` (one per measured call; ITL: every token gap),
+    as training rows' spread is of per-step values; None where inference.json has no samples or too few."""
+    return _spread((result.get("samples") or {}).get(key) or [])
+
+
 def diff_inference(a: dict[str, Any], b: dict[str, Any], *, band: float | None = None,
                    min_ms: float = DEFAULT_INFER_MIN_MS, repeat: dict[str, Any] | None = None,
                    repeat_b: dict[str, Any] | None = None) -> ProfileDiff:
@@ -449,8 +455,9 @@ def diff_inference(a: dict[str, Any], b: dict[str, Any], *, band: float | None =
     "latency" rows, judged as in `diff_profiles` against `band` (from `repeat`, a repeat of A, and `repeat_b`,
     one of B, over the latency rows; else DEFAULT_BAND["p50"]). Each module's prefill and per-decode-step ms
     (matched by name) are "module" rows, shown but not judged: they come from one hooked generate call per
-    batch size, and identical runs here differed by up to 177% on them. Batch sizes and modules on one side
-    only are in notes and only_a/only_b; `recipe_changes` includes the changed `settings.*`, and
+    batch size, and identical runs here differed by up to 177% on them. A latency row's spread is the relative
+    IQR of each run's samples (`_sample_spread`); module rows, one call each, have none. Batch sizes and
+    modules on one side only are in notes and only_a/only_b; `recipe_changes` includes the changed `settings.*`, and
     `workload_changes` those of WORKLOAD_SETTINGS."""
     self_diffs = {} if band is not None else {
         side: diff_inference(run, again, band=0.0, min_ms=min_ms)
@@ -476,9 +483,12 @@ def diff_inference(a: dict[str, Any], b: dict[str, Any], *, band: float | None =
         for key, name in INFERENCE_LATENCIES:
             va, vb = (ra.get(key) or {}).get("p50"), (rb.get(key) or {}).get("p50")
             if va is not None or vb is not None:
-                out.steps.append(DiffRow("latency", label, name, va, vb))
+                out.steps.append(DiffRow("latency", label, name, va, vb, spread_a=_sample_spread(ra, key),
+                                         spread_b=_sample_spread(rb, key)))
+        # ms per output token of one call is its E2EL / (tokens x batch): E2EL's relative spread
         out.steps.append(DiffRow("latency", label, "ms per output token", 1e3 / ra["output_tokens_per_s"],
-                                 1e3 / rb["output_tokens_per_s"]))
+                                 1e3 / rb["output_tokens_per_s"], spread_a=_sample_spread(ra, "e2el_ms"),
+                                 spread_b=_sample_spread(rb, "e2el_ms")))
         mods_a = {m["name"]: m for m in ra.get("modules") or []}
         mods_b = {m["name"]: m for m in rb.get("modules") or []}
         both = [n for n in mods_a if n in mods_b]

@@ -6,29 +6,32 @@ import argparse
 import sys
 
 from trainprof.commands.run import non_negative_int, positive_int, positive_ints
-from trainprof.recipe import load_recipe
 
 
 def _infer(args: argparse.Namespace) -> int:
+    import torch
+
     from trainprof.errors import UserError
+    from trainprof.inference.checks import check_output_dir, check_serving_environment, load_inference_recipe
     from trainprof.inference.interrupt import InferInterrupted
     from trainprof.inference.report import stdout_table
-    from trainprof.inference.run import InferSettings, infer
-
-    recipe = load_recipe(args.recipe, args.overrides)
-    if args.output_dir is not None:
-        recipe.output.dir = args.output_dir
-    if recipe.task.kind == "qlora":
-        raise UserError(f"{args.recipe}: task.kind=qlora is not supported by infer (4-bit weights cannot be "
-                        "merged with LoRA); pass task.kind=lora or pretrain")
+    from trainprof.inference.run import InferSettings, check_settings, infer
     from trainprof.models import resolve_shape
 
+    recipe = load_inference_recipe(args.recipe, args.overrides)
+    if args.output_dir is not None:
+        recipe.output.dir = args.output_dir
+    from_flag = args.output_dir is not None
+    check_output_dir(recipe.output.dir, from_flag)  # before check_environment's, which names output.dir only
+    check_serving_environment(recipe, cuda_available=torch.cuda.is_available())
     max_len = resolve_shape(recipe.model).max_position_embeddings
     if args.prompt_len + args.new_tokens > max_len:
         raise UserError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} exceeds the model's "
                         f"max_position_embeddings {max_len}; shorten them")
     settings = InferSettings(batch_sizes=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                              requests=args.requests, warmup=args.warmup, ops=not args.no_ops)
+    check_settings(recipe, settings)
+    check_output_dir(recipe.output.dir, from_flag, create=True)  # last: a refused command creates nothing
     try:
         run_dir = infer(recipe, settings)
     except InferInterrupted as stopped:  # what finished is kept; one line says what and where
@@ -49,7 +52,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        "decode times. Writes <output.dir>/<recipe>-infer-<UTC timestamp>/. Ctrl-C or SIGTERM keeps "
                        "the batch sizes that finished (inference.json marked partial, inference.interrupted.json) "
                        "and exits 130 / 143.")
-    p.add_argument("recipe", help="recipe YAML file (its model; LoRA adapters are merged)")
+    p.add_argument("recipe", help="recipe YAML file (its model and task; LoRA adapters are merged; its engine "
+                   "section is not used: one process, no ZeRO)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.dtype=fp32")
     p.add_argument("--batch", type=positive_ints, default=[1, 4, 16], help="batch sizes, comma-separated (default 1,4,16)")
     p.add_argument("--prompt-len", type=positive_int, default=512, help="prompt tokens per request (default 512)")

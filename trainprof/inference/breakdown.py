@@ -31,6 +31,9 @@ from trainprof.profiler.ops import OpTracer
 from trainprof.profiler.timers import make_timer
 
 PHASES = ("prefill", "decode")
+CLOSURE_NOTE = ("request_ms (the hooked call, same timer) = the top-level modules' prefill + decode windows + "
+                "unattributed_ms, the call's time outside them: generate's own work (logits processing, argmax, cache "
+                "and stopping-criteria bookkeeping) and the hooks' own cost around the top-level windows")
 
 
 def _range_names(modules: list[Any]) -> list[dict[str, str]]:
@@ -96,8 +99,7 @@ def module_breakdown(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens
             "unattributed_ms": request_ms - top_ms,
             "unattributed_frac": (request_ms - top_ms) / request_ms if request_ms else None,
             "top_level_modules": [module_label(hooks.modules[i].name) for i in top],
-            "note": "request_ms (this hooked call, same timer) = sum over top-level modules of their prefill + "
-                    "decode windows + unattributed_ms (generate's own work outside the model's children)",
+            "note": CLOSURE_NOTE,
         },
         "timer": timer.kind,
     }
@@ -121,7 +123,8 @@ def operator_breakdown(model: torch.nn.Module, input_ids: torch.Tensor, new_toke
     `trace_dir` (TensorBoard plugin layout, as training writes it).
 
     Returns:
-        {rows: [{name, module, phase, calls, self_ms, self_ms_per_token}], trace_files, decode_steps}
+        {rows: [{name, module, phase, calls, self_ms, self_ms_per_token}], trace_files, decode_steps, batch_size,
+        traced_e2el_ms, traced_ttft_ms (the traced call's own wall time and first token), self_ms_by_phase}
     """
     cuda = input_ids.device.type == "cuda"
     timer = make_timer(input_ids.device)
@@ -146,6 +149,9 @@ def operator_breakdown(model: torch.nn.Module, input_ids: torch.Tensor, new_toke
         if not tracer.done:
             tracer.close()
     decode_steps = max(timing.output_tokens - 1, 1)
+    by_phase: dict[str, float] = {}
+    for r in rows[0]:
+        by_phase[r["phase"]] = by_phase.get(r["phase"], 0.0) + r["self_ms"]
     out = []
     for r in rows[0]:
         per_token = r["self_ms"] / decode_steps if r["phase"] == "decode" else None
@@ -153,4 +159,7 @@ def operator_breakdown(model: torch.nn.Module, input_ids: torch.Tensor, new_toke
                     "self_ms": r["self_ms"], "self_ms_per_token": per_token})
     return {"rows": out, "trace_files": [p.name for p in tracer.files], "decode_steps": decode_steps,
             "batch_size": int(input_ids.shape[0]),
+            # the traced call's own clock (the token stamps, as the measured calls are timed): the total its
+            # operators' self times fall inside, prefill's up to the first token
+            "traced_e2el_ms": timing.end_ms, "traced_ttft_ms": timing.token_ms[0], "self_ms_by_phase": by_phase,
             "self_time": "device (kernel) self time" if cuda else "host self time (torch.profiler, CPU)"}

@@ -165,4 +165,14 @@ def serving_metrics(timings: list[RequestTiming]) -> dict[str, Any]:
         "output_tokens": timings[0].output_tokens, "requests": requests,
         "output_tokens_per_s": tokens / (wall / 1e3), "requests_per_s": requests / (wall / 1e3),
         "total_output_tokens": tokens, "measured_s": wall / 1e3,
+        "samples": call_samples(timings),
     }
+
+
+def call_samples(timings: list[RequestTiming]) -> dict[str, list[float]]:
+    """Each measured call's own TTFT, TPOT and E2EL (one value per call, not repeated per request) and every
+    token gap of every call: what the percentiles summarize, for their spread (`trainprof diff`)."""
+    return {"ttft_ms": [t.token_ms[0] for t in timings],
+            "tpot_ms": [(t.end_ms - t.token_ms[0]) / (t.output_tokens - 1) for t in timings if t.output_tokens > 1],
+            "e2el_ms": [t.end_ms for t in timings],
+            "itl_ms": [float(g) for t in timings for g in np.diff(t.token_ms)]}

@@ -6,12 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trainprof.inference.checks import ENGINE_NOT_USED
 from trainprof.io import atomic_write_text
 from trainprof.layout import tb_run_dir
 from trainprof.report.document import (Document, Facts, Figure, Missing, Para, Table, render_csv, render_html,
                                       render_markdown)
 from trainprof.report.plots import png_bytes, pyplot
-from trainprof.report.sections import compile_text
+from trainprof.report.sections import compile_text, hardware_text, machine_load_text
 
 MIB = 2**20
 TOP_OPS = 20
@@ -47,7 +48,7 @@ def throughput_latency_plot(results: list[dict[str, Any]]) -> bytes:
 
 
 def summary_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
-    # on CPU the peak is the process's high-water mark so far, not the batch size's own (run.peak_memory_window)
+    # on CPU the peak is the process's high-water mark so far, not the batch size's own (document.peak_memory_window)
     peak = "peak MiB" if doc["env"]["device_type"] == "cuda" else "peak RSS MiB (process so far)"
     cols = ["batch", "TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms", "ITL p99 ms", "E2EL p50 ms", "output tok/s",
             "req/s", "KV cache MiB", peak, "prefill TFLOP/s", "prefill MFU", "decode GB/s", "decode BW util"]
@@ -73,7 +74,58 @@ def stdout_table(doc: dict[str, Any]) -> str:
     how = (f"p50/p99 over {s['requests']} measured generate calls a batch size after {s['warmup']} warm-up "
            f"(prompt {s['prompt_len']}, {s['new_tokens']} new tokens), as vLLM's benchmark_serving defines them; "
            f"timer: {doc['method']['timer'].split(';')[0]}; KV cache: the StaticCache's key/value bytes")
-    return frame.to_string(index=False, float_format=lambda v: f"{v:,.2f}", na_rep="n/a") + "\n" + how
+    table = frame.to_string(index=False, float_format=lambda v: f"{v:,.2f}", na_rep="n/a") + "\n" + how
+    warning = load_warning(doc)
+    return table + (f"\n{warning}" if warning else "")
+
+
+def load_warning(doc: dict[str, Any]) -> str | None:
+    """One line when the machine had more runnable threads than cores while this measured, else None."""
+    load = doc["env"].get("machine_load") or {}
+    if not load.get("busy"):
+        return None
+    return (f"Warning: machine load: {machine_load_text(load)}; latencies that differ across batch sizes or runs "
+            "may be the machine's, not the model's")
+
+
+def model_text(doc: dict[str, Any]) -> str:
+    """The model served: name and shape, parameters, dtype and attention as the built model ran them."""
+    m = doc.get("model")
+    if not m:
+        r = doc["recipe"].get("model", {})
+        return (f"{r.get('name', 'n/a')} ({r.get('dtype', '?')}, attention {r.get('attention', '?')}; shape not "
+                "recorded)")
+    heads = f"{m['num_heads']} heads ({m['num_kv_heads']} key/value)"
+    return (f"{m['name']}: {m['num_layers']} layers, hidden {m['hidden_size']}, {heads}, intermediate "
+            f"{m['intermediate_size']}, vocab {m['vocab_size']}; {m['params']:,} parameters, {m['dtype']}, attention "
+            f"{m['attention']}" + (f", weights from {m['checkpoint']}" if m.get("checkpoint") else ", random init"))
+
+
+def task_text(doc: dict[str, Any]) -> str:
+    """The recipe's task as served: LoRA adapters merged into the base weights, or the model as built."""
+    m = doc.get("model") or {}
+    lora = m.get("lora")
+    if lora:
+        return (f"lora: adapters (r {lora['r']}, alpha {lora['alpha']}, on {', '.join(lora['target_modules'])}) "
+                f"{'merged into the base weights (peft merge_and_unload)' if lora['merged'] else 'not merged'}")
+    return str(m.get("task") or doc["recipe"].get("task", {}).get("kind", "n/a"))
+
+
+def run_facts(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """What was measured, on what: the facts the training report's Run facts give, as they apply to serving."""
+    env = doc["env"]
+    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "peft") if env.get(k))
+    return [
+        ("model", model_text(doc)),
+        ("task", task_text(doc)),
+        ("compile", _compile_fact(doc)),
+        ("engine", ENGINE_NOT_USED),
+        ("hardware", hardware_text(env)),
+        ("cpu threads", f"{env.get('cpu_threads', 'not recorded')} (torch intra-op threads)"),
+        ("machine load", machine_load_text(env.get("machine_load")) or "not recorded"),
+        ("versions", versions or "not recorded"),
+        ("timer", f"{env.get('timer', 'n/a')}: {doc['method']['timer']}"),
+    ]
 
 
 def _compile_fact(doc: dict[str, Any]) -> str:
@@ -105,12 +157,18 @@ def module_rows(modules: list[dict[str, Any]], new_tokens: int) -> tuple[list[st
 
 def build_document(doc: dict[str, Any], run_name: str) -> Document:
     s, env, method = doc["settings"], doc["env"], doc["method"]
-    subtitle = (f"{env['device']} ({env['device_type']}), prompt {s['prompt_len']} tokens, {s['new_tokens']} new "
-                f"tokens, {s['requests']} measured calls per batch size after {s['warmup']} warm-up")
+    m = doc.get("model") or doc["recipe"].get("model", {})
+    subtitle = (f"{m.get('name', 'n/a')} {m.get('dtype', '?')}, attention {m.get('attention', '?')}, task "
+                f"{m.get('task') or doc['recipe'].get('task', {}).get('kind', '?')} on {env['device']} "
+                f"({env['device_type']}), prompt {s['prompt_len']} tokens, {s['new_tokens']} new tokens, "
+                f"{s['requests']} measured calls per batch size after {s['warmup']} warm-up")
     if doc.get("partial"):
         subtitle += f"; PARTIAL: {doc.get('partial_reason')}"
     d = Document(f"Inference profile: {run_name}", subtitle)
+    d.section("Run facts", id="facts").blocks.append(Facts(run_facts(doc)))
     sec = d.section("Serving metrics", id="metrics")
+    if warning := load_warning(doc):  # beside the figures it slowed
+        sec.blocks.append(Para(warning))
     measured = {r["batch_size"] for r in doc["results"]}
     unmeasured = [b for b in s["batch_sizes"] if b not in measured]
     if unmeasured:
@@ -129,16 +187,13 @@ def build_document(doc: dict[str, Any], run_name: str) -> Document:
         sec.blocks.append(Missing("prefill MFU", first["prefill"]["mfu_reason"]))
     if first["decode"]["bandwidth_utilization"] is None:
         sec.blocks.append(Missing("decode bandwidth utilization", first["decode"]["bandwidth_reason"]))
-    sec.blocks.append(Facts([("generate", s.get("generate", "not recorded")), ("compile", _compile_fact(doc)),
-                             ("KV cache", method["kv_cache_bytes"]), ("peak memory", method["peak_memory_bytes"]),
-                             ("prefill MFU", method["prefill_mfu"]), ("decode bandwidth", method["decode_bandwidth"])]))
+    sec.blocks.append(Facts([("generate", s.get("generate", "not recorded")), ("KV cache", method["kv_cache_bytes"]),
+                             ("peak memory", method["peak_memory_bytes"]), ("prefill MFU", method["prefill_mfu"]),
+                             ("decode bandwidth", method["decode_bandwidth"])]))
 
     sec = d.section("Prefill and decode per module", id="modules")
     sec.blocks.append(Para(method["modules"]))
-    crows = [[r["batch_size"], r["closure"]["request_ms"], r["closure"]["top_level_ms"], r["closure"]["unattributed_ms"],
-              r["closure"]["unattributed_frac"]] for r in doc["results"]]
-    sec.blocks.append(Table(["batch", "request ms", "top-level modules ms", "unattributed ms", "unattributed frac"],
-                            crows, method=first["closure"]["note"], id="tbl-closure"))
+    sec.blocks.append(closure_table(doc["results"]))
     last = doc["results"][-1]
     mcols, mrows = module_rows(last["modules"], s["new_tokens"])
     sec.blocks.append(Table(mcols, mrows, method=f"batch size {last['batch_size']}; windows include children",
@@ -150,13 +205,45 @@ def build_document(doc: dict[str, Any], run_name: str) -> Document:
         why = doc.get("partial_reason") if doc.get("partial") else "run without --no-ops to trace one request"
         sec.blocks.append(Missing("operator breakdown", why))
     else:
+        sec.blocks.append(Para(traced_call_text(ops)))
         orows = [[o["name"], o["module"], o["phase"], o["calls"], o["self_ms"], o["self_ms_per_token"]]
                  for o in ops["rows"][:TOP_OPS]]
-        sec.blocks.append(Table(["op", "module", "phase", "calls", "self ms", "decode self ms per token"], orows,
-                                method=f"one generate call at batch size {ops['batch_size']} under torch.profiler, "
-                                       f"{ops['self_time']}; all rows in ops.csv; trace in tb/ "
-                                       f"({', '.join(ops['trace_files'])})", id="tbl-ops"))
+        sec.blocks.append(Table(["op", "module", "phase", "calls", "self ms (traced)",
+                                 "decode self ms per token (traced)"], orows,
+                                method=f"measured under the tracer: one generate call at batch size "
+                                       f"{ops['batch_size']} under torch.profiler, {ops['self_time']}; all rows in "
+                                       f"ops.csv; trace in tb/ ({', '.join(ops['trace_files'])})", id="tbl-ops"))
     return d
+
+
+def closure_table(results: list[dict[str, Any]]) -> Table:
+    """Per batch size: the hooked call the module breakdown adds up to, beside the measured calls' E2EL p50
+    it stands for (their ratio is what hooks and one call's noise did), and its unattributed time."""
+    cols = ["batch", "hooked call ms", "E2EL p50 ms", "hooked / E2EL p50", "top-level modules ms",
+            "unattributed ms", "unattributed frac of the hooked call"]
+    rows = []
+    for r in results:
+        c = r["closure"]
+        rows.append([r["batch_size"], c["request_ms"], c.get("e2el_p50_ms"), c.get("hooked_over_e2el"),
+                     c["top_level_ms"], c["unattributed_ms"], c["unattributed_frac"]])
+    how = ("The breakdown is of one generate call per batch size with the module hooks on (slower for them), not "
+           "of the measured calls whose E2EL p50 is beside it: hooked / E2EL p50 is what the hooks' cost and the "
+           "noise of a single call did to it. ")
+    return Table(cols, rows, method=how + results[0]["closure"]["note"], id="tbl-closure")
+
+
+def traced_call_text(ops: dict[str, Any]) -> str:
+    """The traced call's own total, against the untraced measurement (cost_frac), and what its operator self
+    times add up to: the table's rows are parts of this call, not of the hooked call's module windows."""
+    if "traced_e2el_ms" not in ops:
+        return "Measured under the tracer; the traced call's own time was not recorded."
+    by_phase = ", ".join(f"{phase} {ms:,.2f} ms" for phase, ms in ops["self_ms_by_phase"].items())
+    return (f"Measured under the tracer: the traced call (batch size {ops['batch_size']}) took "
+            f"{ops['traced_e2el_ms']:,.2f} ms (first token at {ops['traced_ttft_ms']:,.2f} ms) against E2EL p50 "
+            f"{ops['untraced_e2el_p50_ms']:,.2f} ms (TTFT p50 {ops['untraced_ttft_p50_ms']:,.2f} ms) untraced: "
+            f"cost_frac {100 * ops['cost_frac']:+.0f}% (traced E2EL / untraced E2EL p50 - 1). Its operators' self "
+            f"times add up to {by_phase}; prefill's fall inside its first {ops['traced_ttft_ms']:,.2f} ms. They are "
+            "that call's, under the tracer, and are not parts of the module windows above (another call, hooked).")
 
 
 def write_tensorboard(doc: dict[str, Any], run_dir: Path) -> None:

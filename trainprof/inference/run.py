@@ -11,19 +11,21 @@ from typing import Any
 
 import torch
 
-from trainprof.env import (apply_host_allocator, collect_env, device_name, memory_meter, peak_memory_bytes,
-                           progress_interval, reset_peak_memory)
+from trainprof.env import apply_host_allocator, load_average, peak_memory_bytes, progress_interval, reset_peak_memory
 from trainprof.inference.breakdown import module_breakdown, operator_breakdown
-from trainprof.inference.generate import METRICS_METHOD, TIMER_DESCRIPTION, make_prompt, run_request, serving_metrics
+from trainprof.inference.checks import serving_recipe
+from trainprof.inference.document import inference_document
+from trainprof.inference.generate import make_prompt, run_request, serving_metrics
 from trainprof.inference.interrupt import StoppedAt, keep_interrupted, sigterm_interrupts
+from trainprof.inference.serving import ServingDevice, load_inference_model, model_facts
 from trainprof.io import atomic_write_json, atomic_write_text
 from trainprof.layout import new_run_dir, tb_run_dir
-from trainprof.profiler.compiled import CompiledModules, compile_block, dynamo_counters
+from trainprof.profiler.compiled import CompiledModules, dynamo_counters
 from trainprof.profiler.flops import FlopCounter
-from trainprof.hardware import dense_peak, memory_bandwidth
 from trainprof.recipe import Recipe
 
-SCHEMA_VERSION = 1
+NO_DECODE_STEP = ("no decode step: with one new token the only output token comes from prefill, so there is no "
+                  "TPOT to read a decode step's bytes over; pass --new-tokens 2 or more")
 
 
 @dataclass(kw_only=True)
@@ -34,6 +36,11 @@ class InferSettings:
     requests: int = 5  # measured generate calls per batch size
     warmup: int = 2  # unmeasured generate calls per batch size first (>= 1 with model.compile: they compile)
     ops: bool = True  # operator-level trace of one request (the largest batch size)
+
+    def record(self) -> dict[str, Any]:
+        """inference.json's settings (generate's own are added by the document)."""
+        return {"batch_sizes": self.batch_sizes, "prompt_len": self.prompt_len, "new_tokens": self.new_tokens,
+                "requests": self.requests, "warmup": self.warmup}
 
 
 def check_settings(recipe: Recipe, settings: InferSettings) -> None:
@@ -46,21 +53,6 @@ def check_settings(recipe: Recipe, settings: InferSettings) -> None:
                         "as latency (the first call of each batch size compiles); pass --warmup 1 or more")
 
 
-def load_inference_model(recipe: Recipe, device: torch.device) -> torch.nn.Module:
-    """The recipe's model for serving: built as for training, LoRA adapters merged into the base weights
-    (peft merge_and_unload), eval mode, KV cache on."""
-    from trainprof.models import build_model
-
-    torch.manual_seed(recipe.train.seed)
-    model = build_model(recipe, device=device)
-    if hasattr(model, "merge_and_unload"):
-        model = model.merge_and_unload()
-    model.eval()
-    model.config.use_cache = True
-    model.generation_config.use_cache = True
-    return model
-
-
 def _prefill_flops(model: torch.nn.Module, input_ids: torch.Tensor) -> int:
     """FLOPs of one prefill as generate runs it (counted with torch.utils.flop_counter formulas on a
     1-token generate: the prompt forward, logits for the last position only)."""
@@ -68,39 +60,6 @@ def _prefill_flops(model: torch.nn.Module, input_ids: torch.Tensor) -> int:
     with counter:
         run_request(model, input_ids, 1)
     return sum(counter.counts.values())
-
-
-def _weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights a decode step reads: every parameter except the input embedding, of which a
-    step gathers only one row per sequence."""
-    emb = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
-    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in emb)
-
-
-def _dtype_key(model: torch.nn.Module) -> str:
-    dt_ = next(model.parameters()).dtype
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dt_, "tf32" if torch.backends.cuda.matmul.allow_tf32
-                                                               else "fp32")
-
-
-@dataclass(slots=True, kw_only=True)
-class ServingDevice:
-    """The device a model is served on and the figures its utilizations are measured against."""
-
-    device: torch.device
-    peak: dict[str, Any] | None  # dense peak for the model's dtype (profiles/accelerators.yaml), or None
-    peak_reason: str
-    bandwidth: dict[str, Any] | None  # memory bandwidth, or None
-    bandwidth_reason: str
-    weight_bytes: int  # what a decode step reads besides the KV cache
-
-    @classmethod
-    def of(cls, model: torch.nn.Module, device: torch.device) -> ServingDevice:
-        name = device_name(device)
-        peak, peak_reason = dense_peak(name, device.type, _dtype_key(model))
-        bandwidth, bandwidth_reason = memory_bandwidth(name, device.type)
-        return cls(device=device, peak=peak, peak_reason=peak_reason, bandwidth=bandwidth,
-                   bandwidth_reason=bandwidth_reason, weight_bytes=_weight_bytes(model))
 
 
 def infer(recipe: Recipe, settings: InferSettings, *, progress: bool = True) -> Path:
@@ -118,6 +77,7 @@ def infer(recipe: Recipe, settings: InferSettings, *, progress: bool = True) -> 
     from tqdm import tqdm
 
     check_settings(recipe, settings)
+    recipe = serving_recipe(recipe)  # what ran: one process, no training engine
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     apply_host_allocator(device, recipe.train.cpu_allocator)
     model = load_inference_model(recipe, device)
@@ -125,15 +85,18 @@ def infer(recipe: Recipe, settings: InferSettings, *, progress: bool = True) -> 
     # first: a run stopped before its results still says what it ran
     atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     serving = ServingDevice.of(model, device)
+    served = model_facts(recipe, model)
     compiled = CompiledModules.find(model)
     total = len(settings.batch_sizes) * (settings.warmup + settings.requests + 2) + int(settings.ops)
     bar = tqdm(total=total, desc=f"{recipe.output.name} infer", unit="call", file=sys.stderr, disable=not progress,
                mininterval=progress_interval())
     results: list[dict[str, Any]] = []
     ops = None
+    load_at_start = load_average()  # env.machine_load: was the machine busy while this measured
 
     def write(partial_reason: str | None = None) -> None:
-        doc = inference_document(recipe, settings, serving, compiled, results, ops)
+        doc = inference_document(recipe, settings.record(), serving, compiled, results, ops, model=served,
+                                 load_at_start=load_at_start)
         if partial_reason:
             doc.update(partial=True, partial_reason=partial_reason)
         write_run_files(doc, run_dir)
@@ -143,10 +106,7 @@ def infer(recipe: Recipe, settings: InferSettings, *, progress: bool = True) -> 
             for b in settings.batch_sizes:
                 results.append(measure_batch(model, recipe, settings, b, serving, bar.update))
             if settings.ops:
-                ids = make_prompt(max(settings.batch_sizes), settings.prompt_len, model.config.vocab_size,
-                                  recipe.train.seed, device)
-                ops = operator_breakdown(model, ids, settings.new_tokens, recipe.profile.module_depth,
-                                         tb_run_dir(run_dir))
+                ops = trace_largest_batch(model, recipe, settings, results, run_dir)
                 bar.update()
         except KeyboardInterrupt as err:
             bar.close()
@@ -189,12 +149,7 @@ def measure_batch(model: torch.nn.Module, recipe: Recipe, settings: InferSetting
     tick()
     flops = _prefill_flops(model, ids)
     tick()
-    kv_bytes = timings[0].cache_bytes
-    tflops = flops / (metrics["ttft_ms"]["p50"] / 1e3) / 1e12
-    tpot = metrics["tpot_ms"]["p50"] if metrics["tpot_ms"] else None
-    bytes_per_step = serving.weight_bytes + kv_bytes
-    gbps = bytes_per_step / (tpot / 1e3) / 1e9 if tpot else None
-    peak, bandwidth = serving.peak, serving.bandwidth
+    e2el = metrics["e2el_ms"]["p50"]
     return {
         "batch_size": batch_size,
         **metrics,
@@ -202,82 +157,49 @@ def measure_batch(model: torch.nn.Module, recipe: Recipe, settings: InferSetting
         "modules": [{"name": m["name"], "prefill_ms": None if m["not_timed"] else m["prefill_ms"],
                      "decode_ms": None if m["not_timed"] else m["decode_ms"], "not_timed": m["not_timed"]}
                     for m in breakdown["modules"]],
-        "closure": breakdown["closure"],
+        # the hooked call beside the measured calls it stands for: hooks on, and one call
+        "closure": {**breakdown["closure"], "e2el_p50_ms": e2el,
+                    "hooked_over_e2el": breakdown["closure"]["request_ms"] / e2el},
         # frames dynamo compiled (or recompiled) during the measured calls: > 0 puts compilation in the
         # latencies; None when dynamo was never loaded in this process
         "compiles_during_measured_calls": (after["frames_converted"] - before["frames_converted"]
                                            if before is not None and after is not None else None),
-        "kv_cache_bytes": kv_bytes,
+        "kv_cache_bytes": timings[0].cache_bytes,
         "peak_memory_bytes": peak_mem,
-        "prefill": {"flops": flops, "achieved_tflops": tflops,
-                    "mfu": tflops / peak["tflops"] if peak else None,
-                    "mfu_reason": None if peak else serving.peak_reason},
-        "decode": {"bytes_per_step": bytes_per_step, "weight_bytes": serving.weight_bytes,
-                   "kv_cache_bytes_read": kv_bytes, "achieved_gbps": gbps,
-                   "bandwidth_utilization": gbps / bandwidth["gbps"] if bandwidth and gbps else None,
-                   "bandwidth_reason": None if bandwidth else serving.bandwidth_reason},
+        "prefill": prefill_block(serving, flops, metrics["ttft_ms"]["p50"]),
+        "decode": decode_block(serving, timings[0].cache_bytes, (metrics["tpot_ms"] or {}).get("p50")),
     }
 
 
-def generate_text(compiled: CompiledModules) -> str:
-    """How generate ran, for settings.generate: HF's own compile of the whole forward is always off; the
-    recipe's model.compile compiles the decoder layers (models.compile_decoder_layers)."""
-    model = (f"decoder layers torch.compile'd by model.compile=true ({len(compiled.regions)} compiled region(s), "
-             "inductor; compiled by each batch size's first warm-up call)" if compiled.compiled
-             else "model eager (model.compile=false)")
-    return ("HF generate: cache_implementation='static', greedy (do_sample=False, num_beams=1), min_new_tokens = "
-            "max_new_tokens, eos disabled, generate's own torch.compile of the forward off (disable_compile=True), "
-            f"{model}, synthetic prompt ids without padding; one generate call = batch_size requests")
+def prefill_block(serving: ServingDevice, flops: int, ttft_ms: float) -> dict[str, Any]:
+    """Prefill FLOPs over TTFT p50, and MFU against the device's dense peak where one is known."""
+    tflops = flops / (ttft_ms / 1e3) / 1e12
+    peak = serving.peak
+    return {"flops": flops, "achieved_tflops": tflops, "mfu": tflops / peak["tflops"] if peak else None,
+            "mfu_reason": None if peak else serving.peak_reason}
 
 
-def peak_memory_window(device: torch.device) -> str:
-    """What one batch size's peak_memory_bytes covers: reset_peak_memory starts a window on GPU only."""
-    if device.type == "cuda":
-        return "window: warm-up and measured calls of the batch size"
-    return ("window: the process lifetime so far, not the batch size (nothing resets the high-water mark here): a "
-            "batch size's figure includes the model load and every earlier batch size's calls, so it only rises "
-            "from one batch size to the next and does not compare them")
+def decode_block(serving: ServingDevice, kv_bytes: int, tpot_ms: float | None) -> dict[str, Any]:
+    """Bytes a decode step reads over TPOT p50, and its share of the memory bandwidth; with no decode step
+    (one new token) that is the reason, whatever the device."""
+    bytes_per_step = serving.weight_bytes + kv_bytes
+    gbps = bytes_per_step / (tpot_ms / 1e3) / 1e9 if tpot_ms else None
+    bandwidth = serving.bandwidth
+    reason = NO_DECODE_STEP if gbps is None else None if bandwidth else serving.bandwidth_reason
+    return {"bytes_per_step": bytes_per_step, "weight_bytes": serving.weight_bytes, "kv_cache_bytes_read": kv_bytes,
+            "achieved_gbps": gbps, "bandwidth_utilization": gbps / bandwidth["gbps"] if bandwidth and gbps else None,
+            "bandwidth_reason": reason}
 
 
-def inference_document(recipe: Recipe, settings: InferSettings, serving: ServingDevice, compiled: CompiledModules,
-                       results: list[dict[str, Any]], ops: dict[str, Any] | None) -> dict[str, Any]:
-    """inference.json: settings, environment, how each figure was measured, the results."""
-    device, peak, bandwidth = serving.device, serving.peak, serving.bandwidth
-    cuda = device.type == "cuda"
-    env = collect_env(device, world_size=1)
-    env["timer"] = "host_after_cuda_synchronize" if cuda else "host"
-    modules = ("one extra generate call per batch size with the profiler's module hooks "
-               f"({'CUDA events' if cuda else 'host clock'}); prefill = the model's first forward, decode_ms = mean "
-               "per decode step (per output token after the first); windows inclusive of children")
-    if compiled.compiled:
-        modules += ("; compiled decoder layers are timed around their compiled call, and the modules inside them "
-                    "have no window (not_timed: no hooks run inside compiled code, profiler/compiled.py)")
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "inference",
-        "recipe": recipe.to_dict(),
-        "settings": {"batch_sizes": settings.batch_sizes, "prompt_len": settings.prompt_len,
-                     "new_tokens": settings.new_tokens, "requests": settings.requests, "warmup": settings.warmup,
-                     "generate": generate_text(compiled)},
-        "compile": compile_block(compiled, None),
-        "env": env,
-        "method": {
-            "metrics": METRICS_METHOD,
-            "timer": TIMER_DESCRIPTION[device.type],
-            "modules": modules,
-            "kv_cache_bytes": "bytes of the key/value tensors of the StaticCache generate allocated (all layers, "
-                              "max_cache_len = prompt + new tokens - 1, whole batch)",
-            "peak_memory_bytes": f"{memory_meter(device)}; {peak_memory_window(device)}",
-            "prefill_mfu": "prefill FLOPs (torch.utils.flop_counter formulas on one prompt forward as generate runs "
-                           "it, lm_head on the last position only) / TTFT p50 / the device's dense peak "
-                           + (f"({peak['key']}: {peak['source']})" if peak else "(none known)"),
-            "decode_bandwidth": "bytes read per decode step = weights (all parameters but the input embedding) + "
-                                "the whole static KV cache (attention reads all max_cache_len slots, masked) / TPOT p50; "
-                                "utilization = that / the device's memory bandwidth "
-                                + (f"({bandwidth['source']})" if bandwidth else "(none known)"),
-        },
-        "peak": peak, "peak_reason": serving.peak_reason or None,
-        "memory_bandwidth": bandwidth, "memory_bandwidth_reason": serving.bandwidth_reason or None,
-        "results": results,
-        "ops": ops,
-    }
+def trace_largest_batch(model: torch.nn.Module, recipe: Recipe, settings: InferSettings,
+                        results: list[dict[str, Any]], run_dir: Path) -> dict[str, Any]:
+    """The operator breakdown of one call at the largest batch size, tied to the measurement: the traced
+    call's own E2EL and TTFT beside that batch size's untraced p50s, and cost_frac (traced E2EL / untraced
+    E2EL p50 - 1, as training's ops_info.cost_frac compares traced and untraced steps)."""
+    batch = max(settings.batch_sizes)
+    ids = make_prompt(batch, settings.prompt_len, model.config.vocab_size, recipe.train.seed, model.device)
+    ops = operator_breakdown(model, ids, settings.new_tokens, recipe.profile.module_depth, tb_run_dir(run_dir))
+    untraced = next(r for r in results if r["batch_size"] == batch)
+    e2el, ttft = untraced["e2el_ms"]["p50"], untraced["ttft_ms"]["p50"]
+    return {**ops, "untraced_e2el_p50_ms": e2el, "untraced_ttft_p50_ms": ttft,
+            "cost_frac": ops["traced_e2el_ms"] / e2el - 1}

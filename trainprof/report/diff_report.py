@@ -303,8 +303,10 @@ def build_inference_diff_document(paths: tuple[Path | None, ...], d: ProfileDiff
     method = (f"ms; latencies as inference.json defines them ({(a.get('method') or {}).get('metrics', '')[:120]}...); "
               "ms per output token = 1000 / output tokens/s; module rows: prefill = the model's first forward, decode "
               "step = mean per decode step, windows inclusive of children, from one hooked generate call per batch "
-              f"size; change = B/A - 1, speedup = A/B; verdict against the noise band ({_band_text(d)}); timer: "
-              f"{'; '.join(sorted(timers)) or 'not recorded'}")
+              f"size; change = B/A - 1, speedup = A/B; verdict against the noise band ({_band_text(d)}); spread = "
+              "interquartile range / median of a run's per-call values (inference.json results[].samples; ITL: "
+              "every token gap; ms per output token: E2EL's), n/a with fewer than 4 and for module rows (one call); "
+              f"timer: {'; '.join(sorted(timers)) or 'not recorded'}")
     sec = doc.section("Latency and throughput", id="latency")
     sec.blocks.append(_table(d.steps, method, "latency-diff", "batch", "metric"))
     by_a = {r["batch_size"]: r for r in a.get("results") or []}
