@@ -186,6 +186,9 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_training(tmp_pat
     with pytest.raises(RecipeError, match=r"recipe key 'output.dir': cannot write run dirs to .*afile' is a file"):
         check_environment(r, cuda_available=False)
     check_environment(load_recipe(QUICKSTART, [f"output.dir={tmp_path}/new/runs"]), cuda_available=False)
+    assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == [a_file]  # the check left nothing behind
+    with pytest.raises(RecipeError, match=r"cannot write run dirs to '/proc/nope'.*'/proc' (is not writable|refuses)"):
+        check_environment(load_recipe(QUICKSTART, ["output.dir=/proc/nope"]), cuda_available=False)  # root, too
     proc = cli("run", QUICKSTART, f"output.dir={a_file}", "--nproc", "2")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "output.dir" in proc.stderr, proc.stderr
 

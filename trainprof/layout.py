@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -35,7 +36,9 @@ TRACES_HOW = ("profile.ops=true in a recipe, `trainprof wrap --ops`, ops=True on
 
 def output_dir_problem(output_dir: str | Path) -> str | None:
     """Why run dirs cannot be created under `output_dir` (None when they can): checked before a run or a
-    wrapped script starts, so an unusable dir is not found only after training. Creates nothing."""
+    wrapped script starts, so an unusable dir is not found only after training. Leaves nothing behind: the
+    deepest existing dir gets one empty dir made and removed, since permission bits do not tell (root may
+    write anywhere by them, yet /proc refuses new entries)."""
     path = Path(output_dir).absolute()
     existing = path
     while not existing.exists() and existing != existing.parent:
@@ -44,4 +47,8 @@ def output_dir_problem(output_dir: str | Path) -> str | None:
         return f"'{existing}' is a file, not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"'{existing}' is not writable"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".trainprof-check-", dir=existing))
+    except OSError as err:
+        return f"'{existing}' refuses new entries ({err.strerror or err})"
     return None
