@@ -157,7 +157,7 @@ def machine_load_text(load: dict[str, Any] | None) -> str | None:
         return None
     text = f"1-minute load average {load['start']:g} at start, {load['end']:g} at end, on {load['cores']} cores"
     if load.get("busy"):
-        text += ("; more runnable threads than cores (other work, or this run's own ranks): its times hold the "
+        text += ("; more runnable threads than cores (other work, or this run's own threads): its times hold the "
                  "machine's contention")
     return text
 
