@@ -416,6 +416,7 @@ def test_lora_fp16_eager_one_token_run_says_what_ran(cli, tmp_path) -> None:
     assert doc["model"]["lora"]["merged"] and doc["recipe"]["engine"]["kind"] == "torch"
     md = (run_dir / "inference.md").read_text()
     assert md.splitlines()[2].startswith("llama2-tiny fp16, attention eager, task lora on ")
+    assert ", 1 new token, " in md.splitlines()[2] and "1 new tokens" not in md + out.stdout
     assert "- **task**: lora: adapters (r 8, alpha 16, on q_proj, v_proj) merged into the base weights" in md
     (r,) = doc["results"]
     assert r["tpot_ms"] is None and r["decode"]["achieved_gbps"] is None

@@ -72,7 +72,7 @@ def stdout_table(doc: dict[str, Any]) -> str:
     frame[keep[1:]] = frame[keep[1:]].astype(float)  # None (no TPOT or ITL with one new token) -> NaN -> n/a
     s = doc["settings"]
     how = (f"p50/p99 over {s['requests']} measured generate calls a batch size after {s['warmup']} warm-up "
-           f"(prompt {s['prompt_len']}, {s['new_tokens']} new tokens), as vLLM's benchmark_serving defines them; "
+           f"(prompt {s['prompt_len']}, {_tokens(s['new_tokens'])}), as vLLM's benchmark_serving defines them; "
            f"timer: {doc['method']['timer'].split(';')[0]}; KV cache: the StaticCache's key/value bytes")
     table = frame.to_string(index=False, float_format=lambda v: f"{v:,.2f}", na_rep="n/a") + "\n" + how
     warning = load_warning(doc)
@@ -160,7 +160,7 @@ def build_document(doc: dict[str, Any], run_name: str) -> Document:
     m = doc.get("model") or doc["recipe"].get("model", {})
     subtitle = (f"{m.get('name', 'n/a')} {m.get('dtype', '?')}, attention {m.get('attention', '?')}, task "
                 f"{m.get('task') or doc['recipe'].get('task', {}).get('kind', '?')} on {env['device']} "
-                f"({env['device_type']}), prompt {s['prompt_len']} tokens, {s['new_tokens']} new tokens, "
+                f"({env['device_type']}), prompt {s['prompt_len']} tokens, {_tokens(s['new_tokens'])}, "
                 f"{s['requests']} measured calls per batch size after {s['warmup']} warm-up")
     if doc.get("partial"):
         subtitle += f"; PARTIAL: {doc.get('partial_reason')}"
@@ -287,3 +287,7 @@ def write_reports(doc: dict[str, Any], run_dir: str | Path) -> None:
     atomic_write_text(run_dir / "modules.csv", render_csv(Table(
         ["batch_size", "name", "prefill_ms", "decode_ms", "not_timed"], rows)))
     write_tensorboard(doc, run_dir)
+
+
+def _tokens(n: int) -> str:
+    return f"{n} new token{'' if n == 1 else 's'}"
