@@ -212,3 +212,22 @@ def test_with_no_warm_up_the_first_steps_compilation_is_not_a_recompilation():
     assert dynamo["while_profiled"]["frames_converted"] > 0  # the first step compiled
     assert dynamo["during_measured_steps"]["frames_converted"] == 0, dynamo
     assert "counts from the second measured step" in dynamo["source"]
+
+
+def test_a_session_that_writes_no_run_dir_leaves_no_trace_staging_dir(tmp_path):
+    """`wrap --ops` stages traces in a temp dir until the run dir exists; a multi-rank script that fails writes
+    none, and wrap then drops the staging dir (it was left in /tmp)."""
+    import torch
+
+    from trainprof.integrations.session import ProfileSession
+
+    session = ProfileSession(tmp_path / "runs", ops=True)
+    session.attach(torch.nn.Linear(4, 4), torch.optim.SGD(torch.nn.Linear(4, 4).parameters(), lr=0.1))
+    staging = session._trace_staging
+    try:
+        assert staging is not None and staging.is_dir()
+        session.drop_trace_staging()
+        assert not staging.exists() and session._trace_staging is None
+        session.drop_trace_staging()  # twice: nothing to do
+    finally:
+        session.prof.close()

@@ -299,6 +299,8 @@ def run_script(script: str, args: list[str], wrapper: Wrapper) -> int:
     elif any(s.prof is not None and not s.finished for s in wrapper.sessions):
         print("trainprof: the script failed; no merged profile written (other ranks may not reach the merge)",
               file=sys.stderr)
+        for session in wrapper.sessions:
+            session.drop_trace_staging()
     return code
 
 

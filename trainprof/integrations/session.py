@@ -175,10 +175,16 @@ class ProfileSession:
         try:
             return self._write(prof, updates, partial_reason)
         finally:
-            if self._trace_staging is not None:
-                import shutil
+            self.drop_trace_staging()
 
-                shutil.rmtree(self._trace_staging, ignore_errors=True)
+    def drop_trace_staging(self) -> None:
+        """Remove the temporary dir the operator traces were written to (moved into the run dir by then, or
+        never to be: a run that failed on several ranks writes no run dir)."""
+        if self._trace_staging is not None:
+            import shutil
+
+            shutil.rmtree(self._trace_staging, ignore_errors=True)
+            self._trace_staging = None
 
     def _write(self, prof: Any, updates: int, partial_reason: str | None) -> Path | None:
         import torch
