@@ -384,7 +384,10 @@ def test_a_timed_out_cell_keeps_its_partial_figures_and_a_rerun_keeps_the_earlie
     from trainprof.sweep.spec import Sweep, make_cell
     from trainprof.sweep.state import SweepState
 
+    launched = []
+
     def hangs_after_measuring(recipe, overrides, **_):
+        launched.append(overrides)
         cell_dir = next(o for o in overrides if o.startswith("output.dir=")).split("=", 1)[1]
         return [sys.executable, "-c", _fake_partial_cell(cell_dir)]
 
@@ -392,6 +395,7 @@ def test_a_timed_out_cell_keeps_its_partial_figures_and_a_rerun_keeps_the_earlie
     cell = make_cell(QUICKSTART, ["train.steps=200"], label="long")[0]
     state = SweepState(tmp_path / "sweep.json", kind="sweep", name="t", meta={})
     rec = runner.run_cell(cell, tmp_path, state, timeout_s=5)
+    assert f"output.name={cell.id}" in launched[0]  # its run dir named after the cell, as TensorBoard lists it
     assert rec["status"] == "failed" and rec["values"] is None  # not a finished cell
     f = rec["failure"]
     assert f["kind"] == "timeout" and "timeout of 5 s" in f["message"]

@@ -106,7 +106,10 @@ def run_cell(cell: Cell, out_dir: Path, state: SweepState, *, timeout_s: float) 
                            "attempts": previous.get("attempts", 0) + 1, "run_dir": None, "values": None,
                            "methods": None, "null_reasons": None, "failure": None, "partial": None,
                            "earlier_attempts": earlier or None})
-    cmd = launch_command(cell.recipe_path, [*cell.overrides, f"output.dir={cell_dir}"],
+    # the run dir is named after the cell (as its TensorBoard run and report title are), unless the cell names it
+    named = any(o.startswith("output.name=") for o in cell.overrides)
+    cmd = launch_command(cell.recipe_path, [*cell.overrides, f"output.dir={cell_dir}",
+                                            *([] if named else [f"output.name={cell.id}"])],
                          nproc=cell.nproc, nnodes=cell.nnodes)
     result = launch(cmd, log_path=cell_dir / "launch.log", timeout_s=timeout_s, env=cell_env(timeout_s))
     run_dir = find_run_dir(cell_dir)
