@@ -721,6 +721,23 @@ def test_a_finetuning_runs_projection_counts_mfu_and_fit_as_its_run_does(name, t
     (big,) = projection.project(run, overrides=["train.micro_batch_size=1024"], probe=False)["predictions"]
     assert big["memory_per_rank_bytes"] > 80e9 and big["fits"] is False
     assert big["time_to_train_s"] is None and "does not fit" in big["reasons"]["cost_per_million_tokens_usd"]
+    if name != "h100-llama7b_qlora":
+        return
+    # Llama2-70B's 4-bit base on two 24 GB cards: the advice names only settings the recipe rules accept (QLoRA
+    # refuses ZeRO-3), and no "more GPUs", which do not shrink a replicated base (37.2 GiB on one, 36.8 on two)
+    from trainprof.projection.report import notes
+
+    result = projection.project(run, targets=["rtx4090"], gpus_per_node=2, overrides=["model.name=llama2-70b"],
+                                probe=False)
+    (card,) = result["predictions"]
+    advice = card["fits"] is False and card["fit_advice"]
+    assert advice and all("engine.zero_stage=3" not in t["overrides"] for t in advice["tried"]), advice
+    assert any("qlora with ZeRO stage 3" in why for why in advice["refused"].values())
+    assert advice["more_gpus"]["gpus"] is None and advice["more_gpus"]["bytes"] > 24 * 2**30
+    (line,) = [n for n in notes(result) if "does not fit" in n]
+    assert "more GPUs do not bring it under 24.00 GiB" in line and line.endswith("a GPU with more memory or a smaller "
+                                                                                 "model"), line
+    assert "nor with ZeRO-3" not in line and "the recipe rules refuse the other settings tried" in line
 
 
 def test_a_change_on_its_own_gpu_keeps_the_optimizers_measured_host_part(tmp_path):
@@ -772,3 +789,69 @@ def test_a_gpu_bound_run_projected_to_its_own_gpu_kind_keeps_its_hosts_pace(tmp_
     assert "host-bound" not in own["confidence_text"] and "host_bound_target" not in {a["kind"] for a in own["assumptions"]}
     # another GPU kind has another host: the catalog's reference per call, no ceiling from this one
     assert "host_ceiling" not in {a["kind"] for a in other["assumptions"]}
+    # the run itself, as measured: its MFU by PaLM's formula (every row's) is not its summary's counted one, and the
+    # notes say why the two differ (30.6% against 31.0%)
+    from trainprof.projection.report import notes
+
+    result = project(run, probe=False)
+    (same,) = result["predictions"]
+    summary = load(run)["summary"]
+    assert same["mfu"] == pytest.approx(summary["mfu"] / summary["measured_over_analytic"], rel=1e-3)
+    (why,) = [n for n in notes(result) if "(as measured): MFU" in n]
+    assert "MFU 30.6% by PaLM's formula" in why and "summary says 31.0%, from the FLOPs it counted" in why, why
+
+
+def test_rows_on_different_hosts_say_that_their_order_follows_the_host(tmp_path):
+    """From the H100 ZeRO-3 run (GPU busy 89%), Llama2-7B at micro batch 4 x 1024 on 8 GPUs is host-bound on every
+    target, and the source's own GPU kind keeps its host's pace (a ceiling of 33.1 µs a forward call) while the
+    H200 takes the catalog's reference (38.1, the mean of hosts at 48.5 and 27.7): h100-sxm ranked first by the
+    host it assumed, not by its GPU. The step model's figures stay; each row says its host and a note under the
+    table, on the terminal and in projection.md, says the order follows it. The links each row crossed are said
+    there too, at datasheet bandwidth (an upper bound); a target named twice is one row; with prices every figure
+    is predicted and `reasons` is an empty dict, not missing."""
+    import shutil
+
+    from trainprof.projection.project import project
+    from trainprof.projection.report import render_short, write_projection
+
+    run = tmp_path / "run"
+    shutil.copytree(PROFILES / "h100-llama1b_zero3_sdpa-gpubound", run)
+    shape = ["model.name=llama2-7b", "model.recompute=true", "train.micro_batch_size=4", "data.seq_len=1024"]
+    prices = {k: {"usd_per_gpu_hour": 2.0, "source": "test", "date": "2026-11-30"} for k in ("h100-sxm", "h200")}
+    result = project(run, targets=["h100-sxm", "h200", "h100-sxm"], overrides=shape, prices=prices, probe=False)
+    h100, h200 = result["predictions"]  # named twice, predicted once
+    # presentation only: the step model's figures of the finding (729.5 and 782.8 ms)
+    assert (round(h100["step_ms"], 1), round(h200["step_ms"], 1)) == (729.5, 782.8)
+    assert h100["host_pace"]["basis"] == "ceiling" and round(h100["host_pace"]["us_per_call"], 1) == 33.1
+    assert h200["host_pace"]["basis"] == "reference" and h200["host_pace"]["us_per_call"] == 38.1
+    assert h200["host_pace"]["reference_hosts_us"] == [48.5, 27.7]
+    assert all("predicted host-bound" in p["confidence_text"] for p in (h100, h200))
+    assert h100["reasons"] == {} and h200["reasons"] == {}  # every figure predicted: still there, empty
+    text = render_short(result)
+    assert "this run's, at most 33.1 µs/call" in text and "reference 38.1 µs/call (2 hosts, 27.7-48.5)" in text
+    note = next(line for line in text.splitlines() if "host: these rows assume different hosts" in line)
+    assert "their order follows the host assumed, not the GPU" in note and "h100-sxm x 8 350.6, h200 x 8 335.0" in note
+    links = next(line for line in text.splitlines() if "links assumed" in line)
+    assert "NVLink 4 (H100/H200, via NVSwitch), 450 GB/s per direction per GPU" in links and "an upper bound" in links
+    write_projection(result, tmp_path / "out", title="t", command="c")
+    md = (tmp_path / "out" / "projection.md").read_text()
+    assert "their order follows the host assumed, not the GPU" in md and "links assumed" in md
+    assert "reference 38.1 µs/call (2 hosts, 27.7-48.5)" in md
+
+
+def test_a_run_without_calibration_names_the_folder_that_has_one(tmp_path):
+    """The kept H100 QLoRA v2 run stopped before its calibration (profiles/README.md): its rows to other GPUs
+    cannot be re-rated here, and the reason names what to do: the folder beside it calibrated on the same GPU, or
+    a calibration made on that GPU (profile.calibrate=true), not only 'run where the run was made'."""
+    import shutil
+
+    from trainprof.projection.project import project
+
+    for name in ("h100-llama7b_qlora-v2", "h100-llama7b_qlora"):
+        shutil.copytree(PROFILES / name, tmp_path / name, ignore=shutil.ignore_patterns("*.trace.json.gz"))
+    (pred,) = project(tmp_path / "h100-llama7b_qlora-v2", targets=["a100-80g-sxm"], gpus_per_node=1,
+                      overrides=["model.name=llama2-70b"], probe=False)["predictions"]
+    why = pred["reasons"]["step_ms"]
+    assert pred["step_ms"] is None and "no calibration.json" in why, why
+    assert "h100-llama7b_qlora beside it calibrated the same NVIDIA H100 80GB HBM3" in why
+    assert "copy its calibration.json" in why and "profile.calibrate=true" in why

@@ -108,6 +108,11 @@ def test_prices_need_source_and_date(tmp_path):
     assert {k: v["usd_per_gpu_hour"] for k, v in listed.items()} == {"h100-sxm": 2.5, "rtx4090": 0.5}
     with pytest.raises(CatalogError, match="'rtx4090'"):
         load_prices(None, ["h100-sxm=2.5,rtx4090"])
+    # a zero or negative price is well written but no price: said so, not "write NAME=USD_PER_GPU_HOUR"
+    for bad in ("0", "-1"):
+        with pytest.raises(CatalogError, match=r"must be a number > 0") as err:
+            load_prices(None, [f"h100-sxm={bad}"])
+        assert "NAME=USD_PER_GPU_HOUR" not in str(err.value)
 
 
 def test_a_price_names_a_target_or_its_gpu(cli, tmp_path):
@@ -122,6 +127,9 @@ def test_a_price_names_a_target_or_its_gpu(cli, tmp_path):
     check_prices_name_targets(load_prices(None, ["this=0.1"]), ["this"], catalog)
     filed = {"a100-80g-sxm": {"usd_per_gpu_hour": 1.8, "source": "quote", "date": "2026-11-01"}}
     check_prices_name_targets(filed, ["h100-sxm"], catalog)
+    # ... but only machines the catalog has: an unknown name in a file is refused as --price refuses one
+    with pytest.raises(CatalogError, match=r"prices.rtx9999 is not in the catalog"):
+        check_prices_name_targets({"rtx9999": filed["a100-80g-sxm"]}, ["h100-sxm"], catalog)
     prices = load_prices(None, ["h100-sxm=2.5,hgx-h100=2.8"])
     assert price_for(prices, "hgx-h100", "h100-sxm")["usd_per_gpu_hour"] == 2.8  # its own price first
     assert price_for(prices, "hgx-a100", "a100-80g-sxm") is None
@@ -1274,6 +1282,19 @@ def test_research_tables_give_each_reason_once_as_a_footnote(tmp_path):
     # each confidence once, as a footnote; what bounds a cell is said in the cell, and once below
     assert md.count("confidence: unvalidated: CPU run -> GPU") == 1, md
     assert "comm-bound: exposed communication is more than half" in md
+    # host-bound cells of targets that assume different hosts: each footnote names its host, and a note says the
+    # order of such cells follows the host, not the GPU
+    own = {"basis": "ceiling", "us_per_call": 33.1, "reference_hosts_us": [48.5, 27.7],
+           "by_phase": {"forward": {"basis": "ceiling", "us_per_call": 33.1}}}
+    ref = {"basis": "reference", "us_per_call": 38.1, "reference_hosts_us": [48.5, 27.7],
+           "by_phase": {"forward": {"basis": "reference", "us_per_call": 38.1}}}
+    bound = {**cell, "fits": True, "confidence": "unvalidated; predicted host-bound"}
+    hosts = {**result, "table_iii": [{"model": "llama2-7b", "method": "ZeRO-3", "a800-80g": {**bound, "host_pace": own},
+                                      "rtx4090": {**bound, "host_pace": ref}}], "table_iv": []}
+    text = render_tables(hosts)
+    assert "confidence: unvalidated; host: this run's, at most 33.1 µs/call" in text
+    assert "confidence: unvalidated; host: reference 38.1 µs/call (2 hosts, 27.7-48.5)" in text
+    assert "so their order follows the host assumed, not the GPU" in text
 
 
 def test_a_cpu_targets_rows_count_ranks_not_gpus():
@@ -1344,19 +1365,34 @@ def test_best_searches_deepspeed_from_any_engine_and_says_why_nothing_ranks():
         mb = int(overrides[-1].split("=")[1])
         offload = "engine.offload=optimizer" in overrides
         return {"memory_per_rank_bytes": (10e9 if offload else 90e9) * mb, "tokens_per_s": None if offload else 1.0,
-                "step_ms": None, "reasons": {"step_ms": offload_only} if offload else {}}
+                "step_ms": None, "reasons": {"step_ms": offload_only} if offload else {},
+                "host_memory_per_rank_bytes": 194.36 * 2**30 if offload else 0}
 
     cands = [best.Setting(overrides=("engine.zero_stage=3", "engine.offload=none")),
              best.Setting(overrides=("engine.zero_stage=3", "engine.offload=optimizer"))]
     out = best.search(predict, 80e9, [], cands)
     assert out["best_throughput"] is None and out["tried"] == 0 and out["least_memory_bytes"] == 10e9
     assert out["not_predicted"] == [{"setting": "engine.zero_stage=3 engine.offload=optimizer", "micro_batch": 1,
-                                     "memory_per_rank_bytes": 10e9, "reason": offload_only}]
-    result = {"source": {"run_dir": "runs/x"}, "best": [{"hardware": "h100-sxm", "world_size": 8,
-                                                          "capacity_bytes": 80e9, **out}]}
+                                     "memory_per_rank_bytes": 10e9, "host_memory_per_rank_bytes": 194.36 * 2**30,
+                                     "reason": offload_only}]
+    result = {"source": {"run_dir": "runs/x"}, "best": [{"hardware": "h100-sxm", "world_size": 8, "gpus_per_node": 8,
+                                                          "unit": "GPU", "capacity_bytes": 80e9, **out}]}
     line = render_best(result).splitlines()[2]
+    # offload fits GPU memory by moving it to the host: how much, a GPU and a node, beside the setting
     assert "only settings whose step is not predicted fit, e.g. engine.zero_stage=3 engine.offload=optimizer " \
-           "train.micro_batch_size=1 (9.31 GiB" in line, line
+           "train.micro_batch_size=1 (9.31 GiB; host memory 194.36 GiB a GPU, 1,554.88 GiB a node of 8, plan" \
+           in line, line
+    # nothing fits at the smallest micro batch: said from the plan alone, before any step is predicted (one on the
+    # source's machine probes for minutes), a CPU's per rank, a small cap with its digits
+    def never(overrides: list[str]) -> dict:
+        raise AssertionError("a step was predicted for a search that cannot succeed")
+
+    cpu = best.search(never, 0.001 * 2**30, [], cands, planned=lambda o: 0.52 * 2**30)
+    assert cpu["tried"] == 0 and cpu["checked_before_predicting"] and cpu["least_memory_bytes"] == 0.52 * 2**30
+    (row,) = best_rows({"best": [{"hardware": "this", "world_size": 2, "unit": "rank",
+                                  "capacity_bytes": 0.001 * 2**30, **cpu}]})
+    assert row["throughput_setting"] == "n/a: nothing fits: the smallest setting plans 0.52 GiB a rank, over 90% of " \
+                                        "0.001 GiB"
     # runners-up are other settings at their best micro batch, not the winner again at a smaller one
     fast = {"engine.zero_stage=2": 3.0, "engine.zero_stage=3": 2.0, "engine.zero_stage=1": 1.0}
     ranked = best.search(lambda o: {"memory_per_rank_bytes": 1e9 * int(o[-1].split("=")[1]), "step_ms": 1.0,
@@ -1381,10 +1417,24 @@ def test_a_target_nothing_fits_says_so_in_the_notes():
               "fit_suggestion": ["engine.zero_stage=3", "model.recompute=true"]},
              {"hardware": "rtx3090", "world_size": 1, "fits": False, "memory_per_rank_bytes": 300 * 2**30},
              {"hardware": "h100-sxm", "world_size": 8, "fits": True, "memory_per_rank_bytes": 30 * 2**30}]
+    preds[1]["fit_advice"] = {"tried": [{"overrides": ["engine.zero_stage=3"], "bytes": 40 * 2**30}], "refused": {},
+                              "least": {"overrides": ["engine.zero_stage=3"], "bytes": 40 * 2**30},
+                              "capacity_bytes": 24 * 2**30, "more_gpus": {"gpus": 4, "bytes": 20 * 2**30}}
+    # a QLoRA base is replicated: more GPUs do not help, and the rules refuse ZeRO-3 for it
+    qlora = {"tried": [{"overrides": ["engine.offload=optimizer"], "bytes": 36.36 * 2**30}],
+             "refused": {"engine.zero_stage=3": "qlora with ZeRO stage 3 is not supported"},
+             "least": {"overrides": ["engine.offload=optimizer"], "bytes": 36.36 * 2**30}, "capacity_bytes": 24 * 2**30,
+             "more_gpus": {"gpus": None, "bytes": 36.36 * 2**30, "tried_up_to": 4096}}
+    preds.append({"hardware": "a30", "world_size": 2, "fits": False, "memory_per_rank_bytes": 36.79 * 2**30,
+                  "fit_advice": qlora})
     lines = [n for n in notes({"source": src, "predictions": preds}) if "does not fit" in n]
     assert lines == ["rtx4090 x 1: does not fit; would fit with engine.zero_stage=3 model.recompute=true (plan)",
-                     "rtx3090 x 1: does not fit (300.00 GiB a GPU, plan), nor with ZeRO-3, recomputation and offload of "
-                     "the optimizer and parameters at micro batch 1: more GPUs or a smaller model"]
+                     "rtx3090 x 1: does not fit (300.00 GiB a GPU, plan), nor with engine.zero_stage=3 (40.00): more GPUs "
+                     "(20.00 GiB a GPU at 4 with engine.zero_stage=3) or a smaller model",
+                     "a30 x 2: does not fit (36.79 GiB a GPU, plan), nor with engine.offload=optimizer (36.36) (the recipe "
+                     "rules refuse the other settings tried: qlora with ZeRO stage 3 is not supported); more GPUs do not "
+                     "bring it under 24.00 GiB (36.36 GiB a GPU at 4,096 with engine.offload=optimizer: what is not "
+                     "partitioned stays on every GPU): a GPU with more memory or a smaller model"]
 
 
 def test_time_and_cost_to_train_read_at_their_size():
@@ -1392,6 +1442,13 @@ def test_time_and_cost_to_train_read_at_their_size():
 
     assert [fmt_duration(s) for s in (None, 42, 3188, 9.4 * 3600, 12.3 * 86400)] == \
         ["n/a", "42 s", "53 min", "9.4 h", "12.3 days"]
+    # a column takes one unit, from its values: "3.4 days" beside "40.2 h" read as the same size
+    from trainprof.projection.report import duration_unit, fmt_in
+
+    column = [3.4 * 86400, 40.2 * 3600, 3067.7 * 86400, None]
+    name, per = duration_unit(column)
+    assert name == "days" and [fmt_in(per)(s) for s in column] == ["3.4", "1.7", "3,068", "n/a"]
+    assert duration_unit([9.4 * 3600, 30 * 3600])[0] == "h" and duration_unit([3 * 365.25 * 86400])[0] == "years"
     assert [_fmt_usd(x) for x in (None, 0.034, 35.2, 3_536_000)] == ["n/a", "$0.03", "$35.20", "$3,536,000"]
 
 
@@ -1425,3 +1482,65 @@ def test_a_scaling_efficiency_above_100_percent_names_the_phases_that_shrank_per
     # a mark the baseline carries too is not this row's; a row with no phase shorter says so
     same = {**base, "confidence_marks": ["probed on a busy machine (±12%)"]}
     assert above_linear(same, {**base, "confidence_marks": same["confidence_marks"]}) == "no phase shorter per rank"
+
+
+def test_the_plan_says_what_n_counts_in_its_flops():
+    """Llama2-7B's 6N + 12LHQT: N is every matmul's parameters, the untied LM head included (6.607e9, 4.019e10
+    FLOPs a token at seq 350), not the non-embedding count without the head (6.476e9)."""
+    from trainprof.plan import estimate_plan
+
+    flops = estimate_plan(load_recipe(QUICKSTART, ["model.name=llama2-7b"]), 1)["flops"]
+    n = flops["non_embedding_params"]["value"]
+    assert round(n / 1e9, 3) == 6.607 and "untied LM head counts" in flops["per_token_6n"]["source"]
+    assert "non-embedding" not in flops["per_token_6n"]["source"]
+
+
+def test_a_node_larger_than_the_catalogs_and_a_gpu_without_links_are_said():
+    """--gpus-per-node 16 on h100-sxm (its node template holds 8): one warning line; a catalog GPU with no link
+    between its GPUs: the key to add, not 'no collective calibration for 8 ranks'."""
+    from trainprof.projection.machines import missing_link
+    from trainprof.projection.project import node_size_warnings
+
+    catalog = load_catalog()
+    (warned,) = node_size_warnings(catalog, ["h100-sxm", "hgx-h100"], 16)
+    assert warned.startswith("warning: --gpus-per-node 16 on h100-sxm") and "hgx-h100: 8" in warned
+    assert node_size_warnings(catalog, ["h100-sxm"], 8) == []
+    mine = dataclasses.replace(catalog.resolve("h100-sxm"), key="mygpu", intra_node_link=None)
+    why = missing_link(catalog, mine, 8, 8)
+    assert "mygpu has no link between its GPUs" in why and "add intra_node_link: KEY under" in why and "pcie4" in why
+    assert missing_link(catalog, mine, 1, 8) is None and missing_link(catalog, catalog.resolve("h100-sxm"), 16, 8) is None
+
+
+def test_a_cpu_runs_gpu_rows_say_what_carries_over_and_what_they_assume(tmp_path):
+    """The kept CPU quickstart to 8 and 16 RTX 4090s at Llama2-7B: the header and projection.md do not present
+    the CPU step as what the GPU rows scale (a 2,911.6 ms and a 68.2 ms run of one recipe read 566.7 and 568.5 ms
+    on 8 H100s); the links each row assumes are said, the inter-node one as the catalog's default for a GPU named
+    alone beside its node template's RoCE; the time to train takes one unit for its column; a scaling efficiency
+    that has no baseline says why in its cell and under the table."""
+    import shutil
+
+    from trainprof.projection.project import project
+    from trainprof.projection.report import render_short, write_projection
+
+    run = tmp_path / "run"
+    shutil.copytree(REPO / "profiles" / "cpu-x86_64-quickstart_cpu", run)
+    result = project(run, targets=["rtx4090"], nodes=[1, 2], overrides=["model.name=llama2-7b"], tokens=2e12,
+                     probe=False)
+    eight, sixteen = result["predictions"]
+    text = render_short(result)
+    head, header = text.splitlines()[:2]
+    assert "on its CPU; the GPU rows are derived, not scaled from it" in head, head
+    assert "time to train 2e+12 tokens (years)" in header and "host assumed" in header
+    assert "not scaled from the measured CPU step" in text and "as measured" in text
+    assert eight["scaling_efficiency"] is None and "n/a (fewer do not fit)" in text
+    assert "rtx4090 x 8: scaling eff. n/a: the same settings do not fit one GPU" in text
+    links = next(line for line in text.splitlines() if "links assumed" in line)
+    assert "InfiniBand NDR 400 Gb/s (one NIC per GPU), 50 GB/s (the catalog's default_inter_node_link" in links
+    assert "rtx4090-8x uses RoCE v2, 200 GbE per GPU" in links and "PCIe 4.0 x16, 32 GB/s" in links
+    assert sixteen["links"]["inter_node_is_default"] and sixteen["links"]["inter_node"]["key"] == "ib-ndr"
+    if "predicted comm-bound" in sixteen["confidence_text"]:
+        assert "its links at datasheet bandwidth, an upper bound" in sixteen["confidence_text"]
+    write_projection(result, tmp_path / "out", title="t", command="c")
+    md = (tmp_path / "out" / "projection.md").read_text()
+    assert "Predicted from one measured CPU run: the GPU rows take its recipe" in md
+    assert "Predicted from one measured run;" not in md

@@ -419,7 +419,8 @@ def _flops(recipe: Recipe, shape: LlamaShape, census: dict[str, Any], tokens_per
     out: dict[str, Any] = {
         "non_embedding_params": _figure(
             n, "total params minus the input embedding (lm_head kept: untied matmul)", "params"),
-        "per_token_6n": _figure(palm, "PaLM app. B: 6N + 12*L*H*Q*T, N = non-embedding params", "flop"),
+        "per_token_6n": _figure(palm, "PaLM app. B: 6N + 12*L*H*Q*T, N = params in matmuls (all but the input "
+                                      "embedding; an untied LM head counts)", "flop"),
         "per_step_6n": _figure(palm * tokens_per_step, "per_token_6n * tokens_per_step (all ranks)", "flop"),
         "convention": "per_token_6n is the PaLM model-FLOP convention used for MFU",
     }

@@ -70,7 +70,7 @@ def _project(args: argparse.Namespace) -> int:
 
     if args.advice:
         return _advice(args)
-    targets = [t.strip() for t in args.to.split(",") if t.strip()]
+    targets = list(dict.fromkeys(t.strip() for t in args.to.split(",") if t.strip()))  # one set of rows a target
     try:
         catalog = load_catalog(args.catalog)
         _check_world_options(args, targets, catalog)

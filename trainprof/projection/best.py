@@ -49,13 +49,17 @@ def settings(recipe: Any, *, same_machine: bool, dtype_given: bool = False) -> l
 
 
 def search(predict: Callable[[list[str]], dict[str, Any] | None], capacity_bytes: float | None, base: list[str],
-           candidates: list[Setting], *, start_micro_batch: int = 1) -> dict[str, Any]:
+           candidates: list[Setting], *, start_micro_batch: int = 1,
+           planned: Callable[[list[str]], float | None] | None = None) -> dict[str, Any]:
     """Every candidate at micro batch 1, 2, 4, ... until its planned memory passes HEADROOM x capacity.
 
     Args:
         predict: overrides -> a prediction dict (None: the recipe rules refuse the combination).
         capacity_bytes: the target's memory per GPU (None: only the starting micro batch is tried).
         base: the user's overrides, applied first.
+        planned: overrides -> the memory per GPU alone (None: refused), without predicting the step: where no
+            candidate fits at the starting micro batch, the search ends there, before any step is predicted
+            (a step on the source's machine may probe for minutes).
     Returns:
         {best_throughput, best_cost, runners_up_throughput, runners_up_cost, tried, refused, not_predicted,
         least_memory_bytes}: rows of {setting, micro_batch, step_ms, tokens_per_s, memory_per_rank_bytes,
@@ -66,6 +70,10 @@ def search(predict: Callable[[list[str]], dict[str, Any] | None], capacity_bytes
         "nothing fits" missed by).
     """
     rows, refused, not_predicted, least = [], [], [], None
+    if planned is not None and capacity_bytes is not None:
+        smallest = _smallest(planned, base, candidates, start_micro_batch)
+        if smallest is not None and smallest > HEADROOM * capacity_bytes:
+            return _found([], [], [], smallest, checked_first=True)
     for cand in candidates:
         mb = start_micro_batch
         while mb <= MAX_MICRO_BATCH:
@@ -79,27 +87,44 @@ def search(predict: Callable[[list[str]], dict[str, Any] | None], capacity_bytes
                 least = memory if least is None else min(least, memory)
             if capacity_bytes is not None and memory is not None and memory > HEADROOM * capacity_bytes:
                 break
+            host = pred.get("host_memory_per_rank_bytes") or None  # offload's: the node must hold it
             if not pred.get("tokens_per_s"):  # its reason does not change with the micro batch
                 reasons = pred.get("reasons") or {}
                 not_predicted.append({"setting": cand.text, "micro_batch": mb, "memory_per_rank_bytes": memory,
+                                      "host_memory_per_rank_bytes": host,
                                       "reason": reasons.get("step_ms") or reasons.get("tokens_per_s")})
                 break
             rows.append({"setting": cand.text, "micro_batch": mb, "step_ms": pred["step_ms"],
                          "tokens_per_s": pred["tokens_per_s"], "memory_per_rank_bytes": memory,
+                         "host_memory_per_rank_bytes": host,
                          "cost_per_million_tokens_usd": pred.get("cost_per_million_tokens_usd"),
                          "time_to_train_s": pred.get("time_to_train_s"),
                          "cost_to_train_usd": pred.get("cost_to_train_usd"),
-                         "confidence_text": pred.get("confidence_text")})
+                         "confidence_text": pred.get("confidence_text"), "host_pace": pred.get("host_pace"),
+                         "host_bound": "host_bound_target" in {a["kind"] for a in pred.get("assumptions") or []}})
             if capacity_bytes is None:
                 break
             mb *= 2
+    return _found(rows, refused, not_predicted, least)
+
+
+def _smallest(planned: Callable[[list[str]], float | None], base: list[str], candidates: list[Setting],
+              micro_batch: int) -> float | None:
+    """The least memory per GPU of any candidate at `micro_batch` (None: the rules refuse every one)."""
+    sizes = [planned([*base, *c.overrides, f"train.micro_batch_size={micro_batch}"]) for c in candidates]
+    return min((x for x in sizes if x is not None), default=None)
+
+
+def _found(rows: list[dict[str, Any]], refused: list[str], not_predicted: list[dict[str, Any]], least: float | None,
+           *, checked_first: bool = False) -> dict[str, Any]:
+    """search's result from its rows (see there)."""
     by_tps = _each_setting_once(sorted(rows, key=lambda r: -r["tokens_per_s"]))
     priced = [r for r in rows if r["cost_per_million_tokens_usd"] is not None]
     by_cost = _each_setting_once(sorted(priced, key=lambda r: r["cost_per_million_tokens_usd"]))
     return {"best_throughput": by_tps[0] if by_tps else None, "runners_up_throughput": by_tps[1:1 + RUNNERS_UP],
             "best_cost": by_cost[0] if by_cost else None, "runners_up_cost": by_cost[1:1 + RUNNERS_UP],
             "tried": len(rows), "refused": sorted(set(refused)), "not_predicted": not_predicted,
-            "least_memory_bytes": least, "headroom": HEADROOM}
+            "least_memory_bytes": least, "headroom": HEADROOM, "checked_before_predicting": checked_first}
 
 
 def _each_setting_once(ranked: list[dict[str, Any]]) -> list[dict[str, Any]]:

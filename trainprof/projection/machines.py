@@ -5,6 +5,7 @@ here, a catalog link with NCCL's latency model, and a GPU host's time per operat
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from trainprof.hardware import Catalog, Target, bf16_gemm_basis
@@ -104,6 +105,23 @@ def catalog_link(catalog: Catalog, target: Target, world: int, gpus_per_node: in
                                                                   nodes=nodes, source=base_src), described=described)
 
 
+def missing_link(catalog: Catalog, target: Target, world: int, gpus_per_node: int) -> str | None:
+    """Why a target's collectives cannot be priced, naming the catalog key to add; None where its links are
+    there (or one GPU needs none)."""
+    if world <= 1:
+        return None
+    gpu = catalog.accelerator_key(target) or target.key
+    links = ", ".join(sorted(catalog.links))
+    if target.intra_node_link is None:
+        where = f"nodes.{target.key}" if target.gpus_per_node else f"accelerators.{gpu}"
+        return (f"{target.key} has no link between its GPUs in the catalog: add intra_node_link: KEY under {where} "
+                f"(--catalog FILE; links: {links}), or project one GPU (--gpus-per-node 1)")
+    if world > gpus_per_node and target.inter_node_link is None:
+        return (f"{target.key} has no link between nodes in the catalog: add inter_node_link: KEY under "
+                f"nodes.{target.key} or default_inter_node_link (links: {links})")
+    return None
+
+
 # a ring step's latency classes (collective_latency), fastest first; an unknown one counts as a network's
 LATENCY_ORDER = {"nvlink": 0, "pcie": 1, "net": 2}
 
@@ -192,3 +210,18 @@ def _per_phase(ref: dict[str, dict]) -> tuple[dict[str, float], str]:
     if "forward" in values:
         values["recompute"] = values["forward"]
     return values, "; ".join(f"{ph} {fig['source']}" for ph, fig in ref.items())
+
+
+def host_pace(values: dict[str, float], basis: dict[str, str], reference: dict[str, float], reference_source: str,
+              stand_in: str | None, phase: str = "forward") -> dict[str, Any]:
+    """Whose host a GPU prediction's operator calls run at, per phase (`basis`: "own", a host-bound phase of the
+    source measured; "ceiling", a device-bound one's bound on the source's own GPU kind; "reference", the
+    catalog's mean over its reference hosts; "paced", the reference for another host path at the source host's
+    pace), with `phase`'s figures for the row's one-line summary: the µs per call, the reference's and the
+    reference hosts' own (read from the catalog figure's source)."""
+    segment = re.search(rf"{phase} [^()]*\(profiles/([^)]*)\)", reference_source)
+    hosts = [float(x) for x in re.findall(r":\s*([0-9.]+)", segment.group(1))] if segment else []
+    return {"phase": phase, "basis": basis.get(phase), "us_per_call": values.get(phase),
+            "reference_us_per_call": reference.get(phase), "reference_hosts_us": hosts,
+            "stand_in": stand_in is not None,
+            "by_phase": {ph: {"basis": basis[ph], "us_per_call": values[ph]} for ph in values if ph in basis}}

@@ -30,6 +30,8 @@ def load_prices(file: str | Path | None = None, cli: list[str] | None = None) ->
         for key, entry in ((data or {}).get("prices") or {}).items():
             if not isinstance(entry, dict) or entry.get("usd_per_gpu_hour") is None:
                 raise CatalogError(f"price file '{file}': prices.{key} needs usd_per_gpu_hour")
+            if float(entry["usd_per_gpu_hour"]) <= 0:
+                raise CatalogError(f"price file '{file}': prices.{key}.usd_per_gpu_hour must be > 0")
             if not entry.get("source") or not entry.get("date"):
                 raise CatalogError(f"price file '{file}': prices.{key} needs a source and a date (prices are never "
                                    "taken without them)")
@@ -42,8 +44,11 @@ def load_prices(file: str | Path | None = None, cli: list[str] | None = None) ->
             usd = float(value)
         except ValueError:
             usd = -1.0
-        if not sep or not name or usd <= 0:
+        if not sep or not name or not value.strip():
             raise CatalogError(f"--price '{item}': write NAME=USD_PER_GPU_HOUR, e.g. --price h100-sxm=2.99,rtx4090=0.69")
+        if usd <= 0:
+            raise CatalogError(f"--price '{item}': the price must be a number > 0 (USD per GPU-hour), e.g. "
+                               f"--price {name}=2.99")
         prices[name] = {"usd_per_gpu_hour": usd, "source": COMMAND_LINE,
                         "date": dt.date.today().isoformat()}
     return prices
@@ -61,6 +66,9 @@ def check_prices_name_targets(prices: dict[str, dict[str, Any]], targets: list[s
         if entry["source"] == COMMAND_LINE and name not in names:
             raise CatalogError(f"--price '{name}': not a --to target nor a target's GPU; price one of "
                                f"{', '.join(dict.fromkeys(n for n in names if n))} (per GPU-hour)")
+        if name not in (*catalog.names(), THIS):  # a file may price more targets than one call has, but real ones
+            raise CatalogError(f"price file: prices.{name} is not in the catalog ({', '.join(catalog.files)}), so no "
+                               f"target takes it: name a catalog entry (trainprof hardware) or add it with --catalog")
 
 
 def price_for(prices: dict[str, dict[str, Any]], machine: str, gpu: str | None) -> dict[str, Any] | None:

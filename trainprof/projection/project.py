@@ -51,7 +51,8 @@ def project(run_dir: str | Path, *, targets: list[str] | None = None, nodes: lis
 
     source, target_recipe = load_source(run_dir, overrides)
     catalog = load_catalog(catalog_file)
-    jobs = _jobs(catalog, source, targets or [THIS], nodes, gpus_per_node, nproc)
+    targets = list(dict.fromkeys(targets or [THIS]))  # a target named twice is one set of rows
+    jobs = _jobs(catalog, source, targets, nodes, gpus_per_node, nproc)
     if probe and any(machine == THIS for machine, _ in jobs) and same_machine_as_source(source):
         from trainprof.projection.probes import warm_up
 
@@ -66,9 +67,25 @@ def project(run_dir: str | Path, *, targets: list[str] | None = None, nodes: lis
         scaling_efficiency(projector, target_recipe, predictions, gpus_per_node, threads)
     order_by_value(predictions)
     return {"projection_version": PROJECTION_VERSION, "source": source_block(source), "tokens": tokens,
-            "catalog": catalog.files, "validation": _validation_block(projector.validation),
+            "warnings": node_size_warnings(catalog, targets, gpus_per_node), "catalog": catalog.files, "validation": _validation_block(projector.validation),
             "method": __import__("trainprof.projection.stepmodel", fromlist=["x"]).__doc__.strip(),
             "predictions": predictions}
+
+
+def node_size_warnings(catalog: Catalog, targets: list[str], gpus_per_node: int) -> list[str]:
+    """One line per GPU target given more GPUs a node than any of the catalog's node templates for it holds (the
+    links assumed are then a node the catalog does not describe)."""
+    out = []
+    for t in targets:
+        if t == THIS or catalog.resolve(t).gpus_per_node:
+            continue
+        gpu = catalog.accelerator_key(catalog.resolve(t))
+        templates = {k: int(v["gpus_per_node"]) for k, v in catalog.nodes.items() if v["accelerator"] == gpu}
+        if templates and gpus_per_node > max(templates.values()):
+            out.append(f"warning: --gpus-per-node {gpus_per_node} on {t}: the catalog's node templates for it hold "
+                       f"at most {max(templates.values())} ({', '.join(f'{k}: {n}' for k, n in templates.items())}); "
+                       f"its rows assume one node of {gpus_per_node} on its intra-node link")
+    return out
 
 
 def _jobs(catalog: Catalog, source: Source, targets: list[str], nodes: list[int] | None, gpus_per_node: int,
@@ -89,6 +106,8 @@ def source_block(source: Source) -> dict[str, Any]:
             "device_type": m.device_type, "timer": source.profile["env"]["timer"], "step_ms": m.step_ms, "phases_ms": m.phases_ms,
             "unattributed_ms": m.unattributed_ms, "tokens_per_s": source.profile["summary"].get("tokens_per_s"),
             "peak_memory_bytes": m.peak_memory_bytes, "calibration": source.calibration is not None,
+            "mfu": source.profile["summary"].get("mfu"),
+            "measured_over_analytic": source.profile["summary"].get("measured_over_analytic"),
             "busy_frac": m.busy_frac(), "recipe": source.recipe.to_dict(), "recipe_origin": source.recipe_origin,
             "unknown": source.unknown}
 
@@ -244,7 +263,8 @@ def best(run_dir: str | Path, *, targets: list[str] | None = None, nodes: list[i
     bar = tqdm(desc="best", unit="prediction", disable=not progress, mininterval=progress_interval())
     with Projector(source, catalog, prices=prices, validation=load_validation(), probe=probe) as projector, bar:
         results = []
-        for machine, world in _jobs(catalog, source, targets or [THIS], nodes, gpus_per_node, nproc):
+        for machine, world in _jobs(catalog, source, list(dict.fromkeys(targets or [THIS])), nodes, gpus_per_node,
+                                    nproc):
             same = machine == THIS
             if same and target_recipe.train.memory_cap_gb is None:
                 raise ProjectionError("--best on this machine needs a memory capacity: set train.memory_cap_gb=GB")
@@ -262,12 +282,22 @@ def best(run_dir: str | Path, *, targets: list[str] | None = None, nodes: list[i
                 bar.update()
                 return pred
 
+            def planned(extra: list[str], machine: str = machine, world: int = world) -> int | None:
+                try:
+                    recipe = with_overrides(source, [*(overrides or []), *extra])
+                except Exception:  # noqa: BLE001  refused: predict() lists it
+                    return None
+                return projector.memory_per_rank(recipe, machine=machine, world=world)
+
             capacity_bytes = capacity * 2**30 if capacity else None  # a cap's GB and a GPU's are binary
             dtype_given = any(override_key(o) == "model.dtype" for o in overrides or [])
             found = search.search(predict, capacity_bytes, [], search.settings(target_recipe, same_machine=same,
-                                                                                dtype_given=dtype_given))
-            results.append({"hardware": machine, "world_size": world, "capacity_gb": capacity,
-                            "capacity_bytes": capacity_bytes, **found})
+                                                                                dtype_given=dtype_given),
+                                  planned=planned)
+            per_node = world if same else (catalog.resolve(machine).gpus_per_node or gpus_per_node)
+            results.append({"hardware": machine, "world_size": world, "gpus_per_node": min(per_node, world),
+                            "unit": "rank" if counts_ranks(machine, source.measured.device_type) else "GPU",
+                            "capacity_gb": capacity, "capacity_bytes": capacity_bytes, **found})
         return {"projection_version": PROJECTION_VERSION, "source": source_block(source), "best": results,
                 "tokens": tokens, "searched": "micro batch x recomputation" + ("" if targets == [THIS] else
                                                               " x ZeRO stage x offload (x LoRA/QLoRA for finetuning, "

@@ -23,9 +23,11 @@ from trainprof.projection.comm import CommTarget, Link
 from trainprof.projection.compute import EngineProbe, Parts, StepProbe
 from trainprof.projection.gemm import Work
 from trainprof.projection.machines import (by_host_path, catalog_link, gpu_host, gpu_ops_per_layer, host_key,
-                                           machine_from_calibration, machine_from_target, measured_link)
+                                           host_pace, machine_from_calibration, machine_from_target, measured_link,
+                                           missing_link)
 from trainprof.projection.prices import price_for
-from trainprof.projection.source import PROBES_FILE, Source, ensure_calibration, kept_probe, same_machine_as_source
+from trainprof.projection.source import (PROBES_FILE, Source, ensure_calibration, kept_probe, no_calibration,
+                                        same_machine_as_source)
 from trainprof.projection.stepmodel import Change, Inputs, predict_phases, residual_ms
 from trainprof.projection.validation import (CARRIED_SHARE, COMM_BOUND_MARK, COMM_BOUND_SHARE, HOST_BOUND_MARK,
                                              confidence, cpu_to_gpu_task_error)
@@ -91,6 +93,8 @@ class Projector:
         self._resident_failed: str | None = None  # why engine_fixed's probe failed, for the memory note
         self._kept_from: dict[Any, tuple[str, str]] = {}  # probe key -> (what, when timed): read from probes.json
         self._used: list[Any] = []  # the probe keys the prediction under way used
+        self._host_pace: dict[str, Any] | None = None  # the host per call the prediction under way assumed
+        self._fit_advice: dict[str, Any] | None = None  # what a catalog target that does not fit was tried with
         env = source.profile["env"]
         self.source_threads = int(env.get("cpu_threads") or 1)
         import torch
@@ -129,12 +133,18 @@ class Projector:
         t = self._target(target_recipe, machine, world, gpus_per_node, threads)
         reasons: dict[str, str] = {}
         self._refuse(t, reasons)
-        self._used = []
+        self._used, self._host_pace, self._fit_advice = [], None, None
         inputs = self._inputs_here(t, reasons, notes) if t.same_machine else self._inputs_there(t, reasons, notes)
         phases, step_ms, pipeline_block = self._step(t, inputs, reasons, notes)
         notes += [assume("probe_kept", what=what, made_utc=when, file=PROBES_FILE)
                   for what, when in (self._kept_from[k] for k in dict.fromkeys(self._used) if k in self._kept_from)]
         return self._figures(t, phases, step_ms, pipeline_block, notes, reasons, tokens, overrides or [])
+
+    def memory_per_rank(self, target_recipe: Any, *, machine: str = THIS, world: int | None = None) -> int | None:
+        """The memory per rank a prediction would give, without predicting its step (which on the source's machine
+        may probe for minutes): what a search checks first."""
+        hardware = None if machine == THIS else self.catalog.resolve(machine)
+        return self._memory(target_recipe, world or self.source.measured.world_size, hardware, [])[0]
 
     def _target(self, recipe: Any, machine: str, world: int, gpus_per_node: int, threads: int | None) -> TargetRun:
         src, m = self.source, self.source.measured
@@ -290,10 +300,13 @@ class Projector:
         src = self.source
         assert t.hardware is not None
         inputs = Inputs(link=catalog_link(self.catalog, t.hardware, t.world, t.gpus_per_node))
+        missing = missing_link(self.catalog, t.hardware, t.world, t.gpus_per_node)
+        if missing:
+            reasons.setdefault("step_ms", missing)
+            return inputs
         cal = ensure_calibration(src)
         if cal is None:
-            reasons.setdefault("step_ms", "the source run has no calibration.json and was made on another machine; "
-                                          "run `trainprof project` once where the run was made, or copy its calibration")
+            reasons.setdefault("step_ms", no_calibration(src))
             return inputs
         inputs.source_machine = machine_from_calibration(cal, "source", accelerator=self.source_gpu)
         inputs.target_machine, more = machine_from_target(
@@ -328,6 +341,27 @@ class Projector:
         if cpu_source and engine_key(src.recipe) != engine_key(t.recipe):
             notes.append(assume("engine_change_other_machine"))
         return inputs
+
+    def _links(self, t: TargetRun) -> dict[str, Any]:
+        """The links a catalog target's collectives were priced over, as the catalog gives them: inside a node and,
+        across nodes, between them (the catalog's default for a GPU named alone, beside the inter-node link of its
+        node templates), each at its datasheet bandwidth, which the comm model takes as bus bandwidth."""
+        hw = t.hardware
+        assert hw is not None
+        nodes = max(1, math.ceil(t.world / t.gpus_per_node))
+
+        def said(link: Any) -> dict[str, Any] | None:
+            return None if link is None else {"key": link.key, "name": link.name, "gbps_per_direction": link.gbps,
+                                              "source": link.gbps_source}
+
+        gpu = self.catalog.accelerator_key(hw)
+        templates = {key: node.get("inter_node_link") or self.catalog.default_inter_node_link
+                     for key, node in self.catalog.nodes.items() if node["accelerator"] == gpu and key != t.machine}
+        templates = {key: {"key": link, "name": self.catalog.links[link]["name"]} for key, link in templates.items()}
+        return {"intra_node": said(hw.intra_node_link), "inter_node": said(hw.inter_node_link) if nodes > 1 else None,
+                "nodes": nodes, "inter_node_is_default": nodes > 1 and hw.gpus_per_node is None,
+                "node_templates_inter_node": templates,
+                "bandwidth": "datasheet, taken as bus bandwidth (an upper bound)"}
 
     def _optimizer_host(self, t: TargetRun) -> tuple[float, float, str] | None:
         """A DeepSpeed target's optimizer host calls and µs per call on a GPU (catalog gpu_optimizer_host):
@@ -376,20 +410,24 @@ class Projector:
         if stand_in is not None:
             notes.append(assume("host_stand_in", why=stand_in))
         values = dict(ref)
+        basis = {ph: "reference" for ph in ref}  # whose host each phase's µs per call is
         if m.device_type == "cuda":
             from trainprof.projection.hostref import host_us_and_ceiling
 
             own, ceilings = host_us_and_ceiling(self.source.profile)
             src_engine, path_change = self.source.recipe.engine, self._host_path_change(engine, zero_stage)
             src_ref = gpu_host(self.catalog, src_engine.kind, src_engine.zero_stage)[0] if path_change else ref
+            basis.update({ph: "own" for ph in own})
             if own_gpu:  # the source's own host: a device-bound phase's calls took it no longer than the phase
                 capped = {ph: us for ph, us in ceilings.items() if src_ref.get(ph) and us < src_ref[ph]}
                 own.update(capped)
+                basis.update({ph: "ceiling" for ph in capped})
                 if capped:
                     notes.append(assume("host_ceiling", phases=", ".join(f"{ph} {us:.1f}" for ph, us in capped.items())))
             if path_change:  # the target's calls at this host's pace (own / reference)
                 pace = {ph: us / src_ref[ph] for ph, us in own.items() if src_ref.get(ph)}
                 own = {ph: values[ph] * f for ph, f in pace.items() if ph in values}
+                basis.update({ph: "paced" for ph in own})
                 if own:
                     notes.append(assume("host_engine_change", pace=", ".join(f"{ph} x{f:.2f}" for ph, f in pace.items()),
                                         source_engine=host_key(src_engine.kind, src_engine.zero_stage),
@@ -397,10 +435,12 @@ class Projector:
             values.update(own)
             if "forward" in own:
                 values["recompute"] = own["forward"]
+                basis["recompute"] = basis["forward"]
             busy = m.busy_frac()
             if busy is not None and busy < HOST_BOUND_BUSY:
                 notes.append(assume("host_bound_source", busy_frac=busy))
             ref_source = "the source's own host where a phase was host-bound; else " + ref_source
+        self._host_pace = host_pace(values, basis, ref, ref_source, stand_in)
         if m.ops:
             notes.append(assume("host_time", ops_per_step=sum(o.calls for o in m.ops.values()),
                                 us_per_op=values.get("forward") or 0.0, us_source=ref_source))
@@ -470,7 +510,9 @@ class Projector:
         comm = (phases or {}).get("comm_exposed") or 0.0
         if step_ms and comm > COMM_BOUND_SHARE * step_ms:  # what bounds the row, where the reader looks
             notes.append(assume("comm_bound", share=comm / step_ms, ms=comm))
-            marks.append(f"{COMM_BOUND_MARK} ({comm / step_ms:.0%} of the step)")
+            # a catalog link's figure is its datasheet bandwidth, taken as bus bandwidth: the comm is at least this
+            upper = "; its links at datasheet bandwidth, an upper bound" if t.hardware is not None else ""
+            marks.append(f"{COMM_BOUND_MARK} ({comm / step_ms:.0%} of the step{upper})")
         elif "host_bound_target" in noted:
             marks.append(HOST_BOUND_MARK)
         carried = sum((phases or {}).get(ph) or 0.0 for ph in ("other", "data_wait"))
@@ -509,18 +551,23 @@ class Projector:
         }
         if fit_note:
             pred["fit_suggestion"] = fit_note
+        elif fits is False and t.hardware is not None and self._fit_advice:  # what was tried, and whether more GPUs help
+            pred["fit_advice"] = self._fit_advice
         if t.hardware is not None:  # offload's host side: the catalog describes no node's host memory to fit it in
             pred["host_memory_per_rank_bytes"] = _host_bytes(r, t.world)
         if block is not None:
             pred["pipeline"] = block
+        if self._host_pace is not None:  # whose host the row's operator calls run at: it orders host-bound rows
+            pred["host_pace"] = self._host_pace
+        if t.hardware is not None and t.world > 1:
+            pred["links"] = self._links(t)
         self._mfu(t, pred, reasons)
         if fits is False and tps:  # a run of these settings cannot start: no time nor cost to train with them
             reasons["time_to_train_s"] = reasons["cost_per_million_tokens_usd"] = (
                 "does not fit the target's memory (plan): no time nor cost to train with these settings")
         else:
             self._cost(t, pred, reasons)
-        if reasons:
-            pred["reasons"] = reasons
+        pred["reasons"] = reasons  # always written (empty where every figure is predicted): a fixed field
         return pred
 
     def _mfu(self, t: TargetRun, pred: dict[str, Any], reasons: dict[str, str]) -> None:
@@ -570,19 +617,28 @@ class Projector:
             return memory, self._fits_here(recipe, world, memory), None
         planned = _plan_bytes(recipe, world)
         capacity = target.memory_bytes()
+        self._fit_advice = None
         if capacity is None:
             return planned, None, None
         if planned <= capacity:
             return planned, True, None
         deepspeed = [] if recipe.engine.kind == "deepspeed" else ["engine.kind=deepspeed"]
+        tried, refused, least = [], {}, (planned, [], recipe)
         for extra in FIT_SUGGESTIONS:  # the target recipe (the run's, with the user's overrides) plus these
             extra = [*deepspeed, *extra] if any(e.startswith("engine.") for e in extra) else extra
             try:
                 candidate = with_overrides(src, [*overrides, *extra])
-            except Exception:  # noqa: BLE001  a suggestion the recipe rules refuse is skipped
+            except Exception as err:  # noqa: BLE001  a suggestion the recipe rules refuse is skipped, and said
+                refused[" ".join(extra)] = str(err).splitlines()[0]
                 continue
-            if _plan_bytes(candidate, world) <= capacity:
+            nbytes = _plan_bytes(candidate, world)
+            if nbytes <= capacity:
                 return planned, False, extra
+            tried.append({"overrides": extra, "bytes": nbytes})
+            if nbytes < least[0]:
+                least = (nbytes, extra, candidate)
+        self._fit_advice = {"tried": tried, "refused": refused, "least": {"overrides": least[1], "bytes": least[0]},
+                            "capacity_bytes": capacity, "more_gpus": _more_gpus(least[2], world, capacity)}
         return planned, False, None
 
     def _fits_here(self, recipe: Any, world: int, memory: int) -> bool | None:
@@ -846,6 +902,22 @@ def _plan_bytes(recipe: Any, world: int, key: str = "gpu_total_per_rank") -> int
     if plan.get("pipeline"):  # per stage: the fullest stage is the one that must fit
         return max(st["gpu_total_bytes"] for st in plan["pipeline"]["stages"])
     return int(plan[key]["value"])
+
+
+MOST_GPUS = 4096  # the largest world the fit advice tries before saying more GPUs do not help
+
+
+def _more_gpus(recipe: Any, world: int, capacity: float) -> dict[str, Any]:
+    """Whether more GPUs bring the plan per GPU under `capacity`: the fewest (doubling from `world`, up to
+    MOST_GPUS) that do, or none, with the plan there (a replicated part, such as a QLoRA 4-bit base, does not
+    shrink with the world)."""
+    w = world
+    while w < MOST_GPUS:
+        w *= 2
+        nbytes = _plan_bytes(recipe, w)
+        if nbytes <= capacity:
+            return {"gpus": w, "bytes": nbytes}
+    return {"gpus": None, "bytes": _plan_bytes(recipe, w), "tried_up_to": w}
 
 
 def _host_bytes(recipe: Any, world: int) -> int | None:

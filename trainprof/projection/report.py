@@ -21,11 +21,38 @@ GIB = 2**30
 
 
 def _fmt_bytes(x: Any) -> str:
-    return "n/a" if x is None else f"{x / GIB:,.2f}"
+    """GiB with two decimals, and two significant digits below 0.01 (a 0.001 GiB cap is not 0.00)."""
+    if x is None:
+        return "n/a"
+    gib = x / GIB
+    return f"{gib:.2g}" if 0 < gib < 0.01 else f"{gib:,.2f}"
 
 
 def _fmt_bool(x: Any) -> str:
     return "n/a" if x is None else ("yes" if x else "no")
+
+
+# a column of times to train takes one unit, chosen from its values: (name, seconds, up to this many seconds)
+DURATION_UNITS = (("s", 1, 120), ("min", 60, 2 * 3600), ("h", 3600, 2 * 86400), ("days", 86400, 2 * 365.25 * 86400),
+                  ("years", 365.25 * 86400, float("inf")))
+
+
+def duration_unit(values: list[Any]) -> tuple[str, float]:
+    """The unit one column of durations is written in: the one that suits the median of its values."""
+    known = sorted(v for v in values if v is not None)
+    median = known[len(known) // 2] if known else 3600
+    name, per, _ = next(u for u in DURATION_UNITS if median < u[2])
+    return name, per
+
+
+def fmt_in(per: float) -> Callable[[Any], str]:
+    """Durations (s) in a unit of `per` seconds, three significant figures at most, thousands separated."""
+    def fmt(seconds: Any) -> str:
+        if seconds is None:
+            return "n/a"
+        v = seconds / per
+        return f"{v:,.0f}" if v >= 100 else f"{v:.1f}" if v >= 1 else f"{v:.2g}"
+    return fmt
 
 
 def fmt_duration(seconds: Any) -> str:
@@ -65,16 +92,18 @@ def columns(result: dict[str, Any]) -> list[Column]:
         Column("overrides_text", "recipe changes", fmt_text),
         Column("step_ms", "step ms", fmt_num(1)),
         Column("confidence_text", "confidence", fmt_text),
+        Column("host_text", "host assumed (µs a forward op call)", fmt_text),
         Column("tokens_per_s", f"tokens/s (all {unit})", fmt_num(0)),
         Column("mfu", "MFU", fmt_pct),
-        Column("scaling_efficiency", "scaling eff.", fmt_pct),
+        Column("scaling_text", "scaling eff.", fmt_text),
         Column("scaling_base_gpus", f"vs {unit}", fmt_text),
         Column("memory_per_rank_bytes", f"memory/{one} GiB", _fmt_bytes),
         Column("fits", "fits", _fmt_bool),
         Column("cost_per_million_tokens_usd", "$ / M tokens", fmt_num(3)),
     ]
     if result.get("tokens"):
-        cols.append(Column("time_to_train_s", f"time to train {result['tokens']:.3g} tokens", fmt_duration))
+        name, per = duration_unit([p.get("time_to_train_s") for p in preds])
+        cols.append(Column("time_to_train_s", f"time to train {result['tokens']:.3g} tokens ({name})", fmt_in(per)))
         if any(p.get("cost_to_train_usd") is not None for p in preds):
             cols.append(Column("cost_to_train_usd", "total cost", _fmt_usd))
     return cols
@@ -86,8 +115,99 @@ def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
         row = dict(p)
         row["overrides_text"] = " ".join(p["overrides"]) or "none"
         row["gpus_text"] = f"{p['world_size']} ({p['nodes']} x {p['gpus_per_node']})" if p["nodes"] > 1 else str(p["world_size"])
+        row["host_text"] = host_pace_text(p.get("host_pace"), short=True)
+        row["scaling_text"] = scaling_text(p)
         out.append(row)
     return out
+
+
+def scaling_text(p: dict[str, Any]) -> str:
+    """The scaling-efficiency cell: the percentage, or n/a with its reason in a few words (the whole reason is
+    under the table)."""
+    if p.get("scaling_efficiency") is not None:
+        return fmt_pct(p["scaling_efficiency"])
+    why = (p.get("reasons") or {}).get("scaling_efficiency") or ""
+    if why.startswith("one "):
+        return "n/a (the baseline)"
+    if "do not fit" in why:
+        return "n/a (fewer do not fit)"
+    return "n/a"
+
+
+HOST_BASIS = {"own": "this run's {us:.1f}", "ceiling": "this run's, at most {us:.1f}",
+              "reference": "reference {us:.1f}", "paced": "{us:.1f}: reference {ref:.1f} at this run's host pace"}
+
+
+def host_pace_text(pace: dict[str, Any] | None, *, short: bool = False) -> str:
+    """The host a GPU row's operator calls run at (projector's `host_pace`): e.g. "this run's, at most 33.1
+    µs/call" or "reference 38.1 µs/call (2 hosts, 27.7-48.5)"; "" where the row models no host (a CPU row,
+    or the source's own machine, whose phases are as measured). `short`: without the "host: " lead."""
+    if not pace or pace.get("us_per_call") is None:
+        return ""
+    text = HOST_BASIS.get(pace["basis"], "{us:.1f}").format(us=pace["us_per_call"],
+                                                              ref=pace.get("reference_us_per_call") or 0.0) + " µs/call"
+    hosts = pace.get("reference_hosts_us") or []
+    if pace["basis"] == "reference" and hosts:
+        text += (f" ({len(hosts)} hosts, {min(hosts):.1f}-{max(hosts):.1f})" if len(hosts) > 1 else " (1 host)")
+    if pace.get("stand_in") and pace["basis"] in ("reference", "paced"):
+        text += ", another engine's standing in"
+    return text if short else f"host: {text}"
+
+
+def _host_key(pace: dict[str, Any]) -> tuple:
+    return tuple(sorted((ph, v["basis"], round(v["us_per_call"], 1)) for ph, v in (pace.get("by_phase") or {}).items()))
+
+
+def host_order_note(items: list[tuple[str, dict[str, Any] | None, bool, float | None]]) -> str | None:
+    """Where GPU rows assume different hosts and one of them is predicted host-bound, the note that their order
+    follows the host assumed, not the GPU. `items`: (row label, host_pace, host-bound, device ms a step or None)."""
+    paced = [(label, pace, bound, dev) for label, pace, bound, dev in items if pace and pace.get("us_per_call")]
+    groups: dict[tuple, list[str]] = {}
+    for label, pace, _, _ in paced:
+        groups.setdefault(_host_key(pace), []).append(label)
+    if len(groups) < 2 or not any(bound for _, _, bound, _ in paced):
+        return None
+    said = {_host_key(pace): host_pace_text(pace, short=True) for _, pace, _, _ in paced}
+    which = "; ".join(f"{', '.join(labels)}: {said[key]}" for key, labels in groups.items())
+    device = [f"{label} {dev:,.1f}" for label, _, bound, dev in paced if bound and dev is not None]
+    return ("host: these rows assume different hosts (a forward op call: " + which + "), and host-bound rows wait "
+            "for theirs, so their order follows the host assumed, not the GPU. A GPU run's own GPU kind keeps its "
+            "host's pace (at most what its device-bound phases left), another kind takes the catalog's reference "
+            "host (gpu_host_us_per_op)" + (f"; the GPUs' own work a step (forward, backward, recompute, ms): "
+                                          f"{', '.join(device)}" if device else ""))
+
+
+def _device_ms(p: dict[str, Any]) -> float | None:
+    bound = next((a["values"] for a in p.get("assumptions") or [] if a["kind"] == "host_bound_target"), None)
+    return bound["device_ms"] if bound else None
+
+
+def link_notes(preds: list[dict[str, Any]]) -> list[str]:
+    """The links each catalog target's collectives were priced over (intra- and inter-node), once per distinct
+    set, and that their datasheet bandwidth is taken as bus bandwidth: an upper bound, so comm is a lower bound."""
+    said: dict[str, list[str]] = {}
+    for p in preds:
+        links = p.get("links")
+        if not links or not links.get("intra_node"):
+            continue
+        intra = links["intra_node"]
+        text = f"inside a node {intra['name']}, {intra['gbps_per_direction']:g} GB/s per direction per GPU"
+        inter = links.get("inter_node")
+        if inter:
+            text += f"; between nodes {inter['name']}, {inter['gbps_per_direction']:g} GB/s"
+            if links.get("inter_node_is_default"):
+                others = {k: v for k, v in (links.get("node_templates_inter_node") or {}).items()
+                          if v["key"] != inter["key"]}
+                text += (" (the catalog's default_inter_node_link for a GPU named alone" + (
+                    f"; its node template{'s' * (len(others) > 1)} "
+                    + ", ".join(f"{k} use{'s' * (len(others) == 1)} {v['name']}" for k, v in others.items())
+                    + ": --to that template for its network" if others else "") + ")")
+        said.setdefault(text, []).append(f"{p['hardware']} x {p['world_size']}")
+    if not said:
+        return []
+    per_rows = "; ".join(", ".join(rows) + ": " + text for text, rows in said.items())
+    return ["links assumed, at their datasheet bandwidth taken as bus bandwidth (an upper bound: the comm times are "
+            f"a lower bound): {per_rows}"]
 
 
 def notes(result: dict[str, Any]) -> list[str]:
@@ -124,7 +244,12 @@ def notes(result: dict[str, Any]) -> list[str]:
         given = "" if price["priced_as"] == hardware else f"given for its GPU {price['priced_as']}; "
         out.append(f"price of {hardware}: ${price['usd_per_gpu_hour']:g} per GPU-hour ({given}{price['source']}, "
                    f"{price['date']})")
-    for p in result["predictions"]:
+    out += [*result.get("warnings", []), *_source_notes(result)]
+    preds = result["predictions"]
+    host = host_order_note([(f"{p['hardware']} x {p['world_size']}", p.get("host_pace"),
+                             HOST_BOUND_MARK in (p.get("confidence_text") or ""), _device_ms(p)) for p in preds])
+    out += ([host] if host else []) + link_notes(preds)
+    for p in preds:
         if p.get("fit_suggestion"):
             out.append(f"{p['hardware']} x {p['world_size']}: does not fit; would fit with "
                        f"{' '.join(p['fit_suggestion'])} (plan)")
@@ -133,8 +258,10 @@ def notes(result: dict[str, Any]) -> list[str]:
                        "GiB a rank predicted, over train.memory_cap_gb or, without it, the GPU's memory)")
         elif p.get("fits") is False:
             out.append(f"{p['hardware']} x {p['world_size']}: does not fit ({_fmt_bytes(p['memory_per_rank_bytes'])} "
-                       "GiB a GPU, plan), nor with ZeRO-3, recomputation and offload of the optimizer and parameters "
-                       "at micro batch 1: more GPUs or a smaller model")
+                       f"GiB a GPU, plan){_fit_advice_text(p.get('fit_advice'))}")
+        why_scaling = (p.get("reasons") or {}).get("scaling_efficiency")
+        if why_scaling and p.get("tokens_per_s") and p["world_size"] > 1:
+            out.append(f"{p['hardware']} x {p['world_size']}: scaling eff. n/a: {why_scaling}")
         host = p.get("host_memory_per_rank_bytes")
         if host:
             per_node = f" ({_fmt_bytes(host * p['gpus_per_node'])} GiB a node of {p['gpus_per_node']})" \
@@ -146,6 +273,51 @@ def notes(result: dict[str, Any]) -> list[str]:
         if why:
             out.append(f"{p['hardware']} x {p['world_size']}: step not predicted: {why}")
     return out
+
+
+def _fit_advice_text(advice: dict[str, Any] | None) -> str:
+    """What a target that does not fit was tried with (only settings the recipe rules accept), what they refuse,
+    and whether more GPUs bring it under the capacity (they do not where a part is replicated on every GPU)."""
+    if not advice:
+        return ": a GPU with more memory or a smaller model"
+    tried = ", ".join(f"{' '.join(t['overrides'])} ({_fmt_bytes(t['bytes'])})" for t in advice["tried"])
+    text = f", nor with {tried}" if tried else ""
+    if advice.get("refused"):
+        reasons = dict.fromkeys(advice["refused"].values())
+        text += f" (the recipe rules refuse the other settings tried: {'; '.join(reasons)})"
+    more, cap = advice["more_gpus"], advice["capacity_bytes"]
+    least = advice["least"]
+    setting = f" with {' '.join(least['overrides'])}" if least["overrides"] else ""
+    if more.get("gpus"):
+        return (f"{text}: more GPUs ({_fmt_bytes(more['bytes'])} GiB a GPU at {more['gpus']:,}{setting}) or a "
+                "smaller model")
+    return (f"{text}; more GPUs do not bring it under {_fmt_bytes(cap)} GiB ({_fmt_bytes(more['bytes'])} GiB a GPU "
+            f"at {more['tried_up_to']:,}{setting}: what is not partitioned stays on every GPU): a GPU with more "
+            "memory or a smaller model")
+
+
+def _source_notes(result: dict[str, Any]) -> list[str]:
+    """What of the source carries into the rows: from a CPU run to a GPU, not its measured step; and where an
+    as-measured row's MFU differs from the run's own (the FLOP convention)."""
+    src, preds, out = result["source"], result["predictions"], []
+    if src.get("device_type") == "cpu" and any(p.get("host_pace") for p in preds):
+        out.append(cpu_to_gpu_note(src))
+    summary_mfu = src.get("mfu")
+    for p in preds:
+        if p.get("change_kinds") == ["none"] and p.get("mfu") and summary_mfu and abs(p["mfu"] - summary_mfu) >= 5e-4:
+            out.append(f"{p['hardware']} x {p['world_size']} (as measured): MFU {p['mfu']:.1%} by PaLM's formula "
+                       f"(every row's convention); the run's own summary says {summary_mfu:.1%}, from the FLOPs it "
+                       f"counted (measured / analytic {src.get('measured_over_analytic') or 0:.3f}), on the same step")
+    return out
+
+
+def cpu_to_gpu_note(src: dict[str, Any]) -> str:
+    """What a CPU source's GPU rows take from it (stepmodel / compute.rerated_phase): not its step time."""
+    return ("from a CPU run to a GPU: the rows carry over the run's recipe and shapes, the operator calls it issued "
+            "outside the decoder layers (the layers' are the GPU reference runs'), and its time outside the phases and "
+            "its data wait, as measured; each GPU step is derived from the target's catalog rates for the model's "
+            "GEMMs and memory traffic and a GPU reference host's time per call, not scaled from the measured CPU step "
+            f"({src['step_ms']:,.1f} ms), which moves it only through those carried parts")
 
 
 def label(targets: list[str], overrides: list[str]) -> str:
@@ -179,10 +351,10 @@ def write_projection(result: dict[str, Any], out_dir: Path, *, title: str, comma
     image = None
     if any(p["tokens_per_s"] for p in result["predictions"]):
         image = plot_projection(result, out_dir / "projection.png").name
-    numbers = ["world_size", "nodes", "gpus_per_node", "expected_error_pct", "expected_max_error_pct"]
+    numbers = ["world_size", "nodes", "gpus_per_node", "expected_error_pct", "expected_max_error_pct",
+               "scaling_efficiency"]
     paths = write_tables(out_dir / "projection", table_rows, cols, title=title,
-                         intro=["Predicted from one measured run; every figure is a prediction with its confidence, "
-                                "not a measurement.", f"Command: `{command}`"], notes=doc["notes"], image=image,
+                         intro=[_intro(result), f"Command: `{command}`"], notes=doc["notes"], image=image,
                          csv=([c.key for c in cols] + numbers, table_rows))
     return [out_dir / "projection.json", *paths]
 
@@ -212,6 +384,24 @@ def plot_projection(result: dict[str, Any], path: Path) -> Path:
     return save_figure(fig, path, rect)
 
 
+def _cpu_to_gpu(result: dict[str, Any]) -> bool:
+    return result["source"].get("device_type") == "cpu" and any(p.get("host_pace") for p in result["predictions"])
+
+
+def _measured(result: dict[str, Any]) -> str:
+    """The header's word on the source's step: a CPU run's is not what its GPU rows scale."""
+    step = f"measured step {result['source']['step_ms']:.1f} ms"
+    return f"{step} on its CPU; the GPU rows are derived, not scaled from it" if _cpu_to_gpu(result) else step
+
+
+def _intro(result: dict[str, Any]) -> str:
+    if _cpu_to_gpu(result):
+        return ("Predicted from one measured CPU run: the GPU rows take its recipe, shapes and operator counts, not its "
+                "step time (the notes say what carries over); every figure is a prediction with its confidence, not a "
+                "measurement.")
+    return "Predicted from one measured run; every figure is a prediction with its confidence, not a measurement."
+
+
 def render_short(result: dict[str, Any]) -> str:
     """The table printed on stdout: the same columns as the files."""
     cols = columns(result)
@@ -219,10 +409,10 @@ def render_short(result: dict[str, Any]) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     src = result["source"]
-    head = (f"trainprof project: from {src['run_dir']} ({src['device']} x {src['world_size']}, "
-            f"measured step {src['step_ms']:.1f} ms)")
-    tail = [f"  {n}" for n in notes(result)[1:]
-            if ": step not predicted:" in n or "does not fit" in n or "of host memory a GPU" in n]
+    head = f"trainprof project: from {src['run_dir']} ({src['device']} x {src['world_size']}, {_measured(result)})"
+    said = (": step not predicted:", "does not fit", "of host memory a GPU", "scaling eff. n/a:", "host: these rows",
+            "links assumed", "(as measured): MFU", "from a CPU run to a GPU", "warning:")
+    tail = [f"  {n}" for n in notes(result)[1:] if any(x in n for x in said)]
     for p in result["predictions"]:
         if p.get("above_linear"):
             tail.append(f"  scaling eff. {p['scaling_efficiency']:.1%} on {p['hardware']} x {p['world_size']} against "
@@ -238,6 +428,16 @@ def _setting(row: dict[str, Any] | None) -> str:
     return "n/a" if row is None else f"{row['setting']} train.micro_batch_size={row['micro_batch']}"
 
 
+def _host_memory(row: dict[str, Any], b: dict[str, Any]) -> str:
+    """An offload setting's host memory, a GPU and a node (trainprof plan): 'fits' counts GPU memory only."""
+    host = row.get("host_memory_per_rank_bytes")
+    if not host:
+        return ""
+    per_node = b.get("gpus_per_node") or 1
+    node = f", {_fmt_bytes(host * per_node)} GiB a node of {per_node}" if per_node > 1 else ""
+    return f"; host memory {_fmt_bytes(host)} GiB a {b.get('unit', 'GPU')}{node}, plan"
+
+
 def _none_found(b: dict[str, Any]) -> str:
     """Why a target's search found no setting to rank: what fits is not predicted, nothing fits (by how
     much), or the recipe rules refused every setting."""
@@ -245,11 +445,11 @@ def _none_found(b: dict[str, Any]) -> str:
     if unpredicted:
         first = unpredicted[0]
         return (f"n/a: only settings whose step is not predicted fit, e.g. {_setting(first)} "
-                f"({_fmt_bytes(first['memory_per_rank_bytes'])} GiB; reasons in the notes)")
+                f"({_fmt_bytes(first['memory_per_rank_bytes'])} GiB{_host_memory(first, b)}; reasons in the notes)")
     least, capacity = b.get("least_memory_bytes"), b.get("capacity_bytes")
     if least is not None and capacity:
-        return (f"n/a: nothing fits: the smallest setting plans {_fmt_bytes(least)} GiB a GPU, over "
-                f"{int(100 * b['headroom'])}% of {_fmt_bytes(capacity)} GiB")
+        return (f"n/a: nothing fits: the smallest setting plans {_fmt_bytes(least)} GiB a {b.get('unit', 'GPU')}, "
+                f"over {int(100 * b['headroom'])}% of {_fmt_bytes(capacity)} GiB")
     if b.get("refused") and not b["tried"]:
         return "n/a: the recipe rules refuse every setting (notes)"
     return "n/a"
@@ -264,16 +464,24 @@ def best_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
             "time_to_train_s": top and top["time_to_train_s"],
             "cost_to_train_usd": cheap and cheap["cost_to_train_usd"],
             "hardware": b["hardware"], "world_size": b["world_size"],
-            "throughput_setting": _setting(top) if top else none_found, "tokens_per_s": top and top["tokens_per_s"],
+            "throughput_setting": _setting(top) + _host_memory(top, b) if top else none_found,
+            "tokens_per_s": top and top["tokens_per_s"],
             "memory_per_rank_bytes": top and top["memory_per_rank_bytes"],
-            "confidence_text": top and top["confidence_text"],
-            "cost_setting": (_setting(cheap) if cheap else "n/a" if not top  # the reason is the throughput cell's
-                             else "n/a (no price: --price NAME=USD_PER_GPU_HOUR)"),
+            "confidence_text": top and _with_host(top),
+            "cost_setting": (_setting(cheap) + _host_memory(cheap, b) if cheap else "n/a" if not top  # the reason
+                             else "n/a (no price: --price NAME=USD_PER_GPU_HOUR)"),            # is the cell's above
             "cost_per_million_tokens_usd": cheap and cheap["cost_per_million_tokens_usd"],
-            "cost_confidence_text": cheap and cheap["confidence_text"],
-            "runners_up": "; ".join(f"{_setting(r)}: {r['tokens_per_s']:,.0f} tokens/s" for r in b["runners_up_throughput"]),
+            "cost_confidence_text": cheap and _with_host(cheap),
+            "runners_up": "; ".join(f"{_setting(r)}{_host_memory(r, b)}: {r['tokens_per_s']:,.0f} tokens/s"
+                                    for r in b["runners_up_throughput"]),
             "tried": b["tried"]})
     return out
+
+
+def _with_host(row: dict[str, Any]) -> str:
+    """A search row's confidence with the host it assumes (which orders host-bound rows)."""
+    host = host_pace_text(row.get("host_pace"))
+    return "; ".join(x for x in (row.get("confidence_text"), host) if x)
 
 
 BEST_COLUMNS = [
@@ -293,14 +501,16 @@ def best_columns(result: dict[str, Any]) -> list[Column]:
     tokens = result.get("tokens")
     if not tokens:
         return BEST_COLUMNS
-    extra = [Column("time_to_train_s", f"most tokens/s: time to train {tokens:.3g} tokens", fmt_duration)]
+    name, per = duration_unit([(b["best_throughput"] or {}).get("time_to_train_s") for b in result["best"]])
+    extra = [Column("time_to_train_s", f"most tokens/s: time to train {tokens:.3g} tokens ({name})", fmt_in(per))]
     if any(b["best_cost"] for b in result["best"]):
         extra.append(Column("cost_to_train_usd", f"lowest $/M tokens: cost of {tokens:.3g} tokens", _fmt_usd))
     return [*BEST_COLUMNS[:-2], *extra, *BEST_COLUMNS[-2:]]
 
 
 def _best_notes(result: dict[str, Any]) -> list[str]:
-    out = [f"searched {result['searched']}; a setting fits when trainprof plan's memory per GPU is at most "
+    unit = (result["best"][0].get("unit") if result["best"] else None) or "GPU"
+    out = [f"searched {result['searched']}; a setting fits when trainprof plan's memory per {unit} is at most "
            f"{int(100 * result['best'][0]['headroom']) if result['best'] else 90}% of the target's capacity",
            "each setting is one prediction of the step model (its confidence as in `trainprof project`)"]
     for b in result["best"]:
@@ -311,7 +521,14 @@ def _best_notes(result: dict[str, Any]) -> list[str]:
             by_reason.setdefault(row["reason"] or "no reason given", []).append(_setting(row))
         for reason, fitting in by_reason.items():
             out.append(f"{b['hardware']} x {b['world_size']}: fits but not predicted: {', '.join(fitting)}: {reason}")
-    return out
+    return out + _best_host_note(result)
+
+
+def _best_host_note(result: dict[str, Any]) -> list[str]:
+    """The host-order note over each target's fastest setting."""
+    tops = [(f"{b['hardware']} x {b['world_size']}", b["best_throughput"]) for b in result["best"] if b["best_throughput"]]
+    host = host_order_note([(label, top.get("host_pace"), bool(top.get("host_bound")), None) for label, top in tops])
+    return [host] if host else []
 
 
 def write_best(result: dict[str, Any], out_dir: Path, *, command: str) -> list[Path]:
@@ -327,9 +544,10 @@ def write_best(result: dict[str, Any], out_dir: Path, *, command: str) -> list[P
 
 def render_best(result: dict[str, Any]) -> str:
     lines, tokens = [f"trainprof project --best: from {result['source']['run_dir']}"], result.get("tokens")
+    unit, per = duration_unit([(b["best_throughput"] or {}).get("time_to_train_s") for b in result["best"]])
     for b, r in zip(result["best"], best_rows(result)):
         lines.append(f"{r['hardware']} x {r['world_size']}:")
-        train = f", {fmt_duration(r['time_to_train_s'])} for {tokens:.3g} tokens" if r["time_to_train_s"] else ""
+        train = f", {fmt_in(per)(r['time_to_train_s'])} {unit} for {tokens:.3g} tokens" if r["time_to_train_s"] else ""
         tps = f"  ({r['tokens_per_s']:,.0f} tokens/s{train}, {r['confidence_text']})" if r["tokens_per_s"] else ""
         lines.append(f"  most tokens/s   {r['throughput_setting']}{tps}")
         cost = f"${r['cost_per_million_tokens_usd']:.3f} / M tokens" if r["cost_per_million_tokens_usd"] else ""
@@ -340,8 +558,9 @@ def render_best(result: dict[str, Any]) -> str:
         lines.append(f"  lowest $/M      {r['cost_setting']}  {cost}".rstrip())
         for i, runner in enumerate(b["runners_up_throughput"]):  # one a line: each setting pastes as overrides
             label = "runners-up" if i == 0 else ""
-            lines.append(f"  {label:<15} {_setting(runner)}  ({runner['tokens_per_s']:,.0f} tokens/s)")
-    return "\n".join(lines)
+            lines.append(f"  {label:<15} {_setting(runner)}{_host_memory(runner, b)}  "
+                         f"({runner['tokens_per_s']:,.0f} tokens/s)")
+    return "\n".join(lines + [f"  {n}" for n in _best_host_note(result)])
 
 
 def _table_cell(cell: dict[str, Any], footnote: Callable[[str], str]) -> str:
@@ -353,8 +572,10 @@ def _table_cell(cell: dict[str, Any], footnote: Callable[[str], str]) -> str:
         return f"{mb}, tokens/s n/a {why}" if cell.get("micro_batch") is not None else f"n/a {why}"
     said = cell.get("confidence") or ""
     bound = ", host-bound" if HOST_BOUND_MARK in said else ", comm-bound" if COMM_BOUND_MARK in said else ""
-    # each figure's confidence beside it, as a mark whose text is written once under the tables
-    bound += f" {footnote('confidence: ' + (_without_bounds(said) or 'not stated'))}"
+    # each figure's confidence beside it, as a mark whose text is written once under the tables, with the host
+    # it assumes (which orders host-bound cells)
+    host = host_pace_text(cell.get("host_pace"))
+    bound += f" {footnote('confidence: ' + (_without_bounds(said) or 'not stated') + (f'; {host}' if host else ''))}"
     if cell.get("micro_batch") is not None:
         return f"{mb}: {cell['tokens_per_s']:,.0f}{bound}"
     mem = f", {cell['memory_gib']:.1f} GiB" if cell.get("memory_gib") else ""
@@ -394,8 +615,26 @@ def _without_bounds(confidence: str) -> str:
     return "; ".join(part for part in confidence.split("; ") if not part.startswith((HOST_BOUND_MARK, COMM_BOUND_MARK)))
 
 
+def _research_host_note(result: dict[str, Any]) -> list[str]:
+    """The host-order note over the research tables' cells, one item per target and distinct host assumed."""
+    items = []
+    for key in TABLE_TITLES:
+        for r in result[key]:
+            for t in result["targets"]:
+                cell = r[t]
+                items.append((t, cell.get("host_pace"), HOST_BOUND_MARK in (cell.get("confidence") or ""), None))
+    seen, unique = set(), []
+    for label, pace, bound, dev in items:
+        if pace and (label, _host_key(pace)) not in seen:
+            seen.add((label, _host_key(pace)))
+            unique.append((label, pace, any(b for lb, p, b, _ in items if lb == label and p and _host_key(p) ==
+                                            _host_key(pace)), dev))
+    note = host_order_note(unique)
+    return [note] if note else []
+
+
 def _research_notes(result: dict[str, Any], footnote: _Footnotes) -> list[str]:
-    return [f"predicted from one run ({result['source']['run_dir']}) by trainprof's step model at "
+    return [*_research_host_note(result), f"predicted from one run ({result['source']['run_dir']}) by trainprof's step model at "
             f"{' '.join(result['defaults'])}; the research measured these on real 8-GPU platforms "
             "(Zhang et al., arXiv 2311.03687): these cells are predictions, not its figures",
             "host-bound: the predicted step waits for the host's operator calls (more than the GPU's work), "

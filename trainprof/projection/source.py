@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +187,22 @@ def ensure_calibration(source: Source, *, force: bool = False) -> dict[str, Any]
     atomic_write_json(source.run_dir / "calibration.json", cal)
     source.calibration = cal
     return cal
+
+
+def no_calibration(source: Source) -> str:
+    """Why a run without calibration.json, made on another machine, cannot be re-rated here, and what to do:
+    the folders beside it calibrated on the same device, or a calibration made on that device."""
+    device = source.profile["env"].get("device") or "its device"
+    same = []
+    for path in sorted(source.run_dir.parent.glob("*/calibration.json")):
+        try:
+            if json.loads(path.read_text()).get("device") == device and path.parent != source.run_dir:
+                same.append(path.parent.name)
+        except (OSError, ValueError):
+            continue
+    same.sort(key=lambda name: -len(os.path.commonprefix([name, source.run_dir.name])))  # the likeliest twin first
+    beside = (f"; {', '.join(same[:3])}{' ...' if len(same) > 3 else ''} beside it calibrated the same {device}: copy "
+              f"its calibration.json into {source.run_dir}, or project from that folder" if same else "")
+    return (f"the source run has no calibration.json (the GEMM and copy rates of its {device}, which it is re-rated "
+            f"from) and was made on another machine, where they must be measured{beside}; or run `trainprof project` "
+            "once on a machine with that device, or run the recipe there with profile.calibrate=true (the default)")
