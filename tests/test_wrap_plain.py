@@ -64,7 +64,7 @@ for step in range({STEPS + 1}):
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
     opt.zero_grad()
-print("plain ddp done:", type(model).__name__)
+print(f"plain ddp done: {{type(model).__name__}}")  # one write: the two ranks share stdout
 torch.distributed.destroy_process_group()
 '''
 
@@ -141,6 +141,12 @@ def test_ddp_on_two_ranks_is_merged_with_its_all_reduce(tmp_path):
     assert profile["summary"]["unattributed_frac"] <= 0.02, profile["summary"]["unattributed_frac"]
     (allreduce,) = [c for c in profile["comm"] if c["op"] == "all_reduce"]
     assert allreduce["calls"] == 1 and allreduce["phase"] == "backward", allreduce
+    # a Sequential has no decoder shape: projecting it says so (the recipe default llama2-tiny stood in for it)
+    from trainprof.projection.source import ProjectionError, load_source
+
+    assert "model" in profile["workload"]["unknown"]
+    with pytest.raises(ProjectionError, match="has a decoder config .* no model shape to re-time"):
+        load_source(run_dir)
 
 
 def test_a_script_that_never_steps_an_optimizer_profiles_nothing(tmp_path):

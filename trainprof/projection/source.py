@@ -69,6 +69,9 @@ def load_source(run_dir: str | Path, overrides: list[str] | None = None) -> tupl
             origin = "workload" if profile.get("workload") else "profile.json"
             data = dict(profile.get("workload") or profile["recipe"])
             unknown = dict(data.pop("unknown", None) or {})
+            if "model" in unknown:  # the recipe's default shape would stand in for a model it is not
+                raise ProjectionError(f"'{run_dir}': {unknown['model']}, so there is no model shape to re-time or "
+                                      "scale (the step model derives Llama-style decoders' work from their shape)")
             source_recipe = recipe_from_dict(copy.deepcopy(data))
             target_recipe = recipe_from_dict(apply_overrides(copy.deepcopy(data), overrides or []))
         else:
