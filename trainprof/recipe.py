@@ -398,9 +398,13 @@ def recipe_from_dict(data: dict[str, Any]) -> Recipe:
     return recipe
 
 
-def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> Recipe:
-    """Read a YAML recipe, apply overrides, build the typed recipe and validate it."""
+def load_recipe(path: str | Path, overrides: typing.Sequence[str] = (), *,
+                before_validation: typing.Callable[[dict[str, Any]], None] | None = None) -> Recipe:
+    """Read a YAML recipe, apply overrides, build the typed recipe and validate it; `before_validation` may
+    change the overridden data first (infer replaces the engine section by the one process it runs)."""
     data = apply_overrides(read_yaml(path), overrides)
+    if before_validation is not None:
+        before_validation(data)
     recipe = recipe_from_dict(data)
     if recipe.output.name is None:
         recipe.output.name = Path(path).stem

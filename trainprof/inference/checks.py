@@ -10,8 +10,7 @@ from typing import Any, Sequence
 
 from trainprof.errors import UserError
 from trainprof.layout import output_dir_problem
-from trainprof.recipe import (EngineConfig, OptimizerConfig, Recipe, apply_overrides, check_environment, read_yaml,
-                              recipe_from_dict)
+from trainprof.recipe import EngineConfig, OptimizerConfig, Recipe, check_environment, load_recipe
 
 # infer serves in one process with plain torch modules: no DeepSpeed, ZeRO, offload, FSDP or pipeline stages.
 # The recipe's engine (and deepspeed) sections are replaced by this before validation, so no training
@@ -31,14 +30,12 @@ def refuse_task(task_kind: Any, recipe_path: str | Path) -> None:
 def load_inference_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """The recipe as infer serves it: overrides applied, infer's refusals first, then the recipe's static
     rules with the engine sections replaced by SERVING_ENGINE (load_recipe's, minus the engine's)."""
-    data = apply_overrides(read_yaml(path), overrides)
-    refuse_task((data.get("task") or {}).get("kind"), path)
-    data["engine"] = dict(SERVING_ENGINE)
-    data.pop("deepspeed", None)
-    recipe = recipe_from_dict(data)
-    if recipe.output.name is None:
-        recipe.output.name = Path(path).stem
-    return recipe
+    def as_served(data: dict[str, Any]) -> None:
+        refuse_task((data.get("task") or {}).get("kind"), path)
+        data["engine"] = dict(SERVING_ENGINE)
+        data.pop("deepspeed", None)
+
+    return load_recipe(path, overrides, before_validation=as_served)
 
 
 def serving_recipe(recipe: Recipe) -> Recipe:
