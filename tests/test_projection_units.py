@@ -1544,3 +1544,13 @@ def test_a_cpu_runs_gpu_rows_say_what_carries_over_and_what_they_assume(tmp_path
     md = (tmp_path / "out" / "projection.md").read_text()
     assert "Predicted from one measured CPU run: the GPU rows take its recipe" in md
     assert "Predicted from one measured run;" not in md
+
+
+def test_a_cpu_best_search_counts_ranks_in_its_headers():
+    from trainprof.projection.report import best_columns
+
+    def headers(unit: str) -> list[str]:
+        return [c.header for c in best_columns({"best": [{"unit": unit}], "tokens": None})]
+
+    assert "ranks" in headers("rank") and "memory/rank GiB" in headers("rank") and "GPUs" not in headers("rank")
+    assert "GPUs" in headers("GPU") and "memory/GPU GiB" in headers("GPU")

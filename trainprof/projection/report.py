@@ -3,6 +3,7 @@ report lists), .md, .csv, .html and a chart; and the table `trainprof project` p
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import re
 from pathlib import Path
@@ -497,19 +498,27 @@ BEST_COLUMNS = [
 
 
 def best_columns(result: dict[str, Any]) -> list[Column]:
-    """BEST_COLUMNS, with the time to train (fastest setting) and its cost (cheapest) when tokens were given."""
+    """BEST_COLUMNS (counting ranks, not GPUs, on a CPU search), with the time to train (fastest setting) and
+    its cost (cheapest) when tokens were given."""
+    cols = BEST_COLUMNS if _best_unit(result) == "GPU" else [
+        dataclasses.replace(c, header=c.header.replace("GPUs", "ranks").replace("/GPU", "/rank")) for c in BEST_COLUMNS]
     tokens = result.get("tokens")
     if not tokens:
-        return BEST_COLUMNS
+        return cols
     name, per = duration_unit([(b["best_throughput"] or {}).get("time_to_train_s") for b in result["best"]])
     extra = [Column("time_to_train_s", f"most tokens/s: time to train {tokens:.3g} tokens ({name})", fmt_in(per))]
     if any(b["best_cost"] for b in result["best"]):
         extra.append(Column("cost_to_train_usd", f"lowest $/M tokens: cost of {tokens:.3g} tokens", _fmt_usd))
-    return [*BEST_COLUMNS[:-2], *extra, *BEST_COLUMNS[-2:]]
+    return [*cols[:-2], *extra, *cols[-2:]]
+
+
+def _best_unit(result: dict[str, Any]) -> str:
+    """What a search's world sizes count: "GPU", or "rank" on a CPU."""
+    return (result["best"][0].get("unit") if result["best"] else None) or "GPU"
 
 
 def _best_notes(result: dict[str, Any]) -> list[str]:
-    unit = (result["best"][0].get("unit") if result["best"] else None) or "GPU"
+    unit = _best_unit(result)
     out = [f"searched {result['searched']}; a setting fits when trainprof plan's memory per {unit} is at most "
            f"{int(100 * result['best'][0]['headroom']) if result['best'] else 90}% of the target's capacity",
            "each setting is one prediction of the step model (its confidence as in `trainprof project`)"]
