@@ -56,19 +56,6 @@ def fmt_in(per: float) -> Callable[[Any], str]:
     return fmt
 
 
-def fmt_duration(seconds: Any) -> str:
-    """A time to train at the unit that keeps two significant figures readable: 53 min, 9.4 h, 12.3 days."""
-    if seconds is None:
-        return "n/a"
-    if seconds < 60:
-        return f"{seconds:.2g} s"
-    if seconds < 3600:
-        return f"{seconds / 60:.2g} min" if seconds < 600 else f"{seconds / 60:.0f} min"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:,.1f} days"
-
-
 def _fmt_usd(x: Any) -> str:
     return "n/a" if x is None else f"${x:,.0f}" if x >= 100 else f"${x:.2f}"  # a small job's cost is not $0
 
