@@ -288,7 +288,7 @@ def _source_notes(result: dict[str, Any]) -> list[str]:
     """What of the source carries into the rows: from a CPU run to a GPU, not its measured step; and where an
     as-measured row's MFU differs from the run's own (the FLOP convention)."""
     src, preds, out = result["source"], result["predictions"], []
-    if src.get("device_type") == "cpu" and any(p.get("host_pace") for p in preds):
+    if _cpu_to_gpu(result):
         out.append(cpu_to_gpu_note(src))
     summary_mfu = src.get("mfu")
     for p in preds:
