@@ -51,7 +51,7 @@ def project(run_dir: str | Path, *, targets: list[str] | None = None, nodes: lis
 
     source, target_recipe = load_source(run_dir, overrides)
     catalog = load_catalog(catalog_file)
-    targets = list(dict.fromkeys(targets or [THIS]))  # a target named twice is one set of rows
+    targets = given_targets(targets)
     jobs = _jobs(catalog, source, targets, nodes, gpus_per_node, nproc)
     if probe and any(machine == THIS for machine, _ in jobs) and same_machine_as_source(source):
         from trainprof.projection.probes import warm_up
@@ -86,6 +86,11 @@ def node_size_warnings(catalog: Catalog, targets: list[str], gpus_per_node: int)
                        f"at most {max(templates.values())} ({', '.join(f'{k}: {n}' for k, n in templates.items())}); "
                        f"its rows assume one node of {gpus_per_node} on its intra-node link")
     return out
+
+
+def given_targets(targets: list[str] | None) -> list[str]:
+    """--to as given, each once (a target named twice is one set of rows); the run's own machine by default."""
+    return list(dict.fromkeys(targets or [THIS]))
 
 
 def _jobs(catalog: Catalog, source: Source, targets: list[str], nodes: list[int] | None, gpus_per_node: int,
@@ -263,8 +268,7 @@ def best(run_dir: str | Path, *, targets: list[str] | None = None, nodes: list[i
     bar = tqdm(desc="best", unit="prediction", disable=not progress, mininterval=progress_interval())
     with Projector(source, catalog, prices=prices, validation=load_validation(), probe=probe) as projector, bar:
         results = []
-        for machine, world in _jobs(catalog, source, list(dict.fromkeys(targets or [THIS])), nodes, gpus_per_node,
-                                    nproc):
+        for machine, world in _jobs(catalog, source, given_targets(targets), nodes, gpus_per_node, nproc):
             same = machine == THIS
             if same and target_recipe.train.memory_cap_gb is None:
                 raise ProjectionError("--best on this machine needs a memory capacity: set train.memory_cap_gb=GB")

@@ -911,13 +911,13 @@ def _more_gpus(recipe: Any, world: int, capacity: float) -> dict[str, Any]:
     """Whether more GPUs bring the plan per GPU under `capacity`: the fewest (doubling from `world`, up to
     MOST_GPUS) that do, or none, with the plan there (a replicated part, such as a QLoRA 4-bit base, does not
     shrink with the world)."""
-    w = world
+    w, nbytes = world, None
     while w < MOST_GPUS:
         w *= 2
         nbytes = _plan_bytes(recipe, w)
         if nbytes <= capacity:
             return {"gpus": w, "bytes": nbytes}
-    return {"gpus": None, "bytes": _plan_bytes(recipe, w), "tried_up_to": w}
+    return {"gpus": None, "bytes": _plan_bytes(recipe, w) if nbytes is None else nbytes, "tried_up_to": w}
 
 
 def _host_bytes(recipe: Any, world: int) -> int | None:
