@@ -10,6 +10,7 @@ import torch
 
 from trainprof.env import device_name
 from trainprof.hardware import dense_peak, memory_bandwidth
+from trainprof.profiler.result import compute_dtype
 from trainprof.recipe import Recipe, resolve_shape, shape_label
 from trainprof.shapes import DIM_KEYS
 
@@ -59,12 +60,6 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in emb)
 
 
-def _dtype_key(model: torch.nn.Module) -> str:
-    dt_ = next(model.parameters()).dtype
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dt_, "tf32" if torch.backends.cuda.matmul.allow_tf32
-                                                               else "fp32")
-
-
 @dataclass(slots=True, kw_only=True)
 class ServingDevice:
     """The device a model is served on and the figures its utilizations are measured against."""
@@ -79,7 +74,7 @@ class ServingDevice:
     @classmethod
     def of(cls, model: torch.nn.Module, device: torch.device) -> ServingDevice:
         name = device_name(device)
-        peak, peak_reason = dense_peak(name, device.type, _dtype_key(model))
+        peak, peak_reason = dense_peak(name, device.type, compute_dtype(model))
         bandwidth, bandwidth_reason = memory_bandwidth(name, device.type)
         return cls(device=device, peak=peak, peak_reason=peak_reason, bandwidth=bandwidth,
                    bandwidth_reason=bandwidth_reason, weight_bytes=_weight_bytes(model))
