@@ -17,6 +17,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -46,8 +47,8 @@ def profile_host_key(profile: dict) -> str:
 
 
 def reference_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | None = None
-                     ) -> dict[str, dict[str, tuple[float, list[str]]]]:
-    """host key -> phase -> (mean µs per call, ['<profile dir>: <µs>', ...]) over host-bound phases."""
+                     ) -> dict[str, dict[str, tuple[float, dict[str, float]]]]:
+    """host key -> phase -> (mean µs per call, {profile dir: its µs per call}) over host-bound phases."""
     from trainprof.projection.hostref import HOST_PHASES, host_us_per_op
 
     found: dict[str, dict[str, list[tuple[str, float]]]] = {}
@@ -56,7 +57,7 @@ def reference_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | No
         for phase, us in host_us_per_op(profile).items():
             if us is not None and phase in HOST_PHASES:
                 found.setdefault(kind, {}).setdefault(phase, []).append((name, us))
-    return {kind: {ph: (statistics.mean(v for _, v in runs), [f"{d}: {v:.1f}" for d, v in runs])
+    return {kind: {ph: (statistics.mean(v for _, v in runs), {d: round(v, 1) for d, v in runs})
                    for ph, runs in phases.items()} for kind, phases in found.items()}
 
 
@@ -128,13 +129,16 @@ def ops_values(profiles_dir: Path = ROOT / "profiles", runs: set[str] | None = N
             for kind, phases in found.items()}
 
 
-def print_per_phase(block: str, values: dict[str, dict[str, tuple[float, list[str]]]], what: str, sep: str) -> None:
-    """A catalog block of engine -> phase -> {value, source} as YAML."""
+def print_per_phase(block: str, values: dict[str, dict[str, tuple[float, Any]]], what: str) -> None:
+    """A catalog block of engine -> phase -> {value, source} as YAML; where each run's own figure is known
+    (a {run: figure} mapping), also `hosts`, which the projection shows beside the mean."""
     print(f"{block}:")
     for kind, phases in sorted(values.items()):
         print(f"  {kind}:")
         for phase, (value, runs) in phases.items():
-            print(f'    {phase}: {{value: {value:.1f}, source: "{what} (profiles/ {sep.join(runs)})"}}')
+            hosts = (", hosts: {" + ", ".join(f"{run}: {fig}" for run, fig in runs.items()) + "}"
+                     if isinstance(runs, dict) else "")
+            print(f'    {phase}: {{value: {value:.1f}{hosts}, source: "{what} (profiles/ {", ".join(runs)})"}}')
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,14 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", help="comma-separated profiles/ folders to use (default: every GPU pretraining run)")
     args = parser.parse_args(argv)
     runs = set(args.runs.split(",")) if args.runs else None
-    print_per_phase("gpu_host_us_per_op", reference_values(runs=runs), "mean of host-bound phases, us per operator call",
-                    "; ")
+    print_per_phase("gpu_host_us_per_op", reference_values(runs=runs), "mean of host-bound phases, us per operator call")
     print("gpu_optimizer_bytes_per_param:")
     for kind, (mean, names) in sorted(optimizer_values(runs=runs).items()):
         print(f'  {kind}: {{value: {mean:.1f}, source: "mean of the optimizer kernels\' device time x the measured '
               f'copy bandwidth / trainable parameters (profiles/ {"; ".join(names)})"}}')
-    print_per_phase("gpu_ops_per_layer", ops_values(runs=runs), "median operator calls per decoder layer and micro batch",
-                    ", ")
+    print_per_phase("gpu_ops_per_layer", ops_values(runs=runs), "median operator calls per decoder layer and micro batch")
     host = optimizer_host_values(runs=runs)
     print("gpu_optimizer_host:")
     for kind, figs in sorted(host.items()):

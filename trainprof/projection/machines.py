@@ -5,7 +5,6 @@ here, a catalog link with NCCL's latency model, and a GPU host's time per operat
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 from trainprof.hardware import Catalog, Target, bf16_gemm_basis
@@ -183,24 +182,34 @@ def host_key(engine: str, zero_stage: int) -> str:
 def gpu_host(catalog: Catalog, engine: str, zero_stage: int = 3) -> tuple[dict[str, float], str, str | None]:
     """Host µs per operator call on a GPU machine for an engine, per phase, from the catalog's reference
     runs; their sources; and, where the engine has no reference runs of its own, what stands in and why."""
+    block, stand_in = _host_block(catalog, engine, zero_stage)
+    return (*_per_phase(block), stand_in)
+
+
+def reference_hosts(catalog: Catalog, engine: str, zero_stage: int, phase: str = "forward") -> list[float]:
+    """The reference hosts' own µs per call behind gpu_host's figure for `phase` (the catalog's `hosts`)."""
+    return list(_host_block(catalog, engine, zero_stage)[0].get(phase, {}).get("hosts", {}).values())
+
+
+def _host_block(catalog: Catalog, engine: str, zero_stage: int) -> tuple[dict[str, dict], str | None]:
+    """gpu_host's catalog figures ({phase: {value, hosts, source}}), and what stands in for them and why."""
     key = host_key(engine, zero_stage)
     refs = catalog.host_us_per_op
     if refs.get(key):
-        return (*_per_phase(refs[key]), None)
+        return refs[key], None
     if key == "deepspeed-zero12" and refs.get("torch") and refs.get("deepspeed"):
         # the model's phases run as plain PyTorch's do; the optimizer is DeepSpeed's own step()
         stand_in = {**{ph: fig for ph, fig in refs["torch"].items() if ph != "optimizer"},
                     **{ph: fig for ph, fig in refs["deepspeed"].items() if ph == "optimizer"}}
-        return (*_per_phase(stand_in), "DeepSpeed ZeRO-0/1/2 hook only the root module in the forward, so plain "
-                                       "PyTorch's host time per call stands in for the model's phases and "
-                                       "ZeRO-3's for DeepSpeed's optimizer step (no ZeRO-1/2 GPU reference run "
-                                       "is kept)")
+        return stand_in, ("DeepSpeed ZeRO-0/1/2 hook only the root module in the forward, so plain PyTorch's host "
+                          "time per call stands in for the model's phases and ZeRO-3's for DeepSpeed's optimizer "
+                          "step (no ZeRO-1/2 GPU reference run is kept)")
     if key in REFERENCE_ENGINE and refs.get(REFERENCE_ENGINE[key]):
         closest = REFERENCE_ENGINE[key]
-        return (*_per_phase(refs[closest]), f"no GPU host reference for {engine}: {closest}'s, the closest host path "
-                                            "measured, stands in (FSDP2 adds hooks at its fully_shard units only)")
-    return (*_per_phase(refs.get("deepspeed") or {}),
-            f"no GPU host reference for {engine}: DeepSpeed ZeRO-3's, the slowest host path measured, stands in")
+        return refs[closest], (f"no GPU host reference for {engine}: {closest}'s, the closest host path measured, "
+                               "stands in (FSDP2 adds hooks at its fully_shard units only)")
+    return refs.get("deepspeed") or {}, (f"no GPU host reference for {engine}: DeepSpeed ZeRO-3's, the slowest host "
+                                         "path measured, stands in")
 
 
 def _per_phase(ref: dict[str, dict]) -> tuple[dict[str, float], str]:
@@ -212,16 +221,14 @@ def _per_phase(ref: dict[str, dict]) -> tuple[dict[str, float], str]:
     return values, "; ".join(f"{ph} {fig['source']}" for ph, fig in ref.items())
 
 
-def host_pace(values: dict[str, float], basis: dict[str, str], reference: dict[str, float], reference_source: str,
+def host_pace(values: dict[str, float], basis: dict[str, str], reference: dict[str, float], reference_hosts: list[float],
               stand_in: str | None, phase: str = "forward") -> dict[str, Any]:
     """Whose host a GPU prediction's operator calls run at, per phase (`basis`: "own", a host-bound phase of the
     source measured; "ceiling", a device-bound one's bound on the source's own GPU kind; "reference", the
     catalog's mean over its reference hosts; "paced", the reference for another host path at the source host's
     pace), with `phase`'s figures for the row's one-line summary: the µs per call, the reference's and the
-    reference hosts' own (read from the catalog figure's source)."""
-    segment = re.search(rf"{phase} [^()]*\(profiles/([^)]*)\)", reference_source)
-    hosts = [float(x) for x in re.findall(r":\s*([0-9.]+)", segment.group(1))] if segment else []
+    reference hosts' own (machines.reference_hosts)."""
     return {"phase": phase, "basis": basis.get(phase), "us_per_call": values.get(phase),
-            "reference_us_per_call": reference.get(phase), "reference_hosts_us": hosts,
+            "reference_us_per_call": reference.get(phase), "reference_hosts_us": reference_hosts,
             "stand_in": stand_in is not None,
             "by_phase": {ph: {"basis": basis[ph], "us_per_call": values[ph]} for ph in values if ph in basis}}

@@ -24,7 +24,7 @@ from trainprof.projection.compute import EngineProbe, Parts, StepProbe
 from trainprof.projection.gemm import Work
 from trainprof.projection.machines import (by_host_path, catalog_link, gpu_host, gpu_ops_per_layer, host_key,
                                            host_pace, machine_from_calibration, machine_from_target, measured_link,
-                                           missing_link)
+                                           missing_link, reference_hosts)
 from trainprof.projection.prices import price_for
 from trainprof.projection.source import (PROBES_FILE, Source, ensure_calibration, kept_probe, no_calibration,
                                         same_machine_as_source)
@@ -440,7 +440,7 @@ class Projector:
             if busy is not None and busy < HOST_BOUND_BUSY:
                 notes.append(assume("host_bound_source", busy_frac=busy))
             ref_source = "the source's own host where a phase was host-bound; else " + ref_source
-        self._host_pace = host_pace(values, basis, ref, ref_source, stand_in)
+        self._host_pace = host_pace(values, basis, ref, reference_hosts(self.catalog, engine, zero_stage), stand_in)
         if m.ops:
             notes.append(assume("host_time", ops_per_step=sum(o.calls for o in m.ops.values()),
                                 us_per_op=values.get("forward") or 0.0, us_source=ref_source))
