@@ -465,6 +465,30 @@ def test_a_noisy_probe_is_said_beside_the_row():
                    "probes_noisy")["error"] == 0.07
 
 
+def test_a_probe_slower_than_the_run_is_said_and_one_that_would_leave_no_layer_refuses():
+    """The run measured 6 ms a decoder layer forward (15 backward) with its hooks: a bare layer of the same
+    shape probed at 10 ms (1.7x) was timed while the machine ran slower than during the run, which the row
+    says; one probed at 40 ms (the scale finding: 362 ms against the run's 92.4 ms, a half-width target at
+    155.7 ms, predicted a forward 36x faster) would leave a layer of 6 + 8 - 40 < 0 ms, and is refused with
+    both figures instead of predicting a layer of no time."""
+    m = _measured()
+    deeper = _work(shape=dataclasses.replace(TINY, num_layers=4))
+
+    def parts(source_forward: float) -> Parts:
+        return Parts(layer_source={"forward": source_forward, "backward": 10.0},
+                     layer_target={"forward": 8.0, "backward": 16.0}, rest_source={"forward": 2.0, "backward": 3.0},
+                     rest_target={"forward": 2.0, "backward": 3.0}, layers_probed=2)
+
+    _, quiet = predict_phases(m, _change(work=deeper), Inputs(parts=parts(5.0)))
+    assert "probe_slower_than_run" not in [a.kind for a in quiet]
+    phases, notes = predict_phases(m, _change(work=deeper), Inputs(parts=parts(10.0)))
+    assert phases["forward"] == pytest.approx((6.0 + 8.0 - 10.0) * 4 + 6.0 + 2.0)
+    assert _values(notes, "probe_slower_than_run") == {"phase": "forward", "ratio": pytest.approx(10.0 / 6.0),
+                                                       "limit": 1.5}
+    with pytest.raises(ValueError, match=r"took 40\.0 ms a bare decoder layer forward .* measured 6\.0 ms"):
+        predict_phases(m, _change(work=deeper), Inputs(parts=parts(40.0)))
+
+
 def test_grad_accum_and_world_size():
     m = _measured()
     phases, _ = predict_phases(m, _change(grad_accum=2), Inputs())
@@ -1256,7 +1280,8 @@ def test_research_tables_give_each_reason_once_as_a_footnote(tmp_path):
         "targets": ["a800-80g", "rtx4090"], "world_size": {"a800-80g": 8, "rtx4090": 8},
         "defaults": ["data.seq_len=350"], "source": {"run_dir": "runs/x"},
         "table_iii": [{"model": "llama2-7b", "method": "naive DP", "a800-80g": cell,
-                       "rtx4090": {**cell, "confidence": "unvalidated: CPU run -> GPU; predicted comm-bound (62% of the step)"}},
+                       "rtx4090": {**cell, "confidence": "unvalidated: CPU run -> GPU; predicted comm-bound (62% of the step)",
+                                   "bound_by": "comm"}},
                       {"model": "llama2-7b", "method": "ZeRO-3 + offload", "a800-80g": refused, "rtx4090": refused}],
         "table_iv": [{"model": "llama2-7b", "method": "ZeRO-3 + offload",
                       "a800-80g": {**refused, "micro_batch": 16, "capped": False},
@@ -1264,7 +1289,7 @@ def test_research_tables_give_each_reason_once_as_a_footnote(tmp_path):
                      {"model": "llama2-7b", "method": "ZeRO-3 + recompute",
                       "a800-80g": {"micro_batch": MAX_MICRO_BATCH, "tokens_per_s": 33264.0, "capped": True},
                       "rtx4090": {"micro_batch": 16, "tokens_per_s": 17540.0, "capped": False,
-                                  "confidence": "unvalidated: CPU run -> GPU; predicted host-bound"}}],
+                                  "confidence": "unvalidated: CPU run -> GPU; predicted host-bound", "bound_by": "host"}}],
         "table_ix": [],
     }
     text = render_tables(result)
@@ -1288,7 +1313,7 @@ def test_research_tables_give_each_reason_once_as_a_footnote(tmp_path):
            "by_phase": {"forward": {"basis": "ceiling", "us_per_call": 33.1}}}
     ref = {"basis": "reference", "us_per_call": 38.1, "reference_hosts_us": [48.5, 27.7],
            "by_phase": {"forward": {"basis": "reference", "us_per_call": 38.1}}}
-    bound = {**cell, "fits": True, "confidence": "unvalidated; predicted host-bound"}
+    bound = {**cell, "fits": True, "confidence": "unvalidated; predicted host-bound", "bound_by": "host"}
     hosts = {**result, "table_iii": [{"model": "llama2-7b", "method": "ZeRO-3", "a800-80g": {**bound, "host_pace": own},
                                       "rtx4090": {**bound, "host_pace": ref}}], "table_iv": []}
     text = render_tables(hosts)

@@ -143,6 +143,10 @@ TEMPLATES: dict[str, str] = {
     "probes_noisy": ("probes: the bare layers' probed time is uncertain by ±{error:.1%} (the standard error of its "
                      "median over the probe's rounds, above {limit:.0%}): this machine was busy while it probed, and the "
                      "row can be off by more than its expected error; project again when the machine is quiet"),
+    "probe_slower_than_run": ("probes: a bare decoder layer at the run's own shape took {ratio:.1f}x the run's "
+                              "measured {phase} layer, hooks included (above {limit:.1f}x): this machine ran slower "
+                              "while it probed than during the run, and the row can be off by more than its expected "
+                              "error; project again when the machine is as busy as it was during the run"),
     # the rest
     "unattributed": ("unattributed {ms:.2f} ms (the source's {source_ms:.2f} ms, the median step minus the per-phase "
                      "medians, scaled with the phases); other as measured"),

@@ -101,7 +101,7 @@ def search(predict: Callable[[list[str]], dict[str, Any] | None], capacity_bytes
                          "time_to_train_s": pred.get("time_to_train_s"),
                          "cost_to_train_usd": pred.get("cost_to_train_usd"),
                          "confidence_text": pred.get("confidence_text"), "host_pace": pred.get("host_pace"),
-                         "host_bound": "host_bound_target" in {a["kind"] for a in pred.get("assumptions") or []}})
+                         "bound_by": pred.get("bound_by")})
             if capacity_bytes is None:
                 break
             mb *= 2

@@ -31,6 +31,9 @@ from trainprof.projection.measured import COMPUTE_PHASES, Measured
 ADAM_BYTES_PER_ELEMENT = 28  # fp32 Adam: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
 # the probed layers' relative standard error (probes.paired_error) beyond which a row says the probe was noisy
 PROBE_ERROR_NOTE = 0.05
+# a bare probed layer at the source's shape against the run's measured layer, which adds hooks to the same work:
+# above this the probe ran at another machine speed than the run (a busy spell), and a row says so
+PROBE_OVER_RUN_NOTE = 1.5
 ZERO3_COPIES_PER_BYTE = 2.0  # a ZeRO-3 fetch writes the gathered parameter and reads it back into the module
 # operator calls a task adds per adapted linear and pass, for the host's time: peft's LoraLayer.forward runs
 # dropout, lora_A, lora_B, the scaling and the add; bitsandbytes' Linear4bit dequantizes before its matmul
@@ -115,11 +118,21 @@ def probed_compute(m: Measured, src: Work, tgt: Work, parts: Parts, memory_gbps:
     ga, layers_s, layers_t = m.grad_accum, max(src.shape.num_layers, 1), tgt.shape.num_layers
     out: dict[str, float] = {}
     layers_by_phase: dict[str, float] = {}
+    slower: dict[str, float] = {}  # phase -> the probe's bare layer over the run's measured one
     for ph in ("forward", "backward"):
         layers, model = (x / ga for x in m.parts_ms[ph])
         outside = m.phases_ms[ph] / ga - model
-        per_layer = layers / layers_s + parts.layer_target[ph] - parts.layer_source[ph]
-        layers_by_phase[ph] = max(per_layer, 0.0) * layers_t
+        measured_layer = layers / layers_s
+        per_layer = measured_layer + parts.layer_target[ph] - parts.layer_source[ph]
+        if per_layer <= 0:  # the probe's change is more than the run's whole layer: no prediction stands on it
+            raise ValueError(
+                f"the probe of the run's own shape took {parts.layer_source[ph]:.1f} ms a bare decoder layer {ph} "
+                f"(per micro batch) against the run's measured {measured_layer:.1f} ms with its hooks: this machine "
+                "ran at another speed while it probed than during the run (the run's load is in its report); "
+                "project again when the machine is as busy as it was during the run")
+        if measured_layer > 0 and parts.layer_source[ph] > PROBE_OVER_RUN_NOTE * measured_layer:
+            slower[ph] = parts.layer_source[ph] / measured_layer
+        layers_by_phase[ph] = per_layer * layers_t
         rest = max(model - layers + parts.rest_target[ph] - parts.rest_source[ph], 0.0)
         out[ph] = max(layers_by_phase[ph] + rest + outside, 0.0)
     copies = 0.0
@@ -135,6 +148,9 @@ def probed_compute(m: Measured, src: Work, tgt: Work, parts: Parts, memory_gbps:
                                   f"{parts.threads[1]}") if parts.threads else "")]
     if parts.error is not None and parts.error > PROBE_ERROR_NOTE:
         notes.append(assume("probes_noisy", error=parts.error, limit=PROBE_ERROR_NOTE))
+    if slower:
+        ph, ratio = max(slower.items(), key=lambda kv: kv[1])
+        notes.append(assume("probe_slower_than_run", phase=ph, ratio=ratio, limit=PROBE_OVER_RUN_NOTE))
     return out, layers_by_phase["forward"], notes
 
 

@@ -503,29 +503,7 @@ class Projector:
         gpus = (self.source_gpu, self.catalog.accelerator_key(t.hardware)) if t.hardware is not None else None
         conf = confidence(t.kinds, self.validation, host_bound=host_bound, source_device=src.measured.device_type,
                           gpus=gpus)
-        noted, marks = {a.kind for a in notes}, []  # in the table cell, not only among the assumptions
-        if "gpu_ops_finetune" in noted:
-            seen = cpu_to_gpu_task_error(r.task.kind) if src.measured.device_type == "cpu" else None
-            marks.append(f"{src.recipe.task.kind} -> {r.task.kind}: host likely low" + (f" ({seen})" if seen else ""))
-        comm = (phases or {}).get("comm_exposed") or 0.0
-        if step_ms and comm > COMM_BOUND_SHARE * step_ms:  # what bounds the row, where the reader looks
-            notes.append(assume("comm_bound", share=comm / step_ms, ms=comm))
-            # a catalog link's figure is its datasheet bandwidth, taken as bus bandwidth: the comm is at least this
-            upper = "; its links at datasheet bandwidth, an upper bound" if t.hardware is not None else ""
-            marks.append(f"{COMM_BOUND_MARK} ({comm / step_ms:.0%} of the step{upper})")
-        elif "host_bound_target" in noted:
-            marks.append(HOST_BOUND_MARK)
-        carried = sum((phases or {}).get(ph) or 0.0 for ph in ("other", "data_wait"))
-        if step_ms and t.hardware is not None and src.measured.device_type == "cpu" and \
-                carried > CARRIED_SHARE * step_ms:
-            notes.append(assume("carried_as_measured", ms=carried, share=carried / step_ms))
-            marks.append(f"{carried / step_ms:.0%} of the step is the CPU run's time outside its phases, as measured")
-        noisy = next((a.values["error"] for a in notes if a.kind == "probes_noisy"), None)
-        if noisy is not None:
-            marks.append(f"probed on a busy machine (±{noisy:.0%})")
-        uneven = next((a.values for a in notes if a.kind == "ranks_uneven"), None)
-        if uneven:
-            marks.append(f"source ranks {uneven['spread']:+.0%} apart: slowest kept")
+        bound_by, marks = self._marks(t, phases, step_ms, notes)
         conf = dataclasses.replace(conf, marks=tuple(marks))
         pred: dict[str, Any] = {
             "hardware": t.machine if t.hardware is not None else
@@ -546,7 +524,7 @@ class Projector:
             "expected_error_pct": conf.expected_error_pct, "expected_max_error_pct": conf.max_error_pct,
             "expected_error_text": conf.error_text() if conf.expected_error_pct is not None else None,
             "expected_error_source": conf.reason,
-            "host_bound_source": host_bound,
+            "host_bound_source": host_bound, "bound_by": bound_by,
             "assumptions": [a.to_dict() for a in notes],
         }
         if fit_note:
@@ -569,6 +547,43 @@ class Projector:
             self._cost(t, pred, reasons)
         pred["reasons"] = reasons  # always written (empty where every figure is predicted): a fixed field
         return pred
+
+
+    def _marks(self, t: TargetRun, phases: dict[str, float] | None, step_ms: float | None,
+               notes: list[Assumption]) -> tuple[str | None, list[str]]:
+        """What bounds the row ("comm", "host" or None) and the marks its confidence cell shows, where the
+        reader looks and not only among the assumptions (to which the comm-bound and carried shares are added)."""
+        src = self.source
+        noted, marks = {a.kind for a in notes}, []
+        if "gpu_ops_finetune" in noted:
+            seen = cpu_to_gpu_task_error(t.recipe.task.kind) if src.measured.device_type == "cpu" else None
+            marks.append(f"{src.recipe.task.kind} -> {t.recipe.task.kind}: host likely low" + (f" ({seen})" if seen else ""))
+        comm = (phases or {}).get("comm_exposed") or 0.0
+        bound_by = None
+        if step_ms and comm > COMM_BOUND_SHARE * step_ms:
+            bound_by = "comm"
+            notes.append(assume("comm_bound", share=comm / step_ms, ms=comm))
+            # a catalog link's figure is its datasheet bandwidth, taken as bus bandwidth: the comm is at least this
+            upper = "; its links at datasheet bandwidth, an upper bound" if t.hardware is not None else ""
+            marks.append(f"{COMM_BOUND_MARK} ({comm / step_ms:.0%} of the step{upper})")
+        elif "host_bound_target" in noted:
+            bound_by = "host"
+            marks.append(HOST_BOUND_MARK)
+        carried = sum((phases or {}).get(ph) or 0.0 for ph in ("other", "data_wait"))
+        if step_ms and t.hardware is not None and src.measured.device_type == "cpu" and \
+                carried > CARRIED_SHARE * step_ms:
+            notes.append(assume("carried_as_measured", ms=carried, share=carried / step_ms))
+            marks.append(f"{carried / step_ms:.0%} of the step is the CPU run's time outside its phases, as measured")
+        noisy = next((a.values["error"] for a in notes if a.kind == "probes_noisy"), None)
+        if noisy is not None:
+            marks.append(f"probed on a busy machine (±{noisy:.0%})")
+        slower = next((a.values for a in notes if a.kind == "probe_slower_than_run"), None)
+        if slower:
+            marks.append(f"probe {slower['ratio']:.1f}x slower than the run's layers")
+        uneven = next((a.values for a in notes if a.kind == "ranks_uneven"), None)
+        if uneven:
+            marks.append(f"source ranks {uneven['spread']:+.0%} apart: slowest kept")
+        return bound_by, marks
 
     def _mfu(self, t: TargetRun, pred: dict[str, Any], reasons: dict[str, str]) -> None:
         if t.hardware is None:  # the source's machine: its own accelerator's datasheet peak, as the run's MFU

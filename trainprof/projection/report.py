@@ -235,7 +235,7 @@ def notes(result: dict[str, Any]) -> list[str]:
     out += [*result.get("warnings", []), *_source_notes(result)]
     preds = result["predictions"]
     host = host_order_note([(f"{p['hardware']} x {p['world_size']}", p.get("host_pace"),
-                             HOST_BOUND_MARK in (p.get("confidence_text") or ""), _device_ms(p)) for p in preds])
+                             p.get("bound_by") == "host", _device_ms(p)) for p in preds])
     out += ([host] if host else []) + link_notes(preds)
     for p in preds:
         if p.get("fit_suggestion"):
@@ -523,7 +523,7 @@ def _best_notes(result: dict[str, Any]) -> list[str]:
 def _best_host_note(result: dict[str, Any]) -> list[str]:
     """The host-order note over each target's fastest setting."""
     tops = [(f"{b['hardware']} x {b['world_size']}", b["best_throughput"]) for b in result["best"] if b["best_throughput"]]
-    host = host_order_note([(label, top.get("host_pace"), bool(top.get("host_bound")), None) for label, top in tops])
+    host = host_order_note([(label, top.get("host_pace"), top.get("bound_by") == "host", None) for label, top in tops])
     return [host] if host else []
 
 
@@ -567,7 +567,7 @@ def _table_cell(cell: dict[str, Any], footnote: Callable[[str], str]) -> str:
         why = footnote(cell.get("reason") or "no prediction")
         return f"{mb}, tokens/s n/a {why}" if cell.get("micro_batch") is not None else f"n/a {why}"
     said = cell.get("confidence") or ""
-    bound = ", host-bound" if HOST_BOUND_MARK in said else ", comm-bound" if COMM_BOUND_MARK in said else ""
+    bound = f", {cell['bound_by']}-bound" if cell.get("bound_by") else ""
     # each figure's confidence beside it, as a mark whose text is written once under the tables, with the host
     # it assumes (which orders host-bound cells)
     host = host_pace_text(cell.get("host_pace"))
@@ -618,7 +618,7 @@ def _research_host_note(result: dict[str, Any]) -> list[str]:
         for r in result[key]:
             for t in result["targets"]:
                 cell = r[t]
-                items.append((t, cell.get("host_pace"), HOST_BOUND_MARK in (cell.get("confidence") or ""), None))
+                items.append((t, cell.get("host_pace"), cell.get("bound_by") == "host", None))
     seen, unique = set(), []
     for label, pace, bound, dev in items:
         if pace and (label, _host_key(pace)) not in seen:

@@ -58,7 +58,7 @@ def _cell(pred: dict[str, Any] | None) -> dict[str, Any]:
                 "reason": "the recipe rules refuse this combination"}
     return {"tokens_per_s": pred["tokens_per_s"], "memory_gib": (pred["memory_per_rank_bytes"] or 0) / 2**30 or None,
             "fits": pred["fits"], "confidence": pred.get("confidence_text"), "host_pace": pred.get("host_pace"),
-            "reason": (pred.get("reasons") or {}).get("step_ms")}
+            "bound_by": pred.get("bound_by"), "reason": (pred.get("reasons") or {}).get("step_ms")}
 
 
 def methods_table(predict: Predict, methods: list[tuple[str, list[str]]], targets: list[str],
@@ -98,7 +98,7 @@ def _largest(predict: Predict, overrides: list[str], target: str, capacity_gb: f
         if pred is None or pred["memory_per_rank_bytes"] is None or pred["memory_per_rank_bytes"] > HEADROOM * capacity_gb * 2**30:
             break
         best = {"micro_batch": mb, "tokens_per_s": pred["tokens_per_s"], "confidence": pred.get("confidence_text"),
-                "host_pace": pred.get("host_pace"),
+                "host_pace": pred.get("host_pace"), "bound_by": pred.get("bound_by"),
                 "memory_gib": pred["memory_per_rank_bytes"] / 2**30,
                 "reason": (pred.get("reasons") or {}).get("step_ms") if pred["tokens_per_s"] is None else None}
         mb *= 2
