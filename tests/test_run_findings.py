@@ -115,3 +115,15 @@ def test_the_launch_warns_when_ranks_outnumber_the_cores(monkeypatch, capsys):
     assert f"{cores + 1} rank(s) x 1 thread(s)" in capsys.readouterr().err
     warn_oversubscribed(1, cores)  # one process, torch's own threads
     assert capsys.readouterr().err == ""
+
+
+def test_an_override_without_a_value_after_an_option_gets_the_recipes_own_line(cli, tmp_path):
+    """`run R.yaml --nproc 2 train.steps output.dir=D`: argparse leaves the positionals after the option to
+    trainprof, which hands them to the recipe's checks (one line naming the override) instead of refusing the
+    valid one beside it as an unrecognized argument."""
+    proc = cli("run", QUICKSTART, "--nproc", "2", "train.steps", f"output.dir={tmp_path}")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "override 'train.steps' must look like key=value" in proc.stderr and "unrecognized" not in proc.stderr
+    assert not any(tmp_path.iterdir())  # refused before any run
+    proc = cli("run", QUICKSTART, "--nproc", "2", "train.steps=2", "--bogus")
+    assert proc.returncode == 2 and proc.stderr.rstrip().endswith("unrecognized arguments: --bogus"), proc.stderr

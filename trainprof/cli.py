@@ -35,11 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    # argparse cannot take positionals after an option (`run R.yaml --nproc 2 k=v`): collect them here
-    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+    # argparse cannot take positionals after an option (`run R.yaml --nproc 2 k=v`): collect them here, where
+    # the recipe's checks say what is wrong with one (`train.steps` without a value) in trainprof's own line
+    options = [e for e in extra if e.startswith("-")]
+    if extra and hasattr(args, "overrides") and not options:
         args.overrides = [*args.overrides, *extra]
     elif extra:  # with the command's usage line, not trainprof's
-        args.command_parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        args.command_parsers[args.command].error(f"unrecognized arguments: {' '.join(options or extra)}")
     from trainprof.env import quiet_library_noise
 
     quiet_library_noise()

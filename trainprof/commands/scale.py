@@ -154,7 +154,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("scale", help="scaling efficiency over world sizes, and where the lost part went",
                        description="Run a recipe at each world size (--nproc per node x --nnodes), or read run dirs "
                        "collected from a cluster (--runs), and report tokens/s, scaling efficiency = tput(N) / "
-                       "(N x tput(1)) and the lost efficiency split into exposed communication growth, idle, rank "
+                       "(N/N0 x tput(N0)), N0 the smallest world size measured, and the lost efficiency split into exposed communication growth, idle, rank "
                        "imbalance, compute slowdown and other, with per-collective bandwidth at each N. Weak scaling "
                        "(fixed per-rank batch) by default. Resumable like `trainprof sweep`.")
     p.add_argument("recipe", nargs="?", help="recipe YAML (omit with --runs)")

@@ -9,8 +9,8 @@ import argparse
 def add_parser(sub) -> argparse.ArgumentParser:
     from trainprof.wrap import add_arguments, description
 
-    p = sub.add_parser("wrap", help="profile an unmodified training script (DeepSpeed, HF Trainer, Accelerate, "
-                       "Lightning)", description=description("trainprof wrap"))
+    p = sub.add_parser("wrap", help="profile an unmodified training script (a plain PyTorch loop, DDP, DeepSpeed, "
+                       "HF Trainer, Accelerate, Lightning)", description=description("trainprof wrap"))
     add_arguments(p)
     p.set_defaults(func=run)
     return p
