@@ -312,6 +312,8 @@ def test_a_gpu_run_projected_on_its_own_machine_is_not_probed_on_its_cpu(tmp_pat
     assert here["step_ms"] is not None and here["step_ms"] == pytest.approx(elsewhere["step_ms"], rel=1e-9)
     (engine,) = projection.project(run, overrides=["engine.kind=deepspeed", "engine.zero_stage=3"])["predictions"]
     assert engine["step_ms"] is None and "probed on a CPU, not on a GPU" in engine["reasons"]["step_ms"]
+    # no figure, so no expected error beside its n/a (the row claimed the kind's validated error)
+    assert engine["confidence_text"] == "n/a: step not predicted" and engine["expected_error_pct"] is None
     assert not (run / "probes.json").exists()
 
 

@@ -505,6 +505,9 @@ class Projector:
                           gpus=gpus)
         bound_by, marks = self._marks(t, phases, step_ms, notes)
         conf = dataclasses.replace(conf, marks=tuple(marks))
+        if step_ms is None:  # no figure to weigh: no expected error beside an n/a
+            conf = dataclasses.replace(conf, label="n/a", expected_error_pct=None, max_error_pct=None, cases=None,
+                                       why="step not predicted", reason=f"step not predicted: {reasons.get('step_ms')}")
         pred: dict[str, Any] = {
             "hardware": t.machine if t.hardware is not None else
             f"this ({src.profile['env']['device']}" + (f", {t.threads} thread{'s' * (t.threads > 1)}" if t.threads else "") + ")",
