@@ -194,7 +194,7 @@ def run_steps(recipe: Recipe, ctx, engine, loader, prof, steps: list[dict[str, A
     t = recipe.train
     bar = tqdm(total=t.warmup_steps + t.steps, desc=f"{recipe.output.name}", unit="step",
                disable=ctx.rank != 0, file=sys.stderr, mininterval=progress_interval())
-    no_loss = "on the last stage" if recipe.engine.pipeline_stages > 1 else "n/a"  # rank 0 runs the first one
+    no_loss = "n/a (last stage's)" if recipe.engine.pipeline_stages > 1 else "n/a"  # rank 0 runs the first one
     with prof:
         batches = prof.wrap_loader(loader)
         for step in range(t.warmup_steps + t.steps):
