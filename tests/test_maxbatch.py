@@ -46,10 +46,16 @@ def test_maxbatch_finds_the_largest_micro_batch_under_a_cap(tmp_path):
     assert all(s == "done" for b, s in outcome.items() if b <= best)
     assert all(s == "failed" for b, s in outcome.items() if b > best)
     assert set(tries.loc[tries["status"] == "failed", "failure_kind"]) == {"oom"}
-    # each try's tokens/s says how few steps it stands on (--steps 1: one, so no spread to read)
+    # each try's tokens/s says how few steps it stands on (--steps 1: one, so no spread to read, not 0.0%)
     done = tries[tries["status"] == "done"]
-    assert set(done["steps_used"]) == {1} and set(done["step_spread"]) == {0}
-    assert "differences within the spread are noise" in (out / "maxbatch_tries.md").read_text()
+    assert set(done["steps_used"]) == {1} and done["step_spread"].isna().all()
+    tries_md = (out / "maxbatch_tries.md").read_text()
+    assert "differences within the spread are noise" in tries_md and "| 1 | n/a |" in tries_md
+    # ... and that step ran untraced (the recipe's profile.ops=true would trace every step of a short try)
+    for cell_id in done["cell_id"]:
+        (profile,) = (out / "cells" / cell_id).glob("*/profile.json")
+        steps = json.loads(profile.read_text())["steps"]
+        assert [s["instrumented"] for s in steps if not s["warmup"]] == [[]], steps
     # doubling from 1, then bisection: the powers of two up to the first failure, then the halvings
     doubled = [b for b in sorted(outcome) if b & (b - 1) == 0]
     assert doubled == [2**i for i in range(len(doubled))] and doubled[-1] > best
@@ -75,6 +81,15 @@ def test_maxbatch_on_a_cpu_without_a_memory_cap_is_refused(tmp_path, cli):
     assert "needs train.memory_cap_gb" in proc.stderr and re.search(r"this machine has [\d.]+ GiB available",
                                                                       proc.stderr)
     assert "--no-cap" in proc.stderr and not (tmp_path / "mb").exists()
+
+
+def test_nproc_with_a_sweep_file_is_refused(tmp_path, cli):
+    """A sweep file sets its cells' ranks: --nproc beside it is a one-line error, as overrides are, not ignored."""
+    sweep = REPO / "recipes" / "sweeps" / "pretrain_maxbatch_cpu.yaml"
+    proc = cli("maxbatch", sweep, "--nproc", "2", "--out", tmp_path / "mb")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("trainprof: --nproc 2 applies to a recipe") and "`nproc:`" in proc.stderr
+    assert not (tmp_path / "mb").exists()
 
 
 def test_an_interrupted_search_reports_its_best_so_far_marked_partial(tmp_path, cli, monkeypatch):

@@ -47,6 +47,13 @@ def test_zero_recompute_attention_sweep(tmp_path):
         assert (out / f"results.{suffix}").stat().st_size > 0
     md = (out / "results.md").read_text()
     assert "How these figures were measured" in md and "cpu_process_peak_rss" in md  # the meter is named
+    # one measured step each: the rows say so, and show no spread rather than a 0.0% one
+    assert (df["steps_used"] == 1).all() and df["step_spread"].isna().all()
+    assert df["figures"].str.fullmatch(r"all 1 measured step(, every one traced or FLOP-counted)?").all(), df["figures"]
+    # peak memory is the figure each cell's own report.md gives
+    for run_dir, mib in zip(df["run_dir"], df["peak_memory_mib"]):
+        report_md = (REPO / run_dir / "report.md").read_text()
+        assert f"**peak memory**: {mib:,.1f} MiB" in report_md, (run_dir, mib)
 
     cfg = df["overrides"].str.extract(r"engine.zero_stage=(\d) model.recompute=(\w+) model.attention=(\w+)")
     df["zero"], df["recompute"], df["attention"] = cfg[0].astype(int), cfg[1] == "true", cfg[2]

@@ -401,15 +401,17 @@ def test_a_timed_out_cell_keeps_its_partial_figures_and_a_rerun_keeps_the_earlie
     assert f["kind"] == "timeout" and "timeout of 5 s" in f["message"]
     assert re.search(r"; \d+ s elapsed", f["message"])
     assert f["peak_memory_bytes"] == 3 * 2**20  # what the rank recorded as it was stopped
-    assert rec["partial"]["steps"] == 20 and rec["partial"]["values"]["tokens_per_s"] > 0
+    # the figures are medians over the 17 of its 20 measured steps that were not traced: the label counts those
+    assert rec["partial"]["steps"] == 17 and rec["partial"]["values"]["tokens_per_s"] > 0
+    label = "partial: 17 of 20 measured steps (3 traced or FLOP-counted) before it failed"
 
     sweep = Sweep(name="t", path="", recipe_path=str(QUICKSTART), cells=[cell])
     (row,) = sweep_rows(sweep, [rec])
-    assert row["status"] == "failed" and row["figures"] == "partial: 20 measured steps before it failed"
+    assert row["status"] == "failed" and row["figures"] == label
     assert row["tokens_per_s"] == rec["partial"]["values"]["tokens_per_s"] and row["failure_memory_mib"] == 3
     write_sweep_report(tmp_path, sweep, [rec])
     df = pd.read_csv(tmp_path / "results.csv")
-    assert df["figures"].tolist() == ["partial: 20 measured steps before it failed"]
+    assert df["figures"].tolist() == [label]
     assert df["tokens_per_s"].notna().all() and "figures from `partial`" in (tmp_path / "results.md").read_text()
 
     # run again (--retry-failed, or a resume): the first attempt's files are moved aside, not deleted
@@ -418,7 +420,73 @@ def test_a_timed_out_cell_keeps_its_partial_figures_and_a_rerun_keeps_the_earlie
     kept = tmp_path / "cells" / f"{cell.id}.attempt1"
     assert (kept / first.name / "profile.rank0.partial.json").is_file() and (kept / "launch.log").is_file()
     assert again["attempts"] == 2 and again["earlier_attempts"][0]["dir"] == str(kept)
-    assert again["earlier_attempts"][0]["partial"]["steps"] == 20
+    assert again["earlier_attempts"][0]["partial"]["steps"] == 17
+
+
+def test_an_interrupt_after_the_profile_is_written_leaves_the_cell_done(tmp_path, monkeypatch):
+    """Ctrl-C / SIGTERM during what a run does after training (calibration, report files): its profile.json is
+    whole, so the cell is done (noted), not `interrupted` and run again with its figures labelled partial."""
+    import _thread
+    import threading
+
+    from trainprof.sweep import runner
+    from trainprof.sweep.report import sweep_rows
+    from trainprof.sweep.spec import Sweep, make_cell
+    from trainprof.sweep.state import SweepState
+
+    source = REPO / "profiles" / "cpu-x86_64-quickstart_cpu" / "profile.json"
+
+    def calibrates_after_the_profile(recipe, overrides, **_):
+        cell_dir = next(o for o in overrides if o.startswith("output.dir=")).split("=", 1)[1]
+        script = (f"import pathlib, shutil, time; d = pathlib.Path({cell_dir!r}) / 'run'; d.mkdir(parents=True); "
+                  f"(d / 'recipe.yaml').write_text('{{}}'); shutil.copy({str(source)!r}, d / 'profile.json'); "
+                  "time.sleep(120)")  # the calibration the interrupt arrives in
+        return [sys.executable, "-c", script]
+
+    def interrupt_once_the_profile_is_written():
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("cells/*/run/profile.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        _thread.interrupt_main()  # what Ctrl-C does to the sweep's process
+
+    monkeypatch.setattr(runner, "launch_command", calibrates_after_the_profile)
+    cell = make_cell(QUICKSTART, ["train.steps=20"], label="calibrating")[0]
+    state = SweepState(tmp_path / "sweep.json", kind="sweep", name="t", meta={})
+    threading.Thread(target=interrupt_once_the_profile_is_written, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):  # the sweep still stops
+        runner.run_cell(cell, tmp_path, state, timeout_s=100)
+    rec = state.get(cell.key)
+    assert rec["status"] == "done" and rec["partial"] is None and "interrupted after its profile.json" in rec["note"]
+    assert rec["values"]["steps_used"] == 17 and rec["values"]["tokens_per_s"] > 0
+    assert not state.should_run(cell.key)  # a resume does not run it again
+    (row,) = sweep_rows(Sweep(name="t", path="", recipe_path=str(QUICKSTART), cells=[cell]), [rec])
+    assert row["figures"] == "17 of 20 measured steps (3 traced or FLOP-counted)"
+
+
+def test_a_bad_command_line_override_is_named_not_the_first_cell():
+    """`trainprof sweep FILE engine.zero_stage=7`: the command line is wrong, not the file's first cell; an
+    override valid alone but not with a cell names both; a wrong cell is still the cell's."""
+    sweep = REPO / "recipes" / "sweeps" / "zero_recompute_attention_cpu.yaml"
+    with pytest.raises(SweepError) as err:
+        load_sweep(sweep, check_machine=False, extra_overrides=["train.steps=1", "engine.zero_stage=7"])
+    assert str(err.value).startswith("command-line override 'engine.zero_stage=7': recipe key 'engine.zero_stage'")
+    assert "cell" not in str(err.value)
+    with pytest.raises(SweepError) as err:  # fine on the base recipe (ZeRO-3), not with the ZeRO-0 cells
+        load_sweep(sweep, check_machine=False, extra_overrides=["engine.offload=optimizer+params"])
+    assert str(err.value).startswith("command-line override 'engine.offload=optimizer+params' with sweep file")
+    assert "cell 'zero_stage=0 recompute=false attention=eager'" in str(err.value)
+
+
+def test_shipped_cpu_sweeps_time_untraced_steps():
+    """The CPU sweep tables compare cells by tokens/s: their medians must not be a single step left over from
+    operator tracing (pretrain_methods_cpu traced 3 of its 4 steps). maxbatch files: its tries set it."""
+    for path in SWEEPS:
+        if not (path.stem.endswith("_cpu") and path.read_text().startswith("# trainprof sweep ")):
+            continue
+        for cell in load_sweep(path, check_machine=False).cells:
+            recipe = load_recipe(cell.recipe_path, cell.overrides)
+            assert not recipe.profile.ops, (path.name, cell.label)
 
 
 def test_a_sigterm_names_what_sent_it(monkeypatch):

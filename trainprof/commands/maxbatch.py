@@ -27,14 +27,18 @@ def _maxbatch(args: argparse.Namespace) -> int:
     if is_sweep_file(args.target):
         if args.overrides:
             raise UserError("overrides go into the sweep file's `overrides:` list, not on the command line")
+        if args.nproc is not None:
+            raise UserError(f"--nproc {args.nproc} applies to a recipe; a sweep file sets its ranks per try with "
+                            "`nproc:` (top level, or per cell), not on the command line")
         sweep = load_sweep(args.target)
         configs = [(c.label, c.recipe_path, c.overrides, c.nproc, c.nnodes) for c in sweep.cells]
         name, timeout = sweep.name, float(args.timeout or sweep.timeout_s)
     else:
-        _, recipe = make_cell(args.target, args.overrides, label="check", nproc=args.nproc)
+        nproc = args.nproc or 1
+        _, recipe = make_cell(args.target, args.overrides, label="check", nproc=nproc)
         check_environment(recipe, cuda_available=torch.cuda.is_available())
         label = " ".join(args.overrides) or Path(args.target).stem
-        configs = [(label, args.target, list(args.overrides), args.nproc, 1)]
+        configs = [(label, args.target, list(args.overrides), nproc, 1)]
         name, timeout = recipe.output.name, float(args.timeout or 1800)
     cuda = torch.cuda.is_available()
     for label, path, overrides, nproc, nnodes in configs:  # the largest try validates and launches too
@@ -66,7 +70,8 @@ def _maxbatch(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         interrupted = True
     notes = [
-        "a try is a fresh process (torchrun for several ranks) with train.micro_batch_size set"
+        "a try is a fresh process (torchrun for several ranks) with train.micro_batch_size set, profile.ops=false "
+        "(an operator-traced step runs slower)"
         + (f", train.steps={args.steps} and train.warmup_steps=1" if args.steps else "")
         + "; it fits when it finishes all its steps",
         "does not fit: failure kind oom (CUDA out of memory, or on CPU peak RSS over train.memory_cap_gb, checked "
@@ -74,7 +79,8 @@ def _maxbatch(args: argparse.Namespace) -> int:
         f"search: doubling from {args.start} until a failure (or --max {args.max}), then bisection between the "
         "last fit and the first failure",
         "tokens/s, step ms and peak memory are those of the try at the max; memory meter as in its profile.json",
-        "a try's tokens/s is the median of its few measured steps (maxbatch_tries: how many, and how far apart): "
+        "a try's tokens/s is the median of its few measured steps (maxbatch_tries: how many, and how far apart, "
+        "(max - min) / median, n/a for one step): "
         "it finds what fits, not which size is fastest; differences within the spread are noise, and "
         "`trainprof sweep` over the sizes that fit, with more steps, compares their speed",
     ]
@@ -111,7 +117,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        "Zhang et al.'s (arXiv 2311.03687) max-batch table). Resumable: tries already made are not run again.")
     p.add_argument("target", help="recipe YAML, or a sweep YAML (recipes/sweeps/)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides (recipe only)")
-    p.add_argument("--nproc", type=positive_int, default=1, help="ranks per try (recipe only; default 1)")
+    p.add_argument("--nproc", type=positive_int, help="ranks per try (recipe only, a sweep file sets its own; "
+                   "default 1)")
     p.add_argument("--start", type=positive_int, default=1, help="first micro batch tried (default 1)")
     p.add_argument("--max", type=positive_int, default=1024, help="largest micro batch tried (default 1024)")
     p.add_argument("--steps", type=non_negative_int, default=2, help="measured steps per try, after 1 warm-up step "

@@ -82,9 +82,10 @@ def counts_as_oom(record: dict[str, Any]) -> bool:
 
 
 def try_overrides(batch: int, steps: int) -> list[str]:
-    """Overrides of one try: the micro batch, and (steps > 0) a short run: peak memory is reached in the
-    first steps, once optimizer states exist."""
-    extra = [f"train.micro_batch_size={batch}"]
+    """Overrides of one try: the micro batch, no operator trace (a traced step runs slower, and a try's few
+    steps would all be traced ones, so its tokens/s would be theirs), and (steps > 0) a short run: peak
+    memory is reached in the first steps, once optimizer states exist."""
+    extra = [f"train.micro_batch_size={batch}", "profile.ops=false"]
     if steps > 0:
         extra += [f"train.steps={steps}", "train.warmup_steps=1"]
     return extra

@@ -23,6 +23,7 @@ from typing import Any
 
 from trainprof.phases import PHASES
 from trainprof.io import dig
+from trainprof.report.rundir import run_peak_memory
 from trainprof.sweep.launch import GRACE_S, Launch
 
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
@@ -37,17 +38,26 @@ def find_run_dir(cell_dir: Path) -> Path | None:
 
 
 def _peak_memory(summary: dict[str, Any], env: dict[str, Any]) -> tuple[int | None, str | None]:
-    """(bytes, method): the run's peak memory: the step profiler's per-phase peaks where it ran, else
-    summary.peak_memory_bytes_max (the runner's peak over the run)."""
-    per_phase = summary.get("peak_memory_bytes")
-    if isinstance(per_phase, dict):
-        values = [v for v in per_phase.values() if v is not None]
-        if values:
-            method = summary.get("peak_memory_method") or env.get("memory_meter")
-            return int(max(values)), f"max over the forward, backward and optimizer phases of: {method}"
-    if summary.get("peak_memory_bytes_max") is not None:
-        return int(summary["peak_memory_bytes_max"]), summary.get("memory_meter") or env.get("memory_meter")
-    return None, None
+    """(bytes, method): the run's peak memory as its report states it (report/rundir.py run_peak_memory: the
+    runner's lifetime peak, highest rank, else the largest per-phase peak), so a sweep row and the run's
+    report.md give one figure."""
+    peak = run_peak_memory(summary)
+    if peak is None:
+        return None, None
+    if summary.get("peak_memory_bytes_max"):
+        meter = summary.get("memory_meter") or env.get("memory_meter") or "meter not recorded"
+        return peak, f"peak over the run, highest rank (the run report's peak memory): {meter}"
+    method = summary.get("peak_memory_method") or env.get("memory_meter") or "method not recorded"
+    return peak, f"largest phase peak (the run report's peak memory): {method}"
+
+
+def step_counts(profile: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(measured, traced): how many measured steps the profile lists, and how many of those an operator
+    trace (or its Kineto warm-up) or FLOP counting slowed; (None, None) where it lists no steps."""
+    steps = [s for s in profile.get("steps") or [] if isinstance(s, dict) and not s.get("warmup")]
+    if not steps:
+        return None, None
+    return len(steps), sum(bool(s.get("instrumented")) for s in steps)
 
 
 def metrics_row(profile: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
@@ -69,10 +79,16 @@ def metrics_row(profile: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
     methods["tokens_per_s"] = s.get("tokens_per_s_method") or s.get("tokens_per_s_scope") or \
         "global tokens per optimizer step / median step wall time"
     values["step_ms"] = dig(s, "step_ms", "median")
-    # how far apart a run's measured steps were: a few steps' median is no firmer than this
+    # how many steps the figures stand on, and how far apart they were: a few steps' median is no firmer
     values["steps_used"] = s.get("steps_used")
+    values["steps_measured"], values["steps_instrumented"] = step_counts(profile)
     lo, hi = dig(s, "step_ms", "min"), dig(s, "step_ms", "max")
-    values["step_spread"] = (hi - lo) / values["step_ms"] if None not in (lo, hi) and values["step_ms"] else None
+    one_step = values["steps_used"] is not None and values["steps_used"] < 2  # min = max: no spread, not 0%
+    values["step_spread"] = None if one_step or None in (lo, hi) or not values["step_ms"] else \
+        (hi - lo) / values["step_ms"]
+    if values["step_spread"] is None:
+        why["step_spread"] = "fewer than 2 steps used: no spread to read" if one_step else \
+            "profile.json has no step time range"
     methods["step_ms"] = (f"median measured step wall time, {env.get('timer', '?')} timer"
                           + (f" ({meas['timer']})" if meas.get("timer") else ""))
     mem, mem_method = _peak_memory(s, env)

@@ -18,7 +18,8 @@ METRIC_COUNTS = {
                              "as their codes, scales and code books): a part of model states, not grads, params or "
                              "fp32 master copies"),
 }
-METRIC_LABELS = {"tokens_per_s": "tokens/s", "step_ms": "step ms", "peak_memory_mib": "peak memory",
+METRIC_LABELS = {"tokens_per_s": "tokens/s", "step_ms": "step ms", "step_spread": "step spread",
+                 "peak_memory_mib": "peak memory",
                  "achieved_tflops": "achieved TFLOP/s", "mfu": "MFU", "phases_ms": "phase split"}
 
 COLUMNS = [
@@ -28,6 +29,8 @@ COLUMNS = [
     Column("figures", "figures from", fmt_text),
     Column("tokens_per_s", "tokens/s", fmt_num(0)),
     Column("step_ms", "step ms", fmt_num(1)),
+    Column("steps_used", "steps used", fmt_text),
+    Column("step_spread", "step spread", fmt_pct),
     Column("peak_memory_mib", "peak memory MiB", fmt_num(0)),
     Column("peak_forward_mib", "peak forward MiB", fmt_num(0)),
     Column("peak_backward_mib", "peak backward MiB", fmt_num(0)),
@@ -44,6 +47,7 @@ COLUMNS = [
     Column("signal", "signal", fmt_text),
     Column("failure_memory_mib", "memory at failure MiB", fmt_num(0)),
     Column("failure_message", "failure message", fmt_text),
+    Column("note", "note", fmt_text),
     Column("cell_id", "cell id", fmt_text),
     Column("overrides", "overrides", fmt_text),
     Column("run_dir", "run dir", fmt_text),
@@ -61,11 +65,12 @@ def sweep_rows(sweep: Sweep, records: list[dict[str, Any] | None]) -> list[dict[
         row.update(rec.get("values") or {})
         partial = rec.get("partial")
         if rec.get("status") == "done":
-            row["figures"] = "all steps"
+            row["figures"] = figures_from(rec.get("values") or {})
         elif partial:  # what a failed or stopped cell measured, never its status
             row.update(partial.get("values") or {})
             how = "was interrupted" if rec.get("status") == "interrupted" else "failed"
-            row["figures"] = f"partial: {partial['steps']} measured steps before it {how}"
+            row["figures"] = f"partial: {figures_from(partial.get('values') or {})} before it {how}"
+        row["note"] = rec.get("note")
         row["world_size"] = cell.world_size
         f = rec.get("failure")
         if f:
@@ -74,6 +79,20 @@ def sweep_rows(sweep: Sweep, records: list[dict[str, Any] | None]) -> list[dict[
                        failure_message=f.get("message"), failure_memory_mib=None if mem is None else mem / 2**20)
         rows.append(row)
     return rows
+
+
+def figures_from(values: dict[str, Any]) -> str:
+    """Which steps a row's figures stand on, e.g. "1 of 4 measured steps (3 traced or FLOP-counted)": the
+    steps used are the measured ones no operator trace or FLOP count slowed, or all where every one was."""
+    used, measured, slowed = values.get("steps_used"), values.get("steps_measured"), values.get("steps_instrumented")
+    if used is None:
+        return "steps not recorded"
+    if measured is None:
+        return f"{used} measured step{'s' if used != 1 else ''}"
+    if used == measured:
+        every = ", every one traced or FLOP-counted" if slowed == measured and slowed else ""
+        return f"all {measured} measured step{'s' if measured != 1 else ''}{every}"
+    return f"{used} of {measured} measured steps ({slowed} traced or FLOP-counted)"
 
 
 def measurement_notes(records: list[dict[str, Any] | None], labels: dict[str, str]) -> list[str]:
@@ -101,9 +120,13 @@ def measurement_notes(records: list[dict[str, Any] | None], labels: dict[str, st
     for (key, text), cells in reasons.items():
         which = ", ".join(cells[:3]) + (f" and {len(cells) - 3} more" if len(cells) > 3 else "")
         notes.append(f"{labels.get(key, key)} n/a ({which}): {text}")
+    notes.append("figures from: the measured steps the figures are medians over: those without operator tracing "
+                 "(or its warm-up) and FLOP counting, which slow a step, unless every measured step had them; "
+                 "steps used counts them, and step spread is their (max - min) / median, n/a under 2 steps")
     notes.append("memory at failure: the failing rank's peak memory as it recorded it in failure-rank<N>.json "
-                 "(same meter as peak memory; for a timeout, the highest any rank recorded when it was stopped); n/a "
-                 "for a rank killed by a signal, which records nothing")
+                 "(peak memory's meter, over the window since the step profiler last reset it; for a timeout, the "
+                 "highest any rank recorded when it was stopped); n/a for a rank killed by a signal, which records "
+                 "nothing")
     if any(rec and rec.get("status") != "done" and rec.get("partial") for rec in records):
         notes.append("figures from `partial`: a cell that failed or was stopped, measured over the steps it finished "
                      "(its ranks' profile.rank<N>.partial.json, or their journals, as `trainprof report` reads a "
@@ -140,7 +163,7 @@ def write_sweep_chart(path: Path, rows: list[dict[str, Any]], notes: list[str]) 
                              sharey=True)
     y = list(range(len(rows)))
     for ax, key, title in ((axes[0], "tokens_per_s", "tokens/s (global)"),
-                           (axes[1], "peak_memory_mib", "peak memory per rank, MiB (hatched: at failure)")):
+                           (axes[1], "peak_memory_mib", "peak memory, highest rank, MiB (hatched: at failure)")):
         values = [r.get(key) or 0 for r in rows]
         ax.barh(y, values, color="#4c72b0")
         if key == "peak_memory_mib":  # a failed cell's memory when it failed, where its rank recorded it

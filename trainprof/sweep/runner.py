@@ -2,7 +2,8 @@
 state file.
 
 A finished cell (done or failed) is never run again; a cell interrupted by Ctrl-C / SIGTERM is marked
-`interrupted` and runs again on the next invocation. Every cell writes under <out>/cells/<cell id>/:
+`interrupted` and runs again on the next invocation, unless it had written its whole profile.json (the
+stop came during calibration or the report files): that cell is done, with a note. Every cell writes under <out>/cells/<cell id>/:
 launch.log (torchrun's or the single rank's output) and the run dir trainprof.run makes there. A cell
 run again (resumed, retried) first moves its earlier attempt's dir aside to <cell id>.attempt<N>/: what
 that attempt measured is kept, never deleted. A cell that failed or was stopped after some measured
@@ -68,7 +69,7 @@ def keep_earlier_attempt(out_dir: Path, cell: Cell, previous: dict[str, Any]) ->
             new = out_dir / "cells" / f"{stale}.attempt{attempt}-{n}"
         old.rename(new)
         partial = previous.get("partial") or {}
-        measured = f", {partial['steps']} measured steps" if partial.get("steps") else ""
+        measured = f", figures from {partial['steps']} steps" if partial.get("steps") else ""
         kept.append({"attempt": attempt, "dir": str(new), "status": previous.get("status"),
                      "partial": previous.get("partial")})
         _say(f"trainprof: cell '{cell.label}': attempt {attempt} ({previous.get('status', 'unfinished')}"
@@ -85,26 +86,43 @@ def partial_figures(run_dir: Path | None) -> dict[str, Any] | None:
         run = load_run(run_dir)
     except Exception:  # noqa: BLE001  the failure matters more than what it left half-written
         return None
-    steps = len(run.measured_steps)
-    if run.profile is None or not steps:
+    if run.profile is None or not run.measured_steps:
         return None
     values, methods, why = metrics_row(run.profile)
-    return {"steps": steps, "reason": run.profile.get("partial_reason"), "source": run.source,
-            "values": values, "methods": methods, "null_reasons": why}
+    if values["steps_measured"] is None:
+        values["steps_measured"] = len(run.measured_steps)
+    # `steps`: what the figures stand on (medians over the untraced steps), not every step it measured
+    return {"steps": values["steps_used"] or values["steps_measured"], "reason": run.profile.get("partial_reason"),
+            "source": run.source, "values": values, "methods": methods, "null_reasons": why}
+
+
+def complete_profile(run_dir: Path | None) -> tuple[dict[str, Any] | None, str | None]:
+    """(profile, why not): the run's profile.json when it is there, readable and not partial."""
+    path = run_dir / "profile.json" if run_dir else None
+    if path is None or not path.is_file():
+        return None, None
+    try:
+        profile = read_profile_file(path)
+    except (UserError, RunDirError) as err:  # a cut-short or foreign file fails this cell, not the sweep
+        return None, str(err)
+    if profile.get("partial"):
+        return None, f"{path} is a partial profile"
+    return profile, None
 
 
 def run_cell(cell: Cell, out_dir: Path, state: SweepState, *, timeout_s: float) -> dict[str, Any]:
     """Launch one cell, wait for it (or its timeout), record done / failed in the state file.
 
     Raises:
-        KeyboardInterrupt: after recording the cell as interrupted, when the sweep was interrupted.
+        KeyboardInterrupt: after recording the cell (interrupted, or done when its profile.json was whole),
+            when the sweep was interrupted.
     """
     cell_dir = out_dir / "cells" / cell.id
     previous = state.get(cell.key) or {}
     earlier = keep_earlier_attempt(out_dir, cell, previous)  # an unfinished or retried attempt (maybe relabeled)
     state.update(cell.key, {**cell.to_dict(), "status": "running", "started": now(), "finished": None,
                            "attempts": previous.get("attempts", 0) + 1, "run_dir": None, "values": None,
-                           "methods": None, "null_reasons": None, "failure": None, "partial": None,
+                           "methods": None, "null_reasons": None, "failure": None, "partial": None, "note": None,
                            "earlier_attempts": earlier or None})
     # the run dir is named after the cell (as its TensorBoard run and report title are), unless the cell names it
     named = any(o.startswith("output.name=") for o in cell.overrides)
@@ -115,20 +133,20 @@ def run_cell(cell: Cell, out_dir: Path, state: SweepState, *, timeout_s: float) 
     run_dir = find_run_dir(cell_dir)
     common = {"finished": now(), "elapsed_s": round(result.elapsed_s, 1), "log": result.log,
               "run_dir": str(run_dir) if run_dir else None}
+    profile, unreadable = complete_profile(run_dir)
+    # training finished and its profile.json is whole: a stop after it (calibration, report files) loses no figure
+    if profile is not None and (result.returncode == 0 or result.interrupted):
+        values, methods, why = metrics_row(profile)
+        note = "interrupted after its profile.json was written: calibration.json or later files may be missing" \
+            if result.interrupted else None
+        rec = state.update(cell.key, {**common, "status": "done", "values": values, "methods": methods,
+                                      "null_reasons": why, "note": note})
+        if result.interrupted:
+            raise KeyboardInterrupt
+        return rec
     if result.interrupted:
         state.update(cell.key, {**common, "status": "interrupted", "partial": partial_figures(run_dir)})
         raise KeyboardInterrupt
-    profile_path = run_dir / "profile.json" if run_dir else None
-    unreadable = None
-    if result.returncode == 0 and profile_path is not None and profile_path.is_file():
-        try:
-            profile = read_profile_file(profile_path)
-        except (UserError, RunDirError) as err:  # a cut-short or foreign file fails this cell, not the sweep
-            unreadable = str(err)
-        else:
-            values, methods, why = metrics_row(profile)
-            return state.update(cell.key, {**common, "status": "done", "values": values, "methods": methods,
-                                          "null_reasons": why})
     failure = failure_record(result, run_dir, cell.world_size)
     if result.returncode == 0 and failure["kind"] == "error" and failure["rank"] is None:
         failure["message"] = unreadable or "the launcher exited 0 but the run wrote no profile.json"
@@ -166,7 +184,7 @@ def run_cells(cells: Iterable[Cell], out_dir: Path, state: SweepState, *, timeou
             if rec["status"] == "failed":
                 f = rec["failure"]
                 where = f" rank {f['rank']}" if f.get("rank") is not None else ""
-                kept = f"; its {rec['partial']['steps']} measured steps are kept as partial figures" \
+                kept = f"; its figures from {rec['partial']['steps']} steps are kept, marked partial" \
                     if rec.get("partial") else ""
                 bar.write(f"trainprof: cell '{cell.label}' failed: {f['kind']}{where}: {f['message'][:200]} "
                           f"(log: {rec['log']}){kept}", file=sys.stderr)

@@ -197,6 +197,37 @@ def _variants(raw: Any, matrix: dict[str, list[Any]], default_world: dict[str, i
     return out
 
 
+def _checked_cell(recipe_path: Path, overrides: list[str], label: str, world: dict[str, int], *,
+                  cuda: bool | None) -> Cell:
+    """make_cell, then (cuda not None) the machine rules `trainprof run` applies; RecipeError on a mistake."""
+    cell, recipe = make_cell(recipe_path, overrides, label=label, **world)
+    if cuda is not None:
+        check_environment(recipe, cuda_available=cuda)
+    return cell
+
+
+def _blame(err: RecipeError, recipe_path: Path, own: list[str], extra: list[str], world: dict[str, int], *,
+           cuda: bool | None, cell: str) -> str:
+    """The one-line error of a cell that does not validate, naming what broke it: the first command-line
+    override (`extra`) that makes the valid cell invalid, else the cell (`own`: the file's overrides)."""
+
+    def valid(overrides: list[str]) -> bool:
+        try:
+            _checked_cell(recipe_path, overrides, "check", world, cuda=cuda)
+        except RecipeError:
+            return False
+        return True
+
+    if not extra or not valid(own):
+        return f"{cell}: {err}"
+    bad = next((o for i, o in enumerate(extra) if not valid([*own, *extra[:i + 1]])), None)
+    if bad is None:
+        return f"{cell}: {err}"
+    if valid([bad]):  # fine on the base recipe: it conflicts with this cell's settings
+        return f"command-line override '{bad}' with {cell}: {err}"
+    return f"command-line override '{bad}': {err}"
+
+
 def load_sweep(path: str | Path, *, check_machine: bool = True, cuda_available: bool | None = None,
                extra_overrides: list[str] = ()) -> Sweep:
     """Read a sweep file and validate every cell's recipe before anything runs.
@@ -256,11 +287,12 @@ def load_sweep(path: str | Path, *, check_machine: bool = True, cuda_available: 
     for i, raw in enumerate(raw_cells):
         for label, own, world in _variants(raw, matrix, {"nproc": nproc, "nnodes": nnodes}, f"{where} cell {i + 1}"):
             try:
-                cell, recipe = make_cell(recipe_path, [*common, *own, *extra_overrides], label=label, **world)
-                if check_machine:
-                    check_environment(recipe, cuda_available=bool(cuda))
+                cell = _checked_cell(recipe_path, [*common, *own, *extra_overrides], label, world,
+                                     cuda=bool(cuda) if check_machine else None)
             except RecipeError as err:
-                raise SweepError(f"{where} cell '{label}': {err}") from None
+                raise SweepError(_blame(err, recipe_path, [*common, *own], extra_overrides, world,
+                                        cuda=bool(cuda) if check_machine else None,
+                                        cell=f"{where} cell '{label}'")) from None
             if cell.key in seen:
                 raise SweepError(f"{where}: cells '{seen[cell.key]}' and '{label}' are the same configuration; "
                                  "remove one")
