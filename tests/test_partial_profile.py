@@ -164,3 +164,47 @@ def test_a_journal_written_before_the_hooks_records_became_classes_still_replays
     for layer in layers:  # checkpointed layers: re-run inside backward once a step
         assert layer["forward_ms"] > 0 and layer["backward_ms"] > 0 and layer["recompute_ms"] > 0, layer
         assert layer["calls"] == 1 and layer["recompute_calls"] == 1, layer
+
+
+RAISING_DDP_LOOP = '''
+import torch
+
+torch.set_num_threads(1)
+torch.distributed.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(8, 16), torch.randn(8, 1)
+for step in range(5):  # the first finds the loop, then 1 warm-up and 3 measured
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+raise ValueError("a bug on every rank")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_wrapped_multi_rank_script_that_raises_leaves_each_ranks_partial_profile(tmp_path):
+    """No collective after an exception (another rank may never reach it): each rank writes its own file, in
+    the run dir rank 0 made when it attached, and `trainprof report` merges them."""
+    from trainprof.report.rundir import load_run
+
+    script = tmp_path / "raising_ddp.py"
+    script.write_text(RAISING_DDP_LOOP)
+    out = tmp_path / "runs"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINPROF_OUTPUT_DIR": str(out), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+                           "trainprof.wrap", str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                          env=env)
+    assert proc.returncode != 0 and proc.stderr.count("ValueError: a bug on every rank") >= 2, proc.stderr[-3000:]
+    (run_dir,) = list(out.iterdir())
+    files = sorted(p.name for p in run_dir.iterdir())
+    assert files == ["profile.rank0.partial.json", "profile.rank1.partial.json"], files
+    for rank in (0, 1):
+        assert f"rank {rank}: the script failed; no merged profile" in proc.stderr
+        doc = json.loads((run_dir / f"profile.rank{rank}.partial.json").read_text())
+        assert doc["partial"] is True and doc["partial_reason"].startswith(f"rank {rank}: the script raised ValueError")
+        assert len([s for s in doc["steps"] if not s.get("warmup")]) == 3
+    profile = load_run(run_dir).profile
+    assert profile["partial"] is True and len(profile["ranks"]) == 2

@@ -92,6 +92,14 @@ def test_a_stopped_script_keeps_its_steps_marked_partial_and_exits_as_it_would(s
     assert ("Traceback" in proc.stderr) == (mode != "sigterm"), proc.stderr[-2000:]
 
 
+def test_a_scripts_traceback_reads_as_it_would_unwrapped(stopped_runs):
+    """The script's own frames first: the wrapper's and runpy's above them would read as trainprof crashing."""
+    proc, _ = stopped_runs["raise"]
+    tb = proc.stderr[proc.stderr.index("Traceback (most recent call last):"):].split("ValueError: bad batch")[0]
+    assert 'acc_loop.py", line' in tb.splitlines()[1], tb
+    assert "runpy" not in tb and "trainprof/wrap.py" not in tb, tb
+
+
 def test_wrapped_runs_describe_the_memory_they_measured(stopped_runs):
     """The profiler's per-phase peak is the only memory figure of a wrapped run: no runner measured the
     lifetime high-water mark that `trainprof run` adds."""

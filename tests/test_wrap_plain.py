@@ -79,6 +79,62 @@ print("no step done")
 '''
 
 
+EVAL_LOSS = 100.0  # added to the model's loss in eval mode: no training step's loss comes near it
+EVAL_S = 0.2  # an evaluation pass's sleep: its time must land in the next step's data wait
+TAIL_S = 0.5  # the script's sleep after its loop (a checkpoint save): no step's time
+
+# A loop whose model returns its loss (as an HF model given labels does), with an evaluation pass (grad
+# disabled, larger batches) between two steps; then, as argv[1] says, a tail after the loop or, after the last
+# update, another evaluation pass and one forward with grad enabled that no update follows.
+FINDINGS_LOOP = f'''
+import sys, time, torch
+
+mode = sys.argv[1]
+torch.set_num_threads(1)
+torch.manual_seed(0)
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
+
+    def forward(self, input_ids):
+        logits = self.head(self.emb(input_ids))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), input_ids.flatten())
+        return {{"loss": loss if self.training else loss + {EVAL_LOSS}}}
+
+
+def batch(n):
+    return torch.randint(0, 16, (n, {SEQ}))
+
+
+def evaluate():
+    model.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            model(input_ids=batch(4 * {MICRO}))
+        time.sleep({EVAL_S})
+    model.train()
+
+
+model = Tiny()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range({STEPS + 1}):
+    model(input_ids=batch({MICRO}))["loss"].backward()
+    opt.step()
+    opt.zero_grad()
+    if step == 3:
+        evaluate()
+if mode == "tail":
+    time.sleep({TAIL_S})
+elif mode == "eval":
+    evaluate()
+    model(input_ids=batch({MICRO}))
+print("findings loop done", mode)
+'''
+
+
 def wrap_source(tmp_path, name: str, source: str, nproc: int = 0):
     script = tmp_path / f"{name}.py"
     script.write_text(source)
@@ -124,6 +180,56 @@ def test_a_plain_loop_records_the_workload_that_project_reads(llama_run):
         {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 256}
     assert w["train"] == {"micro_batch_size": MICRO, "grad_accum": ACCUM} and w["data"] == {"seq_len": SEQ}
     assert w["engine"] == {"kind": "torch", "zero_stage": 0, "offload": "none"} and w["unknown"] == {}
+
+
+@pytest.fixture(scope="module")
+def findings_runs(tmp_path_factory) -> dict[str, tuple]:
+    """mode -> (process, output dir) of FINDINGS_LOOP: "tail", "eval", and "warmup" (all steps warm-up)."""
+    runs = {}
+    for mode, options in (("tail", ()), ("eval", ()), ("warmup", ("--warmup-steps", str(STEPS + 5)))):
+        tmp = tmp_path_factory.mktemp(f"findings_{mode}")
+        script = tmp / "findings.py"
+        script.write_text(FINDINGS_LOOP)
+        proc, out = wrap(tmp, str(script), mode, options=options)
+        assert proc.returncode == 0 and f"findings loop done {mode}" in proc.stdout, proc.stderr[-3000:]
+        runs[mode] = proc, out
+    return runs
+
+
+def test_the_scripts_tail_after_its_loop_is_no_steps_time(findings_runs):
+    run_dir, profile = the_run(findings_runs["tail"][1], "findings")
+    last = profile["steps"][-1]
+    # the last step ends at its update (zero_grad), not when the script ends TAIL_S later
+    assert last["wall_ms"] < TAIL_S * 1e3 / 2 and last["phases_ms"]["other"] < TAIL_S * 1e3 / 10, last
+    assert profile["summary"]["step_ms"]["max"] < TAIL_S * 1e3 / 2
+
+
+@pytest.mark.parametrize("mode", ["tail", "eval"])
+def test_evaluation_forwards_are_no_training_and_their_time_is_the_next_steps_data_wait(findings_runs, mode):
+    run_dir, profile = the_run(findings_runs[mode][1], "findings")
+    steps = profile["steps"]
+    assert all(s["tokens"] == MICRO * SEQ for s in steps), [s["tokens"] for s in steps]
+    assert all(s["loss"] < EVAL_LOSS / 2 for s in steps), [s["loss"] for s in steps]
+    # the pass ran after the loop's step 3; its step 4 (profiled index 3: the loop's first step is not profiled)
+    # begins after it, so its data wait holds the pass
+    after_eval = next(s for s in steps if s["step"] == 4 - 1 - WARMUP)
+    assert after_eval["phases_ms"]["data_wait"] >= 0.9 * EVAL_S * 1e3, after_eval
+
+
+def test_forwards_after_the_last_update_make_no_step(findings_runs):
+    proc, out = findings_runs["eval"]
+    run_dir, profile = the_run(out, "findings")
+    measured = [s for s in profile["steps"] if not s.get("warmup")]
+    assert len(profile["steps"]) == STEPS and len(measured) == STEPS - WARMUP, [s["step"] for s in profile["steps"]]
+    assert all(s["phases_ms"]["backward"] > 0 and s["phases_ms"]["optimizer"] > 0 for s in profile["steps"])
+    assert f"{STEPS - WARMUP} measured steps" in proc.stderr and profile["partial"] is False
+
+
+def test_the_warm_up_message_counts_every_optimizer_step(findings_runs):
+    proc, out = findings_runs["warmup"]
+    assert (f"{STEPS + 1} optimizer step(s) seen (the first found the loop, {STEPS} warm-up; warm-up {STEPS + 5})"
+            in proc.stderr), proc.stderr[-2000:]
+    assert not out.exists()
 
 
 @pytest.mark.slow

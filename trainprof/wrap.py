@@ -235,6 +235,28 @@ class Wrapper:
         for close in self.closers:
             close()
 
+    def finish_alone(self, partial_reason: str, rank: int) -> None:
+        """After a failure under several ranks: each session writes this rank's partial profile, with no
+        collective (another rank may never reach one), and one line says what was written."""
+        for session in self.sessions:
+            if session.prof is None or session.finished:
+                continue
+            try:
+                written = session.finish_alone(partial_reason)
+            except Exception as err:  # noqa: BLE001  the script's failure is the news, not its profile's
+                written, why = None, f"{type(err).__name__}: {err}"
+            else:
+                why = "no run dir from rank 0 or no measured step"
+            if written is not None:
+                print(f"trainprof: rank {rank}: the script failed; no merged profile (other ranks may not reach "
+                      f"the merge); this rank's finished steps are in {written} (`trainprof report "
+                      f"{written.parent}` merges the ranks' files)", file=sys.stderr)
+            else:
+                print(f"trainprof: rank {rank}: the script failed; nothing written for this rank ({why})",
+                      file=sys.stderr)
+        for close in self.closers:
+            close()
+
 
 def exit_code(err: SystemExit) -> int:
     """What the interpreter would exit with for sys.exit(code)."""
@@ -277,7 +299,7 @@ def run_script(script: str, args: list[str], wrapper: Wrapper) -> int:
         if isinstance(err, Terminated):  # a signal, not a bug: where the script was is not the news
             print(f"trainprof wrap: {script} {err}", file=sys.stderr)
         else:
-            traceback.print_exc()
+            print_users_traceback(err, str(path))
         failed, partial = True, stopped_because(err)
         code = exit_code_of(err)
     finally:
@@ -296,12 +318,18 @@ def run_script(script: str, args: list[str], wrapper: Wrapper) -> int:
                   "the HF Trainer, a Lightning Trainer or an Accelerator, and no torch.optim optimizer step updated "
                   "a module it called; in your own loop, use trainprof.Profiler (README: 'In your own training "
                   "loop')", file=sys.stderr)
-    elif any(s.prof is not None and not s.finished for s in wrapper.sessions):
-        print("trainprof: the script failed; no merged profile written (other ranks may not reach the merge)",
-              file=sys.stderr)
-        for session in wrapper.sessions:
-            session.drop_trace_staging()
+    else:
+        wrapper.finish_alone(partial, torch.distributed.get_rank())
     return code
+
+
+def print_users_traceback(err: BaseException, script: str) -> None:
+    """Print `err`'s traceback as the script run unwrapped would: from its first frame in `script` (the
+    wrapper's and runpy's frames above it are not the user's news); none where it never ran (a syntax error)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != script:
+        tb = tb.tb_next
+    traceback.print_exception(type(err), err, tb)
 
 
 def exit_code_of(err: BaseException) -> int:

@@ -5,8 +5,8 @@ batches) being one profiled step.
 Steps are marked as in any loop trainprof does not drive (integrations/loop.py, `LoopRun`): the inner
 torch optimizer's step says the update ran (AcceleratedOptimizer skips it on accumulating micro batches),
 and the step ends at the next batch fetched from a prepared DataLoader, else at the next forward, else
-when the script ends. Accelerate's own code inside a step is the "other" phase; DDP's gradient
-all-reduce is recorded.
+at its last region when the script ends first; a forward with grad disabled (evaluation) begins no step.
+Accelerate's own code inside a step is the "other" phase; DDP's gradient all-reduce is recorded.
 
 DeepSpeed plugin: Accelerate builds the engine with `deepspeed.initialize`, which `trainprof.wrap`
 instruments (integrations/deepspeed.py: forward, backward and the engine's step are phases, the engine

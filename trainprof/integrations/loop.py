@@ -3,10 +3,16 @@
 
 What marks a step: the torch optimizer's step (a step post hook) says the step's update ran; the step
 then ends where the loop goes on: at the next batch fetch that the run times (so `scheduler.step()` and
-`zero_grad()` after the update stay in the step), or at the next forward of the model, or when the
-script ends. The next forward begins the next step; the time between (the batch fetch) is data wait, and
-a later micro batch's fetch inside a step is data wait too. The loop's own code inside a step is the
-"other" phase. DDP's gradient all-reduce is recorded (the Profiler's `watch_ddp`).
+`zero_grad()` after the update stay in the step), or at the next forward of the model; when the script
+ends first, at its last region (the update, or `zero_grad` after it), so the script's tail is no step's.
+The next forward begins the next step; the time between (the batch fetch) is data wait, and a later
+micro batch's fetch inside a step is data wait too. The loop's own code inside a step is the "other"
+phase. DDP's gradient all-reduce is recorded (the Profiler's `watch_ddp`).
+
+Evaluation: a forward with grad disabled (`torch.no_grad()`, `inference_mode`) trains nothing. It ends a
+step whose update ran, as any forward does, but begins none, and its loss and tokens are not recorded;
+between two steps its time is the next step's data wait (the time since the last step ended), inside a
+step its module times are forward.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ class LoopRun:
         self.optimizer: Any = None
         self.stepped = False  # the current step's optimizer update ran
         self.fetch: tuple[Any, Any] | None = None  # (start, end) stamps of the last batch fetch
+        self.evaluating = False  # the model's forward in progress runs with grad disabled
+        self._tokens_before: int | None = None  # the step's tokens before that forward
 
     def attach(self, model: torch.nn.Module, optimizer: Any, config: dict[str, Any]) -> None:
         """Profile `model` (the module the loop calls) and `optimizer` (a torch optimizer, or a wrapper
@@ -57,14 +65,25 @@ class LoopRun:
 
     def _on_forward(self, module: Any, args: Any) -> None:
         self._step_over()
+        self.evaluating = not torch.is_grad_enabled()
         if not self.session.in_step:
-            self.session.begin_step()
+            if not self.evaluating:
+                self.session.begin_step()
         elif self.fetch is not None:  # a later micro batch of the step: its fetch was data wait
             self.session.mark_data_wait(self.fetch[0])
         self.fetch = None
+        self._tokens_before = self.session.tokens_seen() if self.evaluating else None
 
     def _on_output(self, module: Any, args: Any, output: Any) -> None:
+        if self._evaluated():
+            return
         self.session.record(loss=_loss_of(output))
+
+    def _evaluated(self) -> bool:
+        """Whether the forward that just ran had grad disabled; if so, its tokens are forgotten."""
+        if self.evaluating:
+            self.session.uncount_tokens(self._tokens_before)
+        return self.evaluating
 
     def timed_fetch(self, fetch: Callable[[], Any]) -> Any:
         """`fetch()` (the loop's next batch), stamped: the step whose update ran is over, and a later

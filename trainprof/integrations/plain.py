@@ -58,6 +58,8 @@ class PlainLoopRun(LoopRun):
             self.undo.pop()()
 
     def _on_output(self, module: Any, args: Any, output: Any) -> None:
+        if self._evaluated():
+            return
         loss = _loss_of(output)
         self._output_loss = loss is not None
         self.session.record(loss=loss)
@@ -142,6 +144,7 @@ class PlainLoopWatch:
         self.run = PlainLoopRun(self.make_session())
         self.run.attach(model, optimizer, {"world_size": _world_size()})
         self.run.stepped = True  # this step's update ran: the next batch or forward goes on from it
+        self.run.session.updates_unprofiled = 1  # this one, which found the loop
 
     def _remove_hooks(self) -> None:
         for handle in (self._pre_handle, self._post_handle, self._step_handle):

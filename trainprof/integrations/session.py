@@ -52,8 +52,10 @@ class ProfileSession:
         self._other_cm = None
         self._last_end = None  # timer stamp of the previous step's end: the next step's data wait starts there
         self.updates = 0  # optimizer steps whose update ran (end_step calls)
+        self.updates_unprofiled = 0  # steps the script ran before a step could begin (a plain loop's first)
         self.open_step_updated = False  # set by an integration that ends a step only when the loop goes on
         self.finished = False
+        self._reserved: Path | None = None  # rank 0's run dir, made at attach under several ranks (see _reserve_run_dir)
 
     # -- attaching and steps -----------------------------------------------------------------------
 
@@ -86,6 +88,7 @@ class ProfileSession:
         kwargs.update(profiler_kwargs)
         self.model = model
         self.prof = Profiler(model, optimizer, time_optimizer=time_optimizer, **kwargs)
+        self._reserve_run_dir()
 
     @property
     def in_step(self) -> bool:
@@ -111,7 +114,10 @@ class ProfileSession:
         self.updates += 1
         self._close_step()
 
-    def _close_step(self) -> None:
+    def _close_step(self, *, at: Any = None) -> None:
+        """Close the open step now, or at `at` (an earlier stamp of this step: where its work ended)."""
+        if at is not None:
+            self.prof.end_step_at(at)
         if self._other_cm is not None:
             self._other_cm.__exit__(None, None, None)
             self._other_cm = None
@@ -148,6 +154,15 @@ class ProfileSession:
         if self.prof is not None and self._step_cm is not None:
             self.prof.record(loss=loss, tokens=tokens)
 
+    def tokens_seen(self) -> int | None:
+        """The `input_ids` elements the recorded step's forwards saw so far (None outside one)."""
+        return self.prof.log.tokens_seen if self.prof is not None and self.prof.log.active else None
+
+    def uncount_tokens(self, since: int | None) -> None:
+        """Forget the tokens seen after `since` (a `tokens_seen()`): a forward that trained on none."""
+        if since is not None and self.prof.log.active:
+            self.prof.log.tokens_seen = since
+
     # -- the run dir -------------------------------------------------------------------------------
 
     def finish(self, *, partial_reason: str | None = None) -> Path | None:
@@ -162,20 +177,76 @@ class ProfileSession:
         if self.prof is None or self.finished:
             return None
         prof = self.prof
-        open_updated = self.in_step and self.open_step_updated  # a step its integration ends lazily (Accelerate)
-        updates = self.updates + open_updated
-        cut_short = self.in_step and not open_updated and partial_reason is not None
-        recorded = len(prof.steps)
-        if self.in_step:
-            self._close_step()
-        if cut_short and len(prof.steps) > recorded:
-            prof.discard_last_step()  # stopped inside a step, before its update: not a step
-        self.finished = True
-        prof.close()
+        updates = self._stop()
         try:
             return self._write(prof, updates, partial_reason)
         finally:
             self.drop_trace_staging()
+
+    def _stop(self) -> int:
+        """Close the open step and the profiler; returns the optimizer steps seen."""
+        prof = self.prof
+        open_updated = self.in_step and self.open_step_updated  # a step its integration ends lazily (Accelerate)
+        updates = self.updates + open_updated
+        no_update = self.in_step and not open_updated  # cut short, or a forward after the last update
+        recorded = len(prof.steps)
+        if self.in_step:
+            # a step whose update ran ends where its last region (the update, zero_grad) did: what the script
+            # did after its loop (saving, logging, DataLoader workers shutting down) is no step's time
+            self._close_step(at=self.last_stamp() if open_updated else None)
+        if no_update and len(prof.steps) > recorded:
+            prof.discard_last_step()  # no update ran in it: not a step
+        self.finished = True
+        prof.close()
+        return updates
+
+    def finish_alone(self, partial_reason: str) -> Path | None:
+        """After a failure under several ranks (another rank may never reach a collective): write this
+        rank's finished steps to <run dir>/profile.rank<N>.partial.json, with no collective, in the run dir
+        rank 0 made at attach (`trainprof report RUN_DIR` merges the ranks' files). Returns that file, or
+        None (no rank-0 run dir known, no measured step)."""
+        from trainprof.io import atomic_write_json
+
+        if self.prof is None or self.finished:
+            return None
+        prof = self.prof
+        self._stop()
+        self.drop_trace_staging()
+        run_dir = self._reserved if self._reserved is not None else _shared_run_dir(self.name)
+        if run_dir is None or not any(not s.warmup for s in prof.steps):
+            self._drop_reserved()
+            return None
+        doc = prof.rank_result()
+        doc.update(partial=True, partial_reason=f"rank {prof.rank}: {partial_reason}")
+        run_dir.mkdir(parents=True, exist_ok=True)  # rank 0 made it; a later run may have cleaned it
+        out = run_dir / f"profile.rank{prof.rank}.partial.json"
+        atomic_write_json(out, doc)
+        return out
+
+    def _reserve_run_dir(self) -> None:
+        """Under several ranks, rank 0 makes the run dir now and leaves its path in the process group's
+        store (a key, no collective), so that after a failure each rank can write its partial profile
+        there alone (`finish_alone`). A normal finish uses it too."""
+        from trainprof.layout import new_run_dir
+
+        store = _default_store()
+        if store is None or self.prof.rank != 0:
+            return
+        try:
+            self._reserved = new_run_dir(self.output_dir, self.name)
+            store.set(_run_dir_key(self.name), str(self._reserved))
+        except OSError:
+            return  # said at the end, where the run dir is made (_new_run_dir)
+        except RuntimeError:
+            return  # the store is unreachable: the other ranks cannot find it after a failure, rank 0 still can
+
+    def _drop_reserved(self) -> None:
+        """Remove the run dir made at attach if nothing went into it (no rank had a step to write)."""
+        if self._reserved is not None:
+            try:
+                self._reserved.rmdir()
+            except OSError:
+                pass  # another rank wrote its file there
 
     def drop_trace_staging(self) -> None:
         """Remove the temporary dir the operator traces were written to (moved into the run dir by then, or
@@ -194,8 +265,9 @@ class ProfileSession:
 
         if updates == 0 or not any(not s.warmup for s in prof.steps):
             if prof.rank == 0:
-                print(f"trainprof: no run dir written: {no_measured_step(updates, self.warmup_steps)}",
-                      file=sys.stderr)
+                why = no_measured_step(updates, self.warmup_steps, unprofiled=self.updates_unprofiled)
+                print(f"trainprof: no run dir written: {why}", file=sys.stderr)
+                self._drop_reserved()
             return None
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.run_dir = self._new_run_dir(dist, prof.rank)
@@ -236,7 +308,9 @@ class ProfileSession:
         from trainprof.layout import new_run_dir
 
         box: list[Any] = [None]
-        if rank == 0:
+        if rank == 0 and self._reserved is not None:
+            box[0] = str(self._reserved)
+        elif rank == 0:
             try:
                 box[0] = str(new_run_dir(self.output_dir, self.name))
             except OSError as err:
@@ -271,10 +345,47 @@ class ProfileSession:
             return None
 
 
-def no_measured_step(updates: int, warmup_steps: int) -> str:
-    """Why a session measured no step, in words."""
-    if updates == 0:
+def _default_store() -> Any:
+    """The default process group's key-value store under several ranks, else None."""
+    import torch
+
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):  # a private helper: gone in some torch, or no store
+        return None
+
+
+def _run_dir_key(name: str) -> str:
+    return f"trainprof/run_dir/{name}"
+
+
+def _shared_run_dir(name: str) -> Path | None:
+    """The run dir rank 0 made for the session `name` at attach, read from the store without waiting."""
+    store = _default_store()
+    key = _run_dir_key(name)
+    try:
+        return Path(store.get(key).decode()) if store is not None and store.check([key]) else None
+    except (RuntimeError, ValueError):  # the store's host is gone
+        return None
+
+
+def no_measured_step(updates: int, warmup_steps: int, *, unprofiled: int = 0) -> str:
+    """Why a session measured no step, in words.
+
+    Args:
+        updates: the optimizer steps the session saw (warm-up included).
+        warmup_steps: the session's warm-up.
+        unprofiled: optimizer steps the script ran before the session could profile one (a plain loop's
+            first, which finds the loop).
+    """
+    seen = updates + unprofiled
+    if seen == 0:
         return ("the optimizer was never stepped (trainprof profiles optimizer steps: call optimizer.step() in "
                 "the loop)")
-    return (f"no measured step: {updates} optimizer step(s) seen, all of them warm-up (warm-up {warmup_steps}: "
-            "train longer or lower warmup_steps / --warmup-steps)")
+    which = (f"the first found the loop, {updates} warm-up" if unprofiled == 1 else
+             f"{unprofiled} before profiling began, {updates} warm-up") if unprofiled else "all of them warm-up"
+    return (f"no measured step: {seen} optimizer step(s) seen ({which}; warm-up {warmup_steps}): "
+            "train longer or lower warmup_steps / --warmup-steps")

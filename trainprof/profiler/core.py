@@ -167,6 +167,7 @@ class Profiler:
         self._seq_len: int | None = None
         self.pipeline: PipelineInfo | None = None  # set by watch_pipeline on a pipeline stage
         self.ddp = False  # set by watch_ddp: DDP waits for its all-reduces inside backward
+        self._end_at: Any = None  # end_step_at: the open step's end, fixed before its block exits
         self._origin_unix_ns: int | None = None
         self._undo: list[Any] = []  # callables that remove the call wrappers
         self._closed = False
@@ -410,7 +411,7 @@ class Profiler:
         try:
             yield self
         finally:
-            end = self.timer.now()
+            end, self._end_at = self._now(), None
             end_ns = time.perf_counter_ns()
             log.active = False
             if self.hooks is not None:
@@ -443,6 +444,18 @@ class Profiler:
                 self._activations = None
             if self.journal is not None:
                 self.journal.step_ended(self)
+
+    def end_step_at(self, stamp: Any) -> None:
+        """End the open step at `stamp` (a timer stamp of this step: where its work ended) instead of when its
+        `step()` block exits; regions still open close there too. An integration that learns only at the
+        script's end that no more of the step follows uses it: what the script did after its loop (saving,
+        logging, DataLoader workers shutting down) is no step's time."""
+        if self.log.active:
+            self._end_at = stamp
+
+    def _now(self) -> Any:
+        """The timer's stamp, or the step's end where end_step_at fixed it."""
+        return self.timer.now() if self._end_at is None else self._end_at
 
     def watch_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
         """Make DDP's gradient all-reduces visible: register DDP's own default Python hook
@@ -546,7 +559,7 @@ class Profiler:
             self.hooks.settle()
         if self.memory is not None:  # before the stamp: on CPU its /proc read can block for ms (mmap lock)
             self.memory.end(label)
-        self.log.mark(REGION_CLOSE, label, self.timer.now())
+        self.log.mark(REGION_CLOSE, label, self._now())
 
     def _on_root(self, phase: str, begin: bool) -> None:
         if begin:
