@@ -94,6 +94,45 @@ def test_a_run_without_a_recipe_is_advised_from_its_workload():
     assert fired(_with(summary__phases_ms__data_wait=12.0))["data_wait"]["overrides"] == {"data.num_workers": 2}
 
 
+def test_data_wait_advice_names_what_fills_it_and_never_proposes_what_the_run_does():
+    """Under trainprof wrap and the callbacks, data_wait is all the time between optimizer steps, the loop's own
+    logging, callbacks and evaluation too (helper B: an HF Trainer over in-memory tensors, whose data_wait was its
+    per-step logging, was told to add loader workers; a script with num_workers=2 was told "unknown -> 2"). The
+    advice says so and is conditional on the loader being what waits; a worker count is proposed only from a
+    recorded one and is always more than it; pinned memory only on a GPU, where the run does not pin already. A
+    recipe run's data_wait is its loader's fetch alone, and its advice is the recipe key."""
+    wrapped = _with(summary__phases_ms__data_wait=12.0)
+    del wrapped["recipe"]
+    wrapped["engine"] = {"kind": "torch", "config": {"world_size": 1, "model": "LlamaForCausalLM", "optimizer": "SGD"}}
+    a = fired(wrapped)["data_wait"]
+    assert "unknown" not in a["action"] and "->" not in a["action"]
+    assert "the loop's own work" in a["title"] and "(logging, callbacks, evaluation)" in a["trigger"]["text"]
+    assert a["action"].startswith("find which first") and "; if the loader waits, give it worker processes " \
+        "(the DataLoader's num_workers) and prefetch if it has none" in a["action"]
+    assert "does not record its loader's settings" in a["action"] and "log and evaluate less often" in a["action"]
+    assert a["overrides"] == {} and a["gain"]["upper_bound_step_frac"] == pytest.approx(0.12)
+    hf = copy.deepcopy(wrapped)
+    hf["engine"] = {"kind": "hf", "config": {"dataloader_num_workers": 0, "dataloader_pin_memory": False}}
+    assert "if the loader waits, raise dataloader_num_workers (0 -> 2) and prefetch" in fired(hf)["data_wait"]["action"]
+    hf["engine"]["config"]["dataloader_num_workers"] = 2
+    action = fired(hf)["data_wait"]["action"]
+    assert "raise dataloader_num_workers (2 -> 4)" in action and "pin_memory" not in action  # a CPU run
+    hf["env"]["device_type"] = "cuda"
+    assert "(2 -> 4), pin memory (DataLoader pin_memory=True)" in fired(hf)["data_wait"]["action"]
+    hf["engine"]["config"]["dataloader_pin_memory"] = True
+    assert "pin_memory" not in fired(hf)["data_wait"]["action"]
+    own_loop = copy.deepcopy(wrapped)  # trainprof.Profiler: data_wait is wrap_loader's next() alone
+    del own_loop["engine"]
+    a = fired(own_loop)["data_wait"]
+    assert a["action"].startswith("give it worker processes (the DataLoader's num_workers) and prefetch if it has none")
+    assert "find which first" not in a["action"] and "->" not in a["action"]
+    recipe = fired(_with(summary__phases_ms__data_wait=12.0))["data_wait"]
+    assert recipe["action"].startswith("raise data.num_workers (0 -> 2) and prefetch")
+    assert recipe["title"] == "Feed the steps faster: more data-loader workers" and "loop" not in recipe["action"]
+    assert fired(_with(summary__phases_ms__data_wait=12.0, recipe__data__num_workers=2))["data_wait"]["overrides"] \
+        == {"data.num_workers": 4}
+
+
 def test_gain_bounds_come_from_the_measured_figure():
     a = fired(_with(summary__phases_ms__data_wait=12.0))["data_wait"]
     assert a["trigger"]["value"] == pytest.approx(0.12) and a["gain"]["upper_bound_step_frac"] == pytest.approx(0.12)

@@ -135,6 +135,26 @@ def test_a_side_with_too_few_measured_steps_is_warned_about():
     assert "each verdict stands on so few samples" not in runs_md(PROFILE, one, repeat=PROFILE)
 
 
+def test_a_row_new_in_b_has_no_speedup_as_it_has_no_change(tmp_path):
+    """Recompute off in A, on in B (helper A's recompute pair): A's recompute is 0 ms, so change, faster by and
+    speedup are all n/a, in the table and the CSV, not a speedup of 0.00x; a row gone in B likewise."""
+    b = copy.deepcopy(PROFILE)
+    for step in b["steps"]:
+        step["phases_ms"]["recompute"] = 50.0
+    b["summary"]["phases_ms"]["recompute"] = 50.0
+    d = diff_profiles(PROFILE, b, stat="min")
+    row = next(r for r in d.phases if r.name == "recompute")
+    assert (row.a_ms, row.b_ms, row.verdict) == (0.0, 50.0, "new in B")
+    assert row.change is None and row.faster_by is None and row.speedup is None
+    gone = next(r for r in diff_profiles(b, PROFILE, stat="min").phases if r.name == "recompute")
+    assert gone.verdict == "gone in B" and gone.speedup is None
+    runs = [RunData.of_profile(p, name) for name, p in (("a", PROFILE), ("b", b))]
+    written = write_diff(d, build_diff_document(*runs, d), tmp_path, formats=("md", "csv"))
+    assert "| recompute | recompute | 0.00 | 50.00 | n/a | n/a | n/a | new in B |" in written["md"].read_text()
+    csv_row = next(r for r in csv.DictReader(io.StringIO(written["csv"].read_text())) if r["name"] == "recompute")
+    assert csv_row["speedup"] == "" and csv_row["verdict"] == "new in B"
+
+
 def test_modules_on_one_side_only_are_listed():
     b = copy.deepcopy(PROFILE)
     b["modules"] = [m for m in b["modules"] if m["name"] != "lm_head"]

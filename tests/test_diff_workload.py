@@ -166,3 +166,36 @@ def test_the_printed_diff_links_no_plot_and_says_why_phases_do_not_add_up(tmp_pa
     md = (tmp_path / "d" / "diff.md").read_text()
     assert written.returncode == 0 and "](diff_plots/modules.png)" in md
     assert (tmp_path / "d" / "diff_plots" / "modules.png").is_file()
+
+
+def test_a_row_whose_own_steps_spread_wider_than_its_change_is_within_noise_and_says_so():
+    """Steady steps keep the 15% default band, but the optimizer phase of both runs varies 4x from step to step
+    (5 or 20 ms; helper A's ZeRO-2 against ZeRO-3 optimizer read "+86% slower" beside spreads of 50% and 109%):
+    B's optimizer at 1.8x A's is within noise, naming the row's spread, in the table and the CSV, while
+    attention made 2x faster on steady modules is still faster, and so is its part."""
+    from trainprof.report.diff_report import diff_csv
+
+    walls = [100, 101, 102, 103, 104, 105]
+    optimizer = [5.0, 5.0, 20.0, 20.0, 5.0, 20.0]
+    a = _steps(PROFILE, walls)
+    b = _attention_scaled(a, 0.5)
+    for run, factor in ((a, 1.0), (b, 1.8)):
+        for step, ms in zip(used_steps(run), optimizer):
+            step["phases_ms"]["optimizer"] = factor * ms
+    d = diff_profiles(a, b, stat="min", parts=CATEGORIES)
+    assert d.band_source == "default" and d.band == DEFAULT_BAND["min"]
+    opt = next(r for r in d.phases if r.name == "optimizer")
+    assert opt.change == pytest.approx(0.8) and opt.change > d.band
+    assert opt.spread_a == pytest.approx(opt.spread_b) and NOISE_SAFETY * opt.spread_a > opt.change
+    assert opt.verdict == "within noise" and opt.noise_spread == pytest.approx(opt.spread_a)
+    md = _md(a, b, parts=CATEGORIES)
+    row = next(line for line in md.splitlines() if line.startswith("| optimizer | optimizer |"))
+    assert f"| within noise (row spread {100 * opt.spread_a:.0f}%) |" in row
+    assert "within 1.5x its wider spread is within noise whatever the band" in md
+    csv_row = next(line for line in diff_csv(d).splitlines() if line.startswith("phase,optimizer,"))
+    assert ",within noise," in csv_row and csv_row.endswith(f",{opt.noise_spread}")
+    # rows whose steps are steady are judged against the band as before
+    attention = [r for r in [*d.modules, *d.parts] if r.phase == "forward" and r.name in (
+        "model.layers.0.self_attn", "model.layers.1.self_attn", "attention")]
+    assert len(attention) == 3 and {(r.verdict, r.noise_spread) for r in attention} == {("faster", None)}
+    assert all(r.spread_a is not None for r in d.parts)  # a part's spread: that of its per-step sums

@@ -146,3 +146,73 @@ def test_a_busy_machine_is_said_beside_the_figures_and_in_a_diff():
     note = _hardware_note({**profile["env"], "machine_load": quiet}, {**profile["env"], "machine_load": busy})
     assert note.startswith("B ran on a machine with more runnable threads than cores") and "A: 1-minute" in note
     assert _hardware_note({**profile["env"], "machine_load": quiet}, {**profile["env"], "machine_load": quiet}) is None
+
+
+def test_the_csv_tables_name_the_model_itself_as_every_table_does(tmp_path):
+    """modules.csv wrote the root module's name as "" (pandas reads NaN, so `df[df.name == '<whole model>']` found
+    nothing): it is <whole model>, as in report.md, and so is an operator run in the model's own code in ops.csv;
+    an operator outside every module keeps an empty cell (no module), and every other name is as recorded."""
+    import pandas as pd
+
+    from trainprof.analysis.records import ROOT_LABEL
+    from trainprof.report.summary import write_summary
+
+    p = copy.deepcopy(PROFILE)
+    assert p["modules"][0]["name"] == ""
+    p["ops"][0]["module"] = ""  # an operator in the model's own forward
+    write_summary(p, tmp_path)
+    modules = pd.read_csv(tmp_path / "modules.csv")
+    assert modules["name"].notna().all() and (modules["name"] == ROOT_LABEL).sum() == 1
+    assert list(modules["name"]) == [m["name"] or ROOT_LABEL for m in PROFILE["modules"]]
+    ops = pd.read_csv(tmp_path / "ops.csv")
+    assert ops["module"].iloc[0] == ROOT_LABEL
+    assert ops["module"].isna().sum() == sum(o["module"] is None for o in p["ops"]) > 0
+    assert list(ops["module"].fillna("-")) == ["-" if o["module"] is None else o["module"] or ROOT_LABEL
+                                               for o in p["ops"]]
+
+
+def _facts(profile: dict, tmp_path: Path) -> str:
+    """report.md's Run facts section (no plots)."""
+    from trainprof.report.document import render_markdown
+    from trainprof.report.rundir import RunData
+    from trainprof.report.run_report import build_run_report
+
+    md = render_markdown(build_run_report(RunData.of_profile(profile, tmp_path), plots=False))
+    return md.split("## Run facts")[1].split("\n## ")[0]
+
+
+def test_run_facts_of_a_wrapped_run_come_from_its_workload(tmp_path):
+    """A run of trainprof wrap, the callbacks or trainprof.Profiler has no recipe: its Run facts showed "n/a (?,
+    attention ?, ...)" and "? measured after ? warm-up" though profile.json's workload and steps hold them. They
+    come from the workload (and what it could not read is named) and from the profile's measured steps; a recipe
+    run's still come from its recipe."""
+    wrapped = copy.deepcopy(PROFILE)
+    del wrapped["recipe"]
+    wrapped["workload"] = {
+        "engine": {"kind": "torch", "zero_stage": 0, "offload": "none"},
+        "task": {"kind": "lora", "lora": {"r": 4, "alpha": 8}},
+        "model": {"name": "custom", "hidden_size": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 256,
+                  "dtype": "fp32", "attention": "sdpa", "recompute": False, "compile": False},
+        "train": {"micro_batch_size": 4, "grad_accum": 2}, "data": {"seq_len": 32},
+        "unknown": {"model.dtype": "read on the first forward"}}
+    facts = _facts(wrapped, tmp_path)
+    lines = {line.split("**")[1]: line.split("**: ", 1)[1] for line in facts.splitlines() if line.startswith("- **")}
+    assert lines["model"] == ("custom (hidden 64, layers 2, heads 4, vocab 256; fp32, attention sdpa, recompute "
+                              "False, compile False)")
+    assert lines["task"] == "lora" and lines["engine"] == "torch, ZeRO stage 0, offload none"
+    assert lines["batch"] == "micro batch 4 x grad accum 2 x seq 32 per rank"
+    measured = sum(1 for s in PROFILE["steps"] if not s.get("warmup") and s["step"] >= 0)
+    assert lines["steps"].startswith(f"{measured} measured after warm-up (its count is not recorded); "
+                                     f"{PROFILE['summary']['steps_used']} used for medians")
+    assert lines["settings from"].startswith("its workload")
+    assert lines["not read from the loop"] == "model.dtype (read on the first forward)"
+    assert not any("?" in lines[k] or "n/a" in lines[k] for k in ("model", "task", "engine", "batch", "steps"))
+    assert "recorded workload (no recipe)" in facts and "not available: recipe" not in facts
+
+    recipe = PROFILE["recipe"]
+    lines = {line.split("**")[1]: line.split("**: ", 1)[1] for line in _facts(PROFILE, tmp_path).splitlines()
+             if line.startswith("- **")}
+    assert lines["model"].startswith(f"{recipe['model']['name']} ({recipe['model']['dtype']}, attention ")
+    assert lines["steps"].startswith(f"{recipe['train']['steps']} measured after {recipe['train']['warmup_steps']} "
+                                     "warm-up; ")
+    assert lines["settings from"] == "its recipe" and "not read from the loop" not in lines

@@ -8,7 +8,9 @@ on a shared machine, time stolen by other processes only ever adds, so the minim
 most repeatable estimate of a row's own cost (as timeit does).
 
 Verdict, symmetric in ratio (noise on a time is a factor, not an offset): B is "faster" when
-B < A / (1 + band), "slower" when B > A * (1 + band), else "within noise". Rows under `min_ms` in
+B < A / (1 + band), "slower" when B > A * (1 + band), else "within noise"; a training row whose change is
+within NOISE_SAFETY x its own wider step-to-step spread is "within noise" too, that spread kept (`noise_spread`):
+its steps vary more than the change, whatever the band. Rows under `min_ms` in
 both runs are "too small" (one preemption is most of them), and so is a model part whose modules are
 each under `min_ms`. The band is measured: from a repeat of run A (`repeat`: an identical run; band =
 NOISE_SAFETY x the largest ratio between A and its repeat over the judged rows), and of run B (`repeat_b`)
@@ -55,6 +57,8 @@ class DiffRow:
     verdict: str = ""
     spread_a: float | None = None  # step-to-step relative IQR, where per-step values exist
     spread_b: float | None = None
+    # the row's wider spread where NOISE_SAFETY x it, not the run's band, made its change "within noise"
+    noise_spread: float | None = None
 
     @property
     def change(self) -> float | None:
@@ -62,7 +66,13 @@ class DiffRow:
 
     @property
     def speedup(self) -> float | None:
-        return self.a_ms / self.b_ms if self.a_ms is not None and self.b_ms else None
+        """A/B; None where a side is missing or zero (a row new or gone in B has no ratio, as change has none)."""
+        return self.a_ms / self.b_ms if self.a_ms and self.b_ms else None
+
+    @property
+    def spread(self) -> float | None:
+        """The wider of the two sides' step-to-step spreads (None where neither has one)."""
+        return max((x for x in (self.spread_a, self.spread_b) if x is not None), default=None)
 
     @property
     def faster_by(self) -> float | None:
@@ -227,6 +237,17 @@ def _verdict(row: DiffRow, band: float, min_ms: float) -> str:
     return "within noise"
 
 
+def _judge(row: DiffRow, band: float, min_ms: float) -> None:
+    """A training row's verdict against the run's band; a change beyond it that is within NOISE_SAFETY x the
+    row's own wider spread (as the band is of the step's) is "within noise" too, with that spread kept: the
+    row's own steps vary more than its change, whatever the step as a whole does."""
+    row.verdict = row.verdict or _verdict(row, band, min_ms)
+    spread, ratio = row.spread, noise_ratio(row)
+    if row.verdict in ("faster", "slower") and spread is not None and ratio is not None \
+            and ratio <= NOISE_SAFETY * spread:
+        row.verdict, row.noise_spread = "within noise", spread
+
+
 def noise_ratio(row: DiffRow) -> float | None:
     """max(B/A, A/B) - 1 of a row (None when a side is zero or missing)."""
     if not row.a_ms or not row.b_ms:
@@ -353,7 +374,7 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
     out.only_a = [n for n in sa.mods if n not in sb.mods]
     out.only_b = [n for n in sb.mods if n not in sa.mods]
     for row in out.rows():
-        row.verdict = row.verdict or _verdict(row, out.band, min_ms)
+        _judge(row, out.band, min_ms)
     return out
 
 
@@ -384,11 +405,12 @@ def _step_and_phase_rows(out: ProfileDiff, sa: _Side, sb: _Side, *, pipeline: bo
 
 def _part_rows(sa: _Side, sb: _Side, parts: list[tuple[str, Callable[[dict[str, Any]], bool]]], stat: str,
                min_ms: float) -> list[DiffRow]:
-    """Per model part and module phase, the sum over its outermost matching modules on each side."""
+    """Per model part and module phase, the sum over its outermost matching modules on each side; its spread is
+    that of the per-step sums, where per-step module times exist."""
     rows = []
     for label, match in parts:
         for phase in MODULE_PHASES:
-            values, largest = [], 0.0
+            values, spreads, largest = [], [], 0.0
             for side in (sa, sb):
                 members = [m for m in side.mods.values() if match(m)]
                 names = {m["name"] for m in members}
@@ -396,8 +418,11 @@ def _part_rows(sa: _Side, sb: _Side, parts: list[tuple[str, Callable[[dict[str, 
                 member_ms = [side.module_ms(m["name"], phase, stat) or 0.0 for m in members]
                 largest = max([largest, *member_ms])
                 values.append(sum(member_ms) if members else None)
+                spreads.append(None if side.series is None else _spread(
+                    [sum(step) for step in zip(*(side.series.get((m["name"], phase), [0.0] * len(side.steps))
+                                                 for m in members))]))
             if any(values) and None not in values:
-                row = DiffRow("part", label, phase, values[0], values[1])
+                row = DiffRow("part", label, phase, values[0], values[1], spread_a=spreads[0], spread_b=spreads[1])
                 # a sum of modules that are each too small to judge is not judged either: per-call
                 # effects (hook cost, cache state the previous module left) add up in it
                 if largest < min_ms:

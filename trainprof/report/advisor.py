@@ -12,6 +12,7 @@ whose condition this run does not meet (micro batch 1, offload on) says so inste
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from trainprof.io import dig
@@ -151,24 +152,65 @@ def rule_oversubscribed(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
         None, "not bounded by this run: time-slicing slows every phase by an amount it did not measure", {})
 
 
+@dataclass(slots=True, kw_only=True)
+class LoaderFacts:
+    """What a run records of its data loader, and what its data_wait phase holds."""
+
+    num_workers: int | None  # None: not recorded
+    pin_memory: bool | None  # None: not recorded
+    knob: str  # the setting that sets the workers, as the run's user would write it
+    # data_wait is all the time between optimizer steps (trainprof wrap, the callbacks: the loader's fetch and the
+    # loop's own work there, logging, callbacks, evaluation), not the loader's fetch alone (a recipe's runner,
+    # trainprof.Profiler's wrap_loader)
+    between_steps: bool
+
+    @classmethod
+    def of(cls, f: RunFigures) -> LoaderFacts:
+        if f.from_recipe:  # the runner's DataLoader (data.py): data.num_workers, never pinned
+            return cls(num_workers=f.num_workers, pin_memory=False, knob="data.num_workers", between_steps=False)
+        hf = f.engine.get("kind") == "hf"  # the Trainer's arguments are recorded; other loops' loaders are not
+        return cls(num_workers=f.num_workers, pin_memory=f.config.get("dataloader_pin_memory") if hf else None,
+                   knob="dataloader_num_workers" if hf else "the DataLoader's num_workers",
+                   between_steps=bool(f.engine))
+
+
+def _loader_action(loader: LoaderFacts, gpu: bool) -> tuple[str, int | None]:
+    """What to do to the loader, and the worker count it proposes (None where the run's count is not known):
+    never what the run already does."""
+    # pinned memory speeds host-to-GPU copies only
+    pin = ", pin memory (DataLoader pin_memory=True)" if gpu and loader.pin_memory is not True else ""
+    ready = "so batches are ready when a step starts"
+    if loader.num_workers is None:
+        return (f"give it worker processes ({loader.knob}){pin} and prefetch if it has none, {ready} (this run does "
+                "not record its loader's settings)"), None
+    target = max(2, 2 * loader.num_workers)
+    return f"raise {loader.knob} ({loader.num_workers} -> {target}){pin} and prefetch, {ready}", target
+
+
 def rule_data_wait(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
     frac = f.frac("data_wait")
     check = _check("data_wait", "phases_ms.data_wait / step_ms", frac, f"> {_pct(DATA_WAIT_FRAC)}",
                    frac is not None and frac > DATA_WAIT_FRAC, "" if frac is not None else "no step time measured")
     if not check["triggered"]:
         return check, None
-    workers = f.num_workers
-    target = max(2, 2 * workers) if workers is not None else 2
-    # data.num_workers is a recipe's key; a script's own DataLoader takes num_workers itself
-    knob = "data.num_workers" if f.from_recipe else "the DataLoader's num_workers"
-    return check, _advice(
-        "data_wait", "Feed the GPU faster: more data-loader workers, pinned memory",
-        "phases_ms.data_wait / step_ms", frac, f"> {_pct(DATA_WAIT_FRAC)}",
-        f"data_wait is {_pct(frac)} of the step ({f.phases['data_wait']:.2f} of {f.step_ms:.2f} ms, median)",
-        f"raise {knob} ({workers if workers is not None else 'unknown'} -> {target}), pin memory "
-        "(DataLoader pin_memory=True) and prefetch, so batches are ready when a step starts",
-        frac, f"at most {_pct(frac)} less step time, if loading is hidden entirely behind compute",
-        {"data.num_workers": target} if f.from_recipe else {})
+    loader = LoaderFacts.of(f)
+    gpu = dig(f.profile, "env", "device_type") == "cuda"
+    action, target = _loader_action(loader, gpu)
+    trigger = f"data_wait is {_pct(frac)} of the step ({f.phases['data_wait']:.2f} of {f.step_ms:.2f} ms, median)"
+    if loader.between_steps:
+        title = "Shorten the wait between steps: the data loader, or the loop's own work there"
+        trigger += ("; under trainprof wrap and the callbacks it is all the time between optimizer steps: the "
+                    "loader's fetch and whatever the loop does there (logging, callbacks, evaluation), not told apart")
+        action = ("find which first (time next() on the loader alone, or profile the loop with trainprof.Profiler's "
+                  f"wrap_loader); if the loader waits, {action}; if it is the loop's own work, log and evaluate "
+                  "less often")
+        gain = f"at most {_pct(frac)} less step time, if what fills it is hidden behind compute or removed"
+    else:
+        title = f"Feed the {'GPU' if gpu else 'steps'} faster: more data-loader workers" + (", pinned memory" if gpu else "")
+        gain = f"at most {_pct(frac)} less step time, if loading is hidden entirely behind compute"
+    return check, _advice("data_wait", title, "phases_ms.data_wait / step_ms", frac, f"> {_pct(DATA_WAIT_FRAC)}",
+                          trigger, action, frac, gain,
+                          {"data.num_workers": target} if f.from_recipe and target is not None else {})
 
 
 def rule_comm_exposed(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.analysis.diff import (DEFAULT_BAND, DEFAULT_INFER_MIN_MS, DEFAULT_MIN_MS, GPU_MIN_BAND,
-                                    MODULES_NOT_JUDGED_WHY, NOISE_SAFETY, ProfileDiff, diff_inference, diff_profiles)
+                                    MODULES_NOT_JUDGED_WHY, NOISE_SAFETY, DiffRow, ProfileDiff, diff_inference,
+                                    diff_profiles)
 from trainprof.errors import UserError
 from trainprof.analysis.records import module_label
 from trainprof.io import atomic_write_text, dig
@@ -18,7 +19,7 @@ from trainprof.report.sections import cpu_model, hardware_text, machine_load_tex
 
 FORMATS = ("md", "html", "csv")
 CSV_COLUMNS = ["kind", "name", "phase", "a_ms", "b_ms", "change", "faster_by", "speedup", "verdict", "spread_a",
-               "spread_b", "stat", "noise_band"]
+               "spread_b", "stat", "noise_band", "noise_spread"]
 
 
 def _pct(x: float | None) -> str:
@@ -33,7 +34,15 @@ def _method(d: ProfileDiff, a: dict[str, Any], b: dict[str, Any]) -> str:
     return (f"ms per optimizer step, {stat}; change = B/A - 1, faster by = (A-B)/A, speedup = A/B; B is faster "
             f"when B < A/{1 + d.band:.2f} and slower when B > A*{1 + d.band:.2f} (noise band {_band_text(d)}); rows "
             f"under {d.min_ms} ms in both runs are too small to judge; spread = interquartile range / median of "
-            f"the per-step values; timer: {'; '.join(sorted(timers)) or 'not recorded'}")
+            f"the per-step values; a row whose change is within {NOISE_SAFETY}x its wider spread is within noise "
+            f"whatever the band, its verdict naming that spread; timer: {'; '.join(sorted(timers)) or 'not recorded'}")
+
+
+def verdict_text(row: DiffRow) -> str:
+    """The verdict, naming the row's own spread where that, not the run's band, made it noise."""
+    if row.noise_spread is None:
+        return row.verdict
+    return f"{row.verdict} (row spread {100 * row.noise_spread:.0f}%)"
 
 
 def _band_text(d: ProfileDiff) -> str:
@@ -77,7 +86,7 @@ def _table(rows, method: str, id: str, name_header: str, phase_header: str = "ph
     return Table([name_header, phase_header, "A ms", "B ms", "change", "faster by", "speedup", "verdict", "spread A",
                   "spread B"],
                  [[module_label(r.name), r.phase, r.a_ms, r.b_ms, _pct(r.change), _pct(r.faster_by),
-                   None if r.speedup is None else f"{r.speedup:.2f}x", r.verdict,
+                   None if r.speedup is None else f"{r.speedup:.2f}x", verdict_text(r),
                    None if r.spread_a is None else f"{100 * r.spread_a:.0f}%",
                    None if r.spread_b is None else f"{100 * r.spread_b:.0f}%"] for r in rows],
                  method=method, id=id, numeric=[False, False, True, True, True, True, True, False, True, True])
@@ -324,10 +333,10 @@ def build_inference_diff_document(paths: tuple[Path | None, ...], d: ProfileDiff
 
 def diff_csv(d: ProfileDiff) -> str:
     table = Table(CSV_COLUMNS, [[r.kind, r.name, r.phase, r.a_ms, r.b_ms, r.change, r.faster_by, r.speedup, r.verdict,
-                                 r.spread_a, r.spread_b, d.stat, d.band] for r in d.rows()]
-                  + [["module", n, "", None, None, None, None, None, "only in A", None, None, d.stat, d.band]
+                                 r.spread_a, r.spread_b, d.stat, d.band, r.noise_spread] for r in d.rows()]
+                  + [["module", n, "", None, None, None, None, None, "only in A", None, None, d.stat, d.band, None]
                      for n in d.only_a]
-                  + [["module", n, "", None, None, None, None, None, "only in B", None, None, d.stat, d.band]
+                  + [["module", n, "", None, None, None, None, None, "only in B", None, None, d.stat, d.band, None]
                      for n in d.only_b])
     return render_csv(table)
 

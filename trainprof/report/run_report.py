@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainprof.analysis.diff import RunSettings
 from trainprof.analysis.records import ROOT_LABEL
 from trainprof.analysis.trace import TraceFormatError, summarize_trace
 from trainprof.errors import UserError
 from trainprof.io import atomic_write_text, dig
 from trainprof.layout import TRACES_HOW
+from trainprof.report.diff_report import SETTINGS_WHAT
 from trainprof.report.document import Details, Document, Facts, Missing, Para, Table
 from trainprof.report.document import render_html, render_markdown
 from trainprof.report.gpu import gpu_section
@@ -85,42 +87,75 @@ def advice_and_projections(doc: Document, run: RunData) -> None:
         advice.blocks.append(Para(how_to_project(run)))
 
 
+def run_settings(run: RunData) -> RunSettings:
+    """How the run was set up: its recipe (profile.json's, else recipe.yaml), else the workload that `trainprof
+    wrap`, the callbacks and trainprof.Profiler record (the recipe keys they read from the model and the loop)."""
+    return RunSettings.of({**(run.profile or {}), "recipe": recipe_of(run)})
+
+
+def _model_text(settings: RunSettings) -> str:
+    """The model's name, its dims where a workload names it `custom` (no named shape), and how it ran."""
+    k = settings.keys
+    dims = ", ".join(f"{label} {k[key]}" for key, label in (("model.hidden_size", "hidden"), ("model.num_layers",
+                     "layers"), ("model.num_heads", "heads"), ("model.vocab_size", "vocab")) if k.get(key) is not None)
+    how = (f"{k.get('model.dtype', '?')}, attention {k.get('model.attention', '?')}, recompute "
+           f"{k.get('model.recompute', '?')}, compile {k.get('model.compile', False)}")
+    return f"{k.get('model.name', 'n/a')} ({dims + '; ' if settings.source == 'workload' and dims else ''}{how})"
+
+
+def _steps_text(run: RunData, settings: RunSettings) -> str:
+    """Measured and warm-up steps: the recipe's; else the profile's measured steps (a workload does not record
+    its warm-up count: the profile keeps only the last warm-up step, the one that counts FLOPs)."""
+    s = (run.profile or {}).get("summary") or {}
+    used = (f"{s.get('steps_used', len(run.measured_steps))} used for medians "
+            f"({s.get('steps_used_description', 'all measured steps')})")
+    if settings.source == "recipe":
+        k = settings.keys
+        return f"{k.get('train.steps', '?')} measured after {k.get('train.warmup_steps', '?')} warm-up; {used}"
+    return f"{len(run.measured_steps)} measured after warm-up (its count is not recorded); {used}"
+
+
 def facts_section(doc: Document, run: RunData) -> None:
-    p, recipe = run.profile or {}, recipe_of(run)
-    env, s = p.get("env") or {}, p.get("summary") or {}
+    p = run.profile or {}
+    env = p.get("env") or {}
+    settings = run_settings(run)
+    k = settings.keys
     sec = doc.section("Run facts", id="facts")
-    model, data, train = recipe.get("model") or {}, recipe.get("data") or {}, recipe.get("train") or {}
-    engine, task = recipe.get("engine") or {}, recipe.get("task") or {}
+    engine = k.get("engine.kind", "n/a")
     items = [
         ("run dir", str(run.path)),
         ("profile source", run.source),
-        ("model", f"{model.get('name', 'n/a')} ({model.get('dtype', '?')}, attention {model.get('attention', '?')}, "
-                  f"recompute {model.get('recompute', '?')}, compile {model.get('compile', False)})"),
+        ("settings from", SETTINGS_WHAT[settings.source]),
+        ("model", _model_text(settings)),
         ("compile", compile_text(p)),
-        ("task", str(task.get("kind", "n/a"))),
-        ("engine", f"{engine.get('kind', 'n/a')}, "
-                   + (f"FSDP2 reshard_after_forward {engine.get('reshard_after_forward')}" if engine.get("kind") == "fsdp"
-                      else f"ZeRO stage {engine.get('zero_stage', '?')}") + f", offload {engine.get('offload', '?')}"),
-        ("batch", f"micro batch {train.get('micro_batch_size', '?')} x grad accum {train.get('grad_accum', '?')} x "
-                  f"seq {data.get('seq_len', '?')} per rank"),
-        ("steps", f"{train.get('steps', '?')} measured after {train.get('warmup_steps', '?')} warm-up; "
-                  f"{s.get('steps_used', len(run.measured_steps))} used for medians "
-                  f"({s.get('steps_used_description', 'all measured steps')})"),
+        ("task", str(k.get("task.kind", "n/a"))),
+        ("engine", f"{engine}, "
+                   + (f"FSDP2 reshard_after_forward {k.get('engine.reshard_after_forward')}" if engine == "fsdp"
+                      else f"ZeRO stage {k.get('engine.zero_stage', '?')}") + f", offload {k.get('engine.offload', '?')}"),
+        ("batch", f"micro batch {k.get('train.micro_batch_size', '?')} x grad accum {k.get('train.grad_accum', '?')} "
+                  f"x seq {k.get('data.seq_len', '?')} per rank"),
+        ("steps", _steps_text(run, settings)),
         ("hardware", hardware_text(env)),
         ("machine load", machine_load_text(env.get("machine_load")) or "not recorded"),
-        ("versions", ", ".join(f"{k} {env[k]}" for k in ("torch", "deepspeed", "transformers") if env.get(k))
+        ("versions", ", ".join(f"{pkg} {env[pkg]}" for pkg in ("torch", "deepspeed", "transformers") if env.get(pkg))
          or "not recorded"),
         ("timer", f"{env.get('timer', 'n/a')}: {env.get('timer_description', 'not recorded')}"),
     ]
+    if settings.unknown:
+        items.insert(3, ("not read from the loop", "; ".join(f"{key} ({why})" for key, why in
+                                                              sorted(settings.unknown.items()))))
     for f in run.failures:
         items.append((f"failure on rank {f.get('rank')}", f"{f.get('kind')}: {f.get('message')}"))
     sec.blocks.append(Facts(items))
-    if run.recipe_text or recipe:
-        import yaml
+    import yaml
 
+    recipe = recipe_of(run)
+    if run.recipe_text or recipe:
         sec.blocks.append(Details("resolved recipe", run.recipe_text or yaml.safe_dump(recipe, sort_keys=False)))
+    elif settings.source == "workload":
+        sec.blocks.append(Details("recorded workload (no recipe)", yaml.safe_dump(p["workload"], sort_keys=False)))
     else:
-        sec.blocks.append(Missing("recipe", "no recipe.yaml and no recipe in profile.json"))
+        sec.blocks.append(Missing("recipe", "no recipe.yaml, and neither a recipe nor a workload in profile.json"))
 
 
 def flops_section(doc: Document, run: RunData) -> None:
@@ -216,10 +251,10 @@ def build_run_report(run: RunData, *, trace_scan_bytes: int = TRACE_SCAN_BYTES, 
         plots: draw the figures (needs matplotlib).
     """
     p = run.profile or {}
-    recipe = recipe_of(run)
+    recipe, settings = recipe_of(run), run_settings(run)
     name = dig(recipe, "output", "name") or run.name
     # the recipe's name stays when its model is overridden (llama70b_qlora run as llama2-7b): say what ran
-    ran = " ".join(str(x) for x in (dig(recipe, "model", "name"), dig(recipe, "task", "kind")) if x)
+    ran = " ".join(str(x) for x in (settings.keys.get("model.name"), settings.keys.get("task.kind")) if x)
     subtitle = "; ".join(x for x in (run.path.name, ran, f"profile from {run.source}") if x)
     doc = Document(f"trainprof report: {name}", subtitle=subtitle, plots=plots)
     if run.profile is None:

@@ -14,6 +14,7 @@ import io
 from pathlib import Path
 from typing import Any
 
+from trainprof.analysis import records
 from trainprof.io import atomic_write_text
 from trainprof.report.advisor import advice_lines
 from trainprof.report.document import Bullets, Document, Facts, render_markdown
@@ -30,12 +31,20 @@ MODULE_COLUMNS = ("name", "type", "depth", "calls", "forward_ms", "backward_ms",
 OP_COLUMNS = ("name", "module", "phase", "calls", "self_ms", "self_cpu_ms", "flops")
 COMM_COLUMNS = ("op", "phase", "group_size", "calls", "bytes", "total_ms", "exposed_ms", "algbw_gbps", "busbw_gbps")
 
-def _csv(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
+# per CSV table, the column that names a module: the model itself ("" in profile.json, which pandas reads as NaN)
+# is written as every table names it, <whole model>; an operator outside every module (None) stays empty
+MODULE_NAME_COLUMN = {"modules.csv": "name", "ops.csv": "module"}
+
+
+def _csv(rows: list[dict[str, Any]], columns: tuple[str, ...], module_column: str | None = None) -> str:
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})
+        cells = {k: ("" if row.get(k) is None else row.get(k)) for k in columns}
+        if module_column is not None and row.get(module_column) is not None:
+            cells[module_column] = records.module_label(row[module_column])
+        writer.writerow(cells)
     return buf.getvalue()
 
 
@@ -76,7 +85,7 @@ def write_summary(profile: dict[str, Any], run_dir: str | Path) -> None:
     run_dir = Path(run_dir)
     for name, key, columns in (("modules.csv", "modules", MODULE_COLUMNS), ("ops.csv", "ops", OP_COLUMNS),
                                ("comm.csv", "comm", COMM_COLUMNS)):
-        atomic_write_text(run_dir / name, _csv(profile.get(key) or [], columns))
+        atomic_write_text(run_dir / name, _csv(profile.get(key) or [], columns, MODULE_NAME_COLUMN.get(name)))
     atomic_write_text(run_dir / "summary.md", render_summary(profile, run_dir))
 
 
