@@ -472,7 +472,7 @@ def test_a_probe_slower_than_the_run_is_said_and_one_that_would_leave_no_layer_r
     155.7 ms, predicted a forward 36x faster) would leave a layer of 6 + 8 - 40 < 0 ms, and is refused with
     both figures instead of predicting a layer of no time."""
     m = _measured()
-    deeper = _work(shape=dataclasses.replace(TINY, num_layers=4))
+    deeper = _work(shape=dataclasses.replace(TINY, num_layers=4, intermediate_size=2 * TINY.intermediate_size))
 
     def parts(source_forward: float) -> Parts:
         return Parts(layer_source={"forward": source_forward, "backward": 10.0},
@@ -509,13 +509,20 @@ def test_probed_parts_add_the_work_they_change_and_keep_what_the_measurement_hol
     parts = Parts(layer_source={"forward": 5.0, "backward": 10.0}, layer_target={"forward": 8.0, "backward": 16.0},
                   rest_source={"forward": 2.0, "backward": 3.0}, rest_target={"forward": 4.0, "backward": 3.0},
                   layers_probed=2)
-    deeper = _work(shape=dataclasses.replace(TINY, num_layers=4))
-    phases, notes = predict_phases(m, _change(work=deeper, recompute=True), Inputs(parts=parts))
+    wider = dataclasses.replace(TINY, num_layers=4, hidden_size=2 * TINY.hidden_size)
+    phases, notes = predict_phases(m, _change(work=_work(shape=wider), recompute=True), Inputs(parts=parts))
     assert phases["forward"] == pytest.approx((6.0 + 8.0 - 5.0) * 4 + (6.0 + 4.0 - 2.0) + 2.0)
     assert phases["backward"] == pytest.approx((15.0 + 16.0 - 10.0) * 4 + (6.0 + 3.0 - 3.0) + 4.0)
     assert phases["recompute"] == pytest.approx((6.0 + 8.0 - 5.0) * 4)
     assert _values(notes, "parts_probed")["target_layers"] == 4
     assert _values(notes, "recompute_on")["layers_forward_ms"] == pytest.approx(36.0)
+    # a change of depth alone: the same layer and rest, whose probed change (the same shape timed twice) is
+    # noise, so each layer's measured time carries over (a spell once probed such a layer at 6.48 then 4.42 ms)
+    deeper = _work(shape=dataclasses.replace(TINY, num_layers=4))
+    phases, notes = predict_phases(m, _change(work=deeper), Inputs(parts=parts))
+    assert phases["forward"] == pytest.approx(6.0 * 4 + 6.0 + 2.0)
+    assert phases["backward"] == pytest.approx(15.0 * 4 + 6.0 + 4.0)
+    assert "measured time kept" in next(a.text for a in notes if a.kind == "parts_probed")
     # ZeRO-3 gathers 1e9 -> 3e9 bytes a forward; its copies move 2 B per byte at 1000 GB/s: +4 ms
     same = Parts(layer_source={"forward": 5.0, "backward": 10.0}, layer_target={"forward": 5.0, "backward": 10.0},
                  rest_source={"forward": 2.0, "backward": 3.0}, rest_target={"forward": 2.0, "backward": 3.0},

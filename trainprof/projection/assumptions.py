@@ -31,8 +31,8 @@ TEMPLATES: dict[str, str] = {
                      "({layer_source_ms:.2f} -> {layer_target_ms:.2f} ms forward per micro batch), x {target_layers} "
                      "layers for {source_layers}; the rest of the model's measured time plus the change of its bare "
                      "work ({rest_source_ms:.2f} -> {rest_target_ms:.2f} ms); both shapes timed on this machine in one "
-                     "call with no decoder layer and with {probe_layers}{neighbours_text}{threads_text}; hooks and engine work per "
-                     "module call kept as measured; ZeRO-3's parameter copies {copies_ms:+.2f} ms; time outside the "
+                     "call with no decoder layer and with {probe_layers}{neighbours_text}{threads_text}{same_text}; hooks and engine "
+                     "work per module call kept as measured; ZeRO-3's parameter copies {copies_ms:+.2f} ms; time outside the "
                      "model as measured"),
     "probe_kept": ("probes: the {what} probe was timed on this machine at {made_utc} UTC, by an earlier projection of "
                    "this run, and read from its {file}"),

@@ -118,12 +118,14 @@ def probed_compute(m: Measured, src: Work, tgt: Work, parts: Parts, memory_gbps:
     ga, layers_s, layers_t = m.grad_accum, max(src.shape.num_layers, 1), tgt.shape.num_layers
     out: dict[str, float] = {}
     layers_by_phase: dict[str, float] = {}
+    # a change of depth alone leaves each layer's and the rest's work as measured: their probed change is noise
+    same = parts.threads is None and _per_layer_work(src) == _per_layer_work(tgt)
     slower: dict[str, float] = {}  # phase -> the probe's bare layer over the run's measured one
     for ph in ("forward", "backward"):
         layers, model = (x / ga for x in m.parts_ms[ph])
         outside = m.phases_ms[ph] / ga - model
         measured_layer = layers / layers_s
-        per_layer = measured_layer + parts.layer_target[ph] - parts.layer_source[ph]
+        per_layer = measured_layer + (0.0 if same else parts.layer_target[ph] - parts.layer_source[ph])
         if per_layer <= 0:  # the probe's change is more than the run's whole layer: no prediction stands on it
             raise ValueError(
                 f"the probe of the run's own shape took {parts.layer_source[ph]:.1f} ms a bare decoder layer {ph} "
@@ -133,7 +135,7 @@ def probed_compute(m: Measured, src: Work, tgt: Work, parts: Parts, memory_gbps:
         if measured_layer > 0 and parts.layer_source[ph] > PROBE_OVER_RUN_NOTE * measured_layer:
             slower[ph] = parts.layer_source[ph] / measured_layer
         layers_by_phase[ph] = per_layer * layers_t
-        rest = max(model - layers + parts.rest_target[ph] - parts.rest_source[ph], 0.0)
+        rest = max(model - layers + (0.0 if same else parts.rest_target[ph] - parts.rest_source[ph]), 0.0)
         out[ph] = max(layers_by_phase[ph] + rest + outside, 0.0)
     copies = 0.0
     if zero3_bytes and memory_gbps:
@@ -144,6 +146,8 @@ def probed_compute(m: Measured, src: Work, tgt: Work, parts: Parts, memory_gbps:
                     rest_target_ms=parts.rest_target["forward"], probe_layers=parts.layers_probed,
                     target_layers=layers_t, source_layers=layers_s, copies_ms=copies,
                     neighbours_text=f", beside {m.world_size - 1} busy copies" if m.world_size > 1 else "",
+                    same_text="; the layers' and the rest's work unchanged (a change of depth): their measured time "
+                              "kept, the probed change being noise" if same else "",
                     threads_text=(f", the source's shape at {parts.threads[0]} threads and the target's at "
                                   f"{parts.threads[1]}") if parts.threads else "")]
     if parts.error is not None and parts.error > PROBE_ERROR_NOTE:
@@ -152,6 +156,11 @@ def probed_compute(m: Measured, src: Work, tgt: Work, parts: Parts, memory_gbps:
         ph, ratio = max(slower.items(), key=lambda kv: kv[1])
         notes.append(assume("probe_slower_than_run", phase=ph, ratio=ratio, limit=PROBE_OVER_RUN_NOTE))
     return out, layers_by_phase["forward"], notes
+
+
+def _per_layer_work(w: Work) -> Work:
+    """`w` less what a change of depth changes: the work of one layer and of the rest of the model."""
+    return dataclasses.replace(w, shape=dataclasses.replace(w.shape, name="", num_layers=0))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
