@@ -62,6 +62,11 @@ def test_run_dir_layout_and_schema(run) -> None:
     for name in ("inference.json", "inference.md", "inference.html", "recipe.yaml", "modules.csv", "ops.csv",
                  "plots/throughput_latency.png"):
         assert (run_dir / name).is_file(), name
+    import pandas as pd
+
+    # the model itself is named as every table names it: an empty name would read as NaN
+    modules = pd.read_csv(run_dir / "modules.csv")
+    assert not modules["name"].isna().any() and "<whole model>" in set(modules["name"]), modules["name"].tolist()
     html = (run_dir / "inference.html").read_text()
     assert 'id="fig-throughput"' in html and "data:image/png;base64," in html and "<script" not in html
     assert "vLLM" in doc["method"]["metrics"]

@@ -13,6 +13,7 @@ from trainprof.report import plots
 from trainprof.report.advisor import RunFigures, advise, bottleneck, checks_text, overrides_text
 from trainprof.report.document import Document, Figure, Missing, Para, Table, fmt
 from trainprof.report.pipeline import bubble_text
+from trainprof.report.rundir import run_peak_memory
 from trainprof.io import dig
 from trainprof.layout import TRACES_HOW
 from trainprof.recipe import DEEPSPEED_ZERO_DEFAULTS
@@ -137,12 +138,13 @@ def _flops_text(s: dict[str, Any]) -> str:
 
 
 def _peak_memory_text(s: dict[str, Any]) -> str:
-    if s.get("peak_memory_bytes_max") is not None:
-        return f"{_mib_text(s['peak_memory_bytes_max'])} ({str(s.get('memory_meter', 'meter not recorded')).split(':')[0]})"
-    peaks = {k: v for k, v in (s.get("peak_memory_bytes") or {}).items() if v is not None}
-    if not peaks:
+    """run_peak_memory (the figure the sweep tables, the advisor and the projection read too), with its meter."""
+    peak = run_peak_memory(s)
+    if peak is None:
         return "n/a"
-    return f"{_mib_text(max(peaks.values()))} (largest phase peak; {s.get('peak_memory_method', 'method not recorded')})"
+    if s.get("peak_memory_bytes_max"):
+        return f"{_mib_text(peak)} ({str(s.get('memory_meter', 'meter not recorded')).split(':')[0]})"
+    return f"{_mib_text(peak)} (largest phase peak; {s.get('peak_memory_method', 'method not recorded')})"
 
 
 def cpu_model(env: dict[str, Any]) -> str | None:
