@@ -142,8 +142,9 @@ def select_steps(steps: list[StepRecord]) -> tuple[list[StepRecord], str]:
     measured = [s for s in steps if not s.warmup]
     clean = [s for s in measured if not s.instrumented]
     if clean:
-        return clean, "measured steps without FLOP counting or operator tracing"
-    return measured, "all measured steps (every one was instrumented: FLOP counting and/or operator tracing)"
+        return clean, "measured steps without FLOP counting or operator tracing (its Kineto warm-up step included)"
+    return measured, ("all measured steps (every one was instrumented: FLOP counting and/or operator tracing, its "
+                      "Kineto warm-up step included)")
 
 
 def module_rows(infos: list[ModuleInfo], steps: list[StepRecord],
