@@ -25,7 +25,7 @@ def test_optimizer_states_note_says_what_it_counts_not_a_copy_of_model_states():
     assert model != optim.replace("optimizer_states_mib", "model_states_mib")
     assert "params, grads, optimizer states and fp32 master copies together" in model and STATE_METHOD in model
     assert "exp_avg and exp_avg_sq" in optim and "not grads, params or fp32 master copies" in optim
-    assert STATE_METHOD not in optim and "counted as model_states_mib is" in optim
+    assert STATE_METHOD not in optim and "measured the same way as model_states_mib (above)" in optim
 
 
 def test_phase_legend_sits_outside_the_bars(tmp_path: Path, monkeypatch):

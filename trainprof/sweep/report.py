@@ -113,7 +113,7 @@ def measurement_notes(records: list[dict[str, Any] | None], labels: dict[str, st
         for text in texts:
             counts = METRIC_COUNTS.get(key)
             if counts and key != "model_states_mib" and text in methods.get("model_states_mib", []):
-                text = f"{counts}; counted as model_states_mib is"
+                text = f"{counts}; measured the same way as model_states_mib (above)"
             elif counts:
                 text = f"{counts}; {text}"
             notes.append(f"{labels.get(key, key)}: {text}")
