@@ -96,8 +96,8 @@ def test_a_run_without_a_recipe_is_advised_from_its_workload():
 
 def test_data_wait_advice_names_what_fills_it_and_never_proposes_what_the_run_does():
     """Under trainprof wrap and the callbacks, data_wait is all the time between optimizer steps, the loop's own
-    logging, callbacks and evaluation too (helper B: an HF Trainer over in-memory tensors, whose data_wait was its
-    per-step logging, was told to add loader workers; a script with num_workers=2 was told "unknown -> 2"). The
+    logging, callbacks and evaluation too (an HF Trainer over in-memory tensors, whose data_wait is its per-step
+    logging, is not simply told to add loader workers, nor a script with num_workers=2 "unknown -> 2"). The
     advice says so and is conditional on the loader being what waits; a worker count is proposed only from a
     recorded one and is always more than it; pinned memory only on a GPU, where the run does not pin already. A
     recipe run's data_wait is its loader's fetch alone, and its advice is the recipe key."""

@@ -136,7 +136,7 @@ def test_a_side_with_too_few_measured_steps_is_warned_about():
 
 
 def test_a_row_new_in_b_has_no_speedup_as_it_has_no_change(tmp_path):
-    """Recompute off in A, on in B (helper A's recompute pair): A's recompute is 0 ms, so change, faster by and
+    """Recompute off in A, on in B (a recompute pair): A's recompute is 0 ms, so change, faster by and
     speedup are all n/a, in the table and the CSV, not a speedup of 0.00x; a row gone in B likewise."""
     b = copy.deepcopy(PROFILE)
     for step in b["steps"]:

@@ -170,7 +170,7 @@ def test_the_printed_diff_links_no_plot_and_says_why_phases_do_not_add_up(tmp_pa
 
 def test_a_row_whose_own_steps_spread_wider_than_its_change_is_within_noise_and_says_so():
     """Steady steps keep the 15% default band, but the optimizer phase of both runs varies 4x from step to step
-    (5 or 20 ms; helper A's ZeRO-2 against ZeRO-3 optimizer read "+86% slower" beside spreads of 50% and 109%):
+    (5 or 20 ms, as a ZeRO-2 against ZeRO-3 optimizer can: "+86% slower" beside spreads of 50% and 109%):
     B's optimizer at 1.8x A's is within noise, naming the row's spread, in the table and the CSV, while
     attention made 2x faster on steady modules is still faster, and so is its part."""
     from trainprof.report.diff_report import diff_csv
