@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainprof.analysis.records import module_label
 from trainprof.inference.checks import ENGINE_NOT_USED
 from trainprof.io import atomic_write_text
 from trainprof.layout import tb_run_dir
@@ -281,10 +280,8 @@ def write_reports(doc: dict[str, Any], run_dir: str | Path) -> None:
         o = doc["ops"]["rows"]
         atomic_write_text(run_dir / "ops.csv", render_csv(Table(
             ["name", "module", "phase", "calls", "self_ms", "self_ms_per_token"],
-            [[r["name"], None if r["module"] is None else module_label(r["module"]), r["phase"], r["calls"],
-              r["self_ms"], r["self_ms_per_token"]] for r in o])))
-    # the model itself as every table names it (an empty name reads as NaN in pandas)
-    rows = [[r["batch_size"], module_label(m["name"]), None if m.get("not_timed") else m["prefill_ms"],
+            [[r["name"], r["module"], r["phase"], r["calls"], r["self_ms"], r["self_ms_per_token"]] for r in o])))
+    rows = [[r["batch_size"], m["name"], None if m.get("not_timed") else m["prefill_ms"],
              None if m.get("not_timed") else m["decode_ms"], m.get("not_timed")]
             for r in doc["results"] for m in r["modules"]]  # a module not timed: empty cells and why
     atomic_write_text(run_dir / "modules.csv", render_csv(Table(
