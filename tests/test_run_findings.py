@@ -127,3 +127,43 @@ def test_an_override_without_a_value_after_an_option_gets_the_recipes_own_line(c
     assert not any(tmp_path.iterdir())  # refused before any run
     proc = cli("run", QUICKSTART, "--nproc", "2", "train.steps=2", "--bogus")
     assert proc.returncode == 2 and proc.stderr.rstrip().endswith("unrecognized arguments: --bogus"), proc.stderr
+
+
+def _baseline_check_on_rank(rank: int, port: int, peaks_mib: tuple[int, ...], results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from trainprof import env
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(peaks_mib))
+    env.peak_memory_bytes = lambda device: peaks_mib[rank] * 2**20  # this rank's baseline, chosen
+    try:
+        env.check_memory_cap(torch.device("cpu"), 0.1, before_steps=True)
+        results.put((rank, None, None))
+    except env.MemoryCapExceeded as err:
+        results.put((rank, str(err), err.every_rank))
+    dist.destroy_process_group()
+
+
+def test_ranks_decide_the_baseline_cap_together():
+    """One rank over the cap before the first step fails every rank (gloo all-reduce): a rank under it says
+    another rank's figure beside its own, instead of going on alone into a step the other never starts."""
+    import torch.multiprocessing as mp
+
+    from trainprof.distributed import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    ranks = [ctx.Process(target=_baseline_check_on_rank, args=(r, port, (300, 50), results)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    got = dict((rank, (message, together)) for rank, message, together in (results.get(timeout=120) for _ in ranks))
+    for p in ranks:
+        p.join(timeout=60)
+    (over, over_together), (under, under_together) = got[0], got[1]
+    assert over_together and under_together
+    assert "this rank's peak RSS once the model is built is already 300.0 MiB" in over
+    assert "another rank's peak RSS once the model is built is already 300.0 MiB" in under
+    assert "(this rank's: 50.0 MiB)" in under
+    assert all("raise train.memory_cap_gb above 0.3 plus" in m for m in (over, under))

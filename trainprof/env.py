@@ -300,35 +300,59 @@ def apply_memory_cap(device: torch.device, cap_gb: float | None) -> None:
 
 class MemoryCapExceeded(MemoryError):
     """The CPU cap train.memory_cap_gb was passed. Carries the peak that passed it: the failure is recorded
-    after the profiler has closed, by when the peak window may have been reset (profiler/memory.py)."""
+    after the profiler has closed, by when the peak window may have been reset (profiler/memory.py).
+    `every_rank`: all ranks of the process group raised it together, so each can wait for the others to
+    say so before exiting (torchrun stops the survivors as soon as one rank exits)."""
 
-    def __init__(self, message: str, *, peak_bytes: int) -> None:
+    def __init__(self, message: str, *, peak_bytes: int, every_rank: bool = False) -> None:
         super().__init__(message)
         self.peak_bytes = peak_bytes
+        self.every_rank = every_rank
 
 
 def check_memory_cap(device: torch.device, cap_gb: float | None, *, before_steps: bool = False) -> None:
     """On CPU, raise MemoryCapExceeded once this process's peak RSS passes `cap_gb` (checked between
     steps, so a step can overshoot before it is caught). `before_steps`: the check once the model is
-    built, whose overshoot is the process's own baseline, which no smaller batch lowers."""
+    built, whose overshoot is the process's own baseline, which no smaller batch lowers; the ranks of a
+    process group decide it together (one all-reduce), so all of them fail, each in its own line."""
     if cap_gb is None or device.type == "cuda":
         return
     peak = peak_memory_bytes(device)
+    cap = f"train.memory_cap_gb={cap_gb} ({cap_gb * 1024:,.1f} MiB)"
+    if before_steps:
+        largest, together = _largest_over_ranks(peak)
+        if largest <= cap_gb * 2**30:
+            return
+        whose = ("this rank's peak RSS once the model is built is already "
+                 f"{peak / 2**20:,.1f} MiB (Python, libraries, model and optimizer), over {cap}")
+        if peak <= cap_gb * 2**30:
+            whose = (f"another rank's peak RSS once the model is built is already {largest / 2**20:,.1f} MiB, "
+                     f"over {cap} (this rank's: {peak / 2**20:,.1f} MiB)")
+        raise MemoryCapExceeded(
+            f"out of memory before the first step: {whose}; raise train.memory_cap_gb above "
+            f"{math.ceil(largest / 2**30 * 10) / 10:.1f} plus what a step needs",
+            peak_bytes=peak, every_rank=together)
     over = peak - cap_gb * 2**30
     if over <= 0:
         return
-    cap = f"train.memory_cap_gb={cap_gb} ({cap_gb * 1024:,.1f} MiB)"
-    if before_steps:
-        raise MemoryCapExceeded(
-            f"out of memory before the first step: this rank's peak RSS once the model is built is already "
-            f"{peak / 2**20:,.1f} MiB (Python, libraries, model and optimizer), over {cap}; raise "
-            f"train.memory_cap_gb above {math.ceil(peak / 2**30 * 10) / 10:.1f} plus what a step needs",
-            peak_bytes=peak)
     # MiB, and by how much: two figures rounded alike can print the same
     by = f"{over / 2**20:,.1f} MiB" if over >= 2**20 / 10 else f"{over / 2**10:,.0f} KiB"
     raise MemoryCapExceeded(
         f"out of memory: peak RSS {peak / 2**20:,.1f} MiB exceeds {cap} by {by} (CPU cap, checked after each step)",
         peak_bytes=peak)
+
+
+def _largest_over_ranks(value: int) -> tuple[int, bool]:
+    """(the largest `value` over the ranks of the default process group, whether the ranks took part): a
+    CPU all-reduce, which gloo serves; `value` itself outside a process group."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value, False
+    largest = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return int(largest.item()), True
 
 
 def threads_when_launched(ranks: int, one_process: int) -> tuple[int, str]:

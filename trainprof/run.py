@@ -318,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         line = f"trainprof: rank {os.environ.get('RANK', 0)}: {err}"
         print(line, file=sys.stderr, flush=True)
         write_error_file(err, line)
+        if err.every_rank:  # no rank exits, and so has torchrun stop the others, before each has said its line
+            import torch.distributed as dist
+
+            dist.barrier()
         return 1
     return 0
 
