@@ -487,6 +487,12 @@ def test_a_probe_slower_than_the_run_is_said_and_one_that_would_leave_no_layer_r
                                                        "limit": 1.5}
     with pytest.raises(ValueError, match=r"took 40\.0 ms a bare decoder layer forward .* measured 6\.0 ms"):
         predict_phases(m, _change(work=deeper), Inputs(parts=parts(40.0)))
+    # a change of depth alone does not use the probed figures: neither the mark nor the refusal stands on them
+    only_deeper = _work(shape=dataclasses.replace(TINY, num_layers=4))
+    for slow in (10.0, 40.0):
+        phases, notes = predict_phases(m, _change(work=only_deeper), Inputs(parts=parts(slow)))
+        assert "probe_slower_than_run" not in [a.kind for a in notes]
+        assert phases["forward"] == pytest.approx(6.0 * 4 + 6.0 + 2.0)
 
 
 def test_grad_accum_and_world_size():

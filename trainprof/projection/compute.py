@@ -126,13 +126,13 @@ def probed_compute(m: Measured, src: Work, tgt: Work, parts: Parts, memory_gbps:
         outside = m.phases_ms[ph] / ga - model
         measured_layer = layers / layers_s
         per_layer = measured_layer + (0.0 if same else parts.layer_target[ph] - parts.layer_source[ph])
-        if per_layer <= 0:  # the probe's change is more than the run's whole layer: no prediction stands on it
+        if not same and per_layer <= 0:  # the probe's change is more than the run's whole layer: nothing stands on it
             raise ValueError(
                 f"the probe of the run's own shape took {parts.layer_source[ph]:.1f} ms a bare decoder layer {ph} "
                 f"(per micro batch) against the run's measured {measured_layer:.1f} ms with its hooks: this machine "
                 "ran at another speed while it probed than during the run (the run's load is in its report); "
                 "project again when the machine is as busy as it was during the run")
-        if measured_layer > 0 and parts.layer_source[ph] > PROBE_OVER_RUN_NOTE * measured_layer:
+        if not same and measured_layer > 0 and parts.layer_source[ph] > PROBE_OVER_RUN_NOTE * measured_layer:
             slower[ph] = parts.layer_source[ph] / measured_layer
         layers_by_phase[ph] = per_layer * layers_t
         rest = max(model - layers + (0.0 if same else parts.rest_target[ph] - parts.rest_source[ph]), 0.0)
