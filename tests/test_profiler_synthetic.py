@@ -193,6 +193,29 @@ def test_compute_dtype_follows_autocast():
         assert recorded_dtype(prof) == expected
 
 
+def test_an_evaluation_forward_inside_a_step_counts_no_tokens():
+    """A step's training forward sees 2 x 5 token ids; an evaluation forward of 3 x 5 inside the same step,
+    under no_grad or inference_mode, trains on none: the step's tokens are 10, whatever the eval saw."""
+    from trainprof.profiler import Profiler
+
+    class Tokens(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 4)
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.embed(input_ids).sum()
+
+    model = Tokens()
+    for evaluation in (torch.no_grad, torch.inference_mode):
+        with Profiler(model, module_depth=1, flops=False) as prof:
+            with prof.step():
+                model(torch.randint(0, 16, (2, 5))).backward()
+                with evaluation():
+                    model(torch.randint(0, 16, (3, 5)))
+        assert prof.result()["steps"][0]["tokens"] == 10, evaluation
+
+
 def test_backward_is_timed_for_modules_called_outside_the_model_and_for_autograd_grad():
     """Node hooks are registered in one loop when the outermost profiled call returns (hooks.flush):
     a submodule the loop calls directly, outside the model's forward, and a backward run by

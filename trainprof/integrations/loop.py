@@ -36,7 +36,6 @@ class LoopRun:
         self.stepped = False  # the current step's optimizer update ran
         self.fetch: tuple[Any, Any] | None = None  # (start, end) stamps of the last batch fetch
         self.evaluating = False  # the model's forward in progress runs with grad disabled
-        self._tokens_before: int | None = None  # the step's tokens before that forward
 
     def attach(self, model: torch.nn.Module, optimizer: Any, config: dict[str, Any]) -> None:
         """Profile `model` (the module the loop calls) and `optimizer` (a torch optimizer, or a wrapper
@@ -72,18 +71,10 @@ class LoopRun:
         elif self.fetch is not None:  # a later micro batch of the step: its fetch was data wait
             self.session.mark_data_wait(self.fetch[0])
         self.fetch = None
-        self._tokens_before = self.session.tokens_seen() if self.evaluating else None
 
     def _on_output(self, module: Any, args: Any, output: Any) -> None:
-        if self._evaluated():
-            return
-        self.session.record(loss=_loss_of(output))
-
-    def _evaluated(self) -> bool:
-        """Whether the forward that just ran had grad disabled; if so, its tokens are forgotten."""
-        if self.evaluating:
-            self.session.uncount_tokens(self._tokens_before)
-        return self.evaluating
+        if not self.evaluating:  # an evaluation forward's tokens the Profiler's hooks did not count either
+            self.session.record(loss=_loss_of(output))
 
     def timed_fetch(self, fetch: Callable[[], Any]) -> Any:
         """`fetch()` (the loop's next batch), stamped: the step whose update ran is over, and a later

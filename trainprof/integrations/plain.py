@@ -58,7 +58,7 @@ class PlainLoopRun(LoopRun):
             self.undo.pop()()
 
     def _on_output(self, module: Any, args: Any, output: Any) -> None:
-        if self._evaluated():
+        if self.evaluating:
             return
         loss = _loss_of(output)
         self._output_loss = loss is not None

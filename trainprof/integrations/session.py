@@ -154,15 +154,6 @@ class ProfileSession:
         if self.prof is not None and self._step_cm is not None:
             self.prof.record(loss=loss, tokens=tokens)
 
-    def tokens_seen(self) -> int | None:
-        """The `input_ids` elements the recorded step's forwards saw so far (None outside one)."""
-        return self.prof.log.tokens_seen if self.prof is not None and self.prof.log.active else None
-
-    def uncount_tokens(self, since: int | None) -> None:
-        """Forget the tokens seen after `since` (a `tokens_seen()`): a forward that trained on none."""
-        if since is not None and self.prof.log.active:
-            self.prof.log.tokens_seen = since
-
     # -- the run dir -------------------------------------------------------------------------------
 
     def finish(self, *, partial_reason: str | None = None) -> Path | None:

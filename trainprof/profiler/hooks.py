@@ -323,7 +323,8 @@ class ModuleHooks:
                 self.range_names[mi]["recompute" if recompute else "forward"], None)
         self.forward_stack.append(call)
         if mi == 0 and not recompute:
-            self._count_tokens(args, kwargs)
+            if _grad_enabled():  # an evaluation forward (no_grad, inference_mode) trains on no tokens
+                self._count_tokens(args, kwargs)
             self.autocast_dtype = _autocast_dtype()
             if self.on_root is not None:
                 self.on_root("forward", True)

@@ -59,7 +59,7 @@ class StepLog:
     subjects: list[Any] = field(default_factory=list)  # to what: a module index, a region label, a pipeline action
     stamps: list[Any] = field(default_factory=list)  # when: the timer's stamps
     comms: list[CommRecord] = field(default_factory=list)
-    tokens_seen: int = 0  # input_ids elements in root forward calls (recompute excluded)
+    tokens_seen: int = 0  # input_ids elements in root forward calls with grad enabled (recompute excluded)
     seq_len: int | None = None
 
     def mark(self, code: int, subject: Any, stamp: Any) -> None:
