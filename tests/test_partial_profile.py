@@ -100,6 +100,7 @@ def test_the_journal_replays_to_the_live_rank_document(tmp_path):
     assert replayed["partial_reason"].startswith("rank 0 left no profile") and "after 3 measured steps" in replayed["partial_reason"]
     for key in ("steps", "modules", "summary", "ops", "comm", "model_state_bytes", "ranks", "measurement"):
         assert replayed[key] == live[key], key
+    assert live["summary"]["warmup_steps"] == 1  # what a run without a recipe says of its warm-up
     assert replayed["modules"] and replayed["ops"] and replayed["steps"][1]["modules_ms"]
     prof.discard_journal()
     assert not path.exists()

@@ -202,8 +202,14 @@ def test_run_facts_of_a_wrapped_run_come_from_its_workload(tmp_path):
     assert lines["task"] == "lora" and lines["engine"] == "torch, ZeRO stage 0, offload none"
     assert lines["batch"] == "micro batch 4 x grad accum 2 x seq 32 per rank"
     measured = sum(1 for s in PROFILE["steps"] if not s.get("warmup") and s["step"] >= 0)
+    # a profile written before the profiler recorded its warm-up count does not say it; one that records it does
+    assert "warmup_steps" not in PROFILE["summary"]
     assert lines["steps"].startswith(f"{measured} measured after warm-up (its count is not recorded); "
                                      f"{PROFILE['summary']['steps_used']} used for medians")
+    wrapped["summary"]["warmup_steps"] = 3
+    counted = {line.split("**")[1]: line.split("**: ", 1)[1] for line in _facts(wrapped, tmp_path).splitlines()
+               if line.startswith("- **")}
+    assert counted["steps"].startswith(f"{measured} measured after 3 warm-up; ")
     assert lines["settings from"].startswith("its workload")
     assert lines["not read from the loop"] == "model.dtype (read on the first forward)"
     assert not any("?" in lines[k] or "n/a" in lines[k] for k in ("model", "task", "engine", "batch", "steps"))

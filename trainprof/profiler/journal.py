@@ -114,7 +114,7 @@ def _header(prof: Any) -> dict[str, Any]:
         "timer": {"kind": prof.timer.kind, "description": prof.timer.description},
         "memory_method": prof.memory.method if prof.memory is not None else None,
         "modules": [dataclasses.asdict(m) for m in prof.hooks.modules] if prof.hooks is not None else None,
-        "module_depth": prof.module_depth, "enabled": prof.enabled, "count_flops": prof.count_flops, "ops": prof.ops,
+        "module_depth": prof.module_depth, "warmup_steps": prof.warmup_steps, "enabled": prof.enabled, "count_flops": prof.count_flops, "ops": prof.ops,
         "pipeline": dataclasses.asdict(prof.pipeline) if prof.pipeline is not None else None,
         "ddp": prof.ddp,
     }
@@ -214,7 +214,7 @@ def replay(path: str | Path) -> dict[str, Any]:
         hooks=SimpleNamespace(modules=modules) if modules is not None else None,
         timer=SimpleNamespace(**header["timer"]),
         memory=SimpleNamespace(method=header["memory_method"]) if header["memory_method"] else None,
-        module_depth=header["module_depth"], enabled=header["enabled"], count_flops=header["count_flops"],
+        module_depth=header["module_depth"], warmup_steps=header.get("warmup_steps"), enabled=header["enabled"], count_flops=header["count_flops"],
         ops=header["ops"], ops_rows=ops_rows, **facts,
         pipeline=PipelineInfo(**header["pipeline"]) if header.get("pipeline") else None,
         ddp=header.get("ddp", False),

@@ -47,6 +47,7 @@ class Recorded(Protocol):
     ops: bool
     ops_rows: list[dict[str, Any]]
     module_depth: int
+    warmup_steps: int
     activation_bytes: int | None
     grads_bytes: int | None
     pipeline: Any  # PipelineInfo | None (a pipeline stage)
@@ -122,6 +123,7 @@ def compose_rank_profile(prof: Any, *, env: dict[str, Any], state: dict[str, Any
                         memory_method=prof.memory.method if prof.memory is not None else None,
                         peak=peak, peak_reason=reason)
     summary["steps_used_description"] = used_desc
+    summary["warmup_steps"] = prof.warmup_steps  # leading step()s not measured (the profile keeps the last)
     summary["activation_bytes"] = prof.activation_bytes
     if prof.activation_bytes is not None:
         summary["activation_bytes_method"] = ACTIVATION_METHOD

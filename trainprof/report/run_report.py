@@ -104,15 +104,18 @@ def _model_text(settings: RunSettings) -> str:
 
 
 def _steps_text(run: RunData, settings: RunSettings) -> str:
-    """Measured and warm-up steps: the recipe's; else the profile's measured steps (a workload does not record
-    its warm-up count: the profile keeps only the last warm-up step, the one that counts FLOPs)."""
+    """Measured and warm-up steps: the recipe's; else the profile's measured steps and the profiler's warm-up
+    count (profiles written before it was recorded do not say it: the profile keeps only the last warm-up
+    step, the one that counts FLOPs)."""
     s = (run.profile or {}).get("summary") or {}
     used = (f"{s.get('steps_used', len(run.measured_steps))} used for medians "
             f"({s.get('steps_used_description', 'all measured steps')})")
     if settings.source == "recipe":
         k = settings.keys
         return f"{k.get('train.steps', '?')} measured after {k.get('train.warmup_steps', '?')} warm-up; {used}"
-    return f"{len(run.measured_steps)} measured after warm-up (its count is not recorded); {used}"
+    warmup = s.get("warmup_steps")
+    after = f"after {warmup} warm-up" if warmup is not None else "after warm-up (its count is not recorded)"
+    return f"{len(run.measured_steps)} measured {after}; {used}"
 
 
 def facts_section(doc: Document, run: RunData) -> None:
