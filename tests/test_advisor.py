@@ -147,7 +147,9 @@ def test_gain_bounds_come_from_the_measured_figure():
     assert st["gain"]["upper_bound_step_frac"] == pytest.approx(0.25 / 1.25)  # the step shrinks to the others' pace
     mem = fired(_with(recipe__train__memory_cap_gb=4.0, summary__activation_bytes=2**29))["memory_headroom"]
     assert mem["trigger"]["value"] == pytest.approx(0.25)
-    assert mem["overrides"] == {"train.micro_batch_size": 4 + 6}  # 3 GiB free / 0.5 GiB of activations per batch
+    # 3 GiB free / (0.5 GiB of activations a micro batch of 4 samples / 4): 24 more samples
+    assert mem["overrides"] == {"train.micro_batch_size": 4 + 24}
+    assert "128 MiB of activations per extra sample: the measured 512 MiB a micro batch / 4" in mem["action"]
     # the ranking puts the largest bound first
     both = advise(_with(summary__phases_ms__data_wait=5.0, summary__phases_ms__comm_exposed=20.0))["advice"]
     assert [a["rule"] for a in both] == ["comm_exposed", "data_wait"]
@@ -172,6 +174,12 @@ def test_memory_headroom_needs_a_known_capacity():
     assert not check["triggered"] and "capacity unknown" in check["note"]
     gpu = _with(env={"device": "NVIDIA H100", "world_size": 1, "device_memory_bytes": 80 * 2**30})
     assert "memory_headroom" in fired(gpu)
+    # a GPU profile written before the device's memory was recorded: the catalog's figure for its device
+    older = fired(_with(env={"device": "NVIDIA H200", "device_type": "cuda", "world_size": 1}))["memory_headroom"]
+    assert "of 141.00 GiB (catalog memory of the NVIDIA H200 SXM 141GB (NVIDIA H200 datasheet" in older["trigger"]["text"]
+    unknown = {c["rule"]: c for c in advise(_with(env={"device": "Some GPU", "device_type": "cuda", "world_size": 1})
+                                            )["checks"]}["memory_headroom"]
+    assert not unknown["triggered"] and "capacity unknown" in unknown["note"]
 
 
 def test_advice_on_a_real_run_dir(tmp_path):

@@ -255,6 +255,25 @@ def dense_peak(device_name: str, device_type: str, dtype: str) -> tuple[dict[str
     return {"tflops": value, "key": key, "source": entry[key]["source"], "accelerator": entry["name"]}, ""
 
 
+def device_memory(device_name: str, device_type: str) -> tuple[dict[str, Any] | None, str]:
+    """A GPU's memory from the catalog, for a profile that did not record the device's own (runs before it
+    was recorded).
+
+    Returns:
+        ({bytes, source, accelerator} or None, reason when None else ""); memory_gb taken as binary
+        (Target.memory_bytes says why).
+    """
+    if device_type != "cuda":
+        return None, f"the catalog holds no memory for the CPU '{device_name}'"
+    entry = _matching_entry(device_name)
+    if entry is None:
+        return None, f"device '{device_name}' is not in {CATALOG_FILE.name}"
+    value = figure_value(entry, "memory_gb")
+    if value is None:
+        return None, f"{entry['name']} has no memory_gb figure in {CATALOG_FILE.name}"
+    return {"bytes": value * 2**30, "source": entry["memory_gb"]["source"], "accelerator": entry["name"]}, ""
+
+
 def memory_bandwidth(device_name: str, device_type: str) -> tuple[dict[str, Any] | None, str]:
     """The device memory bandwidth for a device, for decode bandwidth utilization.
 

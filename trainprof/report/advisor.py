@@ -90,6 +90,11 @@ class RunFigures:
         total = dig(self.profile, "env", "device_memory_bytes")
         if total:
             return int(total), f"device memory of {dig(self.profile, 'env', 'device')}"
+        from trainprof.hardware import device_memory
+
+        catalog, _ = device_memory(dig(self.profile, "env", "device") or "", dig(self.profile, "env", "device_type") or "")
+        if catalog is not None:  # a GPU run whose profile predates env.device_memory_bytes
+            return int(catalog["bytes"]), f"catalog memory of the {catalog['accelerator']} ({catalog['source']})"
         return None, "capacity unknown (no GPU memory recorded and no train.memory_cap_gb)"
 
     def peak_memory(self) -> int | None:
@@ -331,9 +336,11 @@ def rule_memory_headroom(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
         return check, None
     mb = f.micro_batch
     act = dig(f.profile, "summary", "activation_bytes")
-    if act:  # activations grow with the micro batch; the rest (model states) does not
-        fits = max(mb, int(mb + (capacity - peak) // act))
-        how = f"{fits} (peak + {act / 2**20:,.0f} MiB of activations per extra sample-batch, measured)"
+    if act:  # activations grow with the micro batch's samples; the rest (model states) does not
+        per_sample = act / mb
+        fits = max(mb, int(mb + (capacity - peak) // per_sample))
+        how = (f"{fits} (peak + {per_sample / 2**20:,.0f} MiB of activations per extra sample: the measured "
+               f"{act / 2**20:,.0f} MiB a micro batch / {mb}; a step's temporaries grow too, so take maxbatch's figure)")
     else:
         fits = 2 * mb
         how = f"{fits} (doubling; activation bytes not measured)"
