@@ -1420,6 +1420,9 @@ def test_best_searches_deepspeed_from_any_engine_and_says_why_nothing_ranks():
     assert "only settings whose step is not predicted fit, e.g. engine.zero_stage=3 engine.offload=optimizer " \
            "train.micro_batch_size=1 (9.31 GiB; host memory 194.36 GiB a GPU, 1,554.88 GiB a node of 8, plan" \
            in line, line
+    # the reason it points to is on the terminal too, not only in best.md
+    assert ("h100-sxm x 8: fits but not predicted: engine.zero_stage=3 engine.offload=optimizer train.micro_batch_size=1"
+            f": {offload_only}") in render_best(result) and "why: below" in line
     # nothing fits at the smallest micro batch: said from the plan alone, before any step is predicted (one on the
     # source's machine probes for minutes), a CPU's per rank, a small cap with its digits
     def never(overrides: list[str]) -> dict:

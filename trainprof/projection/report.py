@@ -433,7 +433,7 @@ def _none_found(b: dict[str, Any]) -> str:
     if unpredicted:
         first = unpredicted[0]
         return (f"n/a: only settings whose step is not predicted fit, e.g. {_setting(first)} "
-                f"({_fmt_bytes(first['memory_per_rank_bytes'])} GiB{_host_memory(first, b)}; reasons in the notes)")
+                f"({_fmt_bytes(first['memory_per_rank_bytes'])} GiB{_host_memory(first, b)}; why: below)")
     least, capacity = b.get("least_memory_bytes"), b.get("capacity_bytes")
     if least is not None and capacity:
         return (f"n/a: nothing fits: the smallest setting plans {_fmt_bytes(least)} GiB a {b.get('unit', 'GPU')}, "
@@ -509,15 +509,21 @@ def _best_notes(result: dict[str, Any]) -> list[str]:
     out = [f"searched {result['searched']}; a setting fits when trainprof plan's memory per {unit} is at most "
            f"{int(100 * result['best'][0]['headroom']) if result['best'] else 90}% of the target's capacity",
            "each setting is one prediction of the step model (its confidence as in `trainprof project`)"]
+    return out + _best_target_notes(result) + _best_host_note(result)
+
+
+def _best_target_notes(result: dict[str, Any]) -> list[str]:
+    """Why a target's search left settings out: refused by the recipe rules, or fitting but not predicted."""
+    out = []
     for b in result["best"]:
-        if b["refused"]:
+        if b.get("refused"):
             out.append(f"{b['hardware']} x {b['world_size']}: refused by the recipe rules: {', '.join(b['refused'])}")
         by_reason: dict[str, list[str]] = {}
         for row in b.get("not_predicted") or []:
             by_reason.setdefault(row["reason"] or "no reason given", []).append(_setting(row))
         for reason, fitting in by_reason.items():
             out.append(f"{b['hardware']} x {b['world_size']}: fits but not predicted: {', '.join(fitting)}: {reason}")
-    return out + _best_host_note(result)
+    return out
 
 
 def _best_host_note(result: dict[str, Any]) -> list[str]:
@@ -556,7 +562,7 @@ def render_best(result: dict[str, Any]) -> str:
             label = "runners-up" if i == 0 else ""
             lines.append(f"  {label:<15} {_setting(runner)}{_host_memory(runner, b)}  "
                          f"({runner['tokens_per_s']:,.0f} tokens/s)")
-    return "\n".join(lines + [f"  {n}" for n in _best_host_note(result)])
+    return "\n".join(lines + [f"  {n}" for n in _best_target_notes(result) + _best_host_note(result)])
 
 
 def _table_cell(cell: dict[str, Any], footnote: Callable[[str], str]) -> str:
