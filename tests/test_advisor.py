@@ -39,7 +39,7 @@ def test_nothing_fires_on_a_quiet_run_and_says_which_checks_ran():
     result = advise(quiet_profile())
     assert result["advice"] == []
     assert {c["rule"] for c in result["checks"]} == {"oversubscribed", "data_wait", "comm_exposed", "small_batch",
-                                                     "optimizer_offload", "straggler", "memory_headroom"}
+                                                     "host_bound", "optimizer_offload", "straggler", "memory_headroom"}
     (line,) = advice_lines(result)
     assert line.startswith("Nothing triggered.") and "data_wait (phases_ms.data_wait / step_ms = 1.0%" in line
 
@@ -66,6 +66,7 @@ def _with(**changes) -> dict:
     ("straggler", {"straggler": {"rank": 1, "slower_by_frac": 0.25, "metric": "busy_ms_median"}},
      {"straggler": {"rank": 1, "slower_by_frac": 0.04, "metric": "busy_ms_median"}}),
     ("memory_headroom", {"recipe__train__memory_cap_gb": 4.0}, {"recipe__train__memory_cap_gb": 1.5}),
+    ("host_bound", {"gpu_busy": {"step": {"busy_frac": 0.243}}}, {"gpu_busy": {"step": {"busy_frac": 0.81}}}),
 ])
 def test_each_rule_fires_only_on_its_measured_trigger(rule, trigger, below):
     hit = fired(_with(**trigger))
@@ -277,3 +278,23 @@ def test_a_busy_machine_qualifies_comm_and_straggler_when_the_ranks_did_not_over
                 "which alone can cause this" in by_rule[rule]["trigger"]["text"]), by_rule[rule]
     p["env"]["machine_load"]["busy"] = False
     assert "machine was busy" not in fired(p)["straggler"]["trigger"]["text"]
+
+
+def test_a_host_bound_gpu_step_is_said_first_and_advised():
+    """A GPU step whose kernels ran 24.3% of it (a reference H100 run at micro batch 8) waited for its host the
+    rest: the headline's bottleneck is the host, not the largest phase (backward, mostly host time), and the
+    advice bounds the gain by the idle share; at micro batch 1 small_batch speaks instead, and a run without a
+    kernel trace is not checked."""
+    from trainprof.report.advisor import host_bound_text
+
+    host = _with(gpu_busy={"step": {"busy_frac": 0.243}}, recipe__train__micro_batch_size=8)
+    advice = fired(host)["host_bound"]
+    assert advice["gain"]["upper_bound_step_frac"] == pytest.approx(0.757)
+    assert advice["overrides"] == {"train.micro_batch_size": 16} and "model.compile=true" in advice["action"]
+    assert host_bound_text(host) == ("the host: the GPU ran kernels 24.3% of the step and waited for its host 75.7% "
+                                     "(gpu_busy.step); the largest phase, backward (55.0% of the step), is mostly host time")
+    assert host_bound_text(_with(gpu_busy={"step": {"busy_frac": 0.9}})) is None and host_bound_text(quiet_profile()) is None
+    for profile, why in ((_with(gpu_busy={"step": {"busy_frac": 0.243}}, recipe__train__micro_batch_size=1),
+                          "small_batch covers it"), (quiet_profile(), "no GPU kernel trace")):
+        check = {c["rule"]: c for c in advise(profile)["checks"]}["host_bound"]
+        assert not check["applies"] and why in check["note"], check

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from trainprof.analysis.gpu_busy import HOST_BOUND_BUSY
 from trainprof.io import dig
 from trainprof.report.rundir import run_peak_memory
 
@@ -289,6 +290,45 @@ def rule_small_batch(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
                                                                           "model.recompute": True})
 
 
+def rule_host_bound(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
+    """A GPU step whose kernels kept the GPU busy less than HOST_BOUND_BUSY of it (gpu_busy.step, the bar
+    `trainprof project` calls a source host-bound by): the host's launches set the pace."""
+    figure = "gpu_busy.step.busy_frac (the traced step's kernels / the median step)"
+    threshold = f"< {_pct(HOST_BOUND_BUSY)}"
+    busy = dig(f.profile, "gpu_busy", "step", "busy_frac")
+    if busy is None:
+        why = f.profile.get("gpu_busy_reason") or "no GPU kernel trace (a CPU run, or profile.ops off)"
+        return _not_applicable("host_bound", figure, threshold, why), None
+    mb = f.micro_batch
+    if mb == 1:
+        return _not_applicable("host_bound", figure, threshold, "micro batch 1: small_batch covers it"), None
+    fired = busy < HOST_BOUND_BUSY
+    check = _check("host_bound", figure, busy, threshold, fired)
+    if not fired:
+        return check, None
+    idle = 1 - busy
+    compiled = bool(dig(f.recipe, "model", "compile"))
+    action = (f"give each launch more work: raise train.micro_batch_size{f' from {mb}' if mb else ''} (the memory "
+              "headroom check says how far)" + ("" if compiled else "; model.compile=true fuses kernels into fewer "
+              "launches") + "; a faster host CPU shortens this step, a faster GPU only its kernels' share")
+    return check, _advice(
+        "host_bound", "The GPU waits for its host: fewer, larger launches", figure, busy, threshold,
+        f"the GPU ran kernels {_pct(busy)} of the step and waited for its host {_pct(idle)}", action,
+        idle, f"at most {_pct(idle)} less step time at this batch, if the host kept the GPU busy (its kernels' time "
+              "is the floor)", {"train.micro_batch_size": 2 * mb} if mb else {})
+
+
+def host_bound_text(profile: dict[str, Any]) -> str | None:
+    """The headline's bottleneck for a GPU step its host paces (the host_bound rule's figure), None otherwise."""
+    busy = dig(profile, "gpu_busy", "step", "busy_frac")
+    if busy is None or busy >= HOST_BOUND_BUSY:
+        return None
+    neck = bottleneck(profile)
+    largest = f"; the largest phase, {neck[0]} ({_pct(neck[1])} of the step), is mostly host time" if neck else ""
+    return (f"the host: the GPU ran kernels {_pct(busy)} of the step and waited for its host {_pct(1 - busy)} "
+            f"(gpu_busy.step){largest}")
+
+
 def rule_optimizer_offload(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
     frac = f.frac("optimizer")
     offload = f.offload
@@ -404,8 +444,8 @@ def rule_stage_imbalance(f: RunFigures) -> tuple[Check, dict[str, Any] | None]:
         "not bounded: no whole-layer move lowers the busiest stage", overrides)
 
 
-RULES: tuple[Rule, ...] = (rule_oversubscribed, rule_data_wait, rule_comm_exposed, rule_small_batch, rule_optimizer_offload,
-                           rule_straggler, rule_memory_headroom)
+RULES: tuple[Rule, ...] = (rule_oversubscribed, rule_data_wait, rule_comm_exposed, rule_small_batch, rule_host_bound,
+                           rule_optimizer_offload, rule_straggler, rule_memory_headroom)
 PIPELINE_RULES: tuple[Rule, ...] = (rule_pipeline_bubble, rule_stage_imbalance)  # pipeline runs only
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from trainprof.analysis import records
 from trainprof.report import plots
-from trainprof.report.advisor import RunFigures, advise, bottleneck, checks_text, overrides_text
+from trainprof.report.advisor import RunFigures, advise, bottleneck, checks_text, host_bound_text, overrides_text
 from trainprof.report.document import Document, Figure, Missing, Para, Table, fmt
 from trainprof.report.pipeline import bubble_text
 from trainprof.report.rundir import run_peak_memory
@@ -191,8 +191,8 @@ def headline_facts(run: RunData) -> list[tuple[str, str]]:
         ("time of a step", f"{fmt(dig(s, 'step_ms', 'median'))} ms median (min {fmt(dig(s, 'step_ms', 'min'))}, "
                            f"max {fmt(dig(s, 'step_ms', 'max'))}) over {s.get('steps_used', len(run.measured_steps))} "
                            f"measured steps ({s.get('steps_used_description') or 'all measured steps'})"),
-        ("bottleneck", f"{neck[0]}: {100 * neck[1]:.1f}% of the step (the largest median phase)" if neck
-         else "n/a (no phases measured)"),
+        ("bottleneck", host_bound_text(p) or (f"{neck[0]}: {100 * neck[1]:.1f}% of the step (the largest median phase)"
+                                              if neck else "n/a (no phases measured)")),
         ("phases, median ms", ", ".join(f"{k} {v:.1f}" for k, v in phases.items()) or "profiler off"),
         ("closure", "n/a" if frac is None else f"{100 * frac:.2f}% of the step unattributed (median; max "
                                                f"{'n/a' if frac_max is None else f'{100 * frac_max:.2f}%'})"),
