@@ -41,3 +41,25 @@ def test_profiler_reports_activation_bytes_and_the_larger_micro_batch():
     # the output of Linear 2 (n x 8); mean saves nothing. fp32 throughout.
     assert s["activation_bytes"] == 4 * n * (32 + 64 + 8)
     assert "saved_tensors_hooks" in s["activation_bytes_method"]
+
+
+def test_a_pipeline_schedules_forwards_are_counted_one_micro_batch_at_a_time():
+    """GPipe runs every micro batch's forward before the first backward: each forward action closes its micro
+    batch's count, so the figure is one micro batch's (it grew with the number of micro batches: 23.2 MiB at
+    2, 54.6 MiB at 6 on the pipeline CPU recipe)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    figures = []
+    for m in (2, 6):
+        with Profiler(model, module_depth=1) as prof:
+            with prof.step():
+                losses = []
+                for i in range(m):
+                    with prof.pipeline_action("forward", i):
+                        losses.append(model(torch.randn(32, 64)).square().sum())
+                for i in range(m):
+                    with prof.pipeline_action("backward", i):
+                        losses[i].backward()
+        figures.append(prof.activation_bytes)
+    # Linear 1 saves its input (32 x 64); ReLU its output (32 x 256), which Linear 2 saves too; square saves
+    # Linear 2's output (32 x 64). fp32.
+    assert figures == [4 * 32 * (64 + 256 + 64)] * 2

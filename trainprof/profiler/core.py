@@ -492,6 +492,8 @@ class Profiler:
         finally:
             self._region_close(kind)
             log.mark(ACTION_CLOSE, (kind, micro_batch), self.timer.now())
+            if kind == "forward" and self._activations is not None:  # a schedule runs several before a backward
+                self._activations.forward_done()
 
     def phase(self, label: str) -> contextlib.AbstractContextManager[None]:
         """Mark a region of the step as a phase: "optimizer" (e.g. around DeepSpeed's engine.step()),

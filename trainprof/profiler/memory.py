@@ -210,7 +210,8 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any = None) -> dict[str
 ACTIVATION_METHOD = (
     "bytes of the tensors autograd saved for backward during each micro batch's forward on the "
     "FLOP-counting step (torch.autograd.graph.saved_tensors_hooks), each storage counted once, parameters "
-    "excluded; the max over micro batches. Under non-reentrant activation checkpointing the checkpointed "
+    "excluded; the max over micro batches (a pipeline stage: each micro batch's forward action, though its "
+    "schedule holds several at once). Under non-reentrant activation checkpointing the checkpointed "
     "layers' inputs, which the checkpoint holds itself, are not included"
 )
 
