@@ -155,6 +155,25 @@ def test_a_row_new_in_b_has_no_speedup_as_it_has_no_change(tmp_path):
     assert csv_row["speedup"] == "" and csv_row["verdict"] == "new in B"
 
 
+def test_the_memory_each_side_holds_is_beside_its_time():
+    """Recompute, offload or ZeRO trade time for memory: a diff that showed only time read recompute as 14%
+    slower with its saving out of sight. The Memory section puts each side's peak, activations and model
+    states side by side, and says when the two peaks were metered alike."""
+    a, b = copy.deepcopy(PROFILE), copy.deepcopy(PROFILE)  # the kept run predates activation bytes: given here
+    a["summary"]["activation_bytes"], b["summary"]["activation_bytes"] = 16 * 2**20, 4 * 2**20
+    runs = [RunData.of_profile(p, name) for name, p in (("a", a), ("b", b))]
+    md = render_markdown(build_diff_document(*runs, diff_profiles(a, b, stat="min")))
+    memory = md.split("## Memory")[1].split("\n## ")[0]
+    act = 16.0
+    assert f"| activations saved for backward per micro batch | {act:.2f} | {act / 4:.2f} | -75.0% |" in memory
+    states = PROFILE["model_state_bytes"]["total"] / 2**20
+    assert f"| model states | {states:.2f} | {states:.2f} | +0.0% |" in memory and "| peak memory per rank |" in memory
+    assert "(not alike)" not in memory
+    b["summary"]["peak_memory_method"] = "cpu_process_peak_rss"
+    md = render_markdown(build_diff_document(runs[0], RunData.of_profile(b, "b"), diff_profiles(a, b, stat="min")))
+    assert "B cpu_process_peak_rss (not alike)" in md.split("## Memory")[1]
+
+
 def test_modules_on_one_side_only_are_listed():
     b = copy.deepcopy(PROFILE)
     b["modules"] = [m for m in b["modules"] if m["name"] != "lm_head"]

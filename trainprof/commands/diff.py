@@ -63,8 +63,8 @@ def _diff(args: argparse.Namespace) -> int:
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("diff", help="per-phase and per-module speedup of run B against run A",
                        description="Compare two run dirs: step, phases, model parts and modules (matched by name) "
-                       "with A ms, B ms, change, speedup and a verdict against a noise band. Modules on one side "
-                       "only are listed. Two `trainprof infer` run dirs: p50 latencies and ms per output token "
+                       "with A ms, B ms, change, speedup and a verdict against a noise band; beside them each side's "
+                       "memory (peak, activations, model states: diff.md/.html). Modules on one side only are listed. Two `trainprof infer` run dirs: p50 latencies and ms per output token "
                        "per batch size, memory, and modules' prefill and decode-step time. Prints Markdown, or "
                        "writes diff.md/.html/.csv with --out.")
     p.add_argument("run_a", metavar="RUN_A", help="baseline run dir")

@@ -14,7 +14,7 @@ from trainprof.io import atomic_write_text, dig
 from trainprof.report import plots
 from trainprof.report.document import Document, Facts, Figure, Missing, Para, Table, fmt, render_csv, render_html
 from trainprof.report.document import render_markdown
-from trainprof.report.rundir import RunData, RunDirError, load_run
+from trainprof.report.rundir import RunData, RunDirError, load_run, run_peak_memory
 from trainprof.report.sections import cpu_model, hardware_text, machine_load_text, throughput_text
 
 FORMATS = ("md", "html", "csv")
@@ -237,6 +237,7 @@ def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff, *repeats
     if d.phases and d.steps:
         sec.blocks.append(Para(_phases_sum_text(d)))
     sec.blocks.append(_table([*d.steps, *d.phases], method, "phase-diff", "figure"))
+    _memory_section(doc, a, b)
     regions = (_compiled_regions(a), _compiled_regions(b))
     if d.parts:
         sec = doc.section("Model parts (Zhang et al.'s (arXiv 2311.03687) table)", id="parts")
@@ -250,6 +251,38 @@ def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff, *repeats
         sec.blocks.append(_table(d.parts, parts_method, "part-diff", "part"))
     _modules_section(doc, d, method, regions=regions)
     return doc
+
+
+MEMORY_ROWS = (("peak memory per rank", lambda p: run_peak_memory(p.get("summary") or {})),
+               ("activations saved for backward per micro batch", lambda p: dig(p, "summary", "activation_bytes")),
+               ("model states", lambda p: dig(p, "model_state_bytes", "total")),
+               ("model states: params", lambda p: dig(p, "model_state_bytes", "params")),
+               ("model states: grads", lambda p: dig(p, "model_state_bytes", "grads")),
+               ("model states: optimizer", lambda p: dig(p, "model_state_bytes", "optimizer_states")),
+               ("model states: fp32 master copies", lambda p: dig(p, "model_state_bytes", "master_params")))
+
+
+def _memory_section(doc: Document, a: dict[str, Any], b: dict[str, Any]) -> None:
+    """What each side holds: the memory recompute, offload, ZeRO or quantization trade their time for."""
+    rows = []
+    for label, read in MEMORY_ROWS:
+        va, vb = read(a), read(b)
+        if va is None and vb is None:
+            continue
+        change = (vb - va) / va if va and vb is not None else None
+        rows.append([label, None if va is None else va / 2**20, None if vb is None else vb / 2**20,
+                     "n/a" if change is None else f"{100 * change:+.1f}%"])
+    sec = doc.section("Memory", id="memory")
+    if not rows:
+        sec.blocks.append(Missing("memory", "neither profile recorded memory"))
+        return
+    meters = [dig(p, "summary", "peak_memory_method") or dig(p, "env", "memory_meter") or "not recorded" for p in (a, b)]
+    peak = f"peak: {meters[0]}" if meters[0] == meters[1] else f"peak: A {meters[0]}; B {meters[1]} (not alike)"
+    ranks = [p.get("steps_rank", 0) for p in (a, b)]
+    sec.blocks.append(Table(
+        ["figure", "A MiB", "B MiB", "change"], rows, id="memory-diff", numeric=[False, True, True, False],
+        method=(f"{peak}; activations: saved_tensors_hooks bytes on the FLOP-counting step; model states: bytes "
+                f"the rank stores (rank {ranks[0]} of A, rank {ranks[1]} of B); one run of each, no noise band")))
 
 
 def _phases_sum_text(d: ProfileDiff) -> str:
