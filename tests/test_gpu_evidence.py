@@ -857,3 +857,28 @@ def test_a_run_without_calibration_names_the_folder_that_has_one(tmp_path):
     assert pred["step_ms"] is None and "no calibration.json" in why, why
     assert "h100-llama7b_qlora beside it calibrated the same NVIDIA H100 80GB HBM3" in why
     assert "copy its calibration.json" in why and "profile.calibrate=true" in why
+
+
+def test_a_deeper_models_host_bound_row_names_the_calls_it_stands_on(tmp_path):
+    """The host time of a changed model scales its decoder layers' calls by its depth: the host-bound verdict of
+    Llama2-70B (80 layers) from the 22-layer H100 run names the target's calls, which its host ms divide into at
+    the source's pace, not the source's 14,141 (which gave 539 ms against the 1,252.5 ms it stated)."""
+    import shutil
+
+    from trainprof.projection.project import project
+
+    run = tmp_path / "run"
+    shutil.copytree(PROFILES / "h100-llama1b_zero3_sdpa-torch-gpubound", run)
+    rows = {}
+    for name in ("llama2-1b", "llama2-70b"):
+        (row,) = project(run, overrides=[f"model.name={name}", "engine.kind=deepspeed", "engine.zero_stage=3",
+                               "data.seq_len=350", "train.micro_batch_size=1"], targets=["a800-80g"], gpus_per_node=1,
+                         probe=False)["predictions"]
+        rows[name] = {a["kind"]: a for a in row["assumptions"]}
+    small, large = (rows[n]["host_bound_target"] for n in ("llama2-1b", "llama2-70b"))
+    assert small["values"]["layers"] == 22 and large["values"]["layers"] == 80
+    per_call = [b["values"]["host_ms"] / b["values"]["calls"] for b in (small, large)]
+    assert per_call[0] == pytest.approx(per_call[1], rel=0.02)  # one pace: the calls carry the depth
+    assert large["values"]["calls"] > 3 * small["values"]["calls"] * 0.9
+    assert f"the host's {large['values']['calls']:,.0f} operator calls (80 decoder layers'" in large["text"]
+    assert "in the source's trace" in rows["llama2-70b"]["host_time"]["text"]

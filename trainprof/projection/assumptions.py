@@ -54,7 +54,8 @@ TEMPLATES: dict[str, str] = {
                         "efficiency says nothing of a GPU's): every GEMM at the target's rate for its shape "
                         "({matmul_source}); the other operators' bytes, as counted on the model's code "
                         "(scripts/count_traffic.py), at the bandwidth ({memory_source}) x {elementwise}"),
-    "host_bound_target": ("predicted host-bound on {target}: the host's operator calls take {host_ms:.1f} ms a step "
+    "host_bound_target": ("predicted host-bound on {target}: the host's {calls:,.0f} operator calls ({layers} decoder "
+                          "layers' and the rest's) take {host_ms:.1f} ms a step "
                           "against the device's {device_ms:.1f} ms (forward, backward, recompute): the GPU busy {busy:.0%} of "
                           "them, under the {bar:.0%} that marks a measured phase host-bound, waits for the host there and a "
                           "faster GPU does not shorten them"),
@@ -66,7 +67,8 @@ TEMPLATES: dict[str, str] = {
                             "clipping, logging, a scheduler) is not re-rated for the GPU"),
     "host_ceiling": ("host on the source's own GPU kind: a device-bound phase's operator calls took its host at most "
                      "the phase over its calls ({phases} µs a call), below the catalog's reference, so at most that"),
-    "host_time": ("host: {ops_per_step:,.0f} operator calls a step at {us_per_op:.1f} us each ({us_source}); a phase takes "
+    "host_time": ("host: {ops_per_step:,.0f} operator calls a step in the source's trace (a changed model's decoder "
+                  "layers' scaled by its depth) at {us_per_op:.1f} us each ({us_source}); a phase takes "
                   "the longer of its host and device time (the GPU runs asynchronously)"),
     "host_time_per_call": ("host: each operator call at {us_per_op:.1f} us ({us_source}); a phase takes the longer "
                            "of its host and device time (the GPU runs asynchronously)"),

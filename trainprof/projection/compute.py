@@ -165,10 +165,12 @@ def _per_layer_work(w: Work) -> Work:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Rerated:
-    """One phase per micro batch on the target: device work and host work (None: not modelled)."""
+    """One phase per micro batch on the target: device work and host work (None: not modelled), and the
+    operator calls the host work stands on."""
 
     device_ms: float
     host_ms: float | None
+    calls: float | None = None
 
 
 def rerated_phase(m: Measured, ph: str, src: Work, tgt: Work, src_machine: Machine, dst_machine: Machine,
@@ -214,7 +216,7 @@ def rerated_phase(m: Measured, ph: str, src: Work, tgt: Work, src_machine: Machi
         host_t = calls_t * host_us_per_op / 1e3
     elif host is not None:
         host_t = host * calls_t / (ops.calls / ga)
-    return Rerated(device_ms=matmul_t + other_t, host_ms=host_t)
+    return Rerated(device_ms=matmul_t + other_t, host_ms=host_t, calls=calls_t)
 
 
 def reached_gbps(machine: Machine) -> float:

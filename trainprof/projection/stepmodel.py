@@ -127,15 +127,17 @@ def _rerated(m: Measured, change: Change, inputs: Inputs, notes: list[Assumption
     src_m, dst_m = inputs.source_machine, inputs.target_machine
     assert src_m is not None and dst_m is not None
     host, calls = inputs.host_us_per_op or {}, inputs.ops_per_layer or {}
-    host_ms = device_ms = 0.0  # of the phases whose host work is modelled on a GPU target
+    host_ms = device_ms = host_calls = 0.0  # of the phases whose host work is modelled on a GPU target
     for ph in ("forward", "backward", "recompute"):
         if mb[ph] > 0:
             r = rerated_phase(m, ph, change.source_work, change.work, src_m, dst_m, host.get(ph), calls.get(ph))
             mb[ph] = combine(r, dst_m.is_gpu)
             if dst_m.is_gpu and r.host_ms is not None:
                 host_ms, device_ms = host_ms + r.host_ms, device_ms + r.device_ms
+                host_calls += r.calls or 0.0
     if device_ms < HOST_BOUND_BUSY * host_ms:  # the bar a source phase is called host-bound by (hostref)
-        notes.append(assume("host_bound_target", target=dst_m.name, host_ms=host_ms * m.grad_accum,
+        notes.append(assume("host_bound_target", target=dst_m.name, calls=host_calls * m.grad_accum,
+                            layers=change.work.shape.num_layers, host_ms=host_ms * m.grad_accum,
                             device_ms=device_ms * m.grad_accum, busy=device_ms / host_ms, bar=HOST_BOUND_BUSY))
     recompute_t = None
     if layers_f and m.phases_ms["forward"] > 0:
