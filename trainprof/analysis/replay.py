@@ -148,6 +148,43 @@ def replay(step: TracedStep, *, host_scale: float = 1.0,
     return Replayed(step_ms=max(t, device_end) / 1e3, host_ms=t / 1e3, device_busy_ms=union_us(intervals) / 1e3)
 
 
+def untraced_pace(step: TracedStep, untraced_ms: float, *, rel: float = 0.005) -> float:
+    """The factor on the traced host's own work (replay's host_scale) at which it issues the step's work within
+    `untraced_ms`, the run's median untraced step. That step holds all of the untraced host's issuing, so the
+    untraced host is at least this fast: a floor replayed at this pace is an upper bound. 1.0 where the traced
+    host already fits (tracing's inflation is then not known); the waits at synchronizing calls are not scaled.
+
+    Args:
+        step: the traced step.
+        untraced_ms: the run's median untraced step (profile.json summary.step_ms.median).
+        rel: how close to `untraced_ms` the replayed host must come.
+
+    Returns:
+        The factor, in (0, 1]; where it stops short of `rel`, the one on the slow side; 1.0 where even a host
+        of no cost would overrun `untraced_ms` (the replay then cannot place it).
+    """
+    def over(scale: float) -> float:  # how far the host at this scale overruns the untraced step, ms
+        return replay(step, host_scale=scale).host_ms - untraced_ms
+
+    lo, hi = 0.0, 1.0
+    at_lo, at_hi = over(lo), over(hi)
+    if at_hi <= 0 or at_lo >= 0:  # fits already, or the waits for the device alone overrun it
+        return 1.0
+    kept = 0  # which end stayed last time: the Illinois variant of regula falsi halves its weight if it stays again
+    for _ in range(12):
+        scale = hi - at_hi * (hi - lo) / (at_hi - at_lo)
+        at = over(scale)
+        if abs(at) <= rel * untraced_ms:
+            return scale
+        if at > 0:
+            hi, at_hi = scale, at
+            at_lo, kept = (at_lo / 2 if kept == -1 else at_lo), -1
+        else:
+            lo, at_lo = scale, at
+            at_hi, kept = (at_hi / 2 if kept == 1 else at_hi), 1
+    return hi
+
+
 # kernels bound by the tensor cores (GEMMs, fused attention) by their names on Hopper and Ampere: cuBLAS's
 # nvjet and cutlass/xmma kernels, cuDNN's and FlashAttention's attention; every other kernel, copy on the
 # device and memset is taken as bound by memory bandwidth
@@ -196,11 +233,13 @@ class CrossDevice:
 
 
 def cross_device(step: TracedStep, measured_step_ms: float, rates: DeviceRates, *,
-                 host_scale: float = 1.0) -> CrossDevice:
+                 host_scale: float = 1.0, pace: float = 1.0) -> CrossDevice:
     """The traced step replayed with its device work re-timed for another GPU (the host as fast as the
     source's unless host_scale says otherwise). The ratio of the two replays is carried onto the measured
-    (untraced) step, since tracing slows the host and a traced step is longer than a measured one."""
-    same, other = replay(step), replay(step, host_scale=host_scale, device_scale=rates)
+    (untraced) step, since tracing slows the host and a traced step is longer than a measured one. `pace`
+    scales the host's own work in both replays: 1.0 the traced host (the replay cases' basis), below it the
+    untraced host's (`untraced_pace`)."""
+    same, other = replay(step, host_scale=pace), replay(step, host_scale=pace * host_scale, device_scale=rates)
     return CrossDevice(step_ms=measured_step_ms * other.step_ms / same.step_ms, source=same, target=other, rates=rates)
 
 

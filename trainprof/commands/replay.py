@@ -29,8 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--to", metavar="HARDWARE",
                    help="also predict the step on this catalog GPU (e.g. h200; a node template such as hgx-h100 is "
                         "taken as one of its GPUs): the kernels re-timed by the datasheet ratios (GEMM and attention by "
-                        "bf16 peak, the rest by memory bandwidth), the host as fast as the source's; needs the run's "
-                        "profile.json beside the trace (its GPU and measured step)")
+                        "bf16 peak, the rest by memory bandwidth), the host as fast as the source's as traced (at its "
+                        "untraced pace beside it where profile.json bounds that); needs the run's profile.json beside "
+                        "the trace (its GPU and measured step)")
     p.set_defaults(func=run)
     return p
 
@@ -41,11 +42,13 @@ class CrossTarget:
 
     name: str  # as given to --to
     gpu: str  # its accelerator key: itself, or a node template's GPU
+    source_gpu: str  # the source run's accelerator key
     gpus_per_node: int | None  # set for a node template
     rates: DeviceRates
     measured_ms: float  # the source run's median untraced step
     capacity_bytes: float | None  # the target GPU's catalog memory_gb
     confidence: ReplayConfidence  # how far replay was found off on this run or this pair of GPUs
+    project_host: str | None  # the host `trainprof project` assumes for this target, in words
 
 
 def _trace_of(path: Path) -> Path:
@@ -87,7 +90,7 @@ def _load_steps(trace: Path) -> list[TracedStep]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainprof.analysis.replay import replay
+    from trainprof.analysis.replay import untraced_pace
     from trainprof.errors import UserError
     from trainprof.io import profile_file, read_json
 
@@ -99,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     doc = read_json(profile) if profile else None
     target = _cross_target(args.to, path, profile, doc) if args.to else None  # a bad --to fails before any output
     steps = _load_steps(trace)
+    untraced_ms = untraced_median(doc)
     print(f"{trace}: host gaps x {args.host_scale:g}, device work x {args.device_scale:g} "
           "(replay of the launch timeline against the kernels; see trainprof/analysis/replay.py)")
     faster_host, faster_gpu = f"host x{args.host_scale:g} ms", f"GPU x{args.device_scale:g} ms"
@@ -106,24 +110,61 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'step':>5} {'traced ms':>10} {'replayed ms':>11} {'GPU busy':>9} {faster_host:>{width}} {faster_gpu:>{width}}"
           "  bound by")
     floored = []  # (step, its GPU what-if) where that stopped at the host
+    paced = []  # (step, pace, its what-ifs) at the untraced host's pace, where profile.json bounds it
     for s in steps:
-        same = replay(s)
-        host = replay(s, host_scale=args.host_scale)
-        gpu = replay(s, device_scale=lambda op: args.device_scale)
+        same, host, gpu = what_ifs(s, args.host_scale, args.device_scale)
         busy = same.device_busy_ms / same.step_ms
         print(f"{s.step:>5} {s.measured_ms:>10.1f} {same.step_ms:>11.1f} {busy:>9.0%} "
               f"{host.step_ms:>{width}.1f} {gpu.step_ms:>{width}.1f}  {bound_by(busy)}")
         if args.device_scale < 1 and gpu.step_ms <= gpu.host_ms:
             floored.append((s.step, gpu))
+        if untraced_ms and (pace := untraced_pace(s, untraced_ms)) < 1:
+            paced.append((s.step, pace, what_ifs(s, args.host_scale, args.device_scale, pace=pace)))
     print(f"traced ms: the trace's ProfilerStep span; bound by: GPU where the replayed step keeps it busy "
           f"{HOST_BOUND_BUSY:.0%} or more, else host (the what-if columns do not decide it)")
     if doc is not None and (line := traced_against_untraced(doc)):
         print(line)
     if floored:
-        print(host_floor(floored, faster_gpu.removesuffix(" ms"), untraced_median(doc)))
+        print(host_floor(floored, faster_gpu.removesuffix(" ms"), untraced_ms))
+    names = (faster_host.removesuffix(" ms"), faster_gpu.removesuffix(" ms"))
+    for n, pace, replayed in paced:
+        print(at_untraced_pace(n, pace, replayed, names, untraced_ms))
+    print(what_if_mark(*names, floor=args.device_scale < 1, paced=bool(paced)))
     if target is not None:
-        _print_cross_device(steps, target, doc)
+        pace = next((pace for n, pace, _ in paced if n == steps[0].step), 1.0)
+        _print_cross_device(steps, target, doc, pace)
     return 0
+
+
+def what_ifs(step: TracedStep, host_scale: float, device_scale: float, *,
+             pace: float = 1.0) -> tuple[Replayed, Replayed, Replayed]:
+    """The step replayed as it ran, with the host's own work x host_scale, and with the device work x device_scale;
+    the host's own work x `pace` in all three (1.0: the traced host; below: the untraced one's, `untraced_pace`)."""
+    from trainprof.analysis.replay import replay
+
+    return (replay(step, host_scale=pace), replay(step, host_scale=pace * host_scale),
+            replay(step, host_scale=pace, device_scale=lambda op: device_scale))
+
+
+def at_untraced_pace(step: int, pace: float, replayed: tuple[Replayed, Replayed, Replayed], names: tuple[str, str],
+                     untraced_ms: float) -> str:
+    """One line: a step's what-ifs with its host at the untraced pace, the answer for the run as it runs untraced."""
+    same, host, gpu = replayed
+    return (f"at the untraced host's pace (step {step}), the answer for this run untraced: replayed {same.step_ms:.1f} "
+            f"ms, '{names[0]}' {host.step_ms:.1f} ms, '{names[1]}' {gpu.step_ms:.1f} ms, each at most this: the host's "
+            f"own work x{pace:.3f}, the slowest pace that issues the step within the untraced median step, "
+            f"{untraced_ms:.1f} ms (profile.json); the table is the traced host's")
+
+
+def what_if_mark(faster_host: str, faster_gpu: str, *, floor: bool, paced: bool) -> str:
+    """One line under the table: how far its what-if columns were checked (never), and what floors the GPU's."""
+    line = (f"'{faster_host}' and '{faster_gpu}' are unvalidated: no run on a host or a GPU that much faster was "
+            "measured against them (only --to's GPU pairs were: validation_gpu.json replay_cases)")
+    if not floor:
+        return line
+    host = ("the host's at the untraced pace (the line above), the table's at the traced host's, which tracing slows"
+            if paced else "the traced host's (tracing slows the host; profile.json does not bound by how much here)")
+    return line + f"; '{faster_gpu}' goes no lower than the time its host takes to issue the step: {host}"
 
 
 def _cross_target(to: str, path: Path, profile: Path | None, doc: dict[str, Any] | None) -> CrossTarget:
@@ -153,9 +194,31 @@ def _cross_target(to: str, path: Path, profile: Path | None, doc: dict[str, Any]
         raise UserError(f"--to {to}: {e}") from None
     # the replay cases name their sources by their profiles/ folder, the one holding profile.json
     confidence = replay_confidence(gpu_validation().get("replay_cases") or [], profile.parent.name, source, gpu)
-    return CrossTarget(name=to, gpu=gpu, gpus_per_node=resolved.gpus_per_node,
+    return CrossTarget(name=to, gpu=gpu, source_gpu=source, gpus_per_node=resolved.gpus_per_node,
                        rates=rates, measured_ms=doc["summary"]["step_ms"]["median"],
-                       capacity_bytes=resolved.memory_bytes(), confidence=confidence)
+                       capacity_bytes=resolved.memory_bytes(), confidence=confidence,
+                       project_host=project_host(doc, catalog, source, gpu))
+
+
+def project_host(doc: dict[str, Any], catalog: Any, source_gpu: str, target_gpu: str) -> str | None:
+    """The host `trainprof project` assumes for the source run on `target_gpu`, per forward operator call, as its
+    projector's _gpu_host picks it (same engine): the run's own where its forward was host-bound; on its own GPU
+    kind at most what its device-bound forward left; else the catalog's reference host. None without an operator
+    trace or a reference."""
+    from trainprof.projection.hostref import host_us_and_ceiling
+    from trainprof.projection.machines import gpu_host
+
+    own, ceiling = host_us_and_ceiling(doc)
+    if "forward" in own:
+        return f"this run's own host, {own['forward']:.1f} µs per forward operator call (its forward was host-bound)"
+    engine = (doc.get("recipe") or {}).get("engine") or {}
+    reference = gpu_host(catalog, engine.get("kind") or "", engine.get("zero_stage") or 0)[0].get("forward")
+    if source_gpu == target_gpu and "forward" in ceiling and (reference is None or ceiling["forward"] < reference):
+        return f"this run's host, at most {ceiling['forward']:.1f} µs per forward operator call (its device-bound forward)"
+    if reference is None:
+        return None
+    return (f"the target's catalog reference host, {reference:.1f} µs per forward operator call (gpu_host_us_per_op), "
+            "not this one")
 
 
 def bound_by(busy: float | None) -> str:
@@ -205,9 +268,10 @@ def traced_against_untraced(doc: dict[str, Any]) -> str | None:
             f"{summary.get('steps_used', '?')} measured steps (tracing slows the host){busy_text}")
 
 
-def _print_cross_device(steps: list, target: CrossTarget, doc: dict[str, Any]) -> None:
-    """The --to prediction: the measured step carried by the ratio of the replays on the two GPUs, and whether
-    the run's measured peak memory fits the target GPU."""
+def _print_cross_device(steps: list, target: CrossTarget, doc: dict[str, Any], pace: float) -> None:
+    """The --to prediction: the measured step carried by the ratio of the replays on the two GPUs with the host
+    as traced (what the replay cases validate); where profile.json bounds the untraced host (`pace` < 1), the
+    same at the untraced pace beside it; and whether the run's measured peak memory fits the target GPU."""
     from trainprof.analysis.replay import cross_device
 
     rates = target.rates
@@ -216,27 +280,59 @@ def _print_cross_device(steps: list, target: CrossTarget, doc: dict[str, Any]) -
         f"{target.name}, taken as its GPU {target.gpu} (a node template of {target.gpus_per_node}; the replay re-times "
         "one GPU's kernels, not the node's links)")
     misfit = does_not_fit(doc, target)
+    paced = ""
+    if pace < 1:
+        # on the replay cases the untraced pace was further off where the source was GPU-bound (docs/projection.md)
+        at = cross_device(steps[0], target.measured_ms, rates, pace=pace)
+        paced = (f"; at the untraced host's pace (its own work x{pace:.3f}, the slowest that fits the untraced median "
+                 f"step) {at.step_ms:.1f} ms, unvalidated and not the answer: the replay cases, measured, came out "
+                 "further off at that pace from GPU-bound sources (docs/projection.md)")
     print(f"on {where}: {pred.step_ms:.1f} ms a step{', ' + misfit[0] if misfit else ''}; "
-          f"{target.confidence.text}; measured here {target.measured_ms:.1f} ms x replay {pred.target.step_ms:.1f} / "
-          f"{pred.source.step_ms:.1f} ms (GPU busy {pred.target.device_busy_ms / pred.target.step_ms:.0%}); kernels "
-          f"x{rates.compute:.3f} (GEMM, attention) and x{rates.memory:.3f} (the rest) from {rates.source}; the host as "
-          "fast as this one's")
+          f"{target.confidence.text}{paced}; measured here {target.measured_ms:.1f} ms x replay "
+          f"{pred.target.step_ms:.1f} / {pred.source.step_ms:.1f} ms (GPU busy "
+          f"{pred.target.device_busy_ms / pred.target.step_ms:.0%}); kernels x{rates.compute:.3f} (GEMM, attention) and "
+          f"x{rates.memory:.3f} (the rest) from {rates.source}; {host_assumed(pred.target.host_ms, pace, target, doc)}")
     if misfit:
         print(misfit[1])
 
 
+def host_assumed(host_ms: float, pace: float, target: CrossTarget, doc: dict[str, Any]) -> str:
+    """The --to line's host: this one's as traced, per operator call, beside the host `trainprof project` assumes,
+    so that the two commands' steps can be set side by side."""
+    from trainprof.projection.measured import measured_from_profile
+
+    bound = (f"tracing inflated it: untraced, its own work is at most x{pace:.3f} of this" if pace < 1 else
+             f"its untraced pace not known: the untraced median step, {target.measured_ms:.1f} ms, does not bound it")
+    text = f"the host as fast as this one's as traced ({bound}): {host_ms:.1f} ms to issue the step's work on {target.gpu}"
+    calls = sum(o.calls for o in (measured_from_profile(doc).ops or {}).values())
+    if calls:
+        text += f", {host_ms / calls * 1e3:.1f} µs per operator call ({calls:,.0f} calls a step, profile.json)"
+    if target.project_host:
+        text += f"; `trainprof project` assumes {target.project_host}"
+    return text
+
+
 def does_not_fit(doc: dict[str, Any], target: CrossTarget) -> tuple[str, str] | None:
     """(the note beside the step, how it was compared) when the source run's measured peak memory exceeds the
-    target GPU's catalog capacity; None when it does not or either figure is missing. The measured peak is
-    compared as it is: no memory model moves it to the target."""
+    target GPU's catalog capacity, or the share of it `trainprof project --best` leaves a setting (HEADROOM: CUDA
+    gets less than the datasheet's memory); None when it stays within that or either figure is missing. The
+    measured peak is compared as it is: no memory model moves it to the target."""
+    from trainprof.projection.best import HEADROOM
     from trainprof.report.rundir import run_peak_memory
 
     summary = doc.get("summary") or {}
-    peak = run_peak_memory(summary)
-    if not peak or not target.capacity_bytes or peak <= target.capacity_bytes:
+    peak, capacity = run_peak_memory(summary), target.capacity_bytes
+    if not peak or not capacity or peak <= HEADROOM * capacity:
         return None
     meter = summary.get("memory_meter") if summary.get("peak_memory_bytes_max") else summary.get("peak_memory_method")
-    return (f"does not fit: measured peak {peak / GIB:.1f} GiB > {target.capacity_bytes / GIB:.1f} GiB",
-            f"memory: the run as traced would not fit {target.gpu}: its measured peak per rank "
-            f"({meter or 'meter not recorded'}) against {target.gpu}'s {target.capacity_bytes / GIB:g} GiB "
-            "(catalog memory_gb, binary); the peak is compared as measured, not re-planned for the target")
+    compared = (f"its measured peak per rank ({meter or 'meter not recorded'}) against {target.gpu}'s "
+                f"{capacity / GIB:g} GiB (catalog memory_gb, binary); the peak is compared as measured, not re-planned "
+                "for the target")
+    if peak > capacity:
+        return (f"does not fit: measured peak {peak / GIB:.1f} GiB > {capacity / GIB:.1f} GiB",
+                f"memory: the run as traced would not fit {target.gpu}: {compared}")
+    return (f"may not fit: measured peak {peak / GIB:.1f} GiB > {HEADROOM:.0%} of {capacity / GIB:.1f} GiB",
+            f"memory: the run as traced leaves under {1 - HEADROOM:.0%} of {target.gpu}'s memory free: {compared}; "
+            f"CUDA gets less than the datasheet's figure (an H200's 141 GiB offered about 139: hardware.py "
+            f"Target.memory_bytes), so `trainprof project --best` counts a setting as fitting within {HEADROOM:.0%} "
+            "of it")
