@@ -81,24 +81,20 @@ def test_report_of_a_profiled_two_rank_run(tmp_path):
     (1.5, "ran 150% slower than the median untraced step"),
     (-0.5, "ran 50% faster than the median untraced step"),
 ])
-def test_the_operators_section_says_what_tracing_did_either_way_against_the_step_spread(cost, said):
-    """ops_info.cost_frac below zero is traced steps that ran faster (noise), not a negative slowdown; it is
-    judged against the untraced steps' spread (zero3_2rank: min / median -29%, max / median +123%)."""
+def test_the_operators_section_says_what_tracing_did_either_way(cost, said):
+    """ops_info.cost_frac below zero is traced steps that ran faster, not a negative slowdown. zero3_2rank
+    traced 2 steps: too few to tell either direction from noise (tests/test_report_tracing.py has the rule)."""
     from trainprof.report.document import Document, render_markdown
     from trainprof.report.rundir import RunData
     from trainprof.report.sections import ops_section
 
     profile = json.loads((DATA / "zero3_2rank" / "profile.json").read_text())
     profile["ops_info"]["cost_frac"] = cost
-    s = profile["summary"]["step_ms"]
-    low, high = s["min"] / s["median"] - 1, s["max"] / s["median"] - 1
     doc = Document("t")
     ops_section(doc, RunData.of_profile(profile, DATA / "zero3_2rank"))
     md = render_markdown(doc)
-    verdict = ("noise, no cost of tracing shows" if low <= cost <= high else "the cost of tracing" if cost > high
-               else "noise, not tracing's doing")
-    assert said in md and verdict in md and f"{100 * low:+.0f}% to {100 * high:+.0f}% of their median" in md, md
-    assert "-4%" not in md and "Tracing made" not in md
+    assert said in md and "with 2 traced and 3 untraced steps" in md and "cannot be told from noise" in md, md
+    assert "cost of tracing" not in md and "-4%" not in md and "Tracing made" not in md
 
 
 def test_report_does_not_import_torch_and_is_fast(tmp_path):

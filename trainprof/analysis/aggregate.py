@@ -35,7 +35,7 @@ class StepRecord:
     loss: float | None = None
     tokens: int | None = None
     memory: dict[str, int] = field(default_factory=dict)
-    instrumented: list[str] = field(default_factory=list)  # "flops", "ops"
+    instrumented: list[str] = field(default_factory=list)  # "flops", "ops", "trace_warmup"
     warmup: bool = False
     pipeline: dict[str, Any] | None = None  # pipeline stage: this step's timeline (analysis/pipeline.py)
 
@@ -139,12 +139,17 @@ def module_tree_step(infos: list[ModuleInfo], mods: dict[int, ModuleStep]) -> di
 
 
 def select_steps(steps: list[StepRecord]) -> tuple[list[StepRecord], str]:
+    """The steps the medians use, and a description of them that names the trace warm-up step (traced and
+    discarded before the operator trace) only where the run had one, as left out or kept."""
     measured = [s for s in steps if not s.warmup]
     clean = [s for s in measured if not s.instrumented]
+    trace_warmup = sum("trace_warmup" in s.instrumented for s in measured)
+    warmup = ("its trace warm-up step" if trace_warmup == 1 else f"its {trace_warmup} trace warm-up steps")
     if clean:
-        return clean, "measured steps without FLOP counting or operator tracing (its Kineto warm-up step included)"
-    return measured, ("all measured steps (every one was instrumented: FLOP counting and/or operator tracing, its "
-                      "Kineto warm-up step included)")
+        return clean, ("measured steps without FLOP counting or operator tracing"
+                       + (f" ({warmup} left out too)" if trace_warmup else ""))
+    return measured, ("all measured steps (every one was instrumented: FLOP counting and/or operator tracing"
+                      + (f"; {warmup} kept" if trace_warmup else "") + ")")
 
 
 def module_rows(infos: list[ModuleInfo], steps: list[StepRecord],

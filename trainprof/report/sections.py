@@ -6,6 +6,7 @@ figures and detail (report/document.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from trainprof.analysis import records
@@ -193,7 +194,9 @@ def headline_facts(run: RunData) -> list[tuple[str, str]]:
                            f"measured steps ({s.get('steps_used_description') or 'all measured steps'})"),
         ("bottleneck", host_bound_text(p) or (f"{neck[0]}: {100 * neck[1]:.1f}% of the step (the largest median phase)"
                                               if neck else "n/a (no phases measured)")),
-        ("phases, median ms", ", ".join(f"{k} {v:.1f}" for k, v in phases.items()) or "profiler off"),
+        ("phases, median ms", ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
+         + " (each its own median over the steps used; they need not add up to the median step)" if phases
+         else "profiler off"),
         ("closure", "n/a" if frac is None else f"{100 * frac:.2f}% of the step unattributed (median; max "
                                                f"{'n/a' if frac_max is None else f'{100 * frac_max:.2f}%'})"),
         ("device", f"{env.get('device', 'n/a')} x {env.get('world_size', '?')} ranks "
@@ -417,25 +420,81 @@ def module_phase_section(doc: Document, run: RunData) -> None:
                             id="module-phase-table", numeric=[False, False] + [True] * 10))
 
 
-def tracing_cost_text(cost: float, step_ms: dict[str, float | None]) -> str:
-    """What operator tracing did to the traced steps (`ops_info.cost_frac`), in either direction, judged
-    against the untraced steps' own spread (summary.step_ms min / max): inside it, the change is noise."""
-    if round(100 * cost) == 0:
+# fewer traced or untraced steps than this a side, and a difference between them is not told from noise
+MIN_STEPS_A_SIDE = 3
+
+
+@dataclass(slots=True, kw_only=True)
+class TracingCost:
+    """What operator tracing did to the traced steps: `cost` is ops_info.cost_frac (median traced step /
+    median untraced step - 1); `verdict` is "few steps", "busy machine", "slower" or "faster" (every traced
+    step beyond the untraced range) or "overlap"; `busy` says how the run recorded its machine as busy."""
+    cost: float
+    traced_ms: list[float]
+    untraced_ms: list[float]
+    verdict: str
+    busy: str | None = None
+
+
+def busy_machine_text(env: dict[str, Any]) -> str | None:
+    """How the run recorded its machine as contended (env.machine_load busy, env.oversubscribed); None if not."""
+    load, over = env.get("machine_load") or {}, env.get("oversubscribed")
+    if load.get("busy"):
+        return f"1-minute load average {load['start']:g} to {load['end']:g} on {load['cores']} cores"
+    if over:
+        return f"{over['threads']} threads on {over['cores']} cores"
+    return None
+
+
+def tracing_cost(profile: dict[str, Any]) -> TracingCost | None:
+    """Judge ops_info.cost_frac from the steps themselves (the medians' rank): slower and faster by the same
+    rule, a real difference only when every traced step lies beyond the untraced steps' range, there are
+    enough steps a side, and the machine was not recorded as busy. None when tracing recorded no cost."""
+    cost = (profile.get("ops_info") or {}).get("cost_frac")
+    if cost is None:
+        return None
+    measured = [s for s in profile.get("steps") or [] if not s.get("warmup") and s.get("wall_ms") is not None]
+    traced = [s["wall_ms"] for s in measured if "ops" in (s.get("instrumented") or [])]
+    untraced = [s["wall_ms"] for s in measured if not s.get("instrumented")]
+    busy = busy_machine_text(profile.get("env") or {})
+    if min(len(traced), len(untraced)) < MIN_STEPS_A_SIDE:
+        verdict = "few steps"
+    elif busy:
+        verdict = "busy machine"
+    elif min(traced) > max(untraced):
+        verdict = "slower"
+    elif max(traced) < min(untraced):
+        verdict = "faster"
+    else:
+        verdict = "overlap"
+    return TracingCost(cost=cost, traced_ms=traced, untraced_ms=untraced, verdict=verdict, busy=busy)
+
+
+def _ms_list(values: list[float]) -> str:
+    return ", ".join(f"{v:,.1f}" for v in values) + " ms" if values else "none"
+
+
+def tracing_cost_text(tc: TracingCost) -> str:
+    """The Operators section's sentence on what tracing cost, with the step times it is judged from."""
+    if round(100 * tc.cost) == 0:
         change = "as fast as"
     else:
-        change = f"{100 * abs(cost):.0f}% {'slower' if cost > 0 else 'faster'} than"
+        change = f"{100 * abs(tc.cost):.0f}% {'slower' if tc.cost > 0 else 'faster'} than"
+    figures = f"traced steps {_ms_list(tc.traced_ms)}; untraced {_ms_list(tc.untraced_ms)}"
     text = (f"Traced steps ran {change} the median untraced step (median traced step / median of the steps the "
-            "medians use - 1)")
-    median, low, high = step_ms.get("median"), step_ms.get("min"), step_ms.get("max")
-    if not median or low is None or high is None:
-        return text + "."
-    low, high = low / median - 1, high / median - 1
-    spread = f"{100 * low:+.0f}% to {100 * high:+.0f}% of their median"
-    if cost > high:
-        return f"{text}, beyond the untraced steps' spread ({spread}): the cost of tracing."
-    if cost < low:
-        return f"{text}, faster than any untraced step ({spread}): noise, not tracing's doing."
-    return f"{text}, within the untraced steps' own spread ({spread}): noise, no cost of tracing shows."
+            f"medians use - 1; {figures})")
+    if tc.verdict == "few steps":
+        busy = f", on a busy machine ({tc.busy})," if tc.busy else ""
+        return (f"{text}: with {len(tc.traced_ms)} traced and {len(tc.untraced_ms)} untraced steps (under "
+                f"{MIN_STEPS_A_SIDE} a side){busy} the difference cannot be told from noise.")
+    if tc.verdict == "busy machine":
+        return f"{text}: the machine was busy ({tc.busy}), so the difference cannot be told from noise."
+    if tc.verdict == "slower":
+        return f"{text}: every traced step was slower than every untraced step, the cost of tracing."
+    if tc.verdict == "faster":
+        return (f"{text}: every traced step was faster than every untraced step; tracing only adds work, so "
+                "something else about these steps differed.")
+    return f"{text}: the traced steps fall within the untraced steps' range, no cost of tracing shows."
 
 
 def calls_cell(calls: float | None) -> int | str | None:
@@ -465,11 +524,11 @@ def ops_section(doc: Document, run: RunData) -> None:
         sec.blocks.append(Missing("operator table", why if p.get("modules") is not None else
                                   "this run dir predates the operator tracer"))
         return
-    cost = info.get("cost_frac")
+    cost = tracing_cost(p)
     sec.blocks.append(Para(f"Traced steps: {info.get('steps')}; top {min(TOP_OPS, len(ops))} of {len(ops)} "
                            f"(operator, module, phase) rows by self time, per traced step."
-                           + (f" {tracing_cost_text(cost, dig(p, 'summary', 'step_ms') or {})} They are left out "
-                              "of every other figure." if cost is not None else "")))
+                           + (f" {tracing_cost_text(cost)} They are left out of every other figure."
+                              if cost is not None else "")))
     cuda = dig(p, "env", "device_type") == "cuda"
     sec.blocks.append(Table(
         ["operator", "module", "phase", "calls", "self ms", "GFLOPs"],

@@ -1,6 +1,6 @@
-"""TensorBoard scalars per measured step, written next to the Kineto traces in <run_dir>/tb/<run name>/
-so one `tensorboard --logdir <run_dir>/tb` shows the profiler plugin's views and these series together,
-both under the run's name.
+"""TensorBoard scalars per measured step, written next to the Kineto traces (<run_dir>/tb/<run name>/, see
+scalars_logdir) so one `tensorboard --logdir <run_dir>/tb` shows the profiler plugin's views and these
+series together, as one run under one name.
 
 Series (x axis = the profile's step number; warm-up steps are left out):
     step/wall_ms, step/tokens_per_s (all ranks, as the summary), step/achieved_tflops (rank 0's), step/loss,
@@ -130,10 +130,27 @@ def step_end_times(profile: dict[str, Any], last_end: float) -> dict[int, float]
     return out
 
 
+def _holds_traces(folder: Path) -> bool:
+    return folder.is_dir() and any(is_trace_file(p) for p in folder.iterdir())
+
+
+def scalars_logdir(run_dir: str | Path) -> Path:
+    """Where a run's scalars go: beside its traces, so TensorBoard lists traces and scalars as one run. That
+    is tb/<run name>/ (layout.tb_run_dir); tb/ itself where the traces sit there (written before the per-run
+    folder); or the one tb/<name>/ holding traces under another name, as in a run dir renamed or copied
+    after the run (its traces keep the name they were written under)."""
+    tb, own = Path(run_dir) / "tb", tb_run_dir(run_dir)
+    if not tb.is_dir() or _holds_traces(own):
+        return own
+    if any(is_trace_file(p) for p in tb.iterdir()):
+        return tb
+    holders = [d for d in sorted(tb.iterdir()) if _holds_traces(d)]
+    return holders[0] if len(holders) == 1 else own
+
+
 def write_tensorboard_scalars(profile: dict[str, Any], run_dir: str | Path) -> Path:
-    """Write the scalar series (and a text note on how they were measured) beside the run's traces:
-    <run_dir>/tb/<run name>/, or tb/ itself for a run dir whose traces sit there (written before the
-    per-run folder).
+    """Write the scalar series (and a text note on how they were measured) beside the run's traces, in
+    `scalars_logdir(run_dir)`.
 
     Replaces event files this function wrote before (suffix .trainprof), so re-running a report does
     not duplicate points; the Kineto traces are left alone.
@@ -150,10 +167,12 @@ def write_tensorboard_scalars(profile: dict[str, Any], run_dir: str | Path) -> P
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
     tb = Path(run_dir) / "tb"
-    logdir = tb if tb.is_dir() and any(is_trace_file(p) for p in tb.iterdir()) else tb_run_dir(run_dir)
+    logdir = scalars_logdir(run_dir)
     logdir.mkdir(parents=True, exist_ok=True)
     for old in [*tb.glob(f"events.out.tfevents.*{SCALARS_SUFFIX}"), *tb.glob(f"*/events.out.tfevents.*{SCALARS_SUFFIX}")]:
         old.unlink()
+        if old.parent not in (tb, logdir) and not any(old.parent.iterdir()):
+            old.parent.rmdir()  # a folder left empty would stay in the logdir under a name no run has
     writer = EventFileWriter(str(logdir), filename_suffix=SCALARS_SUFFIX)
     wall = time.time()
     ends = step_end_times(profile, wall)
