@@ -139,3 +139,27 @@ def test_scalars_of_a_renamed_run_without_traces_leave_no_empty_folder_behind(tm
     old.rename(new)
     assert write_tensorboard_scalars(profile, new).parent == new / "tb" / "new"
     assert [d.name for d in (new / "tb").iterdir()] == ["new"]
+
+
+def test_the_memory_section_says_per_phase_peaks_barely_differ_under_the_cache_allocator():
+    """A CPU run under train.cpu_allocator: cache keeps what it frees, so its per-phase RSS peaks read alike
+    (550.87 MiB forward, backward and optimizer on the quickstart): the section says so, and only there."""
+    import copy
+    import json
+    from pathlib import Path
+
+    from trainprof.report.document import Document, Para
+    from trainprof.report.rundir import RunData
+    from trainprof.report.sections import memory_section
+
+    profile = json.loads((Path(__file__).parent / "data" / "zero3_2rank" / "profile.json").read_text())
+
+    def says(mode: str | None) -> bool:
+        p = copy.deepcopy(profile)
+        p["env"]["host_allocator"] = {"mode": mode, "detail": "..."} if mode else None
+        doc = Document("t")
+        memory_section(doc, RunData.of_profile(p, "x"))
+        return any(isinstance(b, Para) and "per-phase peaks barely differ" in b.text
+                   for sec in doc.sections for b in sec.blocks)
+
+    assert says("cache") and not says("system") and not says(None)

@@ -588,6 +588,10 @@ def memory_section(doc: Document, run: RunData) -> None:
                                      "steps)", f"{plots.PLOTS_DIR}/memory.png", id="fig-memory"))
         sec.blocks.append(Table(["phase", "peak MiB"], [[k, _mib(v)] for k, v in peaks.items()],
                                 method=s.get("peak_memory_method"), id="memory-table"))
+        if dig(p, "env", "host_allocator", "mode") == "cache" and dig(p, "env", "device_type") == "cpu":
+            sec.blocks.append(Para("Under train.cpu_allocator: cache the process keeps the memory it frees, so each "
+                                   "phase's peak starts from the heap the earlier phases left: the per-phase peaks "
+                                   "barely differ. What a micro batch keeps for backward is the activations line."))
     elif s.get("peak_memory_bytes_max") is not None:
         sec.blocks.append(Missing("memory per phase", "this run dir records one peak per step, not per phase"))
         sec.blocks.append(Table(["what", "peak MiB"],
