@@ -10,8 +10,12 @@ keep module-level references to collectives taken at their import (`dist_reduce_
 torch.distributed.reduce_scatter_tensor`) and to `_coalescing_manager`: those references are replaced
 too. Collectives issued inside a coalescing manager only queue and run when it exits, so they are one
 record (the summed bytes, the first call's op and module) timed from entering the manager to leaving it
-(a synchronous manager waits for them there; an asynchronous one's later wait is not seen). Any other library that imported a function by name before
-the Profiler opened (`from torch.distributed import all_reduce`) and DDP's C++ reducer are not seen.
+(a synchronous manager waits for them there; an asynchronous one's later wait is not seen). DDP's forward
+collectives run in C++ behind two Python calls, which are wrapped too: `dist._broadcast_coalesced` (its buffer
+broadcast at every forward, recorded as a `broadcast` of the buffers' bytes) and `Reducer._rebuild_buckets` (the
+bucket-order broadcast of its second forward, op `ddp_rebuild_buckets`). Any other library that imported a
+function by name before the Profiler opened (`from torch.distributed import all_reduce`) and DDP's gradient
+all-reduces (unless `Profiler.watch_ddp` routes them through `all_reduce`) are not seen.
 
 Overlap assumption (what "exposed" means):
   * host timer (CPU, gloo): a synchronous collective blocks the calling thread for its whole duration,
@@ -50,6 +54,8 @@ class CollectiveSpec:
     size_arg: str | None  # parameter holding the tensor(s) whose bytes are the nccl-tests size S
     times_group: bool  # S = that tensor's bytes x group size (gather/scatter of one part per rank)
     always_async: bool = False
+    recorded_as: str | None = None  # the op name records carry (None: the function's name)
+    params: tuple[str, ...] | None = None  # a C++ binding's parameters in order (it has no Python signature)
 
 
 SPECS: dict[str, CollectiveSpec] = {
@@ -75,6 +81,10 @@ SPECS: dict[str, CollectiveSpec] = {
     "isend": CollectiveSpec("tensor", False, always_async=True),
     "irecv": CollectiveSpec("tensor", False, always_async=True),
     "barrier": CollectiveSpec(None, False),
+    # DDP's buffer sync at every forward (broadcast_buffers=True): a C++ binding that broadcasts the buffers
+    # from one rank of process_group in buckets and waits for them; DDP calls it as `dist._broadcast_coalesced`.
+    "_broadcast_coalesced": CollectiveSpec("tensors", False, recorded_as="broadcast",
+                                           params=("process_group", "tensors", "buffer_size", "group_src")),
 }
 
 
@@ -134,7 +144,7 @@ class CommTracer:
             return
         wrappers: dict[int, Any] = {}
         for name in SPECS:
-            original = getattr(c10d, name, None)
+            original = getattr(c10d, name, None) or getattr(dist, name, None)
             if original is None:
                 continue
             wrapper = self._wrap(name, original)
@@ -152,6 +162,9 @@ class CommTracer:
         if coalescing is not None:
             wrappers[id(coalescing)] = self._wrap_coalescing(coalescing)
         self._patch_cached_references(wrappers)
+        reducer = getattr(dist, "Reducer", None)  # DDP's C++ gradient reducer
+        if reducer is not None and hasattr(reducer, "_rebuild_buckets"):
+            self._patch(reducer, "_rebuild_buckets", self._wrap_bucket_rebuild(reducer._rebuild_buckets))
 
     def _patch_cached_references(self, wrappers: dict[int, Any]) -> None:
         """Replace the module-level references to collectives that CACHED_REFERENCE_LIBRARIES keep."""
@@ -175,12 +188,14 @@ class CommTracer:
 
     def _wrap(self, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         spec = SPECS[op]
-        params = list(inspect.signature(fn).parameters)
+        params = list(spec.params or inspect.signature(fn).parameters)
+        recorded_as = spec.recorded_as or op
+        group_arg = "process_group" if "process_group" in params else "group"
 
         def position(name: str | None) -> int | None:
             return params.index(name) if name in params else None
 
-        i_size, i_group, i_async = position(spec.size_arg), position("group"), position("async_op")
+        i_size, i_group, i_async = position(spec.size_arg), position(group_arg), position("async_op")
         peer_args = [(position(name), name, name.startswith("group_")) for name in ("dst", "src", "group_dst", "group_src")
                      if name in params]
         local = self._local
@@ -196,11 +211,12 @@ class CommTracer:
             if not log.active or getattr(local, "depth", 0):
                 return fn(*args, **kwargs)  # outside recorded steps, or called by another collective
             is_async = spec.always_async or bool(get(args, kwargs, i_async, "async_op"))
-            group = get(args, kwargs, i_group, "group")
+            group = get(args, kwargs, i_group, group_arg)
             n = dist.get_world_size(group) if dist.is_initialized() else 1
             nbytes = _nbytes(get(args, kwargs, i_size, spec.size_arg)) * (n if spec.times_group else 1)
             mi, _ = self.current_module()
-            rec = CommRecord(op=op, nbytes=nbytes, group_size=n, module=mi, is_async=is_async, issue=self.now())
+            rec = CommRecord(op=recorded_as, nbytes=nbytes, group_size=n, module=mi, is_async=is_async,
+                             issue=self.now())
             for i, name, in_group in peer_args:
                 peer = get(args, kwargs, i, name)
                 if peer is not None:
@@ -256,6 +272,28 @@ class CommTracer:
                     module=first.module, is_async=async_ops, issue=issue, ret=self.now()))
 
         wrapper.__trainprof_original__ = manager  # type: ignore[attr-defined]
+        return wrapper
+
+    def _wrap_bucket_rebuild(self, rebuild: Callable[[Any], bool]) -> Callable[[Any], bool]:
+        """DDP's `reducer._rebuild_buckets()` (its forward after the first backward): when it rebuilds, rank 0
+        broadcasts the new bucket order and every rank waits for it in C++, so this is where a rank first waits
+        for a slower peer. Recorded as op `ddp_rebuild_buckets`, bytes 0 (a few int32 a parameter, not known here)."""
+        local = self._local
+
+        @functools.wraps(rebuild)
+        def wrapper(reducer: Any) -> bool:
+            if not self.log.active or getattr(local, "depth", 0):
+                return rebuild(reducer)
+            mi, _ = self.current_module()
+            issue = self.now()
+            rebuilt = rebuild(reducer)
+            if rebuilt:  # otherwise nothing was sent
+                n = dist.get_world_size() if dist.is_initialized() else 1
+                self.log.comms.append(CommRecord(op="ddp_rebuild_buckets", nbytes=0, group_size=n, module=mi,
+                                                 is_async=False, issue=issue, ret=self.now()))
+            return rebuilt
+
+        wrapper.__trainprof_original__ = rebuild  # type: ignore[attr-defined]
         return wrapper
 
     def _done(self, rec: CommRecord, _future: Any) -> None:

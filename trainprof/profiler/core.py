@@ -221,9 +221,10 @@ class Profiler:
 
         `profile.module_depth` counts from the transformer (LlamaForCausalLM = 0): wrapper levels are
         added (DDP: 1, peft's PeftModel -> LoraModel: 2), so one depth means the same modules for every
-        engine and task. Pass DDP itself (not .module), so DDP's own forward work (buffer broadcast,
-        reducer bookkeeping) lands in the forward phase, and call `watch_ddp`. Operator traces go to
-        <run_dir>/tb when `profile.ops` is on. A Megatron recipe adds `megatron_profiler_kwargs`.
+        engine and task. Pass DDP itself (not .module), so DDP's own forward work (reducer bookkeeping;
+        its buffer broadcast, recorded as a collective) lands in the forward phase, and call `watch_ddp`.
+        Operator traces go to <run_dir>/tb when `profile.ops` is on. A Megatron recipe adds
+        `megatron_profiler_kwargs`.
 
         Args:
             model: the module the loop calls (engine.module).
@@ -462,7 +463,8 @@ class Profiler:
         (`allreduce_hook`: the same average, through `torch.distributed.all_reduce`, which the Profiler
         records). Call before the first backward; DDP cannot unregister a hook, so it stays after
         close() (same math, a little Python per bucket). DDP waits for these in C++ at the end of
-        backward, so that wait shows as backward, not comm_exposed."""
+        backward, so that wait shows as backward, not comm_exposed. DDP's forward collectives (buffer
+        broadcast, bucket rebuild) are recorded without this call (profiler/comm.py)."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         ddp_model.register_comm_hook(None, default_hooks.allreduce_hook)
