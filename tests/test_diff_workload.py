@@ -139,7 +139,8 @@ def test_cpu_runs_whose_steps_vary_widen_the_default_band_and_say_why():
     md = _md(noisy, _attention_scaled(noisy, 0.5))
     assert f"{100 * d.band:.0f}%: the 15% default for --stat min widened to 1.5x the wider step-time spread" in md
 
-    steady = _steps(PROFILE, [100, 101, 102, 103, 104, 105])
+    # attention 40x the kept run's: halving it saves more ms than the steady steps' noise
+    steady = _attention_scaled(_steps(PROFILE, [100, 101, 102, 103, 104, 105]), 40)
     d = diff_profiles(steady, _attention_scaled(steady, 0.5), stat="min")
     assert d.band_source == "default" and d.band == DEFAULT_BAND["min"]
     assert {r.verdict for r in d.modules if r.name.endswith("self_attn") and r.phase == "forward"} == {"faster"}
@@ -177,7 +178,7 @@ def test_a_row_whose_own_steps_spread_wider_than_its_change_is_within_noise_and_
 
     walls = [100, 101, 102, 103, 104, 105]
     optimizer = [5.0, 5.0, 20.0, 20.0, 5.0, 20.0]
-    a = _steps(PROFILE, walls)
+    a = _attention_scaled(_steps(PROFILE, walls), 40)  # its 2x then saves more ms than the step's noise
     b = _attention_scaled(a, 0.5)
     for run, factor in ((a, 1.0), (b, 1.8)):
         for step, ms in zip(used_steps(run), optimizer):
@@ -199,3 +200,23 @@ def test_a_row_whose_own_steps_spread_wider_than_its_change_is_within_noise_and_
         "model.layers.0.self_attn", "model.layers.1.self_attn", "attention")]
     assert len(attention) == 3 and {(r.verdict, r.noise_spread) for r in attention} == {("faster", None)}
     assert all(r.spread_a is not None for r in d.parts)  # a part's spread: that of its per-step sums
+
+
+def test_a_run_with_too_few_steps_for_a_spread_leaves_the_other_s_spread_to_widen_the_band():
+    """A's steps spread by 100%, B has 2 used steps, too few for a spread: knowing less of B must not tighten the
+    band, so it is 1.5x A's spread, not the 15% default, and says the spread is A's and why B has none; either
+    way round, and for two GPU runs too (one run's spread alone does not set a GPU band under the default)."""
+    noisy = _steps(PROFILE, [100, 100, 150, 200, 250, 300, 300, 300])
+    two = _steps(PROFILE, [150, 160])
+    for a, b, known, other in ((noisy, two, "A", "B"), (two, noisy, "B", "A")):
+        d = diff_profiles(a, b, stat="min")
+        assert d.step_spread.keys() == {known} and d.band_source == "widened"
+        assert d.band == pytest.approx(NOISE_SAFETY * d.step_spread[known]) and d.band > DEFAULT_BAND["min"]
+        md = _md(a, b)
+        assert (f"widened to 1.5x {known}'s step-time spread (interquartile range / median), "
+                f"{100 * d.step_spread[known]:.0f}% ({other} has 2 used steps, too few for one: under 4)") in md
+    gpu = [copy.deepcopy(p) for p in (noisy, two)]
+    for p in gpu:
+        p["env"]["device_type"] = "cuda"
+    d = diff_profiles(*gpu, stat="min")
+    assert d.band_source == "widened" and d.band == pytest.approx(NOISE_SAFETY * d.step_spread["A"])

@@ -10,15 +10,19 @@ most repeatable estimate of a row's own cost (as timeit does).
 Verdict, symmetric in ratio (noise on a time is a factor, not an offset): B is "faster" when
 B < A / (1 + band), "slower" when B > A * (1 + band), else "within noise"; a training row whose change is
 within NOISE_SAFETY x its own wider step-to-step spread is "within noise" too, that spread kept (`noise_spread`):
-its steps vary more than the change, whatever the band. Rows under `min_ms` in
+its steps vary more than the change, whatever the band; and, where no repeat measured the band (nor was it
+given), so is one that changed by fewer ms than the step's noise (`step_noise_ms`: NOISE_SAFETY x the step's
+wider step spread, else the band, times the faster step): time the machine takes from a step can land in any one
+row, so a ratio alone makes small rows headlines. Rows under `min_ms` in
 both runs are "too small" (one preemption is most of them), and so is a model part whose modules are
 each under `min_ms`. The band is measured: from a repeat of run A (`repeat`: an identical run; band =
 NOISE_SAFETY x the largest ratio between A and its repeat over the judged rows), and of run B (`repeat_b`)
 where given, taking the wider: a slow spell of the machine during B's run alone shows only there. Else, for two
 GPU runs, it is NOISE_SAFETY x the wider of their steps' spreads (at least GPU_MIN_BAND): the defaults were
 measured on identical runs of a tiny model on a shared 2-core CPU machine, not on a GPU. Else it is the default
-per statistic (docs/reports.md says how each was measured), widened to NOISE_SAFETY x the wider step spread
-where the runs' own steps are more uneven than the machine the default was measured on.
+per statistic (docs/reports.md says how each was measured), widened to NOISE_SAFETY x the wider step spread known
+(a run with fewer than 4 used steps has none) where the runs' own steps are more uneven than the machine the
+default was measured on.
 
 What each run was set up to do is compared too: the recipes (`trainprof run`), or the workloads that runs of
 `trainprof wrap`, the callbacks and `trainprof.Profiler` record instead (the recipe keys they could read), and
@@ -59,6 +63,8 @@ class DiffRow:
     spread_b: float | None = None
     # the row's wider spread where NOISE_SAFETY x it, not the run's band, made its change "within noise"
     noise_spread: float | None = None
+    # the step's noise (ms) where the row's change, beyond the band, was less than it and so "within noise"
+    step_noise_ms: float | None = None
 
     @property
     def change(self) -> float | None:
@@ -81,6 +87,39 @@ class DiffRow:
         return None if c is None else -c
 
 
+@dataclass(slots=True, kw_only=True)
+class CommSide:
+    """One collective (op, phase) of one run, as its profile's comm block has it: medians over its measured steps."""
+
+    calls: int
+    bytes: int
+    exposed_ms: float | None
+    total_ms: float | None  # issue to completion
+
+    @classmethod
+    def of(cls, row: dict[str, Any]) -> CommSide:
+        return cls(calls=row.get("calls") or 0, bytes=row.get("bytes") or 0, exposed_ms=row.get("exposed_ms"),
+                   total_ms=row.get("total_ms"))
+
+
+@dataclass(slots=True, kw_only=True)
+class CommDiffRow:
+    """A collective by op and phase in A and B (None on the side that did not issue it); shown, not judged."""
+
+    op: str
+    phase: str
+    a: CommSide | None
+    b: CommSide | None
+
+
+def comm_diff(a: dict[str, Any], b: dict[str, Any]) -> list[CommDiffRow]:
+    """The collectives of both profiles' comm blocks matched by (op, phase): A's order, then B's own."""
+    sides = [{(c["op"], c["phase"]): CommSide.of(c) for c in p.get("comm") or []} for p in (a, b)]
+    keys = list(dict.fromkeys([*sides[0], *sides[1]]))
+    return [CommDiffRow(op=op, phase=phase, a=sides[0].get((op, phase)), b=sides[1].get((op, phase)))
+            for op, phase in keys]
+
+
 @dataclass
 class ProfileDiff:
     """The result of `diff_profiles`; rows in display order."""
@@ -97,7 +136,7 @@ class ProfileDiff:
     recipe_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     band_source: str = "default"  # "default" | "given" | "repeat" | "spread" (GPU) | "widened" (CPU default)
-    step_spread: dict[str, float] = field(default_factory=dict)  # "A"/"B": the step's relative IQR (>= 4 steps)
+    step_spread: dict[str, float] = field(default_factory=dict)  # "A"/"B": the step's relative IQR, where >= 4 steps
     used: dict[str, int] = field(default_factory=dict)  # "A"/"B": the measured steps each side's figures stand on
     # what differs in the work measured, A and B values: inference runs' settings.* keys (prompt_len, new_tokens,
     # ...); training runs' tokens_per_step (the summary's, else the recipe keys that set it)
@@ -109,6 +148,12 @@ class ProfileDiff:
     repeat_noise: dict[str, float] = field(default_factory=dict)  # "A"/"B": largest ratio - 1 against its repeat
     # "A"/"B": the recipe keys where a repeat is not its run's recipe (its band then holds that change too)
     repeat_changes: dict[str, list[tuple[str, Any, Any]]] = field(default_factory=dict)
+    # how far the step may move as noise, as a ratio of the faster step (`step_noise`), and in ms; None where
+    # repeats measured the band (or it was given): it holds each row's own noise then
+    step_noise: float | None = None
+    step_noise_ms: float | None = None
+    comm: list[CommDiffRow] = field(default_factory=list)
+    comm_recorded: dict[str, bool] = field(default_factory=dict)  # "A"/"B": whether its profile has a comm block
 
     def rows(self) -> list[DiffRow]:
         return [*self.steps, *self.phases, *self.parts, *self.modules]
@@ -237,15 +282,30 @@ def _verdict(row: DiffRow, band: float, min_ms: float) -> str:
     return "within noise"
 
 
-def _judge(row: DiffRow, band: float, min_ms: float) -> None:
+def _judge(row: DiffRow, band: float, min_ms: float, step_noise_ms: float | None) -> None:
     """A training row's verdict against the run's band; a change beyond it that is within NOISE_SAFETY x the
     row's own wider spread (as the band is of the step's) is "within noise" too, with that spread kept: the
-    row's own steps vary more than its change, whatever the step as a whole does."""
+    row's own steps vary more than its change, whatever the step as a whole does. So is a change of fewer ms
+    than the step's noise (kept): time the machine takes from a step can land in any one row of it."""
     row.verdict = row.verdict or _verdict(row, band, min_ms)
     spread, ratio = row.spread, noise_ratio(row)
     if row.verdict in ("faster", "slower") and spread is not None and ratio is not None \
             and ratio <= NOISE_SAFETY * spread:
         row.verdict, row.noise_spread = "within noise", spread
+    if row.verdict in ("faster", "slower") and row.kind != "step" and step_noise_ms is not None \
+            and abs(row.b_ms - row.a_ms) < step_noise_ms:
+        row.verdict, row.step_noise_ms = "within noise", step_noise_ms
+
+
+def _step_noise(out: ProfileDiff) -> None:
+    """The step's noise, where no repeat measured the band and none was given (a repeat's band holds each row's
+    own noise, measured): how far the step may move between identical runs, as a ratio of the faster step and in
+    ms: NOISE_SAFETY x the wider of its known step-to-step spreads, else the band."""
+    step = out.steps[0] if out.steps else None
+    if step is None or not step.a_ms or not step.b_ms or out.band_source in ("repeat", "given"):
+        return
+    out.step_noise = NOISE_SAFETY * max(out.step_spread.values()) if out.step_spread else out.band
+    out.step_noise_ms = out.step_noise * min(step.a_ms, step.b_ms)
 
 
 def noise_ratio(row: DiffRow) -> float | None:
@@ -267,8 +327,9 @@ def _band_fields(band: float | None, default: float, self_diffs: dict[str, Profi
     """ProfileDiff's band, band_source, repeat_noise, repeat_changes and step_spread: `band` where given; else
     NOISE_SAFETY x the wider side's repeat noise (at least MIN_BAND), from `self_diffs` (each run diffed against
     its repeat, "A"/"B") over their `judged` rows; else NOISE_SAFETY x the wider of `step_spread` (the runs' step
-    spreads), at least GPU_MIN_BAND for two GPU runs and at least the default otherwise (a CPU default measured on
-    steadier runs than these cannot tell their change from noise); else the default."""
+    spreads; a run with too few steps has none), at least GPU_MIN_BAND for two GPU runs that both have one, and at
+    least the default otherwise (a CPU default measured on steadier runs than these cannot tell their change from
+    noise); else the default."""
     noise = {side: _repeat_noise(judged(d)) for side, d in self_diffs.items()}
     step_spread = step_spread or {}
     spread_band = NOISE_SAFETY * max(step_spread.values(), default=0.0)
@@ -276,7 +337,7 @@ def _band_fields(band: float | None, default: float, self_diffs: dict[str, Profi
         source = "given"
     elif noise:
         band, source = max(MIN_BAND, NOISE_SAFETY * max(noise.values())), "repeat"
-    elif step_spread and gpu:
+    elif gpu and len(step_spread) == 2:  # one run's spread alone would narrow the band on the other's unknown
         band, source = max(GPU_MIN_BAND, spread_band), "spread"
     elif spread_band > default:
         band, source = spread_band, "widened"
@@ -291,14 +352,13 @@ def both_gpu(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def step_spreads(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
-    """{"A": x, "B": y}: each run's step-time spread (relative IQR of its used steps' wall_ms) when both have at
-    least 4 such steps; else {}."""
+    """{"A": x, "B": y}: each run's step-time spread (relative IQR of its used steps' wall_ms), for each run with
+    at least 4 such steps; a run with fewer has none and is left out, so the other's still widens the band."""
     spreads = {}
     for side, profile in (("A", a), ("B", b)):
         spread = _spread([s["wall_ms"] for s in used_steps(profile) if s.get("wall_ms") is not None])
-        if spread is None:
-            return {}
-        spreads[side] = spread
+        if spread is not None:
+            spreads[side] = spread
     return spreads
 
 
@@ -330,7 +390,7 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
                   repeat_b: dict[str, Any] | None = None,
                   parts: list[tuple[str, Callable[[dict[str, Any]], bool]]] | None = None) -> ProfileDiff:
     """Compare run B against run A: the noise band, then the step and phase rows, the model-part rows,
-    the module rows, and each row's verdict.
+    the module rows, each row's verdict, and the collectives side by side (`comm`, not judged).
 
     Args:
         a, b: profile.json documents (older ones without phases/modules give fewer rows, with a note).
@@ -373,8 +433,10 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
     out.modules.extend(_module_rows(sa, sb, stat))
     out.only_a = [n for n in sa.mods if n not in sb.mods]
     out.only_b = [n for n in sb.mods if n not in sa.mods]
+    out.comm, out.comm_recorded = comm_diff(a, b), {"A": a.get("comm") is not None, "B": b.get("comm") is not None}
+    _step_noise(out)
     for row in out.rows():
-        _judge(row, out.band, min_ms)
+        _judge(row, out.band, min_ms, out.step_noise_ms)
     return out
 
 

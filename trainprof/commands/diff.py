@@ -63,8 +63,10 @@ def _diff(args: argparse.Namespace) -> int:
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("diff", help="per-phase and per-module speedup of run B against run A",
                        description="Compare two run dirs: step, phases, model parts and modules (matched by name) "
-                       "with A ms, B ms, change, speedup and a verdict against a noise band; beside them each side's "
-                       "memory (peak, activations, model states: diff.md/.html). Modules on one side only are listed. Two `trainprof infer` run dirs: p50 latencies and ms per output token "
+                       "with A ms, B ms, change, speedup and a verdict against a noise band (a row that changed by fewer "
+                       "ms than the step's noise is within noise); beside them each side's collectives (calls, MiB, "
+                       "exposed and issue-to-completion ms) and memory (peak, activations, model states: "
+                       "diff.md/.html). Modules on one side only are listed. Two `trainprof infer` run dirs: p50 latencies and ms per output token "
                        "per batch size, memory, and modules' prefill and decode-step time. Prints Markdown, or "
                        "writes diff.md/.html/.csv with --out.")
     p.add_argument("run_a", metavar="RUN_A", help="baseline run dir")
@@ -82,7 +84,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--noise", type=noise_band, default=None,
                    help="ratio counted as noise, e.g. 0.15 or 15%% (default: from --repeat and --repeat-b; else, for "
                         "two GPU runs, 1.5x the wider of their step-time spreads; else the default measured on CPU "
-                        "runs, docs/reports.md, widened to 1.5x the wider step-time spread where that is more)")
+                        "runs, docs/reports.md, widened to 1.5x the wider step-time spread where that is more; a run "
+                        "with under 4 steps has none, and the other's alone widens it)")
     p.add_argument("--min-ms", type=min_ms, default=None,
                    help="rows under this many ms in both runs are not judged (default 1 for training run dirs, 0 for "
                         "inference ones)")

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.analysis.diff import (DEFAULT_BAND, DEFAULT_INFER_MIN_MS, DEFAULT_MIN_MS, GPU_MIN_BAND,
-                                    MODULES_NOT_JUDGED_WHY, NOISE_SAFETY, DiffRow, ProfileDiff, diff_inference,
-                                    diff_profiles)
+                                    MODULES_NOT_JUDGED_WHY, NOISE_SAFETY, CommDiffRow, DiffRow, ProfileDiff,
+                                    diff_inference, diff_profiles)
 from trainprof.errors import UserError
 from trainprof.analysis.records import module_label
 from trainprof.io import atomic_write_text, dig
@@ -15,11 +15,12 @@ from trainprof.report import plots
 from trainprof.report.document import Document, Facts, Figure, Missing, Para, Table, fmt, render_csv, render_html
 from trainprof.report.document import render_markdown
 from trainprof.report.rundir import RunData, RunDirError, load_run, run_peak_memory
-from trainprof.report.sections import cpu_model, hardware_text, machine_load_text, throughput_text
+from trainprof.report.sections import (ISSUE_TO_COMPLETION, cpu_model, hardware_text, machine_load_text,
+                                       throughput_text)
 
 FORMATS = ("md", "html", "csv")
 CSV_COLUMNS = ["kind", "name", "phase", "a_ms", "b_ms", "change", "faster_by", "speedup", "verdict", "spread_a",
-               "spread_b", "stat", "noise_band", "noise_spread"]
+               "spread_b", "stat", "noise_band", "step_noise_ms", "noise_spread"]
 
 
 def _pct(x: float | None) -> str:
@@ -35,14 +36,34 @@ def _method(d: ProfileDiff, a: dict[str, Any], b: dict[str, Any]) -> str:
             f"when B < A/{1 + d.band:.2f} and slower when B > A*{1 + d.band:.2f} (noise band {_band_text(d)}); rows "
             f"under {d.min_ms} ms in both runs are too small to judge; spread = interquartile range / median of "
             f"the per-step values; a row whose change is within {NOISE_SAFETY}x its wider spread is within noise "
-            f"whatever the band, its verdict naming that spread; timer: {'; '.join(sorted(timers)) or 'not recorded'}")
+            f"whatever the band, its verdict naming that spread; {_step_noise_text(d)}; timer: "
+            f"{'; '.join(sorted(timers)) or 'not recorded'}")
+
+
+def _step_noise_text(d: ProfileDiff) -> str:
+    """The step's-noise rule in one sentence, with its figure and where that came from."""
+    if d.step_noise_ms is None:
+        return ("no row is judged against the step's noise: " + ("the band holds each row's own noise, from repeats"
+                if d.band_source == "repeat" else "the band was given" if d.band_source == "given" else
+                "a step time is missing"))
+    if d.step_spread:
+        source = (f"{NOISE_SAFETY}x its wider step-to-step spread ("
+                  + ", ".join(f"{side} {100 * x:.1f}%" for side, x in sorted(d.step_spread.items())) + ")")
+    else:
+        source = "the noise band (neither a repeat nor a step spread measured the step's own)"
+    return (f"a row that changed by fewer ms than the step's noise ({fmt(d.step_noise_ms)} ms: the faster step x "
+            f"{source}) is within noise whatever its ratio: time the machine takes from a step can land in any one "
+            "row")
 
 
 def verdict_text(row: DiffRow) -> str:
-    """The verdict, naming the row's own spread where that, not the run's band, made it noise."""
-    if row.noise_spread is None:
-        return row.verdict
-    return f"{row.verdict} (row spread {100 * row.noise_spread:.0f}%)"
+    """The verdict, naming the row's own spread, or the step's noise, where that, not the run's band, made it
+    noise."""
+    if row.noise_spread is not None:
+        return f"{row.verdict} (row spread {100 * row.noise_spread:.0f}%)"
+    if row.step_noise_ms is not None:
+        return f"{row.verdict} (the step's noise: {fmt(row.step_noise_ms)} ms)"
+    return row.verdict
 
 
 def _band_text(d: ProfileDiff) -> str:
@@ -65,14 +86,31 @@ def _band_text(d: ProfileDiff) -> str:
              "it for these runs")
     if d.stat == "p50":
         return f"{100 * d.band:.0f}%, the default for inference latencies, measured on {where}"
-    spreads = ", ".join(f"{side} {100 * x:.0f}%" for side, x in sorted(d.step_spread.items()))
     if d.band_source == "widened":
+        whose = "their steps vary" if len(d.step_spread) == 2 else f"{next(iter(d.step_spread))}'s steps vary"
         return (f"{100 * d.band:.0f}%: the {100 * DEFAULT_BAND[d.stat]:.0f}% default for --stat {d.stat} widened to "
-                f"{NOISE_SAFETY}x the wider step-time spread (interquartile range / median) of these runs ({spreads}): "
-                f"their steps vary more than the identical runs the default was measured on (docs/reports.md), so a "
-                "change inside that is not told from noise; --repeat measures the band instead")
-    within = f" (the runs' step-time spreads, {spreads}, x{NOISE_SAFETY} fit inside it)" if spreads else ""
+                f"{NOISE_SAFETY}x {_spread_whose(d)}: {whose} more than the identical runs the default was measured "
+                "on (docs/reports.md), so a change inside that is not told from noise; --repeat measures the band "
+                "instead")
+    if len(d.step_spread) == 2:
+        spreads = ", ".join(f"{side} {100 * x:.0f}%" for side, x in sorted(d.step_spread.items()))
+        within = f" (the runs' step-time spreads, {spreads}, x{NOISE_SAFETY} fit inside it)"
+    else:
+        within = f" ({_spread_whose(d)}, x{NOISE_SAFETY}, fits inside it)" if d.step_spread else ""
     return f"{100 * d.band:.0f}%, the default for --stat {d.stat}, measured on {where}{within}"
+
+
+def _spread_whose(d: ProfileDiff) -> str:
+    """The step-time spread the band was widened to (or that fits inside it), with its figures: the wider of both
+    runs', or that of the one run with enough steps for one, the other named."""
+    spreads = ", ".join(f"{side} {100 * x:.0f}%" for side, x in sorted(d.step_spread.items()))
+    if len(d.step_spread) == 2:
+        return f"the wider step-time spread (interquartile range / median) of these runs ({spreads})"
+    side, spread = next(iter(d.step_spread.items()))
+    other = "B" if side == "A" else "A"
+    n = d.used.get(other, 0)
+    return (f"{side}'s step-time spread (interquartile range / median), {100 * spread:.0f}% ({other} has {n} used "
+            f"step{'s' * (n != 1)}, too few for one: under 4)")
 
 
 def repeat_warning(side: str, changes: list[tuple[str, Any, Any]]) -> str:
@@ -237,6 +275,7 @@ def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff, *repeats
     if d.phases and d.steps:
         sec.blocks.append(Para(_phases_sum_text(d)))
     sec.blocks.append(_table([*d.steps, *d.phases], method, "phase-diff", "figure"))
+    _comm_section(doc, d, a, b)
     _memory_section(doc, a, b)
     regions = (_compiled_regions(a), _compiled_regions(b))
     if d.parts:
@@ -251,6 +290,45 @@ def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff, *repeats
         sec.blocks.append(_table(d.parts, parts_method, "part-diff", "part"))
     _modules_section(doc, d, method, regions=regions)
     return doc
+
+
+def _comm_where(row: CommDiffRow, recorded: dict[str, bool]) -> str:
+    if row.a is not None and row.b is not None:
+        return "both"
+    side, other = ("A", "B") if row.b is None else ("B", "A")
+    return f"only in {side}" if recorded.get(other) else f"{side} ({other} has no comm block)"
+
+
+def _comm_section(doc: Document, d: ProfileDiff, a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Each side's collectives by op and phase, beside each other: what the one comm_exposed row is made of."""
+    sec = doc.section("Communication", id="communication")
+    if not any(d.comm_recorded.values()):
+        sec.blocks.append(Missing("communication", "neither profile.json has a comm block (older run dirs)"))
+        return
+    if not d.comm:
+        sec.blocks.append(Missing("communication", "neither run recorded a collective (a single rank, or the engine "
+                                                   "issued none the profiler can see)"))
+        return
+
+    def cells(side: Any) -> list[Any]:
+        if side is None:
+            return [None] * 4
+        return [side.calls, side.bytes / 2**20, side.exposed_ms, side.total_ms]
+
+    rows = []
+    for r in d.comm:
+        ca, cb = cells(r.a), cells(r.b)
+        rows.append([r.op, r.phase, *(x for pair in zip(ca, cb) for x in pair), _comm_where(r, d.comm_recorded)])
+    exposed = [dig(p, "measurement", "comm_exposed") or "not recorded" for p in (a, b)]
+    exposed_text = exposed[0] if exposed[0] == exposed[1] else f"A {exposed[0]}; B {exposed[1]} (not alike)"
+    ranks = [p.get("steps_rank", 0) for p in (a, b)]
+    sec.blocks.append(Table(
+        ["op", "phase", "calls A", "calls B", "MiB A", "MiB B", "exposed ms A", "exposed ms B",
+         "issue-to-completion ms A", "issue-to-completion ms B", "in"], rows, id="comm-diff",
+        numeric=[False, False, True, True, True, True, True, True, True, True, False],
+        method=(f"per optimizer step, each run's profile.json comm block: rank {ranks[0]} of A's and rank {ranks[1]} "
+                f"of B's collectives, medians over their measured steps; exposed: {exposed_text}; "
+                f"{ISSUE_TO_COMPLETION}; one run of each, not judged against the noise band")))
 
 
 MEMORY_ROWS = (("peak memory per rank", lambda p: run_peak_memory(p.get("summary") or {})),
@@ -366,11 +444,12 @@ def build_inference_diff_document(paths: tuple[Path | None, ...], d: ProfileDiff
 
 def diff_csv(d: ProfileDiff) -> str:
     table = Table(CSV_COLUMNS, [[r.kind, r.name, r.phase, r.a_ms, r.b_ms, r.change, r.faster_by, r.speedup, r.verdict,
-                                 r.spread_a, r.spread_b, d.stat, d.band, r.noise_spread] for r in d.rows()]
-                  + [["module", n, "", None, None, None, None, None, "only in A", None, None, d.stat, d.band, None]
-                     for n in d.only_a]
-                  + [["module", n, "", None, None, None, None, None, "only in B", None, None, d.stat, d.band, None]
-                     for n in d.only_b])
+                                 r.spread_a, r.spread_b, d.stat, d.band, r.step_noise_ms, r.noise_spread]
+                                for r in d.rows()]
+                  + [["module", n, "", None, None, None, None, None, "only in A", None, None, d.stat, d.band, None,
+                      None] for n in d.only_a]
+                  + [["module", n, "", None, None, None, None, None, "only in B", None, None, d.stat, d.band, None,
+                      None] for n in d.only_b])
     return render_csv(table)
 
 
