@@ -82,3 +82,29 @@ def test_a_rank_waiting_in_ddps_forward_collectives_is_comm_exposed_not_forward(
                 waited = rebuild if i == 0 else broadcast
                 assert waited["exposed_ms"] > 0.8 * LATE_S * 1e3, comm
         assert patched and restored, rank  # wrapped while open, the originals back after close()
+
+
+def test_ddps_collectives_are_not_listed_as_uncounted_flops(tmp_path):
+    """A DDP step's collectives (c10d::broadcast_ of its buffers, c10d::allreduce_ of its gradients) move data:
+    the FLOP counter's list of ops it could not count (summary.flops_uncounted_ops) is for model work it misses,
+    and they were listed there (one process group of one rank, gloo)."""
+    import torch.distributed as dist
+
+    from trainprof.distributed import free_port
+    from trainprof.profiler import Profiler
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(WithBuffers())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with Profiler(model, optimizer=opt, module_depth=1, warmup_steps=1, memory=False, telemetry_period_ms=0) as prof:
+            for _ in range(2):
+                with prof.step():
+                    model(torch.randn(4, 16)).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+        summary = prof.rank_result()["summary"]
+    finally:
+        dist.destroy_process_group()
+    assert summary["flops_per_step"] > 0
+    assert not any(op.startswith("c10d") for op in summary.get("flops_uncounted_ops") or {}), summary["flops_uncounted_ops"]

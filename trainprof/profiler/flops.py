@@ -9,7 +9,8 @@ attribution. Gaps closed here: the CPU flash-attention kernels
 count 0 there (pytorch#195460); they get flop_counter's own `sdpa_flop_count` /
 `sdpa_backward_flop_count`. bitsandbytes' 4-bit matmul (`bitsandbytes::gemm_4bit`, QLoRA's forward)
 counts 2*M*N*K. Gaps left (stated in the output): elementwise ops, norms and softmax count 0, as in
-flop_counter; any other op outside aten is listed in `flops_uncounted_ops` with its call count.
+flop_counter; any other op outside aten and the collectives (c10d) is listed in `flops_uncounted_ops` with its call
+count.
 Grouped-query attention counts as many heads as the query has (the kernel broadcasts key and value).
 
 Conventions (flop_counter's): a multiply-add is 2 FLOPs; causal attention counts the full s x s score
@@ -156,8 +157,13 @@ class FlopCounter(TorchDispatchMode):
         else:
             namespace = getattr(func, "namespace", "aten")
             name = packet.__name__
-            if namespace not in ("aten", "prim", "prims", "profiler") or any(w in name for w in _HEAVY_WORDS):
+            if namespace not in NO_FLOP_NAMESPACES or any(w in name for w in _HEAVY_WORDS):
                 self.uncounted[f"{namespace}::{name}"] += 1
+
+
+# namespaces whose ops are no uncounted model work: aten's own (left to the registry), and the collectives
+# (c10d::broadcast_, allreduce_ under DDP), which move data
+NO_FLOP_NAMESPACES = ("aten", "prim", "prims", "profiler", "c10d", "_c10d_functional", "c10d_functional")
 
 
 # wrappers that hold the model in an attribute: DDP, FSDP1 and DeepSpeed's engine (`module`), torch.compile
