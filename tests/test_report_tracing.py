@@ -163,3 +163,13 @@ def test_the_memory_section_says_per_phase_peaks_barely_differ_under_the_cache_a
                    for sec in doc.sections for b in sec.blocks)
 
     assert says("cache") and not says("system") and not says(None)
+
+
+def test_model_states_say_no_separate_master_where_there_is_none():
+    """The torch and FSDP2 engines update fp32 params themselves: 'fp32 master 0.0 MiB' beside DeepSpeed's
+    'fp32 master 1.3 MiB' read as a missing copy."""
+    from trainprof.report.sections import model_states_text
+
+    state = {"params": 2**20, "grads": 2**20, "optimizer_states": 2**21, "master_params": 0}
+    assert model_states_text(state).endswith("optimizer states 2.0 MiB, no separate fp32 master")
+    assert model_states_text({**state, "master_params": 2**20}).endswith("fp32 master 1.0 MiB")

@@ -53,8 +53,10 @@ def _mib_text(x: float | None) -> str:
 
 def model_states_text(state: dict[str, Any]) -> str:
     """Model-state bytes of one rank in words, with the share of optimizer states held quantized."""
+    # no separate copy where the params themselves are the fp32 weights the optimizer updates (torch, FSDP2)
+    master = f"fp32 master {_mib_text(state['master_params'])}" if state["master_params"] else "no separate fp32 master"
     text = (f"params {_mib_text(state['params'])}, grads {_mib_text(state['grads'])}, optimizer states "
-            f"{_mib_text(state['optimizer_states'])}, fp32 master {_mib_text(state['master_params'])}")
+            f"{_mib_text(state['optimizer_states'])}, {master}")
     elements, quantized = state.get("optimizer_state_elements"), state.get("optimizer_state_quantized_elements")
     if elements and quantized:
         text += f" ({100 * quantized / elements:.1f}% of optimizer-state elements block-quantized)"
