@@ -60,3 +60,13 @@ def test_every_recorded_run_dir_reports_without_a_traceback(tmp_path, monkeypatc
         assert (run / "report.html").is_file()
     assert len([ln for ln in err.splitlines() if ln.startswith("trainprof: ")]) == 2
     assert f"trainprof report: wrote {runs[0] / 'report.md'}" in err  # nothing to plot in a failed run
+
+
+def test_the_report_command_says_what_else_it_rewrote(tmp_path, capsys):
+    """Besides report.md and report.html, `trainprof report` rewrites summary.md, the CSV tables and the
+    TensorBoard scalars; its line said only the first two."""
+    run = tmp_path / "zero3_2rank"
+    shutil.copytree(DATA / "zero3_2rank", run)
+    assert main(["report", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert f"; refreshed summary.md and the CSV tables and the TensorBoard scalars in {run / 'tb'}" in err, err

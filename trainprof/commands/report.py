@@ -24,7 +24,10 @@ def _report(args: argparse.Namespace) -> int:
             continue
         took = time.perf_counter() - start
         names = ", ".join(str(p) for k, p in written.items() if k in ("md", "html"))
-        print(f"trainprof report: wrote {names} ({took:.1f} s)", file=sys.stderr)
+        refreshed = [f"{written['summary'].name} and the CSV tables"] if "summary" in written else []
+        refreshed += [f"the TensorBoard scalars in {written['scalars']}"] if "scalars" in written else []
+        also = f"; refreshed {' and '.join(refreshed)}" if refreshed else ""
+        print(f"trainprof report: wrote {names}{also} ({took:.1f} s)", file=sys.stderr)
     return code
 
 
