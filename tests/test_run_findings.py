@@ -167,3 +167,34 @@ def test_ranks_decide_the_baseline_cap_together():
     assert "another rank's peak RSS once the model is built is already 300.0 MiB" in under
     assert "(this rank's: 50.0 MiB)" in under
     assert all("raise train.memory_cap_gb above 0.3 plus" in m for m in (over, under))
+
+
+RANK_LINES = """
+import sys, time
+from trainprof.run import say_line
+while time.time() < float(sys.argv[2]):
+    pass
+for _ in range(300):
+    say_line(f"trainprof: rank {sys.argv[1]}: " + "x" * 300)
+"""
+
+
+def test_ranks_that_say_their_lines_at_once_keep_them_whole():
+    """Ranks share torchrun's stderr; decided together, they print at the same moment, and print()'s two writes
+    (text, newline) under PYTHONUNBUFFERED joined two ranks' lines into one (the CI saw one line of two: 2 to 134
+    of 600 lines joined in a trial). say_line writes each whole: two processes, 300 lines each, at once."""
+    import time
+
+    read, write = os.pipe()
+    start = time.time() + 3  # both past their imports
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_LINES, str(rank), str(start)], stderr=write, cwd=REPO,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"}) for rank in (0, 1)]
+    os.close(write)
+    data = b""
+    while chunk := os.read(read, 65536):
+        data += chunk
+    os.close(read)
+    assert [p.wait(timeout=60) for p in ranks] == [0, 0], data[-2000:]
+    lines = data.decode().splitlines()
+    assert len(lines) == 600 and all(line.startswith("trainprof: rank ") and line.count("trainprof:") == 1
+                                     for line in lines), [line[:40] for line in lines if line.count("trainprof:") != 1]

@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         train(recipe)
     except MemoryCapExceeded as err:  # the user's own cap: its line says all (record_failure wrote the file)
         line = f"trainprof: rank {os.environ.get('RANK', 0)}: {err}"
-        print(line, file=sys.stderr, flush=True)
+        say_line(line)
         write_error_file(err, line)
         if err.every_rank:  # no rank exits, and so has torchrun stop the others, before each has said its line
             import torch.distributed as dist
@@ -324,6 +324,14 @@ def main(argv: list[str] | None = None) -> int:
             dist.barrier()
         return 1
     return 0
+
+
+def say_line(line: str) -> None:
+    """`line` and its newline on stderr in one write: the ranks under torchrun share the stream, and print()'s
+    two writes (text, then newline; two system calls when stderr is unbuffered, PYTHONUNBUFFERED) let two ranks
+    that print at once join their lines into one."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
 
 
 def write_error_file(err: Exception, line: str) -> None:
@@ -356,7 +364,7 @@ def user_error(err: Exception) -> int:
     first_of_another_node = int(os.environ.get("GROUP_RANK", 0)) > 0 and int(os.environ.get("LOCAL_RANK", 0)) == 0
     says_it = rank == 0 or first_of_another_node
     if says_it:
-        print(line, file=sys.stderr, flush=True)
+        say_line(line)
     if not says_it:
         def stopped(*_: Any) -> None:
             write_error_file(err, line)
