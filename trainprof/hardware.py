@@ -55,14 +55,18 @@ class Target:
         return figure_value(self.accelerator, name)
 
     def memory_bytes(self) -> float | None:
-        """memory_gb in bytes. A GPU datasheet's GB of memory are binary: the H200 (141 GB) lent to this project
-        offers about 139 GiB to CUDA, more than 141e9 bytes (131 GiB); an 80 GB A100 has 81,920 MiB."""
-        gb = self.figure("memory_gb")
-        return gb * 2**30 if gb else None
+        return memory_bytes(self.accelerator)
 
     def source(self, name: str) -> str | None:
         fig = self.accelerator.get(name)
         return fig.get("source") if isinstance(fig, dict) else None
+
+
+def memory_bytes(entry: dict[str, Any]) -> float | None:
+    """An accelerator's memory_gb in bytes. A GPU datasheet's GB of memory are binary: the H200 (141 GB) lent to
+    this project offers about 139 GiB to CUDA, more than 141e9 bytes (131 GiB); an 80 GB A100 has 81,920 MiB."""
+    gb = figure_value(entry, "memory_gb")
+    return gb * 2**30 if gb else None
 
 
 def figure_value(entry: dict[str, Any], name: str) -> float | None:
@@ -261,17 +265,17 @@ def device_memory(device_name: str, device_type: str) -> tuple[dict[str, Any] | 
 
     Returns:
         ({bytes, source, accelerator} or None, reason when None else ""); memory_gb taken as binary
-        (Target.memory_bytes says why).
+        (memory_bytes says why).
     """
     if device_type != "cuda":
         return None, f"the catalog holds no memory for the CPU '{device_name}'"
     entry = _matching_entry(device_name)
     if entry is None:
         return None, f"device '{device_name}' is not in {CATALOG_FILE.name}"
-    value = figure_value(entry, "memory_gb")
-    if value is None:
+    total = memory_bytes(entry)
+    if total is None:
         return None, f"{entry['name']} has no memory_gb figure in {CATALOG_FILE.name}"
-    return {"bytes": value * 2**30, "source": entry["memory_gb"]["source"], "accelerator": entry["name"]}, ""
+    return {"bytes": total, "source": entry["memory_gb"]["source"], "accelerator": entry["name"]}, ""
 
 
 def memory_bandwidth(device_name: str, device_type: str) -> tuple[dict[str, Any] | None, str]:

@@ -148,9 +148,8 @@ class ProfileDiff:
     repeat_noise: dict[str, float] = field(default_factory=dict)  # "A"/"B": largest ratio - 1 against its repeat
     # "A"/"B": the recipe keys where a repeat is not its run's recipe (its band then holds that change too)
     repeat_changes: dict[str, list[tuple[str, Any, Any]]] = field(default_factory=dict)
-    # how far the step may move as noise, as a ratio of the faster step (`step_noise`), and in ms; None where
-    # repeats measured the band (or it was given): it holds each row's own noise then
-    step_noise: float | None = None
+    # how far the step may move as noise, in ms; None where repeats measured the band (or it was given): it holds
+    # each row's own noise then
     step_noise_ms: float | None = None
     comm: list[CommDiffRow] = field(default_factory=list)
     comm_recorded: dict[str, bool] = field(default_factory=dict)  # "A"/"B": whether its profile has a comm block
@@ -304,8 +303,8 @@ def _step_noise(out: ProfileDiff) -> None:
     step = out.steps[0] if out.steps else None
     if step is None or not step.a_ms or not step.b_ms or out.band_source in ("repeat", "given"):
         return
-    out.step_noise = NOISE_SAFETY * max(out.step_spread.values()) if out.step_spread else out.band
-    out.step_noise_ms = out.step_noise * min(step.a_ms, step.b_ms)
+    noise = NOISE_SAFETY * max(out.step_spread.values()) if out.step_spread else out.band
+    out.step_noise_ms = noise * min(step.a_ms, step.b_ms)
 
 
 def noise_ratio(row: DiffRow) -> float | None:

@@ -334,5 +334,5 @@ def does_not_fit(doc: dict[str, Any], target: CrossTarget) -> tuple[str, str] | 
     return (f"may not fit: measured peak {peak / GIB:.1f} GiB > {HEADROOM:.0%} of {capacity / GIB:.1f} GiB",
             f"memory: the run as traced leaves under {1 - HEADROOM:.0%} of {target.gpu}'s memory free: {compared}; "
             f"CUDA gets less than the datasheet's figure (an H200's 141 GiB offered about 139: hardware.py "
-            f"Target.memory_bytes), so `trainprof project --best` counts a setting as fitting within {HEADROOM:.0%} "
+            f"memory_bytes), so `trainprof project --best` counts a setting as fitting within {HEADROOM:.0%} "
             "of it")

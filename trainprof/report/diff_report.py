@@ -292,6 +292,11 @@ def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff, *repeats
     return doc
 
 
+def _per_side(texts: list[str]) -> str:
+    """How A and B measured a figure: once where alike, else each side's, said to differ."""
+    return texts[0] if texts[0] == texts[1] else f"A {texts[0]}; B {texts[1]} (not alike)"
+
+
 def _comm_where(row: CommDiffRow, recorded: dict[str, bool]) -> str:
     if row.a is not None and row.b is not None:
         return "both"
@@ -319,15 +324,14 @@ def _comm_section(doc: Document, d: ProfileDiff, a: dict[str, Any], b: dict[str,
     for r in d.comm:
         ca, cb = cells(r.a), cells(r.b)
         rows.append([r.op, r.phase, *(x for pair in zip(ca, cb) for x in pair), _comm_where(r, d.comm_recorded)])
-    exposed = [dig(p, "measurement", "comm_exposed") or "not recorded" for p in (a, b)]
-    exposed_text = exposed[0] if exposed[0] == exposed[1] else f"A {exposed[0]}; B {exposed[1]} (not alike)"
+    exposed = _per_side([dig(p, "measurement", "comm_exposed") or "not recorded" for p in (a, b)])
     ranks = [p.get("steps_rank", 0) for p in (a, b)]
     sec.blocks.append(Table(
         ["op", "phase", "calls A", "calls B", "MiB A", "MiB B", "exposed ms A", "exposed ms B",
          "issue-to-completion ms A", "issue-to-completion ms B", "in"], rows, id="comm-diff",
         numeric=[False, False, True, True, True, True, True, True, True, True, False],
         method=(f"per optimizer step, each run's profile.json comm block: rank {ranks[0]} of A's and rank {ranks[1]} "
-                f"of B's collectives, medians over their measured steps; exposed: {exposed_text}; "
+                f"of B's collectives, medians over their measured steps; exposed: {exposed}; "
                 f"{ISSUE_TO_COMPLETION}; one run of each, not judged against the noise band")))
 
 
@@ -354,8 +358,8 @@ def _memory_section(doc: Document, a: dict[str, Any], b: dict[str, Any]) -> None
     if not rows:
         sec.blocks.append(Missing("memory", "neither profile recorded memory"))
         return
-    meters = [dig(p, "summary", "peak_memory_method") or dig(p, "env", "memory_meter") or "not recorded" for p in (a, b)]
-    peak = f"peak: {meters[0]}" if meters[0] == meters[1] else f"peak: A {meters[0]}; B {meters[1]} (not alike)"
+    peak = "peak: " + _per_side([dig(p, "summary", "peak_memory_method") or dig(p, "env", "memory_meter")
+                                 or "not recorded" for p in (a, b)])
     ranks = [p.get("steps_rank", 0) for p in (a, b)]
     sec.blocks.append(Table(
         ["figure", "A MiB", "B MiB", "change"], rows, id="memory-diff", numeric=[False, True, True, False],

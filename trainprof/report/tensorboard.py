@@ -142,7 +142,7 @@ def scalars_logdir(run_dir: str | Path) -> Path:
     tb, own = Path(run_dir) / "tb", tb_run_dir(run_dir)
     if not tb.is_dir() or _holds_traces(own):
         return own
-    if any(is_trace_file(p) for p in tb.iterdir()):
+    if _holds_traces(tb):
         return tb
     holders = [d for d in sorted(tb.iterdir()) if _holds_traces(d)]
     return holders[0] if len(holders) == 1 else own
