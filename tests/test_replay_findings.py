@@ -119,3 +119,19 @@ def test_replay_fit_check_leaves_the_headroom_project_best_leaves(share, note):
     assert said[0].startswith(f"{note}: measured peak {share * 141:.1f} GiB > "), said
     if note == "may not fit":
         assert f"> {HEADROOM:.0%} of 141.0 GiB" in said[0] and "project --best" in said[1] and "139" in said[1]
+
+
+def test_replay_carries_matmul_rates_as_project_does():
+    """replay --to and project re-rate GEMMs by one rule: MAMF over MAMF where both GPUs have one (H100 ->
+    RTX 4090 read 1,902 ms by the datasheet peaks against project's 1,764 by MAMF), else the dense peak."""
+    from trainprof.analysis.replay import device_rates
+    from trainprof.hardware import load_catalog
+
+    catalog = load_catalog()
+    h100, rtx4090, h200 = (catalog.resolve(k) for k in ("h100-sxm", "rtx4090", "h200"))
+    to_4090 = device_rates(h100, rtx4090)
+    assert to_4090.compute == pytest.approx(h100.figure("mamf_bf16_tflops") / rtx4090.figure("mamf_bf16_tflops"))
+    assert "MAMF (measured)" in to_4090.source
+    assert h200.figure("mamf_bf16_tflops") is None  # the validated pair keeps the peaks
+    to_h200 = device_rates(h100, h200)
+    assert to_h200.compute == pytest.approx(1.0) and "bf16 dense peak (datasheet)" in to_h200.source

@@ -221,6 +221,14 @@ def bf16_gemm_basis(accelerator: dict[str, Any]) -> str:
     return "MAMF" if accelerator.get("mamf_bf16_tflops") else "datasheet peak"
 
 
+def matmul_ratio_key(source: Target, target: Target, bf16: bool = True) -> str:
+    """The figure by which one catalogued GPU's matmul rate is carried to another's: MAMF over MAMF where
+    both have one (measured against measured), else the datasheet dense peak over the dense peak."""
+    if bf16 and source.figure("mamf_bf16_tflops") and target.figure("mamf_bf16_tflops"):
+        return "mamf_bf16_tflops"
+    return "peak_bf16_dense_tflops" if bf16 else "peak_fp32_tflops"
+
+
 def find_accelerator(catalog: Catalog, device_name: str) -> str | None:
     """The catalog key whose `match` list holds a torch device name, None when none does."""
     for key, entry in catalog.accelerators.items():

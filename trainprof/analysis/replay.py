@@ -27,7 +27,7 @@ from pathlib import Path
 
 from trainprof.analysis.gpu_busy import DEVICE_CATEGORIES, union_us
 from trainprof.analysis.trace import STEP_MARKER, iter_events
-from trainprof.hardware import Target
+from trainprof.hardware import Target, matmul_ratio_key
 
 HOST_CATEGORIES = ("cuda_runtime", "cuda_driver")
 # calls after which the host holds until the device has finished what came before
@@ -196,7 +196,7 @@ HOST_COPY = re.compile(r"HtoD|DtoH|HtoP|PtoH")  # host <-> device copies: the ho
 class DeviceRates:
     """How one device's work is re-timed on another: duration factors by what bounds it."""
 
-    compute: float  # source peak / target peak (bf16 dense, datasheet)
+    compute: float  # source matmul rate / target's (MAMF where both have one, else bf16 dense peak)
     memory: float  # source memory bandwidth / target's
     source: str  # where the factors come from
 
@@ -207,21 +207,24 @@ class DeviceRates:
 
 
 def device_rates(source: Target, target: Target) -> DeviceRates:
-    """The target's datasheet figures against the source's: GEMM and attention kernels by the bf16 dense peak,
-    the rest by memory bandwidth; host copies unchanged (the catalog holds no host-link figure per GPU).
+    """The target's catalog figures against the source's: GEMM and attention kernels by the matmul rate
+    (MAMF over MAMF where both have one, else the bf16 dense peak, as `trainprof project` carries it), the
+    rest by memory bandwidth; host copies unchanged (the catalog holds no host-link figure per GPU).
 
     Raises:
-        ValueError: a catalog entry lacks peak_bf16_dense_tflops or memory_gbps.
+        ValueError: a catalog entry lacks the matmul figure or memory_gbps.
     """
+    matmul = matmul_ratio_key(source, target)
     figures = {}
-    for key in ("peak_bf16_dense_tflops", "memory_gbps"):
+    for key in (matmul, "memory_gbps"):
         a, b = source.figure(key), target.figure(key)
         if not a or not b:
             raise ValueError(f"hardware '{source.key if not a else target.key}' has no {key} in the catalog")
         figures[key] = a / b
-    return DeviceRates(compute=figures["peak_bf16_dense_tflops"], memory=figures["memory_gbps"],
-                       source=f"catalog datasheet figures, {source.key} -> {target.key}: bf16 dense peak for GEMM and "
-                              "attention kernels, memory bandwidth for the rest, host copies unchanged")
+    basis = "MAMF (measured)" if matmul == "mamf_bf16_tflops" else "bf16 dense peak (datasheet)"
+    return DeviceRates(compute=figures[matmul], memory=figures["memory_gbps"],
+                       source=f"catalog figures, {source.key} -> {target.key}: {basis} for GEMM and attention "
+                              "kernels, datasheet memory bandwidth for the rest, host copies unchanged")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

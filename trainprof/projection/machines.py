@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from trainprof.hardware import Catalog, Target, bf16_gemm_basis
+from trainprof.hardware import Catalog, Target, bf16_gemm_basis, matmul_ratio_key
 from trainprof.hardware import Link as HardwareLink
 from trainprof.projection.assumptions import Assumption, assume
 from trainprof.projection.comm import Link, NcclLatency
@@ -48,8 +48,7 @@ def machine_from_target(target: Target, dtype: str, *, source: Target | None = N
     peak_key = "peak_bf16_dense_tflops" if bf16 else "peak_fp32_tflops"
     bw = target.figure("memory_gbps")
     if source is not None and measured is not None and measured.matmul_tflops and measured.memory_gbps:
-        key = "mamf_bf16_tflops" if bf16 and target.figure("mamf_bf16_tflops") and source.figure("mamf_bf16_tflops") \
-            else peak_key
+        key = matmul_ratio_key(source, target, bf16)
         if not (target.figure(key) and source.figure(key) and bw and source.figure("memory_gbps")):
             return Machine(name=target.key, is_gpu=True, gemm={}, memory_gbps=None), []
         f, b = target.figure(key) / source.figure(key), bw / source.figure("memory_gbps")
