@@ -2,12 +2,15 @@
 forward / backward / step so that forward, backward (ZeRO's post-backward reduction included) and
 optimizer are phases and one optimizer step (all its gradient-accumulation micro steps) is one profiled
 step. The loop's own time between an engine.step() and the next forward (where a loop fetches its
-next batch) is data wait; `patch_initialize` does that to every engine `deepspeed.initialize` returns."""
+next batch) is data wait; an evaluation forward (grad disabled) is no step's work. `patch_initialize`
+instruments every engine `deepspeed.initialize` returns."""
 
 from __future__ import annotations
 
 import functools
 from typing import Any, Callable
+
+import torch
 
 from trainprof.integrations.session import ProfileSession
 
@@ -33,6 +36,8 @@ def instrument_engine(engine: Any, session: ProfileSession, *, drive_steps: bool
 
     @functools.wraps(originals["forward"])
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # an evaluation forward: no training step's work, nor its tokens
+            return originals["forward"](*args, **kwargs)
         if state["drive"]:
             if session.in_step and state["micro_end"] is not None:
                 session.mark_data_wait(state["micro_end"])  # the loop fetched this micro batch

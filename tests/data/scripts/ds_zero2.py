@@ -1,5 +1,6 @@
 """A plain DeepSpeed ZeRO-2 training script that knows nothing of trainprof (a test subject for
-`python -m trainprof.wrap`): tiny random-init Llama, synthetic tokens, gradient accumulation 2.
+`python -m trainprof.wrap`): tiny random-init Llama, synthetic tokens, gradient accumulation 2, an
+evaluation forward after each optimizer step.
 
     torchrun --nproc_per_node 2 ds_zero2.py --steps 5
 """
@@ -34,6 +35,9 @@ for step in range(args.steps * 2):
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
     engine.step()
+    if step % 2 == 1:  # an evaluation forward after each optimizer step: no training step's work
+        with torch.no_grad():
+            engine(input_ids=ids[:1])
 if dist.get_rank() == 0:
     print(f"ds_zero2 done: {engine.global_steps} optimizer steps, loss {loss.item():.3f}")
 dist.destroy_process_group()
