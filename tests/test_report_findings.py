@@ -222,3 +222,28 @@ def test_run_facts_of_a_wrapped_run_come_from_its_workload(tmp_path):
     assert lines["steps"].startswith(f"{recipe['train']['steps']} measured after {recipe['train']['warmup_steps']} "
                                      "warm-up; ")
     assert lines["settings from"] == "its recipe" and "not read from the loop" not in lines
+
+
+def test_a_collective_run_in_some_steps_only_is_named_beside_the_comm_table(tmp_path):
+    """comm rows are medians over the steps used, so a one-off collective (DDP's bucket rebuild) reads 0 calls and
+    0 ms; its row counts the steps that ran it and the report names it beside the table."""
+    from types import SimpleNamespace
+
+    from trainprof.analysis.aggregate import comm_rows
+    from trainprof.analysis.diff import used_steps
+
+    row = {"op": "ddp_rebuild_buckets", "phase": "forward", "group_size": 2, "calls": 1, "bytes": 0,
+           "total_ms": 300.0, "exposed_ms": 300.0, "peer": None}
+    steps = [SimpleNamespace(breakdown=SimpleNamespace(comm=[row] if i == 0 else [])) for i in range(4)]
+    (median,) = comm_rows(steps)
+    assert (median["calls"], median["total_ms"], median["steps"]) == (0, 0.0, 1)
+
+    n = len(used_steps(PROFILE))
+    assert n > 1 and all(c.get("steps") is None for c in PROFILE["comm"])  # recorded before the field
+    assert "Not run in every step" not in _summary(tmp_path)
+
+    def one_off(p):
+        p["comm"].append({**median, "exposed_ms": 0.0})
+
+    para = _line(_summary(tmp_path, one_off).split("## Communication")[1], "Not run in every step")
+    assert para.startswith(f"Not run in every step: ddp_rebuild_buckets (forward) in 1 of the {n} steps used")

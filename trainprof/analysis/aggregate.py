@@ -184,7 +184,8 @@ def module_rows(infos: list[ModuleInfo], steps: list[StepRecord],
 
 
 def comm_rows(steps: list[StepRecord]) -> list[dict[str, Any]]:
-    """Per-(op, phase) medians over steps with algbw/busbw by the nccl-tests formulas (see comm.py)."""
+    """Per-(op, phase) medians over steps (0 for a step that ran none) with algbw/busbw by the nccl-tests
+    formulas (see comm.py); `steps` counts the steps that ran it, so a one-off collective is told from none."""
     keys: dict[tuple[str, str], int] = {}
     for s in steps:
         for r in s.breakdown.comm:
@@ -202,6 +203,7 @@ def comm_rows(steps: list[StepRecord]) -> list[dict[str, Any]]:
         out.append({
             "op": op, "phase": phase, "group_size": group_size,
             "calls": int(round(_median([r["calls"] for r in present] + [0] * missing))),
+            "steps": len(present),
             "bytes": int(nbytes),
             "total_ms": total,
             "exposed_ms": _median([r["exposed_ms"] for r in present] + [0.0] * missing),

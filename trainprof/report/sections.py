@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from trainprof.analysis import records
+from trainprof.analysis.diff import used_steps
 from trainprof.report import plots
 from trainprof.report.advisor import RunFigures, advise, bottleneck, checks_text, host_bound_text, overrides_text
 from trainprof.report.document import Document, Figure, Missing, Para, Table, fmt
@@ -576,6 +577,11 @@ def comm_section(doc: Document, run: RunData) -> None:
         method=f"exposed: {meas.get('comm_exposed', 'not recorded')}; {ISSUE_TO_COMPLETION}; bandwidth: "
                f"{meas.get('comm_bandwidth', 'not recorded')}; rank {p.get('steps_rank', 0)}'s collectives, medians "
                "over steps", id="comm-table"))
+    used = len(used_steps(p))
+    rare = [f"{c['op']} ({c['phase']}) in {c['steps']}" for c in comm if (c.get("steps") or used) < used]
+    if rare:
+        sec.blocks.append(Para(f"Not run in every step: {', '.join(rare)} of the {used} steps used; a row's medians "
+                               "count a step that ran none as 0, so a one-off collective reads 0 calls and 0 ms."))
 
 
 def memory_section(doc: Document, run: RunData) -> None:

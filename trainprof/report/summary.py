@@ -29,7 +29,8 @@ MODULE_COLUMNS = ("name", "type", "depth", "calls", "forward_ms", "backward_ms",
                   "self_backward_ms", "self_recompute_ms", "comm_ms", "comm_exposed_ms", "self_comm_ms", "flops",
                   "params", "params_trainable", "params_local")
 OP_COLUMNS = ("name", "module", "phase", "calls", "self_ms", "self_cpu_ms", "flops")
-COMM_COLUMNS = ("op", "phase", "group_size", "calls", "bytes", "total_ms", "exposed_ms", "algbw_gbps", "busbw_gbps")
+COMM_COLUMNS = ("op", "phase", "group_size", "calls", "steps", "bytes", "total_ms", "exposed_ms", "algbw_gbps",
+                "busbw_gbps")
 
 # per CSV table, the column that names a module: the model itself ("" in profile.json, which pandas reads as NaN)
 # is written as every table names it, <whole model>; an operator outside every module (None) stays empty
