@@ -91,7 +91,7 @@ def test_scale_says_it_is_projecting_and_labels_the_baseline(tmp_path, cli, monk
     expected error, is checked on real runs in test_scale_one_and_two_ranks)."""
     from trainprof.projection import views
 
-    def projected(points, extra):
+    def projected(points, extra, **_):
         return ([{"world_size": 1, "predicted_tokens_per_s": 722.0, "step_error_pct": -0.6, "expected_error_pct": None,
                   "predicted_efficiency": 1.0},
                  {"world_size": 2, "predicted_tokens_per_s": 1300.0, "step_error_pct": 3.0, "expected_error_pct": 2.1,

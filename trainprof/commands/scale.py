@@ -131,13 +131,12 @@ def _projected(out: Path, points: list[dict], extra: list[int]) -> list[Path]:
 
     base = min(p["world_size"] for p in points)
     sizes = sorted({p["world_size"] for p in points} | set(extra))
-    # the projection calibrates this machine and re-times every size: a minute or more with no output of its own
     print(f"trainprof: projecting N={', '.join(map(str, sizes))} from the N={base} run (it calibrates this machine "
-          "where the run has no calibration.json, then models each size: a minute or more; --no-project skips "
-          "it)", file=sys.stderr, flush=True)
+          "where the run has no calibration.json, then probes and models each size: minutes, on a busy machine "
+          "longer than the runs; --no-project skips it)", file=sys.stderr, flush=True)
     start = time.monotonic()
     try:
-        rows, notes = project_scaling(points, extra)
+        rows, notes = project_scaling(points, extra, progress=True)
     except Exception as err:  # a projection problem must not lose the measured report
         print(f"trainprof: projected section not written ({type(err).__name__}: {err})", file=sys.stderr)
         return []
@@ -173,7 +172,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--retry-failed", action="store_true", help="run failed world sizes again")
     p.add_argument("--out", help="output dir (default runs/scale/<recipe>-<weak|strong>)")
     p.add_argument("--project-to", type=positive_ints, default=[], help="also project these world sizes from the "
-                   "smallest run (scaling_projected.*), e.g. 4,8")
-    p.add_argument("--no-project", action="store_true", help="skip the projected section")
+                   "smallest run, e.g. 4,8 (the projected section, scaling_projected.*, is written by default for "
+                   "the measured sizes)")
+    p.add_argument("--no-project", action="store_true", help="skip the projected section (on by default: it calibrates "
+                   "and probes this machine for each size, minutes, on a busy machine longer than the runs)")
     p.set_defaults(func=_scale)
     return p

@@ -21,13 +21,18 @@ SCALE_PROJECTED_COLUMNS = [
 ]
 
 
-def project_scaling(points: list[dict[str, Any]], extra_sizes: list[int] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+def project_scaling(points: list[dict[str, Any]], extra_sizes: list[int] | None = None, *,
+                    progress: bool = False) -> tuple[list[dict[str, Any]], list[str]]:
     """From the smallest world size's run, the projected step and throughput at every measured size
-    (measured beside it, with the error) and at `extra_sizes` (projected only).
+    (measured beside it, with the error) and at `extra_sizes` (projected only); `progress`: a tqdm bar
+    over the sizes.
 
     Returns:
         (rows, notes); rows are empty with a note saying why when the projection cannot be made.
     """
+    from tqdm import tqdm
+
+    from trainprof.env import progress_interval
     from trainprof.hardware import load_catalog
     from trainprof.projection.measured import measured_from_profile
     from trainprof.projection.project import above_linear
@@ -43,7 +48,7 @@ def project_scaling(points: list[dict[str, Any]], extra_sizes: list[int] | None 
     rows: list[dict[str, Any]] = []
     one = None
     with Projector(source, load_catalog(), validation=load_validation()) as projector:
-        for n in sizes:
+        for n in tqdm(sizes, desc="project", unit="size", disable=not progress, mininterval=progress_interval()):
             pred = projector.predict(recipe, world=n)
             if n == 1 or one is None and n == sizes[0]:
                 one = (n, pred)
