@@ -120,6 +120,36 @@ def comm_diff(a: dict[str, Any], b: dict[str, Any]) -> list[CommDiffRow]:
             for op, phase in keys]
 
 
+def compiled_regions(profile: dict[str, Any]) -> list[str]:
+    """The profiled names of a run's torch.compile'd regions ("" is the whole model); [] for an eager run."""
+    c = profile.get("compile") or {}
+    return list(c.get("regions") or []) if c.get("compiled") else []
+
+
+def region_of(name: str, regions: list[str]) -> str | None:
+    """The compiled region a module runs inside (a region is not inside itself); None outside every region."""
+    return next((r for r in regions if name != r and (r == "" or name.startswith(f"{r}."))), None)
+
+
+def part_members(modules: list[dict[str, Any]], match: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+    """The outermost modules a model part's predicate matches (a norm inside a norm wrapper counts once)."""
+    members = [m for m in modules if match(m)]
+    names = {m["name"] for m in members}
+    return [m for m in members if not any(m["name"].startswith(n + ".") for n in names if n)]
+
+
+@dataclass(slots=True, kw_only=True)
+class PartLeftOut:
+    """Modules of a model part that one run timed and the other ran inside its compiled regions, timed with
+    them: left out of the part's row, which compares the modules timed in both (`row`: whether one is left)."""
+
+    part: str
+    side: str  # the run that timed them: "A" | "B"
+    modules: list[str]
+    regions: list[str]  # the other run's compiled regions they ran inside
+    row: bool
+
+
 @dataclass
 class ProfileDiff:
     """The result of `diff_profiles`; rows in display order."""
@@ -130,6 +160,7 @@ class ProfileDiff:
     steps: list[DiffRow] = field(default_factory=list)
     phases: list[DiffRow] = field(default_factory=list)
     parts: list[DiffRow] = field(default_factory=list)
+    parts_left_out: list[PartLeftOut] = field(default_factory=list)
     modules: list[DiffRow] = field(default_factory=list)
     only_a: list[str] = field(default_factory=list)
     only_b: list[str] = field(default_factory=list)
@@ -421,6 +452,7 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
                                      gpu=both_gpu(a, b)))
     out.settings_unknown = {side: s.unknown for side, s in settings.items() if s.unknown and compared}
     sa, sb = _Side.of(a), _Side.of(b)
+    regions = {"A": compiled_regions(a), "B": compiled_regions(b)}
     out.used = {"A": len(sa.steps), "B": len(sb.steps)}
     _step_and_phase_rows(out, sa, sb, pipeline=bool(a.get("pipeline") or b.get("pipeline")))
     if not sa.mods or not sb.mods:
@@ -428,7 +460,7 @@ def diff_profiles(a: dict[str, Any], b: dict[str, Any], *, stat: str = "median",
     elif stat == "min" and (sa.series is None or sb.series is None):
         out.notes.append("modules: per-step module times are missing in at least one run, so module rows use "
                          "the profiles' medians, not the minimum")
-    out.parts.extend(_part_rows(sa, sb, parts or [], stat, min_ms))
+    out.parts.extend(_part_rows(out, sa, sb, parts or [], regions))
     out.modules.extend(_module_rows(sa, sb, stat))
     out.only_a = [n for n in sa.mods if n not in sb.mods]
     out.only_b = [n for n in sb.mods if n not in sa.mods]
@@ -464,32 +496,51 @@ def _step_and_phase_rows(out: ProfileDiff, sa: _Side, sb: _Side, *, pipeline: bo
                                       dig(sa.summary, "phases_ms", phase), dig(sb.summary, "phases_ms", phase)))
 
 
-def _part_rows(sa: _Side, sb: _Side, parts: list[tuple[str, Callable[[dict[str, Any]], bool]]], stat: str,
-               min_ms: float) -> list[DiffRow]:
+def _part_rows(out: ProfileDiff, sa: _Side, sb: _Side, parts: list[tuple[str, Callable[[dict[str, Any]], bool]]],
+               regions: dict[str, list[str]]) -> list[DiffRow]:
     """Per model part and module phase, the sum over its outermost matching modules on each side; its spread is
-    that of the per-step sums, where per-step module times exist."""
+    that of the per-step sums, where per-step module times exist. A module one side ran inside the other's
+    compiled regions (timed with them there) is left out on both, in `out.parts_left_out`: a part is compared
+    over the modules timed in both runs."""
     rows = []
     for label, match in parts:
+        members, left_out = [], []
+        for side, mods, other in (("A", sa.mods, "B"), ("B", sb.mods, "A")):
+            found = part_members(list(mods.values()), match)
+            hidden = [m["name"] for m in found if region_of(m["name"], regions[other]) is not None]
+            members.append([m for m in found if m["name"] not in hidden])
+            if hidden:
+                left_out.append(PartLeftOut(part=label, side=side, modules=hidden, row=False, regions=list(
+                    dict.fromkeys(region_of(n, regions[other]) for n in hidden))))
         for phase in MODULE_PHASES:
-            values, spreads, largest = [], [], 0.0
-            for side in (sa, sb):
-                members = [m for m in side.mods.values() if match(m)]
-                names = {m["name"] for m in members}
-                members = [m for m in members if not any(m["name"].startswith(n + ".") for n in names if n)]
-                member_ms = [side.module_ms(m["name"], phase, stat) or 0.0 for m in members]
-                largest = max([largest, *member_ms])
-                values.append(sum(member_ms) if members else None)
-                spreads.append(None if side.series is None else _spread(
-                    [sum(step) for step in zip(*(side.series.get((m["name"], phase), [0.0] * len(side.steps))
-                                                 for m in members))]))
-            if any(values) and None not in values:
-                row = DiffRow("part", label, phase, values[0], values[1], spread_a=spreads[0], spread_b=spreads[1])
-                # a sum of modules that are each too small to judge is not judged either: per-call
-                # effects (hook cost, cache state the previous module left) add up in it
-                if largest < min_ms:
-                    row.verdict = "too small"
+            row = _part_row(sa, sb, label, phase, members, out.stat, out.min_ms)
+            if row is not None:
                 rows.append(row)
+        for gone in left_out:
+            gone.row = any(r.name == label for r in rows)
+        out.parts_left_out.extend(left_out)
     return rows
+
+
+def _part_row(sa: _Side, sb: _Side, label: str, phase: str, members: list[list[dict[str, Any]]], stat: str,
+              min_ms: float) -> DiffRow | None:
+    """One part's row in one phase; None where a side has none of its modules or neither has time."""
+    values, spreads, largest = [], [], 0.0
+    for side, mods in zip((sa, sb), members):
+        member_ms = [side.module_ms(m["name"], phase, stat) or 0.0 for m in mods]
+        largest = max([largest, *member_ms])
+        values.append(sum(member_ms) if mods else None)
+        spreads.append(None if side.series is None else _spread(
+            [sum(step) for step in zip(*(side.series.get((m["name"], phase), [0.0] * len(side.steps))
+                                         for m in mods))]))
+    if not any(values) or None in values:
+        return None
+    row = DiffRow("part", label, phase, values[0], values[1], spread_a=spreads[0], spread_b=spreads[1])
+    # a sum of modules that are each too small to judge is not judged either: per-call
+    # effects (hook cost, cache state the previous module left) add up in it
+    if largest < min_ms:
+        row.verdict = "too small"
+    return row
 
 
 def _module_rows(sa: _Side, sb: _Side, stat: str) -> list[DiffRow]:

@@ -672,6 +672,8 @@ class Profiler:
     def rank_result(self) -> dict[str, Any]:
         """This rank's profile (what profile.rank<r>.json holds); no collective."""
         out = rank_profile(self)
+        if out["compile"]["compiled"]:  # what the report's model parts need of the modules that have no rows
+            out["compile"]["modules_inside"] = self.hooks.modules_inside_regions()
         dynamo = (out.get("compile") or {}).get("dynamo")
         if dynamo and not self.warmup_steps:
             dynamo["source"] += ("; with no warm-up step, during_measured_steps counts from the second measured step "

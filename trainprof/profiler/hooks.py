@@ -52,7 +52,7 @@ import torch
 
 from trainprof.analysis.records import ModuleInfo
 from trainprof.models import logical_numel, recomputes
-from trainprof.profiler.compiled import ORIG_MOD, CompiledModules, profiled_name
+from trainprof.profiler.compiled import ORIG_MOD, CompiledModules, _is_wrapper, profiled_name
 from trainprof.profiler.log import B_CLOSE, B_OPEN, F_CLOSE, F_OPEN, R_CLOSE, R_OPEN, StepLog
 
 _graph_task_id = torch._C._current_graph_task_id
@@ -96,6 +96,14 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if type(p).__name__ == "DTensor" else p.numel()  # FSDP2: this rank's shard
 
 
+def _compiled_type(module: torch.nn.Module) -> str:
+    """A module's type name; a torch.compile wrapper's is the compiled module's, which runs in its place
+    (the wrapper is profiled under the module's name too, see profiler/compiled.py)."""
+    while _is_wrapper(module):
+        module = module._modules[ORIG_MOD]
+    return type(module).__name__
+
+
 def describe_modules(model: torch.nn.Module, max_depth: int) -> list[tuple[ModuleInfo, torch.nn.Module]]:
     """Every module down to `max_depth` (0 = the model), parents before children.
 
@@ -120,7 +128,7 @@ def describe_modules(model: torch.nn.Module, max_depth: int) -> list[tuple[Modul
         info = ModuleInfo(
             index=len(out),
             name=name,
-            type=type(mod).__name__,
+            type=_compiled_type(mod),
             depth=depth,
             parent=parent,
             params=sum(logical_numel(p) for p in params),
@@ -204,6 +212,8 @@ class ModuleHooks:
         # torch.compile'd regions are timed around their compiled call and nothing inside them is hooked
         # (dynamo would trace the hooks and run the region eagerly): see profiler/compiled.py
         self.compiled = CompiledModules.find(model)
+        # by index: a caller may rename self.modules (Profiler's module_names)
+        self.inside_regions = [info.index for info in self.modules if info.name in self.compiled.inside_names]
         self.counter = 0
         self.forward_stack: list[ModuleCall] = []  # open forward calls and re-runs, innermost last
         self.backward_stack: list[ModuleCall] = []  # open backwards, `pre` increasing up the stack
@@ -296,6 +306,11 @@ class ModuleHooks:
         self.pending = []
         for watch in pending:
             self._apply(watch)
+
+    def modules_inside_regions(self) -> list[dict[str, str]]:
+        """The modules down to the profiled depth that run inside a compiled region, {name, type}: they
+        have no own times (profile.json compile.modules_inside), and the report says where their time went."""
+        return [{"name": self.modules[i].name, "type": self.modules[i].type} for i in self.inside_regions]
 
     def close(self) -> None:
         for handle in self._handles:

@@ -7,7 +7,7 @@ from typing import Any
 
 from trainprof.analysis.diff import (DEFAULT_BAND, DEFAULT_INFER_MIN_MS, DEFAULT_MIN_MS, GPU_MIN_BAND,
                                     MODULES_NOT_JUDGED_WHY, NOISE_SAFETY, CommDiffRow, DiffRow, ProfileDiff,
-                                    diff_inference, diff_profiles)
+                                    PartLeftOut, compiled_regions, diff_inference, diff_profiles, region_of)
 from trainprof.errors import UserError
 from trainprof.analysis.records import module_label
 from trainprof.io import atomic_write_text, dig
@@ -15,8 +15,8 @@ from trainprof.report import plots
 from trainprof.report.document import Document, Facts, Figure, Missing, Para, Table, fmt, render_csv, render_html
 from trainprof.report.document import render_markdown
 from trainprof.report.rundir import RunData, RunDirError, load_run, run_peak_memory
-from trainprof.report.sections import (ISSUE_TO_COMPLETION, cpu_model, hardware_text, machine_load_text,
-                                       throughput_text)
+from trainprof.report.sections import (ISSUE_TO_COMPLETION, cpu_model, hardware_text, machine_load_text, names_text,
+                                       throughput_text, untyped_wrappers_text)
 
 FORMATS = ("md", "html", "csv")
 CSV_COLUMNS = ["kind", "name", "phase", "a_ms", "b_ms", "change", "faster_by", "speedup", "verdict", "spread_a",
@@ -277,17 +277,22 @@ def build_diff_document(run_a: RunData, run_b: RunData, d: ProfileDiff, *repeats
     sec.blocks.append(_table([*d.steps, *d.phases], method, "phase-diff", "figure"))
     _comm_section(doc, d, a, b)
     _memory_section(doc, a, b)
-    regions = (_compiled_regions(a), _compiled_regions(b))
-    if d.parts:
+    regions = (compiled_regions(a), compiled_regions(b))
+    if d.parts or d.parts_left_out:
         sec = doc.section("Model parts (Zhang et al.'s (arXiv 2311.03687) table)", id="parts")
         if any(regions):
             sec.blocks.append(Para(" ".join(f"{side} ran torch.compile'd: modules inside its compiled regions "
-                                            f"({', '.join(module_label(r) for r in rs[:3])}{', ...' if len(rs) > 3 else ''}) "
-                                            "have no own times, so their parts count only the modules outside them."
+                                            f"({names_text(rs)}) have no own times, so each part compares the "
+                                            "modules timed in both runs."
                                             for side, rs in zip("AB", regions) if rs)))
         parts_method = (f"{method}; a part whose modules are each under {d.min_ms} ms is too small too, whatever their "
                         "sum (per-call effects such as hook cost add up in it)")
-        sec.blocks.append(_table(d.parts, parts_method, "part-diff", "part"))
+        if d.parts:
+            sec.blocks.append(_table(d.parts, parts_method, "part-diff", "part"))
+        notes = [_part_left_out_text(g) for g in d.parts_left_out]
+        notes += [f"{side}: {text}" for side, p in zip("AB", (a, b)) if (text := untyped_wrappers_text(p))]
+        if notes:
+            sec.blocks.append(Para(" ".join(f"{n}." if not n.endswith(".") else n for n in notes)))
     _modules_section(doc, d, method, regions=regions)
     return doc
 
@@ -376,17 +381,23 @@ def _phases_sum_text(d: ProfileDiff) -> str:
     return f"Each row is {each}, not one step split into phases, so the phases need not add up to the step ({sums})."
 
 
-def _compiled_regions(profile: dict[str, Any]) -> list[str]:
-    c = profile.get("compile") or {}
-    return list(c.get("regions") or []) if c.get("compiled") else []
+def _part_left_out_text(g: PartLeftOut) -> str:
+    """What a model part's row leaves out, and why: modules one run timed that ran inside the other's regions."""
+    other = "B" if g.side == "A" else "A"
+    one = len(g.regions) == 1
+    plural = "" if len(g.modules) == 1 else "s"
+    return (f"{g.part}: {g.side}'s {len(g.modules)} module{plural} ({names_text(g.modules)}) "
+            f"ran inside {other}'s compiled region{'' if one else 's'} {names_text(g.regions)}, timed with "
+            f"{'it' if one else 'them'}: " + ("left out of the row, which compares the modules timed in both runs"
+                                              if g.row else "no row"))
 
 
 def _one_side_reason(name: str, other: str, regions: list[str]) -> str:
     """Why a module has times on one side only: inside the other side's compiled region, or absent there."""
-    for r in regions:
-        if r == "" or name.startswith(f"{r}."):
-            return f"inside {other}'s compiled region {module_label(r)}: timed with it"
-    return f"not profiled in {other}"
+    r = region_of(name, regions)
+    if r is None:
+        return f"not profiled in {other}"
+    return f"inside {other}'s compiled region {module_label(r)}: timed with it"
 
 
 def _modules_section(doc: Document, d: ProfileDiff, method: str, intro: str | None = None,

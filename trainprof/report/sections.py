@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from trainprof.analysis import records
-from trainprof.analysis.diff import used_steps
+from trainprof.analysis.diff import compiled_regions, part_members, region_of, used_steps
 from trainprof.report import plots
 from trainprof.report.advisor import RunFigures, advise, bottleneck, checks_text, host_bound_text, overrides_text
 from trainprof.report.document import Document, Figure, Missing, Para, Table, fmt
@@ -36,6 +36,21 @@ CATEGORIES: list[tuple[str, Callable[[dict[str, Any]], bool]]] = [
     ("norms", lambda m: m["type"].endswith(("RMSNorm", "LayerNorm"))),
     ("head", lambda m: m["name"].endswith("lm_head")),
 ]
+
+
+WRAPPER_TYPE = "OptimizedModule"  # a torch.compile wrapper's type, as profiles recorded before its module's type
+
+
+def names_text(names: list[str], shown: int = 3) -> str:
+    """Module names for a sentence: the first `shown`, then how many more."""
+    text = ", ".join(records.module_label(n) for n in names[:shown])
+    return text + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def inside_regions_text(regions: list[str]) -> str:
+    """Where the time of modules inside compiled regions went: into the regions' own."""
+    one = len(regions) == 1
+    return f"inside compiled region{'' if one else 's'} {names_text(regions)}: timed with {'it' if one else 'them'}"
 
 
 def _mib(x: float | None) -> float | None:
@@ -70,10 +85,8 @@ def compile_text(profile: dict[str, Any]) -> str:
     if not c.get("compiled"):
         return "not compiled (eager); modules timed per module"
     regions = c.get("regions") or []
-    shown = ", ".join(records.module_label(r) for r in regions[:3])
-    shown += f" and {len(regions) - 3} more" if len(regions) > 3 else ""
-    text = (f"torch.compile, {len(regions)} compiled region(s) ({shown}); modules timed per compiled region, "
-            f"{c.get('modules_inside_regions', 0)} modules inside them have no own times")
+    text = (f"torch.compile, {len(regions)} compiled region(s) ({names_text(regions)}); modules timed per compiled "
+            f"region, {c.get('modules_inside_regions', 0)} modules inside them have no own times")
     measured = dig(c, "dynamo", "during_measured_steps") or {}
     total = dig(c, "dynamo", "total") or {}
     if total:
@@ -333,25 +346,60 @@ def phases_section(doc: Document, run: RunData) -> None:
 
 
 def category_rows(profile: dict[str, Any]) -> list[dict[str, Any]]:
-    """The Llama2-7B table rows: per category, summed forward/backward/recompute ms per step."""
+    """The Llama2-7B table rows: per category, summed forward/backward/recompute ms per step over its outermost
+    timed modules (`modules` of them); `inside`: its modules inside compiled regions, which have no own times
+    (profile.json compile.modules_inside), and `regions`, the regions that timed them."""
     modules = profile["modules"]
+    regions = compiled_regions(profile)
+    inside_all = dig(profile, "compile", "modules_inside") or []
+    inside_names = {m["name"] for m in inside_all}
     rows = []
     for label, match in CATEGORIES:
-        members = [m for m in modules if match(m)]
-        # keep only outermost matches (a norm inside a norm wrapper is counted once)
-        names = {m["name"] for m in members}
-        members = [m for m in members if not any(m["name"].startswith(n + ".") for n in names if n)]
-        if not members:
-            rows.append({"label": label, "modules": 0, "forward_ms": None, "backward_ms": None,
-                         "recompute_ms": None, "optimizer_ms": None})
-            continue
-        rows.append({"label": label, "modules": len(members),
-                     "forward_ms": sum(m["forward_ms"] for m in members),
-                     "backward_ms": sum(m["backward_ms"] for m in members),
-                     "recompute_ms": sum(m["recompute_ms"] for m in members), "optimizer_ms": None})
-    rows.append({"label": "optimizer", "modules": None, "forward_ms": None, "backward_ms": None,
-                 "recompute_ms": None, "optimizer_ms": profile["summary"]["phases_ms"]["optimizer"]})
+        found = part_members([*modules, *inside_all], match)
+        members = [m for m in found if m["name"] not in inside_names]
+        inside = [m["name"] for m in found if m["name"] in inside_names]
+        row = {"label": label, "modules": len(members), "inside": inside,
+               "regions": list(dict.fromkeys(region_of(n, regions) for n in inside)),
+               "forward_ms": None, "backward_ms": None, "recompute_ms": None, "optimizer_ms": None}
+        if members:
+            row.update({ph: sum(m[ph] for m in members) for ph in ("forward_ms", "backward_ms", "recompute_ms")})
+        rows.append(row)
+    rows.append({"label": "optimizer", "modules": None, "inside": [], "regions": [], "forward_ms": None,
+                 "backward_ms": None, "recompute_ms": None,
+                 "optimizer_ms": profile["summary"]["phases_ms"]["optimizer"]})
     return rows
+
+
+def _part_modules_text(row: dict[str, Any], profile: dict[str, Any]) -> str | int | None:
+    """The model-part table's modules cell: how many it sums, and where the ones without own times went."""
+    n, inside = row["modules"], row["inside"]
+    if n is None:  # the optimizer: a phase, not modules
+        return ""
+    if inside:
+        where = inside_regions_text(row["regions"])
+        return f"{n} timed; {len(inside)} more {where}, not in this row" if n else f"{len(inside)} {where}"
+    if n:
+        return n
+    regions = compiled_regions(profile)
+    if regions and "modules_inside" not in (profile.get("compile") or {}):  # recorded before the list was kept
+        one = len(regions) == 1
+        return (f"none timed outside compiled region{'' if one else 's'} {names_text(regions)} (this profile does not "
+                f"list the modules inside {'it' if one else 'them'}, which are timed with {'it' if one else 'them'})")
+    return "not profiled at this depth"
+
+
+def untyped_wrappers_text(profile: dict[str, Any]) -> str | None:
+    """Rows a profile recorded as torch.compile wrappers, without their compiled module's type (before
+    trainprof recorded it): no part can count them; None where there are none."""
+    names = [m["name"] for m in profile.get("modules") or [] if m.get("type") == WRAPPER_TYPE]
+    if not names:
+        return None
+    one = len(names) == 1
+    return (f"{names_text(names)} {'is a torch.compile wrapper' if one else 'are torch.compile wrappers'} that this "
+            "profile records without the type of the module compiled (it was written before trainprof recorded that "
+            f"type), so no part counts {'it' if one else 'them'}; the top modules table has "
+            f"{'its' if one else 'their'} "
+            "times.")
 
 
 def categories_section(doc: Document, run: RunData) -> None:
@@ -366,9 +414,10 @@ def categories_section(doc: Document, run: RunData) -> None:
         step_ms = dig(p, "summary", "step_ms", "median")
         rows = []
         for r in category_rows(p):
-            total = sum(v for v in (r["forward_ms"], r["backward_ms"], r["recompute_ms"], r["optimizer_ms"]) if v)
-            rows.append([r["label"], "" if r["modules"] is None else (r["modules"] or "not profiled at this depth"),
-                         r["forward_ms"], r["backward_ms"], r["recompute_ms"], r["optimizer_ms"], _pct(total, step_ms)])
+            times = [v for v in (r["forward_ms"], r["backward_ms"], r["recompute_ms"], r["optimizer_ms"])
+                     if v is not None]
+            rows.append([r["label"], _part_modules_text(r, p), r["forward_ms"], r["backward_ms"], r["recompute_ms"],
+                         r["optimizer_ms"], _pct(sum(times) if times else None, step_ms)])
     except (KeyError, TypeError) as err:  # a profile without the fields the category table needs
         sec.blocks.append(Missing("model-part table", f"profile.json lacks {err}"))
         return
@@ -380,6 +429,9 @@ def categories_section(doc: Document, run: RunData) -> None:
     sec.blocks.append(Table(["part", "modules", "forward ms", "backward ms", "recompute ms", "optimizer ms",
                              "share of step"], rows, method=dig(p, "measurement", "module_times"),
                             id="categories-table"))
+    untyped = untyped_wrappers_text(p)
+    if untyped:
+        sec.blocks.append(Para(untyped))
 
 
 def top_modules_section(doc: Document, run: RunData) -> None:
