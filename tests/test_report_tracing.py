@@ -53,7 +53,8 @@ def test_two_traced_steps_on_a_busy_machine_are_not_called_the_cost_of_tracing(t
     assert tracing_cost(p).verdict == "few steps"
     text = _operators_text(p, tmp_path)
     assert "19% slower" in text and "cost of tracing" not in text
-    assert "cannot be told from noise" in text and "busy machine" in text
+    assert "cannot be told from noise (profile.ops_steps 3 on a quiet machine would let it be judged)" in text
+    assert "busy machine" in text
     assert "3,167.1, 3,939.6 ms" in text and "2,977.3, 3,056.3, 2,955.3 ms" in text  # the figures judged from
 
 
@@ -62,7 +63,10 @@ def test_faster_traced_steps_are_judged_by_the_rule_slower_ones_are(tmp_path):
     side on a quiet machine; with 2 traced steps a 25% speed-up is noise that cannot be told, not a verdict."""
     few = _profile([70.0, 80.0], [100.0, 102.0, 104.0])
     assert tracing_cost(few).verdict == "few steps"
-    assert "cannot be told from noise" in _operators_text(few, tmp_path)
+    assert "cannot be told from noise (profile.ops_steps 3 would let it be judged)" in _operators_text(few, tmp_path)
+    few_untraced = _profile([120.0, 125.0, 130.0], [100.0])
+    assert "cannot be told from noise (2 more train.steps would let it be judged)" in _operators_text(few_untraced,
+                                                                                                     tmp_path)
     faster = _profile([70.0, 75.0, 80.0], [100.0, 102.0, 104.0])
     assert tracing_cost(faster).verdict == "faster"
     assert "every traced step was faster than every untraced step" in _operators_text(faster, tmp_path)

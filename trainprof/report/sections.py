@@ -540,8 +540,12 @@ def tracing_cost_text(tc: TracingCost) -> str:
             f"medians use - 1; {figures})")
     if tc.verdict == "few steps":
         busy = f", on a busy machine ({tc.busy})," if tc.busy else ""
+        short = [f"profile.ops_steps {MIN_STEPS_A_SIDE}"] if len(tc.traced_ms) < MIN_STEPS_A_SIDE else []
+        if len(tc.untraced_ms) < MIN_STEPS_A_SIDE:
+            short.append(f"{MIN_STEPS_A_SIDE - len(tc.untraced_ms)} more train.steps")
         return (f"{text}: with {len(tc.traced_ms)} traced and {len(tc.untraced_ms)} untraced steps (under "
-                f"{MIN_STEPS_A_SIDE} a side){busy} the difference cannot be told from noise.")
+                f"{MIN_STEPS_A_SIDE} a side){busy} the difference cannot be told from noise ({' and '.join(short)}"
+                f"{' on a quiet machine' if tc.busy else ''} would let it be judged).")
     if tc.verdict == "busy machine":
         return f"{text}: the machine was busy ({tc.busy}), so the difference cannot be told from noise."
     if tc.verdict == "slower":
