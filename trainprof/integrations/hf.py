@@ -3,6 +3,8 @@ gradient-accumulation micro batches) is one profiled step; the time between one 
 next step's begin (where the Trainer fetches the step's batches) is data wait; the Trainer's own code
 inside a step (gradient clipping, LR scheduler, callbacks) is the "other" phase. With the Trainer's
 DeepSpeed integration under `python -m trainprof.wrap`, the engine's backward and step are phases too.
+With `TrainingArguments(torch_compile=True)` the Trainer (through Accelerate) calls a torch.compile'd form
+of its model: that is what is profiled, as compiled regions (profiler/compiled.py), not the model inside it.
 
     trainer = Trainer(model=model, args=args, train_dataset=ds,
                       callbacks=[TrainprofCallback(output_dir="runs")])
@@ -10,6 +12,7 @@ DeepSpeed integration under `python -m trainprof.wrap`, the engine's backward an
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +52,10 @@ class TrainprofCallback(TrainerCallback):
             engine_session.loop_code_as_other = True
             self.session = engine_session
         else:
+            model, why_not = model_the_trainer_calls(model, args)
+            if model is None:
+                print(f"trainprof: this HF Trainer's run is not profiled: {why_not}", file=sys.stderr)
+                return
             self.session.attach(model, optimizer)
         self.session.engine_config = self.session.engine_config or {
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
@@ -81,3 +88,40 @@ class TrainprofCallback(TrainerCallback):
             self._hook.remove()
             self._hook = None
         self.run_dir = self.session.finish_at_end()
+
+
+def model_the_trainer_calls(model: Any, args: Any) -> tuple[Any, str | None]:
+    """The module to profile as depth 0, or (None, why not). The Trainer's `model`, unless the Trainer runs it
+    torch.compile'd (`TrainingArguments(torch_compile=True)`: Accelerate wraps it in `torch.compile`): then
+    hooks on `model` would run inside the compiled graph (dynamo traces them and recompiles each call), so the
+    wrapper the Trainer calls (its `model_wrapped`) is profiled, as compiled regions (profiler/compiled.py)."""
+    from trainprof.profiler.compiled import CompiledModules
+
+    wrapped = getattr(_calling_trainer(), "model_wrapped", None)
+    if wrapped is None:
+        if getattr(args, "torch_compile", False):
+            return None, ("it runs its model torch.compile'd (TrainingArguments.torch_compile) and the compiled "
+                          "module it calls was not found; hooks on the model would run inside the compiled graph")
+        return model, None
+    if wrapped is model or CompiledModules.find(model).compiled:  # not compiled, or by the script itself
+        return model, None
+    regions = [r.name for r in CompiledModules.find(wrapped).regions]
+    if not regions:  # DDP, or no wrapper at all
+        return model, None
+    # torch.compile(model) (or of the DDP around it): one region; Accelerate's regional compilation
+    # (ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION): a copy of the model whose blocks are compiled, each a region
+    return wrapped, None
+
+
+def _calling_trainer() -> Any:
+    """The transformers.Trainer whose callback handler runs this callback (callbacks are given its model and
+    optimizer, not the Trainer): the nearest Trainer method up the call stack."""
+    from transformers import Trainer
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer):
+            return owner
+        frame = frame.f_back
+    return None

@@ -11,6 +11,7 @@ is profiled as that model (see `profiled_model`), as the HF Trainer's callback p
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,15 @@ except ImportError:  # the standalone package
     from pytorch_lightning import Callback
 
 from trainprof.integrations.session import DEFAULT_MODULE_DEPTH, DEFAULT_WARMUP_STEPS, ProfileSession
+
+
+# trainer.fit(torch.compile(module)): Lightning's `from_compiled` replaces the module's training_step by a compiled
+# one, a region that is no module call: trainprof cannot time it from outside, and hooks inside it are traced by dynamo
+WHOLE_MODULE_COMPILED = (
+    "its LightningModule was torch.compile'd whole (trainer.fit(torch.compile(module))), so Lightning runs its "
+    "training_step compiled and trainprof's module hooks would run inside the compiled graph (dynamo would recompile "
+    "it on every call); compile the model it holds instead (self.model = torch.compile(self.model)), which trainprof "
+    "times as one compiled region")
 
 
 class TrainprofCallback(Callback):
@@ -48,6 +58,9 @@ class TrainprofCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         import torch
 
+        if getattr(pl_module, "_compiler_ctx", None) is not None:
+            print(f"trainprof: this Lightning run is not profiled: {WHOLE_MODULE_COMPILED}", file=sys.stderr)
+            return
         optimizers = trainer.optimizers
         optimizer = optimizers[0] if len(optimizers) == 1 else list(optimizers)  # several: states of all
         # optimizer.step(closure) holds forward and backward: its step is not timed, its states are measured

@@ -43,7 +43,8 @@ class BatchShape:
         self.grad_accum: int | None = None
         self._handle = model.register_forward_pre_hook(self._pre, with_kwargs=True)
         embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        self._embedding_handle = embedding.register_forward_pre_hook(self._embedding_pre) if embedding else None
+        self._embedding_handle = (embedding.register_forward_pre_hook(self._embedding_pre) if embedding is not None
+                                  else None)  # a compiled embedding has no len(), so no truth value
 
     def _pre(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
