@@ -111,7 +111,9 @@ def test_diff_eager_vs_compiled(runs):
 @pytest.mark.slow
 def test_profiler_on_a_torch_compile_wrapped_model():
     """The user's case: `model = torch.compile(model)`, then the Profiler on it. The wrapper is the one
-    compiled region, module names carry no `_orig_mod`, and dynamo captures the graph while profiled."""
+    compiled region, module names carry no `_orig_mod`, and dynamo captures the graph while profiled, whole:
+    a workload hook inside the region (on the HF model or its embedding) broke it into 3 graphs at 7 breaks,
+    which the loop then ran after the profiler had gone."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from trainprof.profiler import Profiler
@@ -139,8 +141,10 @@ def test_profiler_on_a_torch_compile_wrapped_model():
     c = result["compile"]
     assert c["regions"] == [""] and c["region_style"] == ["torch.compile wrapper"]
     assert c["dynamo"]["while_profiled"]["graphs_captured"] > 0
+    assert c["dynamo"]["total"]["graph_breaks"] == 0, c["dynamo"]
     assert c["dynamo"]["during_measured_steps"]["frames_converted"] == 0
     assert not any("_orig_mod" in m["name"] for m in result["modules"])
+    assert "model.dtype" in result["workload"]["unknown"]  # its embedding is inside the region: autocast unseen
     assert [m["name"] for m in result["modules"]] == [""]
     assert result["modules"][0]["forward_ms"] > 0 and result["modules"][0]["backward_ms"] > 0
     assert losses[True] == pytest.approx(losses[False], rel=1e-3)

@@ -48,6 +48,7 @@ def test_hf_trainer_torch_compile_is_profiled_as_one_compiled_region(tmp_path):
     dynamo = c["dynamo"]
     assert dynamo["while_profiled"]["graphs_captured"] > 0
     assert dynamo["during_measured_steps"]["frames_converted"] == 0  # no recompilation, no fallback while measured
+    assert dynamo["total"]["graph_breaks"] == 0, dynamo  # no trainprof hook inside the graph, even while warming up
     assert profile["workload"]["model"]["compile"] is True
     assert [m["name"] for m in profile["modules"]] == [""]  # the region; nothing inside it hooked
     assert profile["modules"][0]["forward_ms"] > 0 and profile["modules"][0]["backward_ms"] > 0

@@ -188,13 +188,13 @@ class Profiler:
         self.batch_shape: BatchShape | None = None  # the loop's micro batch, sequence and accumulation (workload)
         if not enabled:
             return
-        llama = find_llama(model)
-        if llama is not None:
-            self.batch_shape = BatchShape(llama)
-            self._undo.append(self.batch_shape.remove)  # what it saw stays readable
         self.hooks = ModuleHooks(model, module_depth, self.log, self.timer.now,
                                  on_root=self._on_root if self.memory else None,
                                  recompute_sentinels=recompute_sentinels)
+        llama = find_llama(model)
+        if llama is not None:
+            self.batch_shape = BatchShape(llama, inside_compiled=self.hooks.compiled.inside, outer=model)
+            self._undo.append(self.batch_shape.remove)  # what it saw stays readable
         if module_names:
             self.hooks.modules = [dataclasses.replace(m, name=module_names.get(m.name, m.name))
                                   for m in self.hooks.modules]

@@ -34,17 +34,24 @@ class BatchShape:
     """A forward pre-hook on the HF model: the first call's (micro batch, sequence length) and the calls
     of the first step that counts (its micro batches: the gradient accumulation); and one on its input
     embedding: whether the first forward ran under autocast. That one is inside the forward, where
-    Accelerate (and so the HF Trainer) enters autocast: it wraps the model's `forward` method."""
+    Accelerate (and so the HF Trainer) enters autocast: it wraps the model's `forward` method.
 
-    def __init__(self, model: Any) -> None:
+    A hook inside a torch.compile'd region would be traced by dynamo, which breaks the graph there and
+    keeps the broken graphs after the hooks are gone (profiler/compiled.py): where the HF model runs inside
+    a compiled region its hook goes on `outer` (the torch.compile wrapper the loop calls), and an embedding
+    inside one is not hooked (`autocast_unseen`)."""
+
+    def __init__(self, model: Any, *, inside_compiled: set[int] = frozenset(), outer: Any = None) -> None:
         self.shape: tuple[int, int] | None = None
         self.autocast: str | None = None  # the 16-bit dtype the first forward ran under autocast (AMP), if any
         self.calls_in_step = 0
         self.grad_accum: int | None = None
-        self._handle = model.register_forward_pre_hook(self._pre, with_kwargs=True)
+        hooked = outer if id(model) in inside_compiled and outer is not None else model
+        self._handle = hooked.register_forward_pre_hook(self._pre, with_kwargs=True)
         embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        self._embedding_handle = (embedding.register_forward_pre_hook(self._embedding_pre) if embedding is not None
-                                  else None)  # a compiled embedding has no len(), so no truth value
+        self.autocast_unseen = embedding is not None and id(embedding) in inside_compiled
+        self._embedding_handle = (embedding.register_forward_pre_hook(self._embedding_pre)
+                                  if embedding is not None and not self.autocast_unseen else None)
 
     def _pre(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -159,6 +166,10 @@ def workload(model: Any, *, framework: str, engine_config: dict[str, Any] | None
         out["model"] = _model_block(llama, model)
         out["model"]["compile"] = _compile_key(compiled, out["model"]["num_layers"], unknown)
         amp = shape.autocast if shape is not None else None
+        if shape is not None and shape.autocast_unseen and out["model"]["dtype"] == "fp32":
+            unknown["model.dtype"] = ("fp32 weights; the input embedding runs inside a torch.compile'd region, "
+                                      "where trainprof does not hook, so whether the forward ran under autocast "
+                                      "(AMP) was not seen; fp32 kept")
         if amp and out["model"]["dtype"] == "fp32":  # fp32 weights, 16-bit compute
             if out["engine"]["kind"] == "torch":  # a torch-engine recipe in a 16-bit dtype is exactly that (AMP)
                 out["model"]["dtype"] = amp
