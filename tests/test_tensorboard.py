@@ -219,3 +219,33 @@ def test_tb_names_a_missing_dir_and_infers_own_trace_switch(tmp_path, cli):
     assert "profile.ops=true" in traces_from([tmp_path])
     empty = cli("tb", tmp_path / "infer")
     assert empty.returncode == 2 and "`trainprof infer` without --no-ops" in empty.stderr
+
+
+def test_tb_says_in_one_line_why_a_port_or_a_path_cannot_serve(tmp_path, cli):
+    """A port in use or out of range, or a file for a run dir: one line and exit 2, not a traceback after
+    TensorBoard's start-up ("exited with code 255 before answering", its reason sent to nowhere)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = cli("tb", "--no-wait", "--port", str(port), RUN)
+    assert busy.returncode == 2 and len(busy.stderr.splitlines()) == 1, busy.stderr
+    assert f"--port {port}: cannot listen on 127.0.0.1:{port}" in busy.stderr and "pick another port" in busy.stderr
+    out_of_range = cli("tb", "--no-wait", "--port", "99999", RUN)
+    assert out_of_range.returncode == 2 and "expected a TCP port from 1 to 65535, got '99999'" in out_of_range.stderr
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    a_file = cli("tb", script)
+    assert a_file.returncode == 2 and "is a file: give a run dir" in a_file.stderr and "report" not in a_file.stderr
+
+
+def test_a_tensorboard_that_exits_at_start_up_gives_its_last_words():
+    """What TensorBoard said before it exited ends the error (its output is kept aside while it starts)."""
+    from trainprof.commands.tb import start_tensorboard
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(RuntimeError, match=r"exited with code \d+ before answering: TensorBoard could not bind "
+                                               r"to port \d+, it was already in use$"):
+            start_tensorboard(RUN / "tb", taken.getsockname()[1])

@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from trainprof.distributed import free_port
 from trainprof.layout import TRACES_HOW
@@ -28,6 +29,8 @@ def tb_dir(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise UserError(f"'{path}' does not exist: give a run dir (or its tb/ dir)")
+    if not path.is_dir():
+        raise UserError(f"'{path}' is a file: give a run dir (or its tb/ dir)")
     if (path / "tb").is_dir():
         return path / "tb"
     if path.is_dir() and (_files_at_top(path) or any(path.glob("*/events.out.tfevents.*"))):
@@ -79,12 +82,16 @@ def logdir_for(run_dirs: list[str | Path]) -> tuple[Path, Path | None]:
     return tmp, tmp
 
 
-def wait_until_up(url: str, proc: subprocess.Popen, timeout_s: float = START_TIMEOUT_S) -> None:
-    """Poll TensorBoard until it answers (bounded); raise if it exits or does not answer in time."""
+def wait_until_up(url: str, proc: subprocess.Popen, timeout_s: float = START_TIMEOUT_S,
+                  said: Callable[[], str] = lambda: "") -> None:
+    """Poll TensorBoard until it answers (bounded); raise if it exits (with `said()`, its last words) or does
+    not answer in time."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"tensorboard exited with code {proc.returncode} before answering")
+            last = said()
+            raise RuntimeError(f"tensorboard exited with code {proc.returncode} before answering"
+                               + (f": {last}" if last else ""))
         try:
             with urllib.request.urlopen(f"{url}/data/plugins_listing", timeout=2) as r:
                 if r.status == 200:
@@ -104,14 +111,28 @@ def start_tensorboard(logdir: str | Path, port: int | None = None, *,
     """
     port = port or free_port(HOST)
     cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", HOST, "--port", str(port)]
-    out = subprocess.DEVNULL if quiet else None
-    proc = subprocess.Popen(cmd, stdout=out, stderr=out)
+    # quiet: its output is kept aside, so that a TensorBoard that fails to start can say why
+    log = tempfile.TemporaryFile() if quiet else None
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log)
     url = f"http://{HOST}:{port}"
+
+    def said() -> str:
+        if log is None:
+            return ""  # its output went to the terminal
+        log.seek(0)
+        lines = [ln.strip() for ln in log.read().decode(errors="replace").splitlines() if ln.strip()]
+        # its own error line; the profiler plugin's loader processes die after it with tracebacks of their own
+        errors = [ln.removeprefix("ERROR: ") for ln in lines if ln.startswith("ERROR: ")]
+        return (errors or lines or [""])[-1]
+
     try:
-        wait_until_up(url, proc)
+        wait_until_up(url, proc, said=said)
     except BaseException:
         stop_tensorboard(proc)
         raise
+    finally:
+        if log is not None:
+            log.close()  # a running TensorBoard keeps writing to the unlinked file, unread
     return proc, url
 
 
@@ -141,8 +162,36 @@ def _check_installed() -> None:
               "tab; pip install torch-tb-profiler", file=sys.stderr)
 
 
+def port_number(text: str) -> int:
+    """--port: a TCP port number."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, got '{text}'")
+    return port
+
+
+def _check_port(port: int | None) -> None:
+    """A given port must be free on HOST: TensorBoard would only exit saying so after its start-up."""
+    import socket
+
+    from trainprof.errors import UserError
+
+    if port is None:
+        return
+    with socket.socket() as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError as err:
+            raise UserError(f"--port {port}: cannot listen on {HOST}:{port} ({err.strerror or err}); pick another "
+                            "port or omit --port for a free one") from None
+
+
 def _tb(args: argparse.Namespace) -> int:
     _check_installed()
+    _check_port(args.port)
     logdir, tmp = logdir_for(args.run_dirs)
     proc = None
 
@@ -151,7 +200,12 @@ def _tb(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        proc, url = start_tensorboard(logdir, args.port, quiet=not args.verbose)
+        try:
+            proc, url = start_tensorboard(logdir, args.port, quiet=not args.verbose)
+        except RuntimeError as err:  # it exited or never answered: its reason, one line
+            from trainprof.errors import UserError
+
+            raise UserError(f"TensorBoard did not start: {err}") from None
         if has_traces(args.run_dirs):
             print(f"TensorBoard: {url}/#pytorch_profiler (traces)  {url}/#timeseries (scalars)  logdir {logdir}",
                   flush=True)
@@ -183,7 +237,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        "the URL; each run shows in the PyTorch Profiler tab (one worker per rank) and in the "
                        "scalars. Runs until Ctrl-C.")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (or a tb/ dir)")
-    p.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--port", type=port_number, default=None, help="port on 127.0.0.1 (default: a free one)")
     p.add_argument("--no-wait", action="store_true", help="print the URL and leave TensorBoard running")
     p.add_argument("--verbose", action="store_true", help="show TensorBoard's own output")
     p.set_defaults(func=_tb)
