@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO
 
-SCRIPT = REPO / "tests" / "data" / "scripts" / "hf_trainer_compiled.py"
+SCRIPT = REPO / "tests" / "data" / "scripts" / "hf_trainer.py"
 STEPS = 4  # the callback's default warm-up 1 (the compiling step): 3 measured steps
 
 
@@ -26,7 +26,8 @@ def run_script(tmp_path: Path, steps: int, **env: str) -> tuple[subprocess.Compl
     out = tmp_path / "runs"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRAINPROF_OUTPUT_DIR": str(out),
            "PYTHONPATH": str(REPO), **env}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "hf"), "--steps", str(steps)],
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "hf"), "--steps", str(steps), "--own-callback",
+                           "--compile"],
                           capture_output=True, text=True, timeout=400, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, out
