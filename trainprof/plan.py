@@ -14,7 +14,7 @@ from typing import Any
 
 from trainprof.models import LlamaShape, build_model, count_params, logical_numel, resolve_shape
 from trainprof.plan_memory import (CUDA_CONTEXT_BYTES, DTYPE_BYTES, SavedTensors, gpu_memory, quiet_deepspeed,
-                                   render_gpu_memory, tensor_bytes)
+                                   render_gpu_memory, render_resident_memory, tensor_bytes)
 from trainprof.recipe import Recipe
 
 PLAN_SCHEMA_VERSION = 1
@@ -503,12 +503,14 @@ def _notes(recipe: Recipe, census: dict[str, Any]) -> list[str]:
     return notes
 
 
-def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
+def estimate_plan(recipe: Recipe, world_size: int, *, device: str = "cuda") -> dict[str, Any]:
     """What a recipe would take per rank and per step, without training.
 
     Args:
         recipe: a validated recipe.
         world_size: data-parallel ranks (GPUs) the recipe would run on.
+        device: "cuda" or "cpu", the device the run would take; the figures are the same, the text shows
+            the GPU totals or the resident set a CPU run's peak RSS is compared with.
     Returns:
         A JSON-serialisable dict; every figure is an estimate with a `source` string beside it.
     """
@@ -548,6 +550,7 @@ def estimate_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
             "reshard_after_forward": engine.reshard_after_forward, "compile": model.compile,
         },
         "world_size": world_size,
+        "device": device,
         "shape": {**dataclasses.asdict(shape), "head_dim": shape.head_dim},
         "params": _params_block(census, analytic),
         "model_states": {**states, "deepspeed_estimator": _deepspeed_estimate(recipe, census, world_size)},
@@ -631,6 +634,9 @@ def render_plan(plan: dict[str, Any]) -> str:
         Lines joined with newlines; sizes in GiB (2^30 bytes).
     """
     r, p, ms, act = plan["recipe"], plan["params"], plan["model_states"], plan["activations"]
+    cpu = plan.get("device") == "cpu"  # plans saved before the key was added are GPU plans
+    # on a CPU run the "device" is the process's own memory, and offloaded states live beside it
+    device_gib, host_gib = ("GiB", "host GiB") if cpu else ("GPU GiB", "CPU GiB")
     lines = [
         f"Plan (estimates, no training): {r['model']} {r['task']}, {r['dtype']}, attention {r['attention']}, "
         f"recompute {'on' if r['recompute'] else 'off'}",
@@ -643,7 +649,7 @@ def render_plan(plan: dict[str, Any]) -> str:
         lines.append(f"  {label:<28}{p[key]['value']:>16,}  {p[key]['source']}")
     lines.append(f"  {'analytic matches model':<28}{'yes' if p['analytic_matches'] else 'NO':>16}")
 
-    lines += ["", f"{'Model states per rank':<30}{'GPU GiB':>10}{'CPU GiB':>10}  source"]
+    lines += ["", f"{'Model states per rank':<30}{device_gib:>10}{host_gib:>10}  source"]
     for key in [k for k in ms["per_rank"] if k != "total"] + ["total"]:
         row = ms["per_rank"][key]
         lines.append(f"  {key:<28}{_gib(row['gpu_bytes']):>10}{_gib(row['cpu_bytes']):>10}  {row['source']}")
@@ -655,7 +661,7 @@ def render_plan(plan: dict[str, Any]) -> str:
     else:
         lines.append(f"  DeepSpeed estimator: n/a ({ds['reason']})")
 
-    lines += ["", f"{'Activations per rank':<30}{'GPU GiB':>10}  source"]
+    lines += ["", f"{'Activations per rank':<30}{device_gib:>10}  source"]
     for key, label in (("no_recompute", "no recompute"), ("full_recompute", "full recompute")):
         for family, who in (("korthikanti", "paper"), ("hf_llama", "HF count")):
             mark = " *" if act["used"] == key and family == "hf_llama" else ""
@@ -668,7 +674,7 @@ def render_plan(plan: dict[str, Any]) -> str:
         lines.append(f"{'GPU total per rank':<30}{_gib(total['value']):>10}  {total['source']}")
     else:
         lines.append("  (* the rows gpu_memory sums below)")
-        lines += render_gpu_memory(plan["gpu_memory"])
+        lines += (render_resident_memory if cpu else render_gpu_memory)(plan["gpu_memory"])
 
     fl = plan["flops"]
     lines += ["", f"{'Compute':<30}{'value':>16}  source"]

@@ -69,6 +69,14 @@ CUDA_CONTEXT_SOURCE = (
     "torch.cuda.max_memory_allocated): 426 MiB with PyTorch 2.10+cu130 and lazy module loading (unsloth-zoo "
     "PR #1053; 'around 400MB', pytorch/pytorch#109888); kernels loaded as the run first calls them (cuBLAS, "
     "NCCL, attention) add to it, up to ~1.3 GB when all load eagerly (transformers docs, model_memory_anatomy)")
+# What the resident-set estimate leaves out of a CPU run's peak RSS: neither is a tensor the plan can count
+RESIDENT_LEAVES_OUT = (
+    "leaves out Python, PyTorch and the other libraries (about 0.45-0.5 GiB per process, measured: docs/memory.md) "
+    "and the freed blocks glibc's heap keeps and cannot reuse, which grow with the batch (the CPU quickstart: about "
+    "4 MiB per sample beyond the live tensors' 6.1 MiB, docs/memory.md) and depend on the order of allocations: "
+    "not modelled (`trainprof project` probes them)")
+# Rows that exist only on a GPU: PyTorch's CUDA caching allocator and the CUDA context
+GPU_ONLY_ROWS = ("allocator_rounding", "cuda_context")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -92,8 +100,8 @@ class MemoryRow:
         return self.gpu_bytes if self.resident_bytes is None else self.resident_bytes
 
     def as_dict(self) -> dict[str, Any]:
-        return {"gpu_bytes": int(self.gpu_bytes), "cpu_bytes": int(self.cpu_bytes), "phases": list(self.phases),
-                "source": self.source}
+        return {"gpu_bytes": int(self.gpu_bytes), "cpu_bytes": int(self.cpu_bytes),
+                "resident_bytes": int(self.resident), "phases": list(self.phases), "source": self.source}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -566,7 +574,8 @@ def gpu_memory(recipe: Recipe, world_size: int, census: dict[str, Any], per_rank
     resident = {"bytes": sum(rows[k].resident for k in peaks[phase]["rows"]), "rows": peaks[phase]["rows"],
                 "phase": phase,
                 "source": (f"the {phase} peak's rows with each buffer counted as far as its data fills it (a "
-                           "reduce bucket larger than the gradients): what a CPU process's resident set holds")}
+                           "reduce bucket larger than the gradients): the tensors a CPU process's resident set "
+                           f"holds; {RESIDENT_LEAVES_OUT}")}
     host_rows = [k for k, r in rows.items() if r.cpu_bytes]
     return {
         "rows": {k: r.as_dict() for k, r in rows.items()},
@@ -597,4 +606,31 @@ def render_gpu_memory(memory: dict[str, Any]) -> list[str]:
     lines.append(f"{'GPU total per rank':<40}{device['gpu_bytes'] / gib:>10,.2f}{'':>10}  {device['source']}")
     host = memory["host_total"]
     lines.append(f"{'Host memory per rank':<40}{'':>10}{host['cpu_bytes'] / gib:>10,.2f}  {host['source']}")
+    return lines
+
+
+def render_resident_memory(memory: dict[str, Any]) -> list[str]:
+    """Plain-text lines for `trainprof plan` on a CPU run: each row's resident bytes (a buffer counted as far
+    as its data fills it) and the resident-set estimate to compare with the run's peak RSS; the GPU-only rows
+    (the caching allocator's rounding, the CUDA context) are left out."""
+    gib = 2**30
+    short = {FWD_BWD: "f/b", OPT_STEP: "opt"}
+    lines = ["", f"{'Host memory per rank (CPU run)':<30}{'live in':>10}{'RSS GiB':>10}  source"]
+    for key, row in memory["rows"].items():
+        if key in GPU_ONLY_ROWS:
+            continue
+        live = "+".join(short[p] for p in row["phases"])
+        lines.append(f"  {key:<28}{live:>10}{row['resident_bytes'] / gib:>10,.2f}  {row['source']}")
+    for key, label in ((FWD_BWD, "forward/backward peak"), (OPT_STEP, "optimizer-step peak")):
+        keys = memory["peaks"][key]["rows"]
+        nbytes = sum(memory["rows"][k]["resident_bytes"] for k in keys)
+        lines.append(f"  {label:<28}{'':>10}{nbytes / gib:>10,.2f}  {', '.join(keys)}")
+    lines.append(f"  (left out, GPU only: {', '.join(GPU_ONLY_ROWS)})")
+    resident = memory["resident_peak"]
+    lines.append(f"{'Resident set per rank':<40}{resident['bytes'] / gib:>10,.2f}  {resident['source']}; "
+                 "compare with a CPU run's peak RSS (cpu_process_peak_rss)")
+    host = memory["host_total"]
+    if host["cpu_bytes"]:
+        lines.append(f"{'Offloaded to host per rank':<40}{host['cpu_bytes'] / gib:>10,.2f}  {host['source']}: "
+                     "on a CPU run the same process's memory, beside the resident set")
     return lines
