@@ -79,15 +79,18 @@ def test_fsdp_trains_and_closes(zero3_like, tmp_path):
 @pytest.mark.xdist_group("fsdp")  # one worker makes the module's zero3_like
 @pytest.mark.slow
 def test_fsdp_collective_bytes_match_fsdp_accounting(zero3_like):
-    """All-gathers move every group's padded parameters in bf16, in forward and again in backward;
-    reduce-scatters every group's padded gradients in fp32, once per step (grad_accum 1)."""
+    """All-gathers move every group's padded parameters in bf16 in forward, and the decoder layers' again in
+    backward: the root stays gathered (FSDP2's rule for it, which the engine leaves alone; it gathered the root
+    again when engine.reshard_after_forward reached the root too); reduce-scatters every group's padded
+    gradients in fp32, once per step (grad_accum 1)."""
     _, profile = zero3_like
     numels = fsdp_group_numels(FSDP, 2)
     params = sum(g["all"] for g in numels.values())
+    layers = [g["all"] for name, g in numels.items() if name]
     rows = comm(profile)
-    for phase in ("forward", "backward"):
-        gather = rows[("all_gather_single", phase)]
-        assert gather["calls"] == len(GROUPS) and gather["bytes"] == 2 * params, gather
+    forward, backward = rows[("all_gather_single", "forward")], rows[("all_gather_single", "backward")]
+    assert forward["calls"] == len(GROUPS) and forward["bytes"] == 2 * params, forward
+    assert backward["calls"] == len(layers) == 2 and backward["bytes"] == 2 * sum(layers), backward
     scatter = rows[("reduce_scatter_single", "backward")]
     assert scatter["calls"] == len(GROUPS) and scatter["bytes"] == 4 * params, scatter
     for row in (rows[("all_gather_single", "forward")], scatter):  # measured: blocked time within the call's
@@ -102,10 +105,12 @@ def test_fsdp_collective_bytes_match_fsdp_accounting(zero3_like):
 def test_fsdp_collectives_belong_to_the_module_that_needed_them(zero3_like):
     _, profile = zero3_like
     mods = {m["name"]: m for m in profile["modules"]}
-    for name in GROUPS:
-        assert mods[name]["self_comm_ops"] == {"all_gather_single": 2.0, "reduce_scatter_single": 1.0}, \
+    for name in GROUPS:  # the root is gathered once a step, the layers before their forward and backward
+        gathers = 1.0 if name == "" else 2.0
+        assert mods[name]["self_comm_ops"] == {"all_gather_single": gathers, "reduce_scatter_single": 1.0}, \
             (name, mods[name]["self_comm_ops"])
         assert mods[name]["self_comm_ms"] > 0
+    assert profile["engine"]["config"]["reshard_after_forward"] is True
     others = [m for m in profile["modules"] if m["name"] not in GROUPS and m["self_comm_calls"]]
     assert not others, [(m["name"], m["self_comm_ops"]) for m in others]
 

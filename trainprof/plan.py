@@ -244,8 +244,9 @@ def _fsdp_model_states(recipe: Recipe, census: dict[str, Any], world_size: int) 
     gradient and optimizer state is sharded 1/N (fully_shard per decoder layer and on the root); trainable
     parameters are fp32 shards that a MixedPrecisionPolicy gathers in the model dtype, a frozen LoRA base
     stays in the model dtype. The gathered (unsharded) parameters are transient: with
-    reshard_after_forward the root's (gathered for the whole forward) plus two layers' (the one running
-    and the one prefetched), without it every group's, held from forward to the end of backward."""
+    reshard_after_forward the root's (gathered from its forward to the end of backward: the engine leaves it to
+    FSDP2's rule) plus two layers' (the one running and the one prefetched), without it every group's, held
+    from forward to the end of backward."""
     n, e = world_size, recipe.engine
     trainable, dtype_b = census["trainable"], DTYPE_BYTES[recipe.model.dtype]
     frozen = census["total"] - trainable

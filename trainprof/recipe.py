@@ -94,7 +94,7 @@ class EngineConfig:
     kind: Literal["deepspeed", "torch", "fsdp", "megatron"] = "deepspeed"  # torch = single process or DDP; fsdp = PyTorch FSDP2 (fully_shard per decoder layer and the root); megatron = megatron-core GPTModel (CUDA only)
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"  # ZeRO-Offload to CPU; fsdp: optimizer+params = FSDP2's CPUOffloadPolicy
-    reshard_after_forward: bool = True  # engine.kind fsdp: free gathered parameters after forward (ZeRO-3-like); false keeps them for backward (ZeRO-2-like)
+    reshard_after_forward: bool = True  # engine.kind fsdp, the decoder layers: free gathered parameters after forward (ZeRO-3-like); false keeps them for backward (ZeRO-2-like); the root always keeps them (FSDP2's default)
     pipeline_stages: int = 1  # > 1: one pipeline stage per rank (torch.distributed.pipelining, engine.kind torch); must equal the number of ranks
     pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"  # pipeline schedule over train.grad_accum micro batches
     pipeline_layers: list[int] | None = None  # decoder layers per stage, e.g. [3, 1]; None = even split, extra layers to the first stages

@@ -2,9 +2,11 @@
 `fully_shard` per decoder layer, then one on the root (embedding, final norm, LM head), AdamW over the
 sharded (DTensor) parameters.
 
-Recipe keys: `engine.reshard_after_forward` (every fully_shard call): true frees each group's gathered
-parameters after its forward and all-gathers them again in backward (ZeRO-3-like); false keeps them to
-the end of backward (ZeRO-2-like: one all-gather per group and step). Gradients are reduce-scattered per
+Recipe keys: `engine.reshard_after_forward` (the decoder layers' fully_shard calls): true frees each
+layer's gathered parameters after its forward and all-gathers them again in backward (ZeRO-3-like); false
+keeps them to the end of backward (ZeRO-2-like: one all-gather per group and step). The root is left to
+FSDP2's own rule (`reshard_after_forward=None`: kept after forward, as torchtitan does, since backward
+needs it first), so it is gathered once per forward and backward either way. Gradients are reduce-scattered per
 group (every micro batch, as FSDP2 does by default). `model.dtype` bf16 is a MixedPrecisionPolicy
 (param_dtype bf16 for the all-gathers and compute, reduce_dtype fp32 for the reduce-scatters, fp32
 sharded parameters, torchtitan's defaults); fp32 runs without one. `engine.offload=optimizer+params` is
@@ -32,7 +34,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def fsdp_kwargs(recipe: Recipe, device: torch.device) -> dict[str, Any]:
-    """The keyword arguments of every fully_shard call for a recipe."""
+    """The keyword arguments of the decoder layers' fully_shard calls for a recipe (the root's are these
+    without reshard_after_forward)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -63,6 +66,7 @@ class FSDPEngine:
         layers = decoder_layers(model)
         for layer in layers:
             fully_shard(layer, **kwargs)
+        kwargs.pop("reshard_after_forward")  # the root: FSDP2's default keeps it gathered for backward
         fully_shard(model, **kwargs)
         self.module = self.loop_module = model
         groups = param_groups(model, recipe.optimizer.weight_decay)
@@ -71,7 +75,7 @@ class FSDPEngine:
         self.micro = 0
         self.config: dict[str, Any] = {
             "library": "torch.distributed.fsdp.fully_shard (FSDP2)",
-            "fully_shard": [f"{len(layers)} decoder layers", "root"],
+            "fully_shard": [f"{len(layers)} decoder layers", "root (kept gathered after forward: FSDP2's default)"],
             "reshard_after_forward": recipe.engine.reshard_after_forward,
             "param_dtype": None if recipe.model.dtype == "fp32" else recipe.model.dtype,
             "reduce_dtype": None if recipe.model.dtype == "fp32" else "fp32",

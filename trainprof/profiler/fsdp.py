@@ -35,6 +35,18 @@ def param_groups(model: torch.nn.Module) -> list[tuple[str, Any]]:
     return out
 
 
+def below_root(groups: list[tuple[str, Any]]) -> list[Any]:
+    """The FSDP2 groups of the modules below the root (the decoder layers), or the root's alone."""
+    return [g for name, g in groups if name] or [g for _, g in groups]
+
+
+def param_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
+    """The MixedPrecisionPolicy param_dtype(s) of the groups below the root: what FSDP2 all-gathers and
+    computes in over its fp32 shards; empty where no group sets one (or the model is not fully_shard'ed)."""
+    groups = below_root(param_groups(model))
+    return {getattr(getattr(g, "mp_policy", None), "param_dtype", None) for g in groups} - {None}
+
+
 def watch(model: torch.nn.Module, index_of: dict[str, int],
           owner: Callable[[int], contextlib.AbstractContextManager[None]]) -> Callable[[], None]:
     """Attribute each FSDP2 parameter group's collectives to its module.

@@ -23,6 +23,7 @@ from trainprof.analysis.pipeline import BUBBLE_METHOD, rank_block
 from trainprof.env import collect_env, machine_load
 from trainprof.profiler.compiled import compile_block
 from trainprof.profiler.flops import FLOPS_CONVENTION
+from trainprof.profiler.fsdp import param_dtypes as fsdp_param_dtypes
 from trainprof.profiler.memory import ACTIVATION_METHOD, model_state_bytes
 from trainprof.hardware import dense_peak
 
@@ -57,13 +58,16 @@ class Recorded(Protocol):
 
 def compute_dtype(model: torch.nn.Module, autocast: torch.dtype | None = None) -> str:
     """The dtype matmuls ran in, as a peak-table key: the forward's autocast dtype when autocast was on
-    (fp32 master weights under AMP run their matmuls in bf16/fp16), else the dtype most floating-point
-    parameters have (fp32 matmuls -> tf32 when torch allows TF32 on CUDA)."""
+    (fp32 master weights under AMP run their matmuls in bf16/fp16), else an FSDP2 MixedPrecisionPolicy's
+    param_dtype (its groups compute in it over fp32 shards), else the dtype most floating-point parameters
+    have (fp32 matmuls -> tf32 when torch allows TF32 on CUDA)."""
     counts: dict[torch.dtype, int] = {}
     for p in model.parameters():
         if p.is_floating_point():
             counts[p.dtype] = counts.get(p.dtype, 0) + 1
-    dtype = autocast or (max(counts, key=counts.__getitem__) if counts else torch.float32)
+    policy = fsdp_param_dtypes(model)
+    dtype = autocast or (next(iter(policy)) if len(policy) == 1 else None) or \
+        (max(counts, key=counts.__getitem__) if counts else torch.float32)
     if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")

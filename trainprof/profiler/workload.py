@@ -3,7 +3,8 @@
 recomputation and compilation, the task (LoRA or QLoRA adapters), the engine and its settings (DeepSpeed's
 from its config; FSDP2 from the model's fully_shard groups), the micro batch, sequence length and gradient
 accumulation, as recipe keys in profile.json's `workload`, and under `unknown` each key it could not read
-and why.
+and why. The compute dtype (model.dtype) is the FSDP2 groups' MixedPrecisionPolicy param_dtype where one is
+set, else the autocast dtype where fp32 weights ran under autocast, else the weights'.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 
 from trainprof.models import recomputes
+from trainprof.profiler.fsdp import below_root as fsdp_below_root
+from trainprof.profiler.fsdp import param_dtypes as fsdp_param_dtypes
 from trainprof.profiler.fsdp import param_groups as fsdp_param_groups
 
 ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash2"}
@@ -124,16 +127,29 @@ def _engine_block(framework: str, config: dict[str, Any] | None, model: Any) -> 
 
 
 def _fsdp_block(groups: list[tuple[str, Any]]) -> dict[str, Any]:
-    """engine.kind fsdp with the settings of the groups below the root (FSDP2 keeps the root's parameters
-    after forward by its own rule): reshard_after_forward where each has its post-forward mesh (FSDP2 sets
+    """engine.kind fsdp with the settings of the groups below the root (a recipe's FSDP2 engine passes
+    engine.reshard_after_forward to those and leaves the root to FSDP2's rule, as a script that does not
+    set it on the root does): reshard_after_forward where each has its post-forward mesh (FSDP2 sets
     none where parameters stay gathered), CPUOffloadPolicy as offload."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    inner = [g for name, g in groups if name] or [g for _, g in groups]
+    inner = fsdp_below_root(groups)
     reshard = all(getattr(g, "post_forward_mesh_info", None) is not None for g in inner)
     offload = any(isinstance(getattr(g, "offload_policy", None), CPUOffloadPolicy) for _, g in groups)
     return {"kind": "fsdp", "zero_stage": 0, "offload": "optimizer+params" if offload else "none",
             "reshard_after_forward": reshard}
+
+
+def _mixed_precision_dtype(model: Any, unknown: dict[str, str]) -> str | None:
+    """The compute dtype an FSDP2 MixedPrecisionPolicy sets: the param_dtype its groups below the root
+    all-gather and compute in (FSDP2 casts the sharded parameters to it), None where no group sets one."""
+    dtypes = fsdp_param_dtypes(model)
+    if len(dtypes) > 1:
+        shown = ", ".join(sorted(DTYPES.get(str(d), str(d)) for d in dtypes))
+        unknown["model.dtype"] = (f"the FSDP2 groups' MixedPrecisionPolicy param_dtype differ ({shown}), where a "
+                                  "recipe has one; the weights' dtype kept")
+        return None
+    return DTYPES.get(str(next(iter(dtypes)))) if dtypes else None
 
 
 def _compile_key(compiled: dict[str, Any] | None, num_layers: int, unknown: dict[str, str]) -> bool:
@@ -165,6 +181,8 @@ def workload(model: Any, *, framework: str, engine_config: dict[str, Any] | None
     else:
         out["model"] = _model_block(llama, model)
         out["model"]["compile"] = _compile_key(compiled, out["model"]["num_layers"], unknown)
+        if out["engine"]["kind"] == "fsdp":  # fp32 shards, compute in the MixedPrecisionPolicy's param_dtype
+            out["model"]["dtype"] = _mixed_precision_dtype(model, unknown) or out["model"]["dtype"]
         amp = shape.autocast if shape is not None else None
         if shape is not None and shape.autocast_unseen and out["model"]["dtype"] == "fp32":
             unknown["model.dtype"] = ("fp32 weights; the input embedding runs inside a torch.compile'd region, "
@@ -174,7 +192,8 @@ def workload(model: Any, *, framework: str, engine_config: dict[str, Any] | None
             if out["engine"]["kind"] == "torch":  # a torch-engine recipe in a 16-bit dtype is exactly that (AMP)
                 out["model"]["dtype"] = amp
             else:
-                unknown["model.dtype"] = (f"fp32 weights under autocast to {amp} inside DeepSpeed, which recipes "
+                engine = "DeepSpeed" if out["engine"]["kind"] == "deepspeed" else "FSDP2 without a param_dtype"
+                unknown["model.dtype"] = (f"fp32 weights under autocast to {amp} inside {engine}, which recipes "
                                           "do not express; fp32 kept")
     if shape is not None and shape.shape is not None:
         out["train"] = {"micro_batch_size": shape.shape[0], "grad_accum": shape.grad_accum or 1}

@@ -353,8 +353,9 @@ def _repriced(c: dict[str, Any], target_ms: float, m: Measured, link: Link) -> f
 def _fsdp(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumption]]:
     """Exposed ms of PyTorch FSDP2's collectives per optimizer step, derived from the target's census: one
     `fully_shard` unit per decoder layer and one for the root (embedding, final norm, LM head); each unit's
-    parameters all-gathered in the compute dtype before its forward, and again before its backward when
-    reshard_after_forward frees them; its gradients reduce-scattered in fp32 (the MixedPrecisionPolicy's
+    parameters all-gathered in the compute dtype before its forward, and a layer's again before its backward
+    when reshard_after_forward frees them (the engine leaves the root to FSDP2's rule: kept gathered for
+    backward); its gradients reduce-scattered in fp32 (the MixedPrecisionPolicy's
     reduce dtype), every micro batch. Another machine: gathers are prefetched and reductions run on
     their own stream, so each phase exposes what outlasts its compute. The source's machine (gloo): the
     collectives are synchronous, exposed whole, each with the wait a blocking call of the source had."""
@@ -363,20 +364,22 @@ def _fsdp(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumptio
     n, b, ga = t.world_size, _element_bytes(m, t), t.grad_accum
     in_layers = sum(x.numel for x in t.census.tensors if x.in_layer)
     units = [in_layers / max(t.census.layers, 1)] * t.census.layers + [t.census.total - in_layers]
-    gather = sum(link.ms("all_gather_into_tensor", b * u, n) for u in units)
+    gathers = [link.ms("all_gather_into_tensor", b * u, n) for u in units]
+    gather, regather = sum(gathers), sum(gathers[:-1]) if t.reshard_after_forward else 0.0
     trainable_share = t.census.trainable / max(t.census.total, 1)
     scatter = sum(link.ms("reduce_scatter_tensor", 4 * u * trainable_share, n) for u in units)
-    backward = (gather if t.reshard_after_forward else 0.0) + scatter
+    backward = regather + scatter
     note = assume("comm_fsdp_derived", units=len(units), mbytes=b * t.census.total / 1e6, link=link.source,
                   gather_ms=gather, scatter_ms=scatter,
-                  regather_text=" and again before its backward (reshard_after_forward)" if t.reshard_after_forward
+                  regather_text=(f", the decoder layers' again before their backward ({regather:.2f} ms; "
+                                 "reshard_after_forward; the root stays gathered)") if t.reshard_after_forward
                   else "")
     if t.cross_machine:
         compute = t.compute_ms or {}
         return max(gather * ga - compute.get("forward", 0.0), 0.0) + max(backward * ga - compute.get("backward", 0.0),
                                                                          0.0), [note]
     wait, wait_note = in_training_wait(m, n, link)
-    calls = len(units) * (1 + (2 if t.reshard_after_forward else 1)) * ga
+    calls = (2 * len(units) + (t.census.layers if t.reshard_after_forward else 0)) * ga
     return (gather + backward) * ga + wait * calls, [note, wait_note]
 
 
