@@ -151,6 +151,10 @@ def _merge_pipeline_stages(merged: dict[str, Any], profiles: list[dict[str, Any]
         if step.get("loss") is None:
             step["loss"] = loss_by_step.get(step["step"])
     merged["steps_loss_rank"] = last["rank"]
+    # a stage's drain (its collective's wait for the other stages) is bubble, which only the merge can tell
+    drained = {st["rank"]: st["phases_ms"] for st in pipeline["stages"] if st.get("drain_ms") and st.get("phases_ms")}
+    merged["ranks"] = [{**r, "phases_ms": {**r["phases_ms"], **drained[r["rank"]]}} if r["rank"] in drained else r
+                       for r in merged["ranks"]]
     _merge_summary(merged, profiles, merged["ranks"], pipeline=True)
 
 

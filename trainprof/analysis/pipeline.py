@@ -11,8 +11,14 @@ Definitions (every figure says how it was measured in `method`):
     activations (forward) or gradients (backward), or, for a send, for the neighbour to take them
     (gloo completes a send only once the receiver has posted its receive). The transfer itself is
     inside that time; its bytes, time and bandwidth are the `comm` rows.
+  * drain (measured across stages, when the rank profiles are merged): the time this stage was blocked
+    in a collective (comm_exposed, e.g. the optimizer's grad-norm all-reduce) while another stage was
+    still inside its schedule (its first micro-batch action to its last action or neighbour wait), on
+    the aligned clock. A stage that finished early waits there for the pipeline to drain: that is
+    bubble, so the merged stage figures move it from comm_exposed to pipeline_bubble; the rest of the
+    wait (the collective itself, the other stages' optimizer code before it) stays comm_exposed.
   * measured bubble fraction: pipeline_bubble / schedule time, schedule time = wall - optimizer -
-    data_wait (what the schedule's step took on this stage).
+    data_wait (what the schedule's step took on this stage); merged, the drain is in pipeline_bubble.
   * analytic bubble fraction (GPipe; Huang et al. 2019, sec. 2.3): (p - 1) / (m + p - 1) for p stages
     and m micro batches, assuming equal stage times and free communication. 1F1B (PipeDream-Flush,
     Narayanan et al. 2021) idles as long; it keeps fewer micro batches' activations alive.
@@ -25,6 +31,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from trainprof.analysis.intervals import IntervalSet
 from trainprof.analysis.records import ACTION_CLOSE, ACTION_OPEN, REGION_CLOSE, REGION_OPEN, Event
 
 ACTION_KINDS = ("forward", "backward")
@@ -32,6 +39,10 @@ BUBBLE_METHOD = ("time blocked in a point-to-point transfer with a neighbouring 
                  "its Work.wait()): waiting for its activations (forward) or gradients (backward), or for it to take "
                  "ours; the transfer itself included; host timer on CPU, CUDA events on GPU")
 FRACTION_METHOD = "pipeline_bubble / (wall - optimizer - data_wait), median over the measured steps"
+DRAIN_METHOD = ("drain: time blocked in a collective (comm_exposed) while another stage was still in its schedule "
+                "(first micro-batch action to last action or neighbour wait), on the aligned clock: waiting for "
+                "the pipeline to drain, moved from comm_exposed to pipeline_bubble; median over the measured steps")
+SCHEDULE_KINDS = ("forward", "backward", "bubble_forward", "bubble_backward")  # timeline kinds inside the schedule
 ANALYTIC_FORMULA = "(p - 1) / (m + p - 1): GPipe, Huang et al. 2019 sec. 2.3; equal stage times, free transfers"
 TIMELINE_ALIGNMENT = ("each rank's intervals are ms since its own step start; ranks are placed by the system "
                       "clock (time.time_ns) read at each step start: exact to microseconds on one machine, "
@@ -131,6 +142,111 @@ def step_pipeline(events: list[Event], comms: list[Any], origin_unix_ns: int | N
     transfers = [[c.op, c.phase, c.peer, c.nbytes, c.issue, c.waits[0][0] if c.waits else None,
                   c.waits[-1][1] if c.waits else None] for c in comms if c.exposed_as == "pipeline_bubble"]
     return {"origin_unix_ns": origin_unix_ns, "timeline": step_timeline(events, waits), "transfers": transfers}
+
+
+def schedule_span(intervals: list[list[Any]]) -> tuple[float, float] | None:
+    """(first start, last end) of a stage's schedule in one step's timeline: its micro-batch actions and
+    its waits for a neighbour; None when the step has none."""
+    inside = [(a, b) for kind, _, a, b in intervals if kind in SCHEDULE_KINDS]
+    if not inside:
+        return None
+    return min(a for a, _ in inside), max(b for _, b in inside)
+
+
+def drain_intervals(stages: list[dict[str, Any]]) -> list[list[tuple[float, float]]]:
+    """Per stage, where (ms in its own step) it was blocked in a collective after its own schedule while
+    another stage was still in its schedule: the pipeline draining into that collective.
+
+    Args:
+        stages: one step of every stage, each with `offset_ms` (its start on the shared clock) and
+            `intervals` [kind, micro batch, t0, t1] (step_timeline).
+    """
+    spans = [schedule_span(st["intervals"]) for st in stages]
+    out = []
+    for i, st in enumerate(stages):
+        shift = [stages[k]["offset_ms"] - st["offset_ms"] for k in range(len(stages))]  # to this stage's clock
+        others = IntervalSet([(span[0] + shift[k], span[1] + shift[k])
+                              for k, span in enumerate(spans) if k != i and span is not None])
+        done = spans[i][1] if spans[i] is not None else float("-inf")
+        pieces = []
+        for kind, _, a, b in st["intervals"]:
+            if kind != "comm_exposed" or not others.starts:
+                continue
+            a = max(a, done)
+            for s0, s1 in zip(others.starts, others.ends):
+                if min(b, s1) > max(a, s0):
+                    pieces.append((max(a, s0), min(b, s1)))
+        out.append(pieces)
+    return out
+
+
+def drain_ms(stages: list[dict[str, Any]]) -> list[float]:
+    """Per stage, ms of one step it was blocked in a collective waiting for the other stages to drain
+    (drain_intervals)."""
+    return [sum(b - a for a, b in pieces) for pieces in drain_intervals(stages)]
+
+
+def _relabel_drain(intervals: list[list[Any]], pieces: list[tuple[float, float]]) -> list[list[Any]]:
+    """A stage's timeline with the drain parts of its collective waits as `bubble_backward`: waiting for
+    the other stages' backwards (the schema's interval kinds; the diagram draws them as waits)."""
+    if not pieces:
+        return intervals
+    out = []
+    for kind, mb, a, b in intervals:
+        if kind != "comm_exposed":
+            out.append([kind, mb, a, b])
+            continue
+        cut = a
+        for p0, p1 in sorted(pieces):
+            if p1 <= a or p0 >= b:
+                continue
+            if p0 > cut:
+                out.append([kind, mb, cut, p0])
+            out.append(["bubble_backward", None, max(p0, a), min(p1, b)])
+            cut = min(p1, b)
+        if cut < b:
+            out.append([kind, mb, cut, b])
+    return sorted(out, key=lambda r: (r[2], r[3]))
+
+
+def _stage_drains(blocks: list[dict[str, Any]], steps: list[int]) -> dict[int, list[list[tuple[float, float]]]]:
+    """step -> per stage (in `blocks` order) its drain intervals, for the steps every stage kept."""
+    out = {}
+    for st in steps:
+        chosen = [next(t for t in b["timelines"] if t["step"] == st) for b in blocks]
+        start = min(t["origin_unix_ns"] for t in chosen)
+        out[st] = drain_intervals([{"offset_ms": (t["origin_unix_ns"] - start) / 1e6, "intervals": t["intervals"]}
+                                   for t in chosen])
+    return out
+
+
+def _with_drain(block: dict[str, Any], profile: dict[str, Any], drains: dict[int, float]) -> dict[str, Any]:
+    """A stage's figures with its measured drain moved from comm_exposed into the bubble: bubble_ms,
+    bubble_frac_measured and phases_ms (medians over the steps), the drain itself and what it waited in."""
+    by_step = {s["step"]: s for s in profile.get("steps") or [] if not s.get("warmup")}
+    bubble, fracs, drained, phases = [], [], [], defaultdict(list)
+    for step, d in drains.items():
+        s = by_step.get(step)
+        if s is None:
+            continue
+        ph = dict(s["phases_ms"])
+        ph["comm_exposed"] = ph.get("comm_exposed", 0.0) - d
+        ph["pipeline_bubble"] = ph.get("pipeline_bubble", 0.0) + d
+        span = s["wall_ms"] - ph.get("optimizer", 0.0) - ph.get("data_wait", 0.0)
+        bubble.append(ph["pipeline_bubble"])
+        drained.append(d)
+        if span > 0:
+            fracs.append(ph["pipeline_bubble"] / span)
+        for k, v in ph.items():
+            phases[k].append(v)
+    if not drained:
+        return {**block, "drain_ms": None}
+    waited_in = [f"{c['op']} ({c['phase']})" for c in profile.get("comm") or []
+                 if c.get("peer") is None and (c.get("exposed_ms") or 0) > 0]
+    return {**block, "bubble_p2p_ms": block["bubble_ms"], "bubble_ms": _median(bubble),
+            "bubble_frac_measured": _median(fracs), "drain_ms": _median(drained), "drain_in": waited_in,
+            "phases_ms": {k: _median(v) for k, v in phases.items()},
+            "method": {**block.get("method", {}), "drain": DRAIN_METHOD}}
 
 
 def _median(values: list[float]) -> float | None:
@@ -300,10 +416,13 @@ def merge_pipeline(profiles: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     blocks = sorted(blocks, key=lambda b: b["stage"])
     by_stage = {b["stage"]: p for b, p in zip([p["pipeline"] for p in profiles], profiles)}
+    common = set.intersection(*[{t["step"] for t in b["timelines"]} for b in blocks]) if blocks else set()
+    drains = _stage_drains(blocks, sorted(common))
+    blocks = [_with_drain(b, by_stage[b["stage"]], {st: sum(x1 - x0 for x0, x1 in d[i]) for st, d in drains.items()})
+              for i, b in enumerate(blocks)]
     first = blocks[0]
     stages = [{k: v for k, v in b.items() if k != "timelines"} | {"rank": by_stage[b["stage"]]["rank"]}
               for b in blocks]
-    common = set.intersection(*[{t["step"] for t in b["timelines"]} for b in blocks]) if blocks else set()
     timeline = None
     if common:
         steps = sorted(common)
@@ -317,7 +436,8 @@ def merge_pipeline(profiles: list[dict[str, Any]]) -> dict[str, Any] | None:
             "step": pick,
             "alignment": TIMELINE_ALIGNMENT,
             "stages": [{"stage": b["stage"], "offset_ms": (t["origin_unix_ns"] - start) / 1e6, "wall_ms": t["wall_ms"],
-                        "intervals": t["intervals"]} for b, t in zip(blocks, chosen)],
+                        "intervals": _relabel_drain(t["intervals"], drains[pick][i])}
+                       for i, (b, t) in enumerate(zip(blocks, chosen))],
         }
     costs = [_layer_costs(by_stage[b["stage"]].get("modules") or []) for b in blocks]
     measured = [b["bubble_frac_measured"] for b in blocks if b["bubble_frac_measured"] is not None]
@@ -332,7 +452,8 @@ def merge_pipeline(profiles: list[dict[str, Any]]) -> dict[str, Any] | None:
         "bubble_frac_measured": pace["bubble_frac_measured"],
         "bubble_frac_measured_stage": pace["stage"],
         "bubble_frac_measured_mean": statistics.fmean(measured) if measured else None,
-        "bubble_frac_measured_method": (FRACTION_METHOD + "; of the stage that sets the pace (the most busy one): "
+        "bubble_frac_measured_method": (FRACTION_METHOD + "; the drain included (" + DRAIN_METHOD + "); "
+                                        "of the stage that sets the pace (the most busy one): "
                                         "it waits only to fill and drain the pipeline, what the analytic fraction "
                                         "models; a faster stage also waits for the slower one on every micro batch "
                                         "(imbalance), so the mean over stages is given beside it"),
@@ -345,4 +466,4 @@ def merge_pipeline(profiles: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 __all__ = ["PipelineInfo", "gpipe_bubble_fraction", "boundary_bytes", "p2p_bytes_per_step", "step_timeline",
-           "step_pipeline", "rank_block", "merge_pipeline", "rebalance"]
+           "step_pipeline", "schedule_span", "drain_intervals", "drain_ms", "rank_block", "merge_pipeline", "rebalance"]

@@ -61,14 +61,16 @@ def pipeline_section(doc: Document, run: RunData) -> None:
     rows = []
     for st in pl["stages"]:
         b = st.get("p2p_bytes_per_step") or {}
-        rows.append([st["stage"], st.get("rank"), st.get("busy_ms"), st.get("bubble_ms"), st.get("schedule_ms"),
+        rows.append([st["stage"], st.get("rank"), st.get("busy_ms"), st.get("bubble_ms"), st.get("drain_ms"),
+                     st.get("schedule_ms"),
                      _pct(st.get("bubble_frac_measured")), _pct(st.get("bubble_frac_analytic")),
                      (b.get("activations_sent_bytes", 0) + b.get("gradients_sent_bytes", 0)) / 2**20,
                      (b.get("activations_received_bytes", 0) + b.get("gradients_received_bytes", 0)) / 2**20])
     sec.blocks.append(Table(
-        ["stage", "rank", "busy ms", "bubble ms", "schedule ms", "bubble measured", "bubble analytic (GPipe)",
-         "p2p sent MiB", "p2p received MiB"], rows, id="pipeline-stages-table",
-        method=f"busy: {method.get('busy_ms', '')}; bubble: {method.get('bubble', '')}; measured fraction: "
+        ["stage", "rank", "busy ms", "bubble ms", "of which drain ms", "schedule ms", "bubble measured",
+         "bubble analytic (GPipe)", "p2p sent MiB", "p2p received MiB"], rows, id="pipeline-stages-table",
+        method=f"busy: {method.get('busy_ms', '')}; bubble: {method.get('bubble', '')}; plus the "
+               f"{method.get('drain', 'drain: not measured (older run dir)')}; measured fraction: "
                f"{method.get('bubble_frac_measured', '')}; analytic: {method.get('bubble_frac_analytic', '')}; "
                "p2p: bytes of the point-to-point ops with the neighbouring stages per step (median)"))
     transfers = pl.get("transfers") or []
@@ -96,6 +98,7 @@ def bubble_text(pl: dict[str, Any]) -> str:
     """Measured bubble beside the analytic one, labelled, in one line."""
     return (f"measured {_pct(pl.get('bubble_frac_measured'))} of the schedule on stage "
             f"{pl.get('bubble_frac_measured_stage')}, which sets the pace (mean over {pl['num_stages']} stages "
-            f"{_pct(pl.get('bubble_frac_measured_mean'))}; time blocked on transfers with a neighbour) vs analytic "
+            f"{_pct(pl.get('bubble_frac_measured_mean'))}; time blocked on transfers with a neighbour, and in a "
+            "collective while another stage drains) vs analytic "
             f"GPipe {_pct(pl['bubble_frac_analytic'])} ((p-1)/(m+p-1), p={pl['num_stages']}, m={pl['micro_batches']}; "
             "equal stages, free transfers)")

@@ -606,6 +606,25 @@ ISSUE_TO_COMPLETION = ("issue-to-completion: from the call that issued the colle
                        "the step time. Only the exposed time is part of the step's comm_exposed phase")
 
 
+def pipeline_comm_text(p: dict[str, Any]) -> str:
+    """On a pipeline: where the point-to-point rows' exposed time and the stages' drain went (pipeline_bubble),
+    so that those rows and the exposed-communication figure above them agree; "" off pipelines."""
+    pl = p.get("pipeline")
+    if not pl:
+        return ""
+    p2p = sum(c.get("exposed_ms") or 0.0 for c in p.get("comm") or [] if c.get("peer") is not None)
+    text = (f" The isend / irecv rows (transfers with a neighbouring stage, {fmt(p2p)} ms per step exposed) are "
+            "time spent waiting for that stage: they are counted in the pipeline_bubble phase "
+            f"({fmt(dig(p, 'summary', 'phases_ms', 'pipeline_bubble'))} ms per step), not in the exposed "
+            "communication above; their share of the step is that of the bubble.")
+    drains = [f"stage {st['stage']} {fmt(st['drain_ms'])} ms in {', '.join(st.get('drain_in') or ['a collective'])}"
+              for st in pl.get("stages") or [] if st.get("drain_ms")]
+    if drains:
+        text += (" A collective's wait while another stage was still in its schedule is the pipeline draining, "
+                 f"also counted as bubble (see Pipeline stages): {'; '.join(drains)} per step (median).")
+    return text
+
+
 def comm_section(doc: Document, run: RunData) -> None:
     """The collectives, exposed time (what the step waited for) first; issue-to-completion after it, said
     what it is where it is shown."""
@@ -623,7 +642,8 @@ def comm_section(doc: Document, run: RunData) -> None:
     ddp = f" {meas['comm_exposed_ddp']}." if meas.get("comm_exposed_ddp") else ""
     persistence = zero3_persistence_text(p)
     sec.blocks.append(Para(f"Exposed communication: {fmt(exposed)} ms per step "
-                           f"({_pct(exposed, step_ms)} of the step).{ddp}" + (f" {persistence}" if persistence else "")))
+                           f"({_pct(exposed, step_ms)} of the step).{ddp}" + (f" {persistence}" if persistence else "")
+                           + pipeline_comm_text(p)))
     sec.blocks.append(Table(
         ["op", "phase", "group", "calls", "exposed ms", "share of step", "MiB", "issue-to-completion ms",
          "algbw GB/s", "busbw GB/s"],
