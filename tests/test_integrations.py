@@ -470,12 +470,16 @@ def test_an_own_loop_records_its_workload_and_projects(tmp_path):
 
 def test_an_own_loop_over_fsdp2_records_the_engine_and_its_settings():
     """fully_shard groups read as engine.kind fsdp, with reshard_after_forward and CPU offload as set: the
-    report's advice and a projection take them for FSDP2, not DeepSpeed."""
+    report's advice and a projection take them for FSDP2, not DeepSpeed. A bf16 MixedPrecisionPolicy computes
+    in bf16 over fp32 shards: the workload's model.dtype and the dtype MFU is priced at are bf16 (both took the
+    weights' fp32, and project modelled fp32 compute)."""
     proc = subprocess.run([sys.executable, str(SCRIPTS / "fsdp_own_loop.py")], capture_output=True, text=True,
                           timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     engines = json.loads(proc.stdout.strip().splitlines()[-1])
-    fsdp = {"kind": "fsdp", "zero_stage": 0}
+    fsdp = {"kind": "fsdp", "zero_stage": 0, "dtype": "fp32", "mfu_dtype": "fp32", "unknown": {}}
     assert engines == {"reshard": {**fsdp, "offload": "none", "reshard_after_forward": True},
                        "keep": {**fsdp, "offload": "none", "reshard_after_forward": False},
-                       "offload": {**fsdp, "offload": "optimizer+params", "reshard_after_forward": True}}
+                       "offload": {**fsdp, "offload": "optimizer+params", "reshard_after_forward": True},
+                       "bf16": {**fsdp, "offload": "none", "reshard_after_forward": True, "dtype": "bf16",
+                                "mfu_dtype": "bf16"}}
