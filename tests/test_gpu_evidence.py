@@ -396,7 +396,7 @@ def test_a_scaling_efficiency_above_100_percent_says_why_on_the_terminal(tmp_pat
     import shutil
 
     from trainprof.projection.project import project
-    from trainprof.projection.report import render_short
+    from trainprof.projection.report import notes, render_short
 
     run = tmp_path / "run"
     shutil.copytree(PROFILES / "h100-llama1b_zero3_sdpa-gpubound", run)
@@ -407,8 +407,9 @@ def test_a_scaling_efficiency_above_100_percent_says_why_on_the_terminal(tmp_pat
     # the phase that shrinks per GPU, from the baseline's time to this row's: the optimizer, not the compute
     why = pred["above_linear"]
     assert why.startswith("optimizer ") and "ZeRO share" in why and "forward" not in why, why
-    assert f"scaling eff. {pred['scaling_efficiency']:.1%} on h100-sxm x 8 against 2 ('vs GPUs'): per rank {why}" \
-        in render_short(result)
+    line = f"h100-sxm x 8: scaling eff. {pred['scaling_efficiency']:.1%} against 2 ('vs GPUs'): per rank {why}"
+    assert line in render_short(result)
+    assert line in notes(result)  # projection.md and .html list the notes: the legend promises this line
 
 
 def test_offload_says_the_host_memory_it_needs_beside_a_gpu_fit(tmp_path):

@@ -1578,7 +1578,7 @@ def test_a_cpu_runs_gpu_rows_say_what_carries_over_and_what_they_assume(tmp_path
     assert "rtx4090-8x uses RoCE v2, 200 GbE per GPU" in links and "PCIe 4.0 x16, 32 GB/s" in links
     assert sixteen["links"]["inter_node_is_default"] and sixteen["links"]["inter_node"]["key"] == "ib-ndr"
     if "predicted comm-bound" in sixteen["confidence_text"]:
-        assert "its links at datasheet bandwidth, an upper bound" in sixteen["confidence_text"]
+        assert "its links at datasheet bandwidth: an upper bound" in sixteen["confidence_text"]
     write_projection(result, tmp_path / "out", title="t", command="c")
     md = (tmp_path / "out" / "projection.md").read_text()
     assert "Predicted from one measured CPU run: the GPU rows take its recipe" in md
@@ -1593,3 +1593,13 @@ def test_a_cpu_best_search_counts_ranks_in_its_headers():
 
     assert "ranks" in headers("rank") and "memory/rank GiB" in headers("rank") and "GPUs" not in headers("rank")
     assert "GPUs" in headers("GPU") and "memory/GPU GiB" in headers("GPU")
+
+
+def test_the_probes_noise_is_said_before_the_validated_error():
+    """A row probed on a busy machine led with '±2.7% mean' and said '(±27%)' after it, where a buyer had stopped
+    reading (a real run was 60% off): what outweighs the validated error comes first in the cell."""
+    from trainprof.projection.validation import Confidence
+
+    conf = Confidence(label="validated", expected_error_pct=2.7, max_error_pct=6.0, cases=11, why="", reason="",
+                      marks=("predicted host-bound",), leading=("probed on a busy machine (±27%)",))
+    assert conf.text == "probed on a busy machine (±27%); ±2.7% mean, 6.0% max over 11 runs; predicted host-bound"

@@ -60,8 +60,11 @@ TEMPLATES: dict[str, str] = {
                           "them, under the {bar:.0%} that marks a measured phase host-bound, waits for the host there and a "
                           "faster GPU does not shorten them"),
     "comm_bound": ("predicted comm-bound: exposed communication is {share:.0%} of the step ({ms:.1f} ms), the "
-                   "collectives' time beyond the compute they overlap: faster links shorten it and more tokens a step "
-                   "hide more of it behind compute; a faster GPU or host does not shorten it"),
+                   "collectives' time beyond the compute they overlap{held_text}: faster links shorten it and more "
+                   "tokens a step hide more of it behind compute; a faster GPU or host does not shorten it"),
+    "comm_outlasts_compute": ("comm: the collectives outlast the compute they overlap in {phases} ({ms:.1f} ms of "
+                              "collectives against {compute_ms:.1f} ms of compute): those phases take the "
+                              "collectives' time"),
     "carried_as_measured": ("{ms:.1f} ms of the step ({share:.0%}) is the CPU source's time outside its phases and its "
                             "data wait, carried to the GPU as measured: whatever the script did there (gradient "
                             "clipping, logging, a scheduler) is not re-rated for the GPU"),

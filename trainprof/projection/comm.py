@@ -248,7 +248,20 @@ def _bucketed_zero(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[
                     gather_text=gather_text, small_ms=small)]
     if wait_note is not None:
         notes.append(wait_note)
+    if t.cross_machine and t.overlap_comm:
+        notes += _outlasting(t, {"backward": reduce_ms})
     return exposed_reduce + gather_ms + wait * blocking + small, notes
+
+
+def _outlasting(t: CommTarget, comm_by_phase: dict[str, float]) -> list[Assumption]:
+    """Another machine: the phases whose collectives outlast the compute they overlap, which then take the
+    collectives' time whatever the GPU or host (what marks a row comm-bound where they hold most of its step)."""
+    compute = t.compute_ms or {}
+    over = {ph: ms for ph, ms in comm_by_phase.items() if ms > 0 and ms > compute.get(ph, 0.0)}
+    if not over:
+        return []
+    return [assume("comm_outlasts_compute", phases=", ".join(over), ms=sum(over.values()),
+                   compute_ms=sum(compute.get(ph, 0.0) for ph in over))]
 
 
 def _overlapped(comm_ms: float, t: CommTarget, phase: str, m: Measured) -> float:
@@ -324,9 +337,10 @@ def _zero3(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumpti
                   after_ms=after)
     if t.cross_machine:
         compute = t.compute_ms or {}
-        fwd = max(gather * ga - compute.get("forward", 0.0), 0.0)
-        bwd = max((scatter + (gather if tr.regathered_in_backward else 0.0)) * ga - compute.get("backward", 0.0), 0.0)
-        return fwd + bwd + after, [note]
+        by_phase = {"forward": gather * ga, "backward": (scatter + (gather if tr.regathered_in_backward else 0.0)) * ga}
+        fwd = max(by_phase["forward"] - compute.get("forward", 0.0), 0.0)
+        bwd = max(by_phase["backward"] - compute.get("backward", 0.0), 0.0)
+        return fwd + bwd + after, [note, *_outlasting(t, by_phase)]
     if t.source_census is None or t.source_zero3 is None:
         return NAN, [assume("comm_no_wait", why="no parameter census of the source to re-derive its ZeRO-3 rows")]
     src = zero3_traffic(t.source_census, t.source_zero3)
@@ -376,8 +390,9 @@ def _fsdp(m: Measured, t: CommTarget, link: Link) -> tuple[float, list[Assumptio
                   else "")
     if t.cross_machine:
         compute = t.compute_ms or {}
-        return max(gather * ga - compute.get("forward", 0.0), 0.0) + max(backward * ga - compute.get("backward", 0.0),
-                                                                         0.0), [note]
+        by_phase = {"forward": gather * ga, "backward": backward * ga}
+        return (max(by_phase["forward"] - compute.get("forward", 0.0), 0.0)
+                + max(by_phase["backward"] - compute.get("backward", 0.0), 0.0)), [note, *_outlasting(t, by_phase)]
     wait, wait_note = in_training_wait(m, n, link)
     calls = (2 * len(units) + (t.census.layers if t.reshard_after_forward else 0)) * ga
     return (gather + backward) * ga + wait * calls, [note, wait_note]

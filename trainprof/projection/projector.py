@@ -503,8 +503,8 @@ class Projector:
         gpus = (self.source_gpu, self.catalog.accelerator_key(t.hardware)) if t.hardware is not None else None
         conf = confidence(t.kinds, self.validation, host_bound=host_bound, source_device=src.measured.device_type,
                           gpus=gpus)
-        bound_by, marks = self._marks(t, phases, step_ms, notes)
-        conf = dataclasses.replace(conf, marks=tuple(marks))
+        bound_by, marks, leading = self._marks(t, phases, step_ms, notes)
+        conf = dataclasses.replace(conf, marks=tuple(marks), leading=tuple(leading))
         if step_ms is None:  # no figure to weigh: no expected error beside an n/a
             conf = dataclasses.replace(conf, label="n/a", expected_error_pct=None, max_error_pct=None, cases=None,
                                        why="step not predicted", reason=f"step not predicted: {reasons.get('step_ms')}")
@@ -522,7 +522,8 @@ class Projector:
             "time_to_train_s": (tokens / tps) if (tokens and tps and fits is not False) else None,
             "cost_per_million_tokens_usd": None, "cost_to_train_usd": None,
             "change_kinds": t.kinds,
-            "confidence": conf.label, "confidence_text": conf.text, "confidence_marks": list(conf.marks),
+            "confidence": conf.label, "confidence_text": conf.text,
+            "confidence_marks": [*conf.leading, *conf.marks],
             "confidence_reason": conf.reason,
             "expected_error_pct": conf.expected_error_pct, "expected_max_error_pct": conf.max_error_pct,
             "expected_error_text": conf.error_text() if conf.expected_error_pct is not None else None,
@@ -553,22 +554,31 @@ class Projector:
 
 
     def _marks(self, t: TargetRun, phases: dict[str, float] | None, step_ms: float | None,
-               notes: list[Assumption]) -> tuple[str | None, list[str]]:
-        """What bounds the row ("comm", "host" or None) and the marks its confidence cell shows, where the
-        reader looks and not only among the assumptions (to which the comm-bound and carried shares are added)."""
+               notes: list[Assumption]) -> tuple[str | None, list[str], list[str]]:
+        """What bounds the row ("comm", "host" or None), the marks its confidence cell shows after the validated
+        error, and those it shows before it (the probes' noise, which can outweigh it), where the reader looks
+        and not only among the assumptions (to which the comm-bound and carried shares are added)."""
         src = self.source
         noted, marks = {a.kind for a in notes}, []
         if "gpu_ops_finetune" in noted:
             seen = cpu_to_gpu_task_error(t.recipe.task.kind) if src.measured.device_type == "cpu" else None
             marks.append(f"{src.recipe.task.kind} -> {t.recipe.task.kind}: host likely low" + (f" ({seen})" if seen else ""))
         comm = (phases or {}).get("comm_exposed") or 0.0
+        # phases whose collectives outlast their compute take the collectives' time: a row can be set by its
+        # links with little of it exposed (ZeRO-3 over two nodes: 33% exposed, 94% of the step in such phases)
+        outlast = next((a.values for a in notes if a.kind == "comm_outlasts_compute"), None)
+        held = outlast["ms"] if outlast else 0.0
         bound_by = None
-        if step_ms and comm > COMM_BOUND_SHARE * step_ms:
+        if step_ms and max(comm, held) > COMM_BOUND_SHARE * step_ms:
             bound_by = "comm"
-            notes.append(assume("comm_bound", share=comm / step_ms, ms=comm))
+            held_text = (f"; its {outlast['phases']} take their collectives' time ({held:.1f} ms, {held / step_ms:.0%} "
+                         "of the step), which outlasts their compute") if held > COMM_BOUND_SHARE * step_ms else ""
+            notes.append(assume("comm_bound", share=comm / step_ms, ms=comm, held_text=held_text))
             # a catalog link's figure is its datasheet bandwidth, taken as bus bandwidth: the comm is at least this
-            upper = "; its links at datasheet bandwidth, an upper bound" if t.hardware is not None else ""
-            marks.append(f"{COMM_BOUND_MARK} ({comm / step_ms:.0%} of the step{upper})")
+            upper = ", its links at datasheet bandwidth: an upper bound" if t.hardware is not None else ""
+            share = (f"{comm / step_ms:.0%} of the step" if comm > COMM_BOUND_SHARE * step_ms else
+                     f"its {outlast['phases']} set by their collectives, {held / step_ms:.0%} of the step")
+            marks.append(f"{COMM_BOUND_MARK} ({share}{upper})")
         elif "host_bound_target" in noted:
             bound_by = "host"
             marks.append(HOST_BOUND_MARK)
@@ -577,16 +587,17 @@ class Projector:
                 carried > CARRIED_SHARE * step_ms:
             notes.append(assume("carried_as_measured", ms=carried, share=carried / step_ms))
             marks.append(f"{carried / step_ms:.0%} of the step is the CPU run's time outside its phases, as measured")
+        leading = []
         noisy = next((a.values["error"] for a in notes if a.kind == "probes_noisy"), None)
         if noisy is not None:
-            marks.append(f"probed on a busy machine (±{noisy:.0%})")
+            leading.append(f"probed on a busy machine (±{noisy:.0%})")
         slower = next((a.values for a in notes if a.kind == "probe_slower_than_run"), None)
         if slower:
-            marks.append(f"probe {slower['ratio']:.1f}x slower than the run's layers")
+            leading.append(f"probe {slower['ratio']:.1f}x slower than the run's layers")
         uneven = next((a.values for a in notes if a.kind == "ranks_uneven"), None)
         if uneven:
             marks.append(f"source ranks {uneven['spread']:+.0%} apart: slowest kept")
-        return bound_by, marks
+        return bound_by, marks, leading
 
     def _mfu(self, t: TargetRun, pred: dict[str, Any], reasons: dict[str, str]) -> None:
         if t.hardware is None:  # the source's machine: its own accelerator's datasheet peak, as the run's MFU

@@ -250,6 +250,9 @@ def notes(result: dict[str, Any]) -> list[str]:
         why_scaling = (p.get("reasons") or {}).get("scaling_efficiency")
         if why_scaling and p.get("tokens_per_s") and p["world_size"] > 1:
             out.append(f"{p['hardware']} x {p['world_size']}: scaling eff. n/a: {why_scaling}")
+        if p.get("above_linear"):
+            out.append(f"{p['hardware']} x {p['world_size']}: scaling eff. {p['scaling_efficiency']:.1%} against "
+                       f"{p['scaling_base_gpus']} ('vs GPUs'): per rank {p['above_linear']}")
         host = p.get("host_memory_per_rank_bytes")
         if host:
             per_node = f" ({_fmt_bytes(host * p['gpus_per_node'])} GiB a node of {p['gpus_per_node']})" \
@@ -399,12 +402,8 @@ def render_short(result: dict[str, Any]) -> str:
     src = result["source"]
     head = f"trainprof project: from {src['run_dir']} ({src['device']} x {src['world_size']}, {_measured(result)})"
     said = (": step not predicted:", "does not fit", "of host memory a GPU", "scaling eff. n/a:", "host: these rows",
-            "links assumed", "(as measured): MFU", "from a CPU run to a GPU", "warning:")
+            "links assumed", "(as measured): MFU", "from a CPU run to a GPU", "warning:", "('vs GPUs'): per rank")
     tail = [f"  {n}" for n in notes(result)[1:] if any(x in n for x in said)]
-    for p in result["predictions"]:
-        if p.get("above_linear"):
-            tail.append(f"  scaling eff. {p['scaling_efficiency']:.1%} on {p['hardware']} x {p['world_size']} against "
-                        f"{p['scaling_base_gpus']} ('vs GPUs'): per rank {p['above_linear']}")
     return "\n".join([head, *lines, *tail])
 
 

@@ -35,10 +35,12 @@ class Confidence:
     why: str
     reason: str
     marks: tuple[str, ...] = ()  # what the cell says whatever the label, e.g. "predicted host-bound"
+    # what outweighs the validated error on this row (probed on a busy machine): said before it, where read first
+    leading: tuple[str, ...] = ()
 
     @property
     def text(self) -> str:
-        return "; ".join((self._label_text(), *self.marks))
+        return "; ".join((*self.leading, self._label_text(), *self.marks))
 
     def error_text(self) -> str:
         """The validated error as a reader should weigh it: a mean, with the worst case beside it (a mean alone
