@@ -37,7 +37,10 @@ def instrument_engine(engine: Any, session: ProfileSession, *, drive_steps: bool
     @functools.wraps(originals["forward"])
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # an evaluation forward: no training step's work, nor its tokens
-            return originals["forward"](*args, **kwargs)
+            out = originals["forward"](*args, **kwargs)
+            if state["drive"]:
+                session.not_data_wait()  # nor the next step's data wait
+            return out
         if state["drive"]:
             if session.in_step and state["micro_end"] is not None:
                 session.mark_data_wait(state["micro_end"])  # the loop fetched this micro batch

@@ -126,6 +126,12 @@ class ProfileSession:
         cm.__exit__(None, None, None)
         self._last_end = self.prof.timer.now()  # a CUDA event recorded after release() lives until the next step
 
+    def not_data_wait(self) -> None:
+        """Between steps, work that is not the next batch's fetch (an evaluation forward) ended now: the next
+        step's data wait starts here, not where the last step ended."""
+        if self.prof is not None and self._step_cm is None and self._last_end is not None:
+            self._last_end = self.prof.timer.now()
+
     def mark_data_wait(self, start: Any) -> None:
         """Inside a step, the time from `start` (a `self.prof.timer.now()` stamp) to now is data wait:
         the framework fetched a later micro batch there."""
