@@ -29,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--to", metavar="HARDWARE",
                    help="also predict the step on this catalog GPU (e.g. h200; a node template such as hgx-h100 is "
                         "taken as one of its GPUs): the kernels re-timed by the catalog's ratios (GEMM and attention by "
-                        "MAMF where both GPUs have one, else bf16 dense peak; the rest by memory bandwidth), the host as fast as the source's as traced (at its "
+                        "MAMF where both GPUs have one, else bf16 dense peak; the rest by memory bandwidth), the host "
+                        "as fast as the source's as traced (at its "
                         "untraced pace beside it where profile.json bounds that); needs the run's profile.json beside "
                         "the trace (its GPU and measured step)")
     p.set_defaults(func=run)

@@ -105,8 +105,7 @@ def model_the_trainer_calls(model: Any, args: Any) -> tuple[Any, str | None]:
         return model, None
     if wrapped is model or CompiledModules.find(model).compiled:  # not compiled, or by the script itself
         return model, None
-    regions = [r.name for r in CompiledModules.find(wrapped).regions]
-    if not regions:  # DDP, or no wrapper at all
+    if not CompiledModules.find(wrapped).compiled:  # DDP, or no wrapper at all
         return model, None
     # torch.compile(model) (or of the DDP around it): one region; Accelerate's regional compilation
     # (ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION): a copy of the model whose blocks are compiled, each a region

@@ -46,7 +46,7 @@ def profiled_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != ORIG_MOD)
 
 
-def _is_wrapper(module: torch.nn.Module) -> bool:
+def is_wrapper(module: torch.nn.Module) -> bool:
     return ORIG_MOD in module._modules and type(module).__name__ == "OptimizedModule"
 
 
@@ -82,7 +82,7 @@ class CompiledModules:
                 found.inside.add(id(module))
                 found.inside_names.add(profiled_name(name))
                 continue
-            if _is_wrapper(module):
+            if is_wrapper(module):
                 found.regions.append(CompiledRegion(name=profiled_name(name), style="torch.compile wrapper"))
                 prefixes.append(f"{name}.{ORIG_MOD}." if name else f"{ORIG_MOD}.")
                 found.inside.add(id(module._modules[ORIG_MOD]))

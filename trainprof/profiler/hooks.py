@@ -52,7 +52,7 @@ import torch
 
 from trainprof.analysis.records import ModuleInfo
 from trainprof.models import logical_numel, recomputes
-from trainprof.profiler.compiled import ORIG_MOD, CompiledModules, _is_wrapper, profiled_name
+from trainprof.profiler.compiled import ORIG_MOD, CompiledModules, is_wrapper, profiled_name
 from trainprof.profiler.log import B_CLOSE, B_OPEN, F_CLOSE, F_OPEN, R_CLOSE, R_OPEN, StepLog
 
 _graph_task_id = torch._C._current_graph_task_id
@@ -99,7 +99,7 @@ def _local_numel(p: torch.Tensor) -> int:
 def _compiled_type(module: torch.nn.Module) -> str:
     """A module's type name; a torch.compile wrapper's is the compiled module's, which runs in its place
     (the wrapper is profiled under the module's name too, see profiler/compiled.py)."""
-    while _is_wrapper(module):
+    while is_wrapper(module):
         module = module._modules[ORIG_MOD]
     return type(module).__name__
 
